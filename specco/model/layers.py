@@ -1,0 +1,158 @@
+"""Building blocks shared by the policy and the draft: RMSNorm, RoPE, SwiGLU, attention, KV cache.
+
+Plain single-device modules: nothing here knows about torch.distributed. The attention core is a
+swappable callable (`Attention.core`) so context parallelism can replace it from outside.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * w, computed in fp32 like transformers' LlamaRMSNorm."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for integer `positions` (any shape P) -> (P..., head_dim).
+
+    Same convention as transformers (the two halves of the head dim are rotated together,
+    `rotate_half`), so HF checkpoints need no permutation. Computed in fp32 then cast.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
+                                             dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # (P..., head_dim/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (P..., head_dim)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, H, S, D); cos/sin: (B, S, D). Rotates pairs (x_j, x_{j+D/2})."""
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, D) broadcast over heads
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class KVCache:
+    """Position-indexed KV cache for one stack of attention layers.
+
+    k, v: (L, B, Hkv, S_max, D). Entry [l, b, :, p] holds layer l's key/value of the token at
+    position p of row b. Attention of a query at position p reads keys at positions <= p only, so
+    entries past a row's current length may be stale (rejected speculative tokens): rejection is a
+    length change, never a copy. Writes go through `index_copy_` on positions so shapes stay static
+    (needed for CUDA-graph capture).
+    """
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def empty(cls, num_layers, batch, num_kv_heads, max_len, head_dim, device, dtype):
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        return cls(torch.zeros(shape, device=device, dtype=dtype),
+                   torch.zeros(shape, device=device, dtype=dtype))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def repeat_rows(self, n: int) -> "KVCache":
+        """Each row repeated n times (row b -> rows b*n .. b*n+n-1): a prompt prefilled once, shared by a group."""
+        return KVCache(self.k.repeat_interleave(n, dim=1), self.v.repeat_interleave(n, dim=1))
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """positions: (B, T); k, v: (B, Hkv, T, D). Scatter into the cache at those positions."""
+        B, Hkv, T, D = k.shape
+        idx = positions[:, None, :, None].expand(B, Hkv, T, D)  # (B, Hkv, T, D)
+        self.k[layer].scatter_(2, idx, k.to(self.k.dtype))
+        self.v[layer].scatter_(2, idx, v.to(self.v.dtype))
+
+
+def causal_sdpa(q, k, v, scale=None):
+    """Default attention core for full-sequence (training) forwards: causal SDPA, GQA aware.
+
+    q: (B, H, S, D); k, v: (B, Hkv, S, D). Context parallelism swaps this callable for a ring.
+    """
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def cached_attention(q, positions, cache: KVCache, layer: int, scale=None):
+    """Attention of new queries at `positions` (B, T) over the whole position-indexed cache.
+
+    Key j is visible to a query at position p iff j <= p. Reading the full S_max keeps shapes
+    static for graph capture; stale entries past p are masked out.
+    """
+    k, v = cache.k[layer], cache.v[layer]  # (B, Hkv, S_max, D)
+    key_pos = torch.arange(cache.max_len, device=q.device)
+    mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # (B, 1, T, S_max)
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
+                                          scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, optional q/k RMSNorm (Qwen3) and optional qkv bias (Qwen2).
+
+    `in_dim` may differ from `num_heads*head_dim` (the EAGLE-3 draft feeds concat(emb, hidden)).
+    """
+
+    def __init__(self, in_dim, out_dim, num_heads, num_kv_heads, head_dim, qk_norm=False,
+                 bias=False, eps=1e-6):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(in_dim, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, out_dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.core = causal_sdpa  # replaced from outside by context parallelism
+
+    def qkv(self, x, cos, sin):
+        """x: (B, S, in_dim) -> q (B, H, S, D), k/v (B, Hkv, S, D), RoPE applied to q and k."""
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, S, D)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o):
+        """o: (B, H, S, D) -> (B, S, out_dim)."""
+        B, H, S, D = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, H * D))
+
+    def forward(self, x, cos, sin, positions=None, cache: KVCache | None = None, layer: int = 0):
+        q, k, v = self.qkv(x, cos, sin)
+        if cache is None:
+            return self.out(self.core(q, k, v))
+        cache.write(layer, positions, k, v)
+        return self.out(cached_attention(q, positions, cache, layer))
