@@ -1,0 +1,232 @@
+"""The run configuration: one typed tree of frozen dataclasses, one file format (TOML).
+
+Each component receives only its slice (`cfg.rollout`, `cfg.train`, ...). Values are validated on
+construction; unknown or misspelt keys are errors that name the closest valid key. Overrides from
+the command line use dotted paths: `specco train configs/demo.toml train.steps=20 parallel.cp=2`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .model.config import ConfigError
+
+
+def _check(cond: bool, msg: str):
+    if not cond:
+        raise ConfigError(msg)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """Which policy to train. `source`: 'tiny' (from scratch, sizes below), 'smollm2', or a HF dir."""
+    source: str = "tiny"
+    hidden_size: int = 96
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        _check(self.hidden_size % self.num_heads == 0,
+               f"policy.hidden_size={self.hidden_size} must be divisible by policy.num_heads={self.num_heads}")
+        _check(self.num_heads % self.num_kv_heads == 0,
+               f"policy.num_heads={self.num_heads} must be a multiple of policy.num_kv_heads={self.num_kv_heads}")
+        _check(self.num_layers >= 2, f"policy.num_layers={self.num_layers}: need >= 2 for EAGLE-3 taps")
+        _check(self.dtype in ("float32", "bfloat16", "float16"),
+               f"policy.dtype={self.dtype!r}: use float32, bfloat16 or float16")
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    enabled: bool = True
+    draft_vocab_size: int = 0  # 0 -> the full target vocabulary
+    aux_layer_ids: tuple[int, ...] = ()  # () -> EAGLE-3 default sorted({1, L//2-1, max(1, L-4)})
+    ttt_passes: int = 3  # K
+    pass_decay: float = 0.8  # alpha_d = pass_decay**(d-1)
+    init_head_from_policy: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
+        _check(self.ttt_passes >= 1, f"draft.ttt_passes={self.ttt_passes}: must be >= 1")
+        _check(0 < self.pass_decay <= 1, f"draft.pass_decay={self.pass_decay}: must be in (0, 1]")
+        _check(self.draft_vocab_size >= 0, "draft.draft_vocab_size must be >= 0 (0 = full vocab)")
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    k: int = 3  # draft tokens proposed per target forward
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    group_size: int = 8  # GRPO group G: samples per prompt
+    prompts_per_step: int = 8
+
+    def __post_init__(self):
+        _check(self.k >= 1, f"rollout.k={self.k}: the draft must propose at least 1 token (k >= 1)")
+        _check(self.temperature >= 0, f"rollout.temperature={self.temperature}: must be >= 0")
+        _check(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
+        _check(self.top_k >= 0, f"rollout.top_k={self.top_k}: must be >= 0 (0 = off)")
+        _check(self.group_size >= 2, f"rollout.group_size={self.group_size}: GRPO needs >= 2 samples "
+               "per prompt to compute group-relative advantages")
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+        _check(self.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    seed: int = 0
+    steps: int = 30  # RL steps
+    sft_steps: int = 600
+    warm_start_steps: int = 200  # offline draft training against the frozen SFT policy
+    lr: float = 2e-5
+    draft_lr: float = 1e-3  # public runs use ~50x the policy LR
+    draft_weight: float = 1.0  # lambda in L_policy + lambda * L_draft
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    policy_grad_clip: float = 1.0
+    draft_grad_clip: float = 1.0
+    warmup_steps: int = 0
+    loss_chunk: int = 1024  # sequence chunk for vocabulary-sized fp32 work
+    checkpoint_every: int = 10
+
+    def __post_init__(self):
+        _check(self.steps >= 0 and self.sft_steps >= 0 and self.warm_start_steps >= 0,
+               "train.steps, train.sft_steps and train.warm_start_steps must be >= 0")
+        _check(self.lr > 0 and self.draft_lr > 0, "train.lr and train.draft_lr must be > 0")
+        _check(self.draft_weight >= 0, f"train.draft_weight={self.draft_weight}: must be >= 0")
+        _check(self.clip_eps > 0, f"train.clip_eps={self.clip_eps}: must be > 0")
+        _check(self.loss_chunk >= 1, "train.loss_chunk must be >= 1")
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    dp: int = 1
+    cp: int = 1
+    pp: int = 1
+    backend: str = "auto"  # auto -> nccl on CUDA, gloo on CPU
+
+    def __post_init__(self):
+        for n in ("dp", "cp", "pp"):
+            _check(getattr(self, n) >= 1, f"parallel.{n}={getattr(self, n)}: must be >= 1")
+        _check(self.backend in ("auto", "gloo", "nccl"), "parallel.backend: auto, gloo or nccl")
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str = "chain_sum"
+    eval_size: int = 64
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    policy: PolicySpec = field(default_factory=PolicySpec)
+    draft: DraftSpec = field(default_factory=DraftSpec)
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    train: TrainSpec = field(default_factory=TrainSpec)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    task: TaskSpec = field(default_factory=TaskSpec)
+    out_dir: str = "runs/demo"
+    device: str = "auto"
+    arms: tuple[str, ...] = ("none", "frozen", "cotrained")
+
+    def __post_init__(self):
+        object.__setattr__(self, "arms", tuple(self.arms))
+        bad = [a for a in self.arms if a not in ("none", "frozen", "cotrained")]
+        _check(not bad, f"arms {bad} unknown: choose from none, frozen, cotrained")
+
+
+# -- building from dicts / TOML / overrides ------------------------------------------------
+
+def _coerce(value, tp, path: str):
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        if isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{path}={value!r}: expected true/false")
+        return bool(value)
+    if tp in (int, float):
+        try:
+            v = tp(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}={value!r}: expected {tp.__name__}") from None
+        if tp is int and isinstance(value, float) and value != int(value):
+            raise ConfigError(f"{path}={value!r}: expected an integer")
+        return v
+    if tp is str:
+        return str(value)
+    if origin is tuple:
+        (inner, *_) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [x for x in value.strip("()[] ").split(",") if x.strip()]
+        return tuple(_coerce(x.strip() if isinstance(x, str) else x, inner, path) for x in value)
+    return value
+
+
+def _build(cls, data: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {prefix + close[0]!r}?" if close else f"; valid keys: {names}"
+            raise ConfigError(f"unknown config key {path!r}{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path} must be a table of keys, got {value!r}")
+            kwargs[key] = _build(tp, value, path + ".")
+        else:
+            kwargs[key] = _coerce(value, tp, path)
+    return cls(**kwargs)
+
+
+def _set_dotted(d: dict, dotted: str, value):
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        d = d.setdefault(p, {})
+        if not isinstance(d, dict):
+            raise ConfigError(f"override {dotted!r}: {p!r} is not a table")
+    d[parts[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """RunConfig from an optional TOML file plus `key.sub=value` overrides (applied in order)."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {p} does not exist (see configs/ for examples)")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} must look like key.sub=value (e.g. train.steps=10)")
+        key, value = ov.split("=", 1)
+        _set_dotted(data, key.strip(), value.strip())
+    return _build(RunConfig, data, "")
+
+
+def config_to_dict(cfg) -> dict:
+    d = dataclasses.asdict(cfg)
+
+    def fix(x):
+        if isinstance(x, dict):
+            return {k: fix(v) for k, v in x.items()}
+        if isinstance(x, tuple):
+            return list(x)
+        return x
+    return fix(d)

@@ -1,0 +1,54 @@
+"""Config errors say what to change; overrides coerce types; a round-trip keeps values."""
+import pytest
+
+from specco.config import RunConfig, config_to_dict, load_config
+from specco.model.config import ConfigError, DraftConfig, PolicyConfig
+
+
+def test_defaults_and_overrides():
+    cfg = load_config(None, ["train.steps=7", "rollout.k=2", "draft.aux_layer_ids=1,2",
+                             "draft.init_head_from_policy=false", "train.lr=3e-4"])
+    assert cfg.train.steps == 7 and cfg.rollout.k == 2 and cfg.draft.aux_layer_ids == (1, 2)
+    assert cfg.draft.init_head_from_policy is False and cfg.train.lr == 3e-4
+    assert isinstance(cfg, RunConfig)
+
+
+def test_toml_file(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('out_dir = "x"\n[train]\nsteps = 3\n[rollout]\ngroup_size = 4\n')
+    cfg = load_config(p, ["train.steps=5"])
+    assert cfg.out_dir == "x" and cfg.train.steps == 5 and cfg.rollout.group_size == 4
+    d = config_to_dict(cfg)
+    assert d["rollout"]["group_size"] == 4
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.stpes=3", "did you mean 'train.steps'"),
+    ("rollout.k=0", "k >= 1"),
+    ("rollout.group_size=1", "group_size=1"),
+    ("rollout.top_p=0", "top_p"),
+    ("train.steps=abc", "expected int"),
+    ("policy.hidden_size=102", "divisible"),
+    ("arms=none,bogus", "bogus"),
+    ("draft.ttt_passes=0", "ttt_passes"),
+    ("nosuch=1", "unknown config key 'nosuch'"),
+])
+def test_bad_values_are_clear_errors(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(None, [override])
+
+
+def test_missing_file_and_bad_override():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("/no/such.toml")
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(None, ["train.steps"])
+
+
+def test_aux_layer_out_of_range():
+    pc = PolicyConfig(vocab_size=10, hidden_size=16, intermediate_size=32, num_layers=4,
+                      num_heads=2, num_kv_heads=1)
+    with pytest.raises(ConfigError, match="out of range"):
+        DraftConfig.for_policy(pc, aux_layer_ids=(1, 7))
+    with pytest.raises(ConfigError, match="ascending"):
+        DraftConfig.for_policy(pc, aux_layer_ids=(2, 1))
