@@ -1,0 +1,189 @@
+"""The one home of private aten attention entry points (STYLE §8).
+
+Two functions, one contract, several kernels:
+
+    block_attn_fwd(q, k, v, causal, scale)                              -> (out, lse)
+    block_attn_bwd(dout, q, k, v, out_joint, lse_joint, causal, scale)  -> (dq, dk, dv)
+
+Shapes: q/out/dout (B, H, Sq, D); k/v (B, Hkv, Sk, D) with Hkv | H (GQA); lse (B, H, Sq), natural
+log, in `lse_dtype(q)`: fp32, or fp64 for fp64 inputs (the CPU kernel insists on that, and it keeps
+fp64 tests at ~1e-12 instead of fp32's 1e-7).
+
+`causal=True` means query i sees keys j <= i and requires Sq == Sk: the kernels disagree on how to
+align a rectangular causal mask (the CPU kernel aligns top-left, FlashAttention-2 bottom-right), so we
+refuse that case instead of silently picking one. Non-causal blocks may have Sq != Sk, which is
+what a ring step needs.
+
+Forward:  s = scale · q kᵀ (masked),  lse = logsumexp_j s,  out = softmax(s) v.
+Backward (evaluated with the *joint* statistics of all parts a query attends to, DESIGN §3):
+    D = rowsum(dout ⊙ out_joint),  p = exp(s - lse_joint),
+    dv = pᵀ dout,  ds = p ⊙ (dout vᵀ - D) · scale,  dq = ds k,  dk = dsᵀ q.
+Every flash-style kernel's backward recomputes p from the lse it is *given* and D from the out it is
+*given*, so handing it the joint (out, lse) yields exactly this block's share of the joint gradient.
+
+Kernels (`impl`): "cpu_flash" (aten `_scaled_dot_product_flash_attention_for_cpu`, any float dtype incl.
+fp64, native GQA), "flash" / "cudnn" (CUDA, fp16/bf16, written from the op schemas — not run in CI here),
+"torch" (pure-torch, fp32/fp64 math; the reference kernel for every device/dtype the others miss).
+`impl=None` picks automatically.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+aten = torch.ops.aten
+
+_IMPLS = ("cpu_flash", "flash", "cudnn", "torch")
+
+
+def _pick_impl(q: torch.Tensor, impl: str | None) -> str:
+    if impl is not None:
+        if impl not in _IMPLS:
+            raise ValueError(f"unknown attention impl {impl!r}; expected one of {_IMPLS}")
+        return impl
+    if q.device.type == "cpu":
+        return "cpu_flash"
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+        # FlashAttention-2 first: its backward with an external (out, lse) is the well-trodden path
+        # (ring-flash-attention, torch's experimental context parallel). cuDNN is opt-in.
+        return "flash"
+    return "torch"
+
+
+def _check_causal(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(
+            f"causal block needs Sq == Sk (got {q.shape[-2]} vs {k.shape[-2]}); kernels differ on "
+            "rectangular causal alignment, so split the block or pass causal=False")
+
+
+def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, Hkv, S, D) -> (B, Hkv·G, S, D): query head h uses kv head h // G (GQA convention)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _reduce_kv_grad(dx: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of _expand_kv for gradients: sum the G query heads that shared one kv head.
+
+    The sum runs in fp32 (fp64 for fp64) so bf16 kernel outputs are rounded once, after the reduction.
+    """
+    if groups == 1:
+        return dx.to(dtype)
+    B, H, S, D = dx.shape
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return dx.to(acc).view(B, H // groups, groups, S, D).sum(2).to(dtype)  # (B, Hkv, S, D)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure-torch kernel (reference semantics; also the fallback).
+# --------------------------------------------------------------------------------------------------
+
+def lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """Accumulation / lse dtype: fp64 stays fp64 (reference-grade tests); everything else uses fp32."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+_math_dtype = lse_dtype
+
+
+def _torch_scores(q, k, causal, scale):
+    """s = scale · q kᵀ with the causal mask applied as -inf; q (B,H,Sq,D), k already expanded to H."""
+    md = _math_dtype(q)
+    s = torch.matmul(q.to(md), k.to(md).transpose(-1, -2)) * scale  # (B, H, Sq, Sk)
+    if causal:
+        Sq, Sk = s.shape[-2:]
+        keep = torch.ones(Sq, Sk, dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _torch_fwd(q, k, v, causal, scale):
+    groups = q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    s = _torch_scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)  # (B, H, Sq)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.to(s.dtype))
+    return out.to(q.dtype), lse
+
+
+def _torch_bwd(dout, q, k, v, out_joint, lse_joint, causal, scale):
+    groups = q.shape[1] // k.shape[1]
+    ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
+    s = _torch_scores(q, ke, causal, scale)
+    md = s.dtype
+    p = torch.exp(s - lse_joint.to(md).unsqueeze(-1))  # joint-normalised probabilities of this block
+    do = dout.to(md)
+    D = (do * out_joint.to(md)).sum(-1, keepdim=True)  # (B, H, Sq, 1)
+    dv = torch.matmul(p.transpose(-1, -2), do)  # (B, H, Sk, D)
+    ds = p * (torch.matmul(do, ve.to(md).transpose(-1, -2)) - D) * scale
+    dq = torch.matmul(ds, ke.to(md))
+    dk = torch.matmul(ds.transpose(-1, -2), q.to(md))
+    return dq.to(q.dtype), _reduce_kv_grad(dk, groups, k.dtype), _reduce_kv_grad(dv, groups, v.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public interface.
+# --------------------------------------------------------------------------------------------------
+
+def block_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None = None,
+                   *, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One attention block: out (B,H,Sq,D) in q.dtype, lse (B,H,Sq) = logsumexp_j(scale·q kᵀ) in lse_dtype(q)."""
+    _check_causal(q, k, causal)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    impl = _pick_impl(q, impl)
+    if impl == "cpu_flash":
+        # Native GQA (verified by tests). It returns out in (B,S,H,D) memory order and lse as a
+        # (B,H,S) view of a (B,S,H) buffer; we make lse contiguous because ring code sends it around.
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(
+            q, k, v, 0.0, causal, attn_mask=None, scale=scale)
+        return out, lse.to(lse_dtype(q)).contiguous()
+    if impl == "torch":
+        return _torch_fwd(q, k, v, causal, scale)
+    groups = q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, groups), _expand_kv(v, groups)  # (B, H, Sk, D): cuDNN's dense path has one head count
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if impl == "flash":
+        out, lse = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal, False, scale=scale)[:2]
+        return out, lse.contiguous()  # lse (B, H, Sq) fp32
+    # cudnn: its logsumexp is (B, H, Sq, 1) fp32.
+    out, lse = aten._scaled_dot_product_cudnn_attention.default(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+    return out, lse.squeeze(-1).contiguous()
+
+
+def block_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out_joint: torch.Tensor, lse_joint: torch.Tensor, causal: bool, scale: float | None = None,
+                   *, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's share of the joint gradient (formula in the module docstring); dk/dv are (B,Hkv,Sk,D)."""
+    _check_causal(q, k, causal)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    impl = _pick_impl(q, impl)
+    # The kernels read out/dout in q's dtype and lse contiguous in lse_dtype(q) (a strided lse gives
+    # wrong results on CUDA flash, per torch's own context-parallel code).
+    out_joint = out_joint.to(q.dtype)
+    lse_joint = lse_joint.to(lse_dtype(q)).contiguous()
+    dout = dout.to(q.dtype)
+    if impl == "cpu_flash":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+            dout, q, k, v, out_joint, lse_joint, 0.0, causal, attn_mask=None, scale=scale)
+    if impl == "torch":
+        return _torch_bwd(dout, q, k, v, out_joint, lse_joint, causal, scale)
+    groups = q.shape[1] // k.shape[1]
+    ke, ve = _expand_kv(k, groups).contiguous(), _expand_kv(v, groups).contiguous()
+    q, dout, out_joint = q.contiguous(), dout.contiguous(), out_joint.contiguous()
+    Sq, Sk = q.shape[-2], ke.shape[-2]
+    # dropout_p = 0, so the philox seed/offset are never read; pass defined placeholders anyway.
+    seed = torch.empty((), dtype=torch.int64, device=q.device)
+    offset = torch.empty((), dtype=torch.int64, device=q.device)
+    if impl == "flash":
+        # cum_seq_q/k = None selects the dense (non-varlen) kernel; max_q/max_k are then unused.
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward.default(
+            dout, q, ke, ve, out_joint, lse_joint, None, None, Sq, Sk, 0.0, causal, seed, offset, scale=scale)
+    else:
+        # cudnn dense path *does* read max_q/max_k as s_q/s_kv, and wants lse as (B, H, Sq, 1).
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward.default(
+            dout, q, ke, ve, out_joint, lse_joint.unsqueeze(-1), seed, offset, None, None, None,
+            Sq, Sk, 0.0, causal, scale=scale)
+    return dq, _reduce_kv_grad(dk, groups, k.dtype), _reduce_kv_grad(dv, groups, v.dtype)

@@ -1,0 +1,160 @@
+"""The co-training step: one backward over L_policy + lambda * L_draft.
+
+    policy forward (records taps; its logits are the detached teacher)
+        -> L_policy (GRPO clipped surrogate)  +  lambda * L_draft (K TTT passes, soft CE)
+        -> one backward -> per-group all-reduce -> per-group grad-norm clip -> one optimizer step
+
+The draft never changes the policy: taps, embeddings and teacher logits are detached, so the
+policy's gradient is the same for any lambda (tested). The two parameter groups have their own
+learning rates and schedules; the draft's does not decay with the policy's.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..model.draft import Eagle3Draft
+from ..model.policy import Policy
+from ..model.ttt import shift_left, ttt_forward
+from ..ops.attention import ttt_attention
+from .losses import clipped_surrogate, draft_loss_parts, normalize_draft_loss, pass_weights, token_logprobs
+
+
+@dataclass
+class TrainBatch:
+    """One micro-batch of sequences (prompt + completion), right-padded.
+
+    tokens (B, S); target_mask (B, S): 1 where token j is trained on (a completion token);
+    logp_old (B, S): the rollout's log-prob of token j (ignored where target_mask is 0);
+    advantages (B,); positions (B, S) optional global positions (CP passes zigzag positions);
+    logp_ref (B, S) optional reference-policy log-probs for the KL term.
+    """
+    tokens: torch.Tensor
+    target_mask: torch.Tensor
+    advantages: torch.Tensor | None = None
+    logp_old: torch.Tensor | None = None
+    logp_ref: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
+@dataclass
+class StepConfig:
+    draft_weight: float = 1.0  # lambda
+    ttt_passes: int = 3
+    pass_decay: float = 0.8
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+    policy_grad_clip: float = 1.0
+    draft_grad_clip: float = 1.0
+    loss_chunk: int = 1024
+
+
+def build_optimizer(policy: Policy | None, draft: Eagle3Draft | None, lr: float, draft_lr: float,
+                    weight_decay: float = 0.0, betas=(0.9, 0.95)) -> torch.optim.AdamW:
+    """One AdamW with named param groups 'policy' and 'draft', each with its own LR."""
+    groups = []
+    if policy is not None:
+        groups.append({"params": [p for p in policy.parameters() if p.requires_grad],
+                       "lr": lr, "name": "policy"})
+    if draft is not None:
+        groups.append({"params": list(draft.parameters()), "lr": draft_lr, "name": "draft"})
+    return torch.optim.AdamW(groups, betas=betas, weight_decay=weight_decay)
+
+
+def build_scheduler(opt: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
+                    draft_warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """Policy: linear warmup then cosine decay to 10%. Draft: linear warmup then constant, because
+    the draft must keep tracking a moving policy to the end of RL (a decayed draft LR stops it)."""
+    def policy_fn(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    def draft_fn(step):
+        return min(1.0, (step + 1) / draft_warmup_steps) if draft_warmup_steps else 1.0
+
+    fns = [policy_fn if g.get("name") == "policy" else draft_fn for g in opt.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(opt, fns)
+
+
+def _group_params(opt, name):
+    return [p for g in opt.param_groups if g.get("name") == name for p in g["params"]]
+
+
+def reduce_grads(params, group) -> None:
+    """Sum gradients over `group` (DP x CP ranks). Losses are normalised by global counts, so a sum
+    (not a mean) gives the global-batch gradient."""
+    if group is None:
+        return
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
+def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
+                 opt: torch.optim.Optimizer, sched, cfg: StepConfig, *,
+                 train_policy: bool = True, grad_group=None,
+                 shift: Callable = shift_left, attn: Callable = ttt_attention,
+                 policy_token_count: float | None = None) -> dict:
+    """One optimizer step; returns metrics. `train_policy=False` is the offline warm start: the
+    policy is frozen (forward under no_grad) and only the draft learns.
+
+    `grad_group` (DP x CP ranks) sums gradients and counts; `shift`/`attn` are the CP-aware TTT
+    shift and trunk+branch attention (single-device defaults). `policy_token_count`: the global
+    number of trained completion tokens (defaults to the local count).
+    """
+    metrics: dict = {}
+    tap_ids = draft.cfg.aux_layer_ids if draft is not None else None
+    with torch.set_grad_enabled(train_policy):
+        out = policy(batch.tokens, batch.positions, tap_layers=tap_ids)
+    total = out.logits.new_zeros((), dtype=torch.float32)
+    if train_policy:
+        # Logits at j-1 predict token j: compare shifted logits with tokens.
+        logp_new = token_logprobs(out.logits[:, :-1],
+                                  batch.tokens[:, 1:], cfg.temperature)
+        mask = batch.target_mask[:, 1:]
+        ref = batch.logp_ref[:, 1:] if batch.logp_ref is not None else None
+        l_pol, m = clipped_surrogate(logp_new, batch.logp_old[:, 1:], batch.advantages, mask,
+                                     cfg.clip_eps, ref, cfg.kl_coef, policy_token_count)
+        total = total + l_pol
+        metrics.update(m)
+        metrics["policy/loss"] = l_pol.item()
+    if draft is not None and (cfg.draft_weight > 0 or not train_policy):
+        positions = batch.positions
+        if positions is None:
+            B, S = batch.tokens.shape
+            positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
+        outs = ttt_forward(draft, out.taps.aux, out.taps.embed, positions, cfg.ttt_passes,
+                           shift=shift, attn=attn)
+        parts = draft_loss_parts(draft, outs, out.logits, batch.target_mask, cfg.loss_chunk, shift)
+        l_draft, m = normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay),
+                                          grad_group)
+        weight = cfg.draft_weight if train_policy else 1.0
+        total = total + weight * l_draft
+        metrics.update(m)
+        metrics["draft/loss"] = l_draft.item()
+    opt.zero_grad(set_to_none=True)
+    if total.requires_grad:
+        total.backward()
+    for name, clip in (("policy", cfg.policy_grad_clip), ("draft", cfg.draft_grad_clip)):
+        params = _group_params(opt, name)
+        if not params or (name == "policy" and not train_policy):
+            continue
+        reduce_grads(params, grad_group)
+        norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        metrics[f"{name}/grad_norm"] = norm.item()
+    if not train_policy:
+        for p in _group_params(opt, "policy"):
+            p.grad = None
+    opt.step()
+    if sched is not None:
+        sched.step()
+    for g in opt.param_groups:
+        metrics[f"{g.get('name', 'group')}/lr"] = g["lr"]
+    return metrics

@@ -1,0 +1,221 @@
+"""Trunk + branch attention vs the dense-mask reference (DESIGN §3), outputs and gradients.
+
+Tolerances (why):
+* fp64: 1e-10 abs/rel — same math as the reference, only fp64 rounding and summation order differ.
+* fp32 vs an fp64 reference: rtol 1e-4, atol 1e-5 — fp32 eps is 1.2e-7 and sums run over <= 36 keys of
+  O(1) scores; 1e-4 leaves ~100x headroom yet any mask/merge bug is O(1e-1).
+* bf16 vs an fp64 reference: relative error ‖a−b‖/‖b‖ <= 1e-2 — bf16 inputs are exact in fp64, so
+  the error is the kernels' internal bf16 rounding (eps 7.8e-3, 3.9e-3 per rounding), averaged over
+  many entries; a wrong mask gives relative errors O(0.1–1) (checked by test_reference_is_sensitive).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specco.ops.attention import (block_attn_bwd, block_attn_fwd, branch_attn_bwd, branch_attn_fwd,
+                                  merge_lse, ttt_attention)
+from specco.ops.reference import dense_attention_reference, dense_ttt_reference
+
+B, D = 2, 16
+HEADS = {"mha": (4, 4), "gqa": (4, 2)}
+IMPLS = ["cpu_flash", "torch"]  # the aten fast path and the pure-torch fallback, both on CPU
+FP64_TOL = dict(rtol=1e-10, atol=1e-10)
+FP32_TOL = dict(rtol=1e-4, atol=1e-5)
+BF16_REL = 1e-2
+
+
+def _randn(*shape, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _ttt_inputs(S, P, H, Hkv, dtype, seed=0):
+    """q (B,H,S,D), trunk k/v (B,Hkv,S,D), branch k/v (B,Hkv,S,P,D) or None; fixed seed per case."""
+    q = _randn(B, H, S, D, seed=seed, dtype=dtype)
+    kt = _randn(B, Hkv, S, D, seed=seed + 1, dtype=dtype)
+    vt = _randn(B, Hkv, S, D, seed=seed + 2, dtype=dtype)
+    kb = _randn(B, Hkv, S, P, D, seed=seed + 3, dtype=dtype) if P else None
+    vb = _randn(B, Hkv, S, P, D, seed=seed + 4, dtype=dtype) if P else None
+    return [q, kt, vt, kb, vb]
+
+
+def _leaf(xs, dtype=None):
+    return [None if x is None else x.detach().to(dtype or x.dtype).requires_grad_() for x in xs]
+
+
+def _rel_err(a, b):
+    """‖a−b‖/‖b‖ in fp64; the floor keeps an exactly-zero reference (e.g. dk with one key) finite."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-3 * math.sqrt(b.numel()))).item()
+
+
+def _check(ours, ref, dtype, what):
+    if dtype == torch.bfloat16:
+        err = _rel_err(ours, ref)
+        assert err <= BF16_REL, f"{what}: bf16 relative error {err:.3e} > {BF16_REL}"
+    else:
+        tol = FP64_TOL if dtype == torch.float64 else FP32_TOL
+        torch.testing.assert_close(ours.double(), ref.double(), **tol, msg=lambda m: f"{what}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Adapter contract
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_adapter_contract(impl, dtype):
+    H, Hkv = HEADS["gqa"]
+    q, k, v = (_randn(B, h, 7, D, seed=i, dtype=dtype) for i, h in enumerate((H, Hkv, Hkv)))
+    out, lse = block_attn_fwd(q, k, v, True, None, impl=impl)
+    assert out.shape == (B, H, 7, D) and out.dtype == dtype
+    lse_dt = torch.float64 if dtype == torch.float64 else torch.float32  # fp64 keeps fp64 statistics
+    assert lse.shape == (B, H, 7) and lse.dtype == lse_dt and lse.is_contiguous()
+    dq, dk, dv = block_attn_bwd(torch.ones_like(out), q, k, v, out, lse, True, None, impl=impl)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert dq.dtype == dk.dtype == dv.dtype == dtype
+    with pytest.raises(ValueError, match="Sq == Sk"):
+        block_attn_fwd(q[:, :, :3], k, v, True, None, impl=impl)
+    with pytest.raises(ValueError, match="unknown attention impl"):
+        block_attn_fwd(q, k, v, True, None, impl="nope")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("causal,Sq,Sk", [(True, 1, 1), (True, 33, 33), (False, 7, 5), (False, 3, 12)])
+def test_block_fwd_matches_reference(impl, heads, causal, Sq, Sk):
+    H, Hkv = HEADS[heads]
+    q, k, v = _randn(B, H, Sq, D, seed=0), _randn(B, Hkv, Sk, D, seed=1), _randn(B, Hkv, Sk, D, seed=2)
+    mask = torch.ones(Sq, Sk, dtype=torch.bool).tril() if causal else None
+    ref_out, ref_lse = dense_attention_reference(q, k, v, mask, 0.3)
+    out, lse = block_attn_fwd(q, k, v, causal, 0.3, impl=impl)
+    torch.testing.assert_close(out, ref_out, **FP64_TOL)
+    torch.testing.assert_close(lse, ref_lse, **FP64_TOL)
+
+
+# ---------------------------------------------------------------------------------------------------
+# merge_lse and the joint-statistics backward (the identity ring attention relies on)
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_merge_lse_two_halves_equals_whole(impl, heads, dtype):
+    H, Hkv = HEADS[heads]
+    Sq, Sk, cut = 7, 13, 5
+    q, k, v = (_randn(B, h, s, D, seed=i, dtype=dtype) for i, (h, s) in enumerate(((H, Sq), (Hkv, Sk), (Hkv, Sk))))
+    out_a, lse_a = block_attn_fwd(q, k[:, :, :cut], v[:, :, :cut], False, None, impl=impl)
+    out_b, lse_b = block_attn_fwd(q, k[:, :, cut:], v[:, :, cut:], False, None, impl=impl)
+    out, lse = merge_lse(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = dense_attention_reference(q.double(), k.double(), v.double(), None)
+    _check(out, ref_out, dtype, "merged out")
+    _check(lse, ref_lse, dtype, "merged lse")
+    # An empty part (lse = -inf, out = 0) must be an exact no-op: that is how a skipped ring step merges.
+    out_e, lse_e = merge_lse(out, lse, torch.zeros_like(out), torch.full_like(lse, float("-inf")))
+    assert torch.equal(out_e, out) and torch.equal(lse_e, lse)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("heads", HEADS)
+def test_block_bwd_with_joint_stats_equals_full_autograd(impl, heads):
+    """Ring-step shape: part A = an earlier key block (no mask, Sk != Sq), part B = the local causal block."""
+    H, Hkv = HEADS[heads]
+    S, S_prev = 7, 5
+    q, k_prev, v_prev, k_loc, v_loc = _leaf([
+        _randn(B, H, S, D, seed=0), _randn(B, Hkv, S_prev, D, seed=1), _randn(B, Hkv, S_prev, D, seed=2),
+        _randn(B, Hkv, S, D, seed=3), _randn(B, Hkv, S, D, seed=4)])
+    mask = torch.cat([torch.ones(S, S_prev, dtype=torch.bool), torch.ones(S, S, dtype=torch.bool).tril()], 1)
+    ref_out, _ = dense_attention_reference(q, torch.cat([k_prev, k_loc], 2), torch.cat([v_prev, v_loc], 2), mask)
+    dout = _randn(*ref_out.shape, seed=9)
+    ref_out.backward(dout)
+
+    with torch.no_grad():
+        out_a, lse_a = block_attn_fwd(q, k_prev, v_prev, False, None, impl=impl)
+        out_b, lse_b = block_attn_fwd(q, k_loc, v_loc, True, None, impl=impl)
+        out_j, lse_j = merge_lse(out_a, lse_a, out_b, lse_b)
+        dq_a, dk_a, dv_a = block_attn_bwd(dout, q, k_prev, v_prev, out_j, lse_j, False, None, impl=impl)
+        dq_b, dk_b, dv_b = block_attn_bwd(dout, q, k_loc, v_loc, out_j, lse_j, True, None, impl=impl)
+    torch.testing.assert_close(out_j, ref_out.detach(), **FP64_TOL)
+    tol = FP64_TOL
+    torch.testing.assert_close(dq_a + dq_b, q.grad, **tol)
+    torch.testing.assert_close(dk_a, k_prev.grad, **tol)
+    torch.testing.assert_close(dv_a, v_prev.grad, **tol)
+    torch.testing.assert_close(dk_b, k_loc.grad, **tol)
+    torch.testing.assert_close(dv_b, v_loc.grad, **tol)
+
+
+@pytest.mark.parametrize("heads", HEADS)
+def test_branch_part_alone(heads):
+    """branch_attn_fwd/bwd (public, closed form) vs the dense reference restricted to branch keys."""
+    H, Hkv = HEADS[heads]
+    S, P = 7, 3
+    q, _, _, kb, vb = _leaf(_ttt_inputs(S, P, H, Hkv, torch.float64))
+    mask = torch.arange(S * P)[None, :] // P == torch.arange(S)[:, None]  # (S, S·P): own anchor only
+    ref_out, ref_lse = dense_attention_reference(q, kb.reshape(B, Hkv, S * P, D), vb.reshape(B, Hkv, S * P, D), mask)
+    dout = _randn(*ref_out.shape, seed=9)
+    ref_out.backward(dout)
+    with torch.no_grad():
+        out, lse = branch_attn_fwd(q, kb, vb)
+        dq, dkb, dvb = branch_attn_bwd(dout, q, kb, vb, out, lse)  # a single part is its own joint
+    for ours, ref in [(out, ref_out.detach()), (lse, ref_lse.detach()), (dq, q.grad), (dkb, kb.grad), (dvb, vb.grad)]:
+        torch.testing.assert_close(ours, ref, **FP64_TOL)
+
+
+# ---------------------------------------------------------------------------------------------------
+# TTT attention: trunk ⊕ branch vs dense mask, K = 1..4 passes
+# ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("P", [0, 1, 2, 3])
+@pytest.mark.parametrize("S", [1, 7, 33])
+def test_ttt_matches_dense_reference(impl, dtype, heads, P, S):
+    H, Hkv = HEADS[heads]
+    master = _ttt_inputs(S, P, H, Hkv, dtype, seed=100 * P + S)  # values exactly representable in dtype
+    ours_in, ref_in = _leaf(master), _leaf(master, torch.float64)
+    dout = _randn(B, H, S, D, seed=7, dtype=dtype)
+
+    out = ttt_attention(*ours_in, impl=impl)
+    out.backward(dout)
+    ref_out, _ = dense_ttt_reference(*ref_in)
+    ref_out.backward(dout.double())
+
+    assert out.dtype == dtype and out.shape == (B, H, S, D)
+    _check(out.detach(), ref_out.detach(), dtype, "out")
+    for name, x, r in zip(["dq", "dk_trunk", "dv_trunk", "dk_branch", "dv_branch"], ours_in, ref_in):
+        if x is not None:
+            assert x.grad.dtype == dtype
+            _check(x.grad, r.grad, dtype, name)
+
+
+def test_reference_is_sensitive():
+    """The comparison above can fail: an off-by-one-anchor branch or a dropped branch is far outside tol."""
+    H, Hkv = HEADS["gqa"]
+    q, kt, vt, kb, vb = _ttt_inputs(7, 2, H, Hkv, torch.float32)
+    ref, _ = dense_ttt_reference(*(x.double() for x in (q, kt, vt, kb, vb)))
+    wrong_anchor = ttt_attention(q, kt, vt, kb.roll(1, dims=2), vb.roll(1, dims=2))
+    no_branch = ttt_attention(q, kt, vt)
+    assert _rel_err(wrong_anchor, ref) > 50 * BF16_REL
+    assert _rel_err(no_branch, ref) > 50 * BF16_REL
+
+
+def test_pass1_is_causal_sdpa():
+    H, Hkv = HEADS["gqa"]
+    q, kt, vt, _, _ = _ttt_inputs(33, 0, H, Hkv, torch.float32)
+    out, lse = ttt_attention(q, kt, vt, return_lse=True)
+    ref = F.scaled_dot_product_attention(q, kt, vt, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref, **FP32_TOL)
+    assert lse.shape == (B, H, 33) and not lse.requires_grad
+
+
+def test_ttt_gradcheck_fp64():
+    """Independent of the reference: finite differences through the custom autograd node."""
+    H, Hkv = HEADS["gqa"]
+    xs = _leaf([x[:1, :, :, :4] if x.dim() == 4 else x[:1, :, :, :, :4] for x in _ttt_inputs(5, 2, H, Hkv, torch.float64)])
+    assert torch.autograd.gradcheck(lambda *a: ttt_attention(*a, scale=0.5), xs, eps=1e-6, atol=1e-7)
