@@ -1,0 +1,258 @@
+"""Rollout decode speed: plain (graphed) decode vs EAGLE-3 speculative decode, per batch size.
+
+Reports per batch size: plain step time and tokens/s, speculative tokens/s, τ, t_verify, t_draft
+(= (t_propose + t_catch_up) / k: k draft forwards per round), measured speedup (spec tok/s over plain
+tok/s, both graphed on CUDA — never against an eager loop, DESIGN §6) and the ideal speedup
+τ·t_step / (t_verify + k·t_draft). On CUDA also the bare CUDA-graph floor of the model's decode
+forward (just `policy(tok, pos, cache)` captured and replayed) and step/floor, i.e. what the
+sampling/bookkeeping around the forward costs.
+
+Before timing, on CUDA, checks that the graphed path emits exactly the eager path's greedy tokens
+(CI has no GPU, so this is where the CUDA-graph code is exercised).
+
+SYNTHETIC TIMING SETUP (`--draft self`, the default). Weights are random, so a real draft would never
+agree with the policy. To get a meaningful τ we build a pair that agrees by construction: the
+policy's o_proj / down_proj are scaled by `--policy-layer-scale` (default 0: every layer is an exact
+identity on the residual, yet still computes all its matmuls, so timing is unchanged), its
+embeddings are tied and scaled so that its logits peak on the *current* token (it repeats the last
+prompt token). The draft's fc selects the last aux tap (= the embedding), its attention o_proj and
+MLP down_proj are 0, its head is the policy head's rows: it proposes "repeat" as well, so τ → k+1.
+`--draft-noise` perturbs the draft head to dial τ down. τ here says nothing about real acceptance;
+the point is timing the verify/draft/bookkeeping machinery at a known τ.
+
+    python bench/rollout.py --device cuda --model 0.5b --batch-sizes 1,2,4,8,16,32,64 --k 4
+    python bench/rollout.py --device cpu --model tiny --batch-sizes 1,2,4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
+from specco.model.draft import Eagle3Draft  # noqa: E402
+from specco.model.policy import Policy  # noqa: E402
+from specco.rollout.generate import DecodeRunner, GenerateConfig, generate  # noqa: E402
+from specco.rollout.sampling import SamplingParams  # noqa: E402
+
+MODELS = {
+    "tiny": dict(vocab_size=2048, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4,
+                 num_kv_heads=2, tie_word_embeddings=True),
+    # Qwen2.5-0.5B shapes (random weights): qwen2 has qkv bias and tied embeddings.
+    "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+                 num_heads=14, num_kv_heads=2, tie_word_embeddings=True, attention_bias=True,
+                 model_type="qwen2", rope_theta=1000000.0, max_position_embeddings=32768),
+}
+
+
+def timed(fn, device, iters, warmup=2):
+    """Median-free mean seconds per call (calls are back-to-back, as in a decode loop)."""
+    for _ in range(warmup):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t) / iters
+
+
+@torch.no_grad()
+def build(args, device, dtype):
+    torch.manual_seed(0)
+    pc = PolicyConfig(**MODELS[args.model])
+    policy = Policy(pc)
+    draft = None
+    if args.draft != "none":
+        dc = DraftConfig.for_policy(pc, draft_vocab_size=args.draft_vocab)
+        draft = Eagle3Draft(dc)
+    if args.draft == "self":  # synthetic agreeing pair, see the module docstring
+        h = pc.hidden_size
+        for layer in policy.layers.values():
+            layer.self_attn.o_proj.weight.mul_(args.policy_layer_scale)
+            layer.mlp.down_proj.weight.mul_(args.policy_layer_scale)
+        # tied head: logit_x = c·|e_x|²/rms(e_x) ≈ c·0.02·h; pick c so that the self-logit is ~20
+        policy.embed_tokens.weight.mul_(20.0 / (0.02 * h))
+        n_aux = len(dc.aux_layer_ids)
+        fc = torch.zeros(h, n_aux * h)
+        fc[:, (n_aux - 1) * h:] = torch.eye(h)  # select the last aux tap
+        draft.fc.weight.copy_(fc)
+        draft.midlayer.self_attn.o_proj.weight.zero_()
+        draft.midlayer.mlp.down_proj.weight.zero_()
+        draft.norm.weight.copy_(policy.norm.weight)
+        draft.init_head_from_policy(policy.lm_head.weight)
+        if args.draft_noise > 0:
+            w = draft.lm_head.weight
+            w.add_(args.draft_noise * w.std() * torch.randn_like(w))
+    policy = policy.to(device=device, dtype=dtype).eval()
+    if draft is not None:
+        draft = draft.to(device=device, dtype=dtype).eval()
+    return policy, draft
+
+
+def prompts_for(args, batch, vocab):
+    g = torch.Generator().manual_seed(batch)
+    return [torch.randint(0, vocab, (args.prompt_len,), generator=g) for _ in range(batch)]
+
+
+@torch.no_grad()
+def check_graphs(policy, draft, args, vocab):
+    """CUDA only: graphed decode (plain and speculative, greedy and sampled with the same seed)
+    emits the eager path's tokens; also reports the speculative path's agreement with plain."""
+    prompts = [p[: 5 + 3 * i] for i, p in enumerate(prompts_for(args, 4, vocab))]
+    for temp in (0.0, 1.0):
+        for d in (None, draft):
+            outs = [generate(policy, prompts, GenerateConfig(
+                max_new_tokens=24, sampling=SamplingParams(temperature=temp),
+                num_draft_tokens=args.k, use_graphs=g), draft=d,
+                generator=torch.Generator(policy.lm_head.weight.device).manual_seed(0))
+                for g in (False, True)]
+            agree = (outs[0].tokens == outs[1].tokens).float().mean().item()
+            print(f"graph check (T={temp}, {'spec' if d is not None else 'plain'}): graphed == "
+                  f"eager on {agree:.1%} of tokens; tau {outs[1].tau:.2f}", flush=True)
+            if agree < 0.95:  # bf16 near-ties may flip a few tokens; more means a bug
+                raise SystemExit("graphed decode disagrees with eager decode")
+
+
+@torch.no_grad()
+def graph_floor(policy, batch, cache_len, device, iters):
+    """Bare CUDA-graph replay of one decode forward (logits included), static cache."""
+    cache = policy.new_cache(batch, cache_len)
+    tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    pos = torch.full((batch, 1), cache_len // 2, dtype=torch.long, device=device)
+    fn = lambda: policy(tok, pos, cache)  # noqa: E731
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return timed(g.replay, device, iters)
+
+
+def isolated(runner, name, device, iters):
+    """Time one captured step alone, restoring the decode state afterwards.
+
+    Rows are marked finished while timing so a repeated step cannot advance positions past the
+    cache (finished rows are frozen); the step's compute is static-shaped, hence unchanged.
+    """
+    saved = [t.clone() for t in runner.st.small_tensors()]
+    runner.st.finished.fill_(True)
+    t = timed(lambda: runner.graphs.run(name), device, iters)
+    for dst, src in zip(runner.st.small_tensors(), saved):
+        dst.copy_(src)
+    return t
+
+
+@torch.no_grad()
+def bench_batch(policy, draft, args, batch, device):
+    k, iters = args.k, args.iters
+    T = (args.iters + 4) * (k + 1) + 2  # rows must stay live for all timed rounds
+    sampling = SamplingParams(temperature=args.temperature)
+    cfg = GenerateConfig(max_new_tokens=T, sampling=sampling, num_draft_tokens=k)
+    prompts = prompts_for(args, batch, draft.cfg.draft_vocab_size if draft else policy.cfg.vocab_size)
+    res = {"batch": batch}
+
+    plain = DecodeRunner(policy, cfg, None, torch.Generator(device).manual_seed(0))
+    plain.prefill(prompts)
+    t_step = timed(plain.round, device, iters)
+    res.update(t_step_ms=t_step * 1e3, plain_tok_s=batch / t_step)
+    if device == "cuda":
+        t_floor = graph_floor(policy, batch, plain.st.t_cache.max_len, device, iters)
+        res.update(t_floor_ms=t_floor * 1e3, step_over_floor=t_step / t_floor)
+    del plain
+
+    if draft is not None:
+        spec = DecodeRunner(policy, cfg, draft, torch.Generator(device).manual_seed(0))
+        spec.prefill(prompts)
+        spec.round()
+        e0, f0 = int(spec.st.n_emitted), int(spec.st.n_row_forwards)
+        t_round = timed(spec.round, device, iters, warmup=0)
+        e1, f1 = int(spec.st.n_emitted), int(spec.st.n_row_forwards)
+        assert not bool(spec.st.finished.any()), "a row finished during timing; raise T"
+        tau = (e1 - e0) / (f1 - f0)
+        t_verify = isolated(spec, "verify", device, iters)
+        t_propose = isolated(spec, "propose", device, iters)
+        t_catch = isolated(spec, "catch_up", device, iters)
+        t_draft = (t_propose + t_catch) / k
+        spec_tps = (e1 - e0) / (t_round * iters)
+        res.update(tau=tau, accept_rate=(spec.st.n_accepted.double() / f1).tolist(),
+                   t_round_ms=t_round * 1e3, t_verify_ms=t_verify * 1e3,
+                   t_propose_ms=t_propose * 1e3, t_catch_up_ms=t_catch * 1e3,
+                   t_draft_ms=t_draft * 1e3, verify_over_step=t_verify / t_step,
+                   spec_tok_s=spec_tps, speedup=spec_tps / res["plain_tok_s"],
+                   ideal_speedup=tau * t_step / (t_verify + k * t_draft))
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--draft", choices=["self", "random", "none"], default="self")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--draft-noise", type=float, default=0.0)
+    ap.add_argument("--policy-layer-scale", type=float, default=0.0)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                    help="default: bfloat16 on cuda, float32 on cpu")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU intra-op threads (1 avoids OpenMP thrash on small shared machines)")
+    ap.add_argument("--no-check", action="store_true", help="skip the graphed-vs-eager check")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but CUDA is not available")
+    if device == "cpu":
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    policy, draft = build(args, device, dtype)
+    vocab = draft.cfg.draft_vocab_size if draft else policy.cfg.vocab_size
+    if device == "cuda" and not args.no_check:
+        check_graphs(policy, draft, args, vocab)
+    rows = []
+    for b in [int(x) for x in args.batch_sizes.split(",")]:
+        r = bench_batch(policy, draft, args, b, device)
+        rows.append(r)
+        line = (f"B={b:3d} step {r['t_step_ms']:7.3f} ms  plain {r['plain_tok_s']:9.1f} tok/s")
+        if "t_floor_ms" in r:
+            line += f"  floor {r['t_floor_ms']:.3f} ms (step/floor {r['step_over_floor']:.2f})"
+        if "tau" in r:
+            line += (f"  | spec {r['spec_tok_s']:9.1f} tok/s  tau {r['tau']:.2f}  verify "
+                     f"{r['t_verify_ms']:.3f} ms  draft {r['t_draft_ms']:.3f} ms  speedup "
+                     f"{r['speedup']:.2f} (ideal {r['ideal_speedup']:.2f})")
+        print(line, flush=True)
+    out = Path(args.out or Path(__file__).parent / "results" / f"rollout_{device}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {k: v for k, v in vars(args).items()}
+    meta.update(dtype=str(dtype), torch=torch.__version__,
+                gpu=torch.cuda.get_device_name() if device == "cuda" else None,
+                graphs=device == "cuda",
+                note="synthetic agreeing draft (see docstring); tau is by construction"
+                if args.draft == "self" else "")
+    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""THE acceptance rule of speculative decoding (DESIGN §6). One home; everything else calls these.
+
+Setting. The committed sequence ends in x_n. The draft proposed x̂_1..x̂_k, x̂_j drawn from q_j
+(the draft's processed distribution at depth j, on the target vocabulary). One target forward over
+[x_n, x̂_1..x̂_k] gives p_0..p_k, where p_j = p(· | x_≤n, x̂_1..x̂_j) is the target's processed
+distribution for the token *after* x̂_j (p_0 follows x_n). Both p and q come from
+`sampling.processed_logprobs`.
+
+Greedy (T = 0): a = the longest prefix with x̂_j == argmax p_{j-1}; emit x̂_1..x̂_a and then
+argmax p_a (the correction if a < k, the bonus if a = k). The emitted tokens are exactly argmax
+p_0..p_a, i.e. what plain greedy decoding would have produced.
+
+Sampling (T > 0), Leviathan et al. 2023 / Chen et al. 2023:
+    accept x̂_j  with probability  min(1, p_{j-1}(x̂_j) / q_j(x̂_j)), in order, stopping at the
+                 first rejection; a = number accepted (0..k);
+    if a < k:    emit a token from  r = normalize(max(0, p_a - q_{a+1}))        (residual)
+    if a = k:    emit a bonus token from  p_k.
+Why it is exact: for one position, P(emit y) = q(y)·min(1, p(y)/q(y)) + β·r(y) with
+β = 1 - Σ_x min(q(x), p(x)) = Σ_x max(0, p(x) - q(x)), so P(emit y) = min(q, p)(y) + max(0, p - q)(y)
+= p(y); by induction over positions the emitted sequence has the target's joint distribution.
+The uniform test `u·q < p` (u ~ U[0,1)) is `u < min(1, p/q)` without a division: q(x̂) > 0 because x̂
+was sampled from q. If a rejection happens although r ≡ 0 (only possible when p ≈ q up to rounding),
+we sample from p, which is then what r would be in exact arithmetic.
+
+Everything is vectorised over the batch: rows accept different lengths a_b; shapes stay static
+(B, k+1) so the rule can live inside a captured CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import sample_from_probs
+
+
+@dataclass
+class Verdict:
+    """num_accepted: (B,) int64 in 0..k. tokens: (B, k+1); row b emits tokens[b, :a_b + 1]
+    (a_b accepted draft tokens, then the correction/bonus). Entries past a_b are unspecified."""
+    num_accepted: torch.Tensor
+    tokens: torch.Tensor
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """(B, k) bool -> (B,) length of the all-True prefix of each row."""
+    return mask.long().cumprod(-1).sum(-1)
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
+    """target_logits: (B, k+1, V) for the positions of [x_n, x̂_1..x̂_k]; draft_tokens: (B, k)."""
+    target_argmax = target_logits.argmax(-1)  # (B, k+1)
+    a = _leading_true(draft_tokens == target_argmax[:, :-1])  # (B,)
+    # Accepted draft tokens equal the argmax, so the whole emitted block is the argmax row.
+    return Verdict(a, target_argmax)
+
+
+def verify_sampling(p_target: torch.Tensor, q_draft: torch.Tensor, draft_tokens: torch.Tensor,
+                    u_accept: torch.Tensor, u_residual: torch.Tensor) -> Verdict:
+    """p_target: (B, k+1, V) processed target probs; q_draft: (B, k, V) processed draft probs
+    (q_draft[:, j-1] is the distribution x̂_j was drawn from); draft_tokens: (B, k);
+    u_accept: (B, k), u_residual: (B,) uniforms in [0, 1)."""
+    B, k1, V = p_target.shape
+    k = k1 - 1
+    idx = draft_tokens[..., None]  # (B, k, 1)
+    p_x = p_target[:, :k].gather(-1, idx).squeeze(-1)  # (B, k): p_{j-1}(x̂_j)
+    q_x = q_draft.gather(-1, idx).squeeze(-1)  # (B, k): q_j(x̂_j)
+    accept = u_accept * q_x < p_x  # (B, k)  <=>  u < min(1, p/q)
+    a = _leading_true(accept)  # (B,)
+
+    # Distribution of the token after the accepted prefix: residual at a < k, p_k at a = k.
+    row = a[:, None, None].expand(B, 1, V)  # (B, 1, V)
+    p_a = p_target.gather(1, row).squeeze(1)  # (B, V)
+    q_a = q_draft.gather(1, row.clamp(max=k - 1)).squeeze(1)  # (B, V); row a = k is masked next
+    q_a = q_a * (a < k)[:, None]  # bonus position: no draft distribution to subtract
+    residual = (p_a - q_a).clamp_min(0.0)
+    empty = residual.sum(-1, keepdim=True) <= 0  # (B, 1): p == q up to rounding, see docstring
+    residual = torch.where(empty, p_a, residual)
+    next_token = sample_from_probs(residual, u_residual)  # (B,)
+
+    # Emitted block: accepted draft tokens, then next_token at column a.
+    tokens = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)  # (B, k+1), last col a filler
+    tokens = tokens.scatter(1, a[:, None], next_token[:, None])
+    return Verdict(a, tokens)

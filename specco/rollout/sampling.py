@@ -1,0 +1,110 @@
+"""Sampling: the one definition of the processed distribution, and sampling from it.
+
+Speculative sampling is lossless only with respect to the distribution that is *actually* sampled
+from. If the target's tokens were drawn from softmax(logits / T) restricted to its top-k/top-p set,
+the acceptance test min(1, p(x)/q(x)) must use exactly that p, and the draft's q must live on the
+same vocabulary with the same processing (otherwise p/q is the ratio of two different objects).
+`processed_logprobs` is therefore the single function both sides go through:
+
+    z      = logits / T                                  (T > 0)
+    top-k: z_v = -inf  where z_v < (k-th largest z)      (ties with the k-th value are kept)
+    top-p: sort z descending, keep the shortest prefix whose softmax mass reaches top_p
+           (the first token is always kept)
+    log p  = log_softmax(z)                              (fp32)
+
+T == 0 means greedy: p is the one-hot at argmax(logits) (first index on ties, like torch.argmax).
+
+Sampling is inverse-CDF with *externally drawn* uniforms u ~ U[0, 1): token = min{i : cdf_i > u·cdf_V}.
+Taking uniforms as inputs keeps every sampling op a deterministic, static-shape tensor function, so a
+step can be captured in a CUDA graph while the random numbers come from an explicit torch.Generator
+outside the graph (one `torch.rand` per round). Tokens of probability 0 are never returned (see
+`sample_from_probs`). The only inexactness is fp32 rounding of the cumsum (~1e-7 relative).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 -> greedy; top_k 0 -> off; top_p 1.0 -> off."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """log p of the processed distribution (fp32, -inf outside its support). logits: (..., V).
+
+    This is THE definition of both the target's p and the draft's q (the draft's logits are first
+    scattered into the target vocabulary with -inf for ids it lacks, so they get q = 0).
+    """
+    z = logits.float()
+    if params.greedy:
+        idx = z.argmax(-1, keepdim=True)
+        return torch.full_like(z, float("-inf")).scatter_(-1, idx, 0.0)
+    z = z / params.temperature
+    V = z.shape[-1]
+    if 0 < params.top_k < V:
+        kth = z.topk(params.top_k, dim=-1).values[..., -1:]  # (..., 1)
+        z = z.masked_fill(z < kth, float("-inf"))
+    if params.top_p < 1.0:
+        z_sorted, order = z.sort(-1, descending=True)
+        p_sorted = z_sorted.softmax(-1)
+        mass_before = p_sorted.cumsum(-1) - p_sorted  # mass strictly ahead of each sorted token
+        drop_sorted = mass_before >= params.top_p  # first token: mass_before = 0 < top_p, kept
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)  # back to vocab order
+        z = z.masked_fill(drop, float("-inf"))
+    return z.log_softmax(-1)
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """p = exp(processed_logprobs(logits)), (..., V) fp32."""
+    return processed_logprobs(logits, params).exp()
+
+
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample. probs: (..., V) >= 0, not necessarily normalised; u: (...) in [0, 1).
+
+    Returns (...) int64 ids. With cdf_i = sum_{j<=i} probs_j, picks the first i with cdf_i > u·cdf_V
+    (searchsorted right=True), so i is chosen with probability probs_i / cdf_V and an id whose
+    probability is 0 (flat cdf) can never be picked. If rounding puts u·cdf_V at or past the last
+    increment, clamp to the last id with probs > 0 (the first index where cdf reaches its total).
+    """
+    cdf = probs.cumsum(-1)  # (..., V)
+    total = cdf[..., -1:]  # (..., 1)
+    idx = torch.searchsorted(cdf, u[..., None].to(cdf.dtype) * total, right=True)  # (..., 1)
+    last_nonzero = (cdf < total).sum(-1, keepdim=True)  # (..., 1)
+    return torch.minimum(idx, last_nonzero).squeeze(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Convenience: draw u from `generator` and sample. probs: (..., V) -> (...) int64."""
+    u = torch.rand(probs.shape[:-1], generator=generator, device=probs.device)
+    return sample_from_probs(probs, u)
+
+
+def pick_tokens(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None):
+    """One token per row from raw logits (..., V): argmax if greedy else a sample of p with `u`.
+
+    Returns (tokens (...), log p (..., V) of the processed distribution, or None when greedy —
+    greedy callers report log_softmax(logits) instead, see generate.py).
+    """
+    if params.greedy:
+        return logits.argmax(-1), None
+    logp = processed_logprobs(logits, params)
+    return sample_from_probs(logp.exp(), u), logp

@@ -1,0 +1,137 @@
+"""EAGLE-3 speculative decoding: the per-round steps (propose, verify, catch up) and the draft prefill.
+
+Invariant between rounds, for every live row (x_n = last_tok, see state.py):
+    target cache: K/V valid at positions < n.
+    draft cache:  pass-1 K/V valid for anchors 0..n-1, where pass-1 at anchor i is
+                  step(hidden = fc(taps_i), emb(x_{i+1}), RoPE position i) and writes position i.
+    d_logits0 / d_hidden0: that pass-1 step's output at anchor n-1 — the draft's guess for x_{n+1}.
+
+One round (DESIGN §2 table, §6):
+  propose   x̂_1 from d_logits0; then chained passes d = 2..k at anchor n-1: hidden = previous pass's
+            output (pre-norm), token input emb(x̂_{d-1}), RoPE position n+d-2, writing draft cache
+            position n+d-2. A pass-d query thus sees trunk anchors <= n-1 plus its branch n..n+d-2 —
+            exactly EAGLE-3's TTT attention mask. x̂_d comes from pass d (k draft forwards total,
+            counting the catch-up that produced d_logits0).
+  verify    ONE target forward over [x_n, x̂_1..x̂_k] at positions n..n+k (with taps), then the
+            acceptance rule (acceptance.py): a accepted + 1 correction/bonus token.
+  catch up  draft pass-1 over anchors n..n+k with the verify's taps and emb(block_j) (block_j is
+            x_{n+j+1} for j <= a). Static width k+1: anchors past n+a see rejected tokens, but their
+            cache entries sit at positions >= n+a+1 = the next round's n, which the next round's
+            chained passes and catch-up overwrite before any query can read them. The output at
+            anchor n+a becomes the next d_logits0 / d_hidden0. Then n += a+1.
+Rejection is a length change: nothing is copied in either cache.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model.draft import Eagle3Draft
+from ..model.policy import Policy
+from . import acceptance
+from .sampling import SamplingParams, processed_logprobs, processed_probs, sample_from_probs
+from .state import DecodeState, commit
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x: (B, W, D), idx: (B,) -> x[b, idx[b]] (B, D) with a static-shape gather."""
+    B, _, D = x.shape
+    return x.gather(1, idx[:, None, None].expand(B, 1, D)).squeeze(1)
+
+
+class SpeculativeSteps:
+    """The three in-place round steps over a DecodeState. Uniform layout of st.u (sampling only):
+    [:, 0:k] draft samples x̂_1..x̂_k, [:, k:2k] acceptance tests, [:, 2k] residual/bonus sample."""
+
+    def __init__(self, policy: Policy, draft: Eagle3Draft, st: DecodeState, params: SamplingParams,
+                 k: int, max_new_tokens: int, eos_token_id: int | None):
+        self.policy, self.draft, self.st, self.params = policy, draft, st, params
+        self.k, self.max_new_tokens, self.eos_token_id = k, max_new_tokens, eos_token_id
+        dev = st.n.device
+        self.offsets = torch.arange(k + 1, device=dev)  # (k+1,) positions n..n+k
+        self.aux = tuple(draft.cfg.aux_layer_ids)
+
+    @staticmethod
+    def num_uniforms(k: int) -> int:
+        return 2 * k + 1
+
+    def _draft_token(self, logits: torch.Tensor, j: int) -> torch.Tensor:
+        """Proposal x̂_{j+1} (target ids) from draft logits (B, Vd); stores q for the verifier."""
+        if self.params.greedy:
+            return self.draft.draft_to_target[logits.argmax(-1)]
+        q = processed_probs(self.draft.to_target_logits(logits), self.params)  # (B, V)
+        self.st.q_draft[:, j].copy_(q)
+        return sample_from_probs(q, self.st.u[:, j])
+
+    def propose(self):
+        st = self.st
+        logits, hidden = st.d_logits0, st.d_hidden0  # pass 1 at anchor n-1 (from the catch-up)
+        tok = self._draft_token(logits, 0)
+        st.draft_tok[:, 0].copy_(tok)
+        for j in range(1, self.k):  # pass d = j+1 at anchor n-1, RoPE position n+j-1
+            emb = self.policy.embed_tokens(tok)[:, None]  # (B, 1, h)
+            pos = (st.n + (j - 1))[:, None]  # (B, 1)
+            logits, hidden = self.draft.step(hidden[:, None], emb, pos, st.d_cache)
+            logits, hidden = logits[:, 0], hidden[:, 0]  # (B, Vd), (B, h)
+            tok = self._draft_token(logits, j)
+            st.draft_tok[:, j].copy_(tok)
+
+    def verify(self):
+        st, k = self.st, self.k
+        inp = torch.cat([st.last_tok[:, None], st.draft_tok], dim=1)  # (B, k+1)
+        pos = st.n[:, None] + self.offsets  # (B, k+1)
+        out = self.policy(inp, pos, st.t_cache, tap_layers=self.aux)
+        if self.params.greedy:
+            verdict = acceptance.verify_greedy(out.logits, st.draft_tok)
+            logp_all = out.logits.float().log_softmax(-1)  # greedy reports raw log-probs (generate.py)
+        else:
+            logp_all = processed_logprobs(out.logits, self.params)  # (B, k+1, V)
+            verdict = acceptance.verify_sampling(logp_all.exp(), st.q_draft, st.draft_tok,
+                                                 st.u[:, k:2 * k], st.u[:, 2 * k])
+        logp = logp_all.gather(-1, verdict.tokens[..., None]).squeeze(-1)  # (B, k+1)
+        a = verdict.num_accepted
+        _, active = commit(st, verdict.tokens, a + 1, logp, self.max_new_tokens, self.eos_token_id)
+        # per draft position j+1: accepted in this round (a > j), counted over rows live at its start
+        st.n_accepted.add_(((self.offsets[None, :k] < a[:, None]) & active[:, None]).sum(0))
+        st.num_accepted.copy_(a)
+        st.block.copy_(verdict.tokens)
+        st.taps.copy_(out.taps.aux)
+
+    def catch_up(self):
+        st = self.st
+        hidden = self.draft.project_taps(st.taps)  # (B, k+1, h): fc(taps_{n+j})
+        emb = self.policy.embed_tokens(st.block)  # (B, k+1, h): emb(x_{n+j+1}) for j <= a
+        pos = st.n[:, None] + self.offsets  # (B, k+1)
+        logits, out = self.draft.step(hidden, emb, pos, st.d_cache)
+        a = st.num_accepted
+        st.d_logits0.copy_(gather_rows(logits, a))
+        st.d_hidden0.copy_(gather_rows(out, a))
+        # Rows still live advance by a+1; rows finished now or before stay frozen (static shapes).
+        live = ~st.finished
+        st.n.add_(torch.where(live, a + 1, 0))
+        st.last_tok.copy_(torch.where(live, st.block.gather(1, a[:, None]).squeeze(1), st.last_tok))
+
+
+def draft_prefill(policy: Policy, draft: Eagle3Draft, prompt_ids: torch.Tensor,
+                  prompt_lens: torch.Tensor, taps_aux: torch.Tensor, first_tok: torch.Tensor,
+                  group_size: int, cache_len: int):
+    """Bring the draft to the round invariant right after the target prefill (eager, once).
+
+    prompt_ids: (B0, S) right-padded, prompt_lens: (B0,), taps_aux: (B0, S, n_aux*h) from the
+    target prefill, first_tok: (B0*G,) the token sampled from the prefill (x_n with n = L_b).
+    Anchors 0..L_b-2 only need prompt tokens, so they run once per prompt; the cache is then
+    repeated for the G samples, and anchor L_b-1 (whose token input is the sampled x_{L_b}) runs
+    per sample. Returns (draft cache, d_logits0 (B0*G, Vd), d_hidden0 (B0*G, h)).
+    """
+    B0, S = prompt_ids.shape
+    cache = draft.new_cache(B0, cache_len)
+    if S > 1:  # anchor i = 0..S-2: fc(taps_i), emb(x_{i+1}); padded entries are overwritten later
+        pos = torch.arange(S - 1, device=prompt_ids.device).expand(B0, S - 1)
+        draft.step(draft.project_taps(taps_aux[:, :-1]), policy.embed_tokens(prompt_ids[:, 1:]),
+                   pos, cache)
+    if group_size > 1:
+        cache = cache.repeat_rows(group_size)
+    last = (prompt_lens - 1).repeat_interleave(group_size)  # (N,) anchor L_b - 1
+    last_tap = gather_rows(taps_aux, prompt_lens - 1).repeat_interleave(group_size, dim=0)  # (N, k*h)
+    logits, out = draft.step(draft.project_taps(last_tap[:, None]),
+                             policy.embed_tokens(first_tok)[:, None], last[:, None], cache)
+    return cache, logits[:, 0], out[:, 0]

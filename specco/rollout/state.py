@@ -1,0 +1,86 @@
+"""Decode state shared by plain and speculative decoding, and the one commit/bookkeeping step.
+
+Per row b the state means:
+    x_0..x_{n_b}  committed tokens (prompt + emitted); x_{n_b} = `last_tok[b]` is committed but not
+                  yet fed to the target, so the target cache is valid at positions < n_b.
+    out_tokens[b, :out_len[b]]  the emitted tokens (the first comes from the prefill).
+    finished[b]   EOS emitted or max_new_tokens reached; the row is then frozen (n, last_tok and
+                  out_len stop changing) while the batch keeps its static shape.
+All tensors are preallocated with static shapes so that steps can be captured in CUDA graphs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..model.layers import KVCache
+
+
+@dataclass
+class DecodeState:
+    n: torch.Tensor  # (B,) int64 position of last_tok
+    last_tok: torch.Tensor  # (B,) int64
+    out_tokens: torch.Tensor  # (B, T + W) int64; W columns of slack so block writes never clamp
+    out_logp: torch.Tensor  # (B, T + W) fp32 target log-prob of each emitted token
+    out_len: torch.Tensor  # (B,) int64
+    finished: torch.Tensor  # (B,) bool
+    n_emitted: torch.Tensor  # () int64 tokens emitted by decode rounds (prefill excluded)
+    n_row_forwards: torch.Tensor  # () int64 active rows summed over decode rounds
+    n_accepted: torch.Tensor  # (k,) int64 rounds whose draft token j+1 was accepted (active rows)
+    t_cache: KVCache
+    # -- speculative only (None for plain decode) --
+    d_cache: KVCache | None = None
+    d_logits0: torch.Tensor | None = None  # (B, Vd) draft pass-1 logits at anchor n-1
+    d_hidden0: torch.Tensor | None = None  # (B, h) draft pass-1 output at anchor n-1 (pre-norm)
+    draft_tok: torch.Tensor | None = None  # (B, k) proposals x̂_1..x̂_k (target ids)
+    q_draft: torch.Tensor | None = None  # (B, k, V) processed draft probs (sampling only)
+    taps: torch.Tensor | None = None  # (B, k+1, n_aux*h) verify taps, read by the catch-up
+    num_accepted: torch.Tensor | None = None  # (B,) this round's a
+    block: torch.Tensor | None = None  # (B, k+1) this round's emitted block (first a+1 valid)
+    u: torch.Tensor | None = None  # (B, n_uniforms) this round's uniforms, filled outside graphs
+
+    def small_tensors(self) -> list[torch.Tensor]:
+        """Every state tensor except the KV caches (what graph warm-up must restore)."""
+        out = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+        return out
+
+
+def commit(st: DecodeState, block: torch.Tensor, count: torch.Tensor, logp: torch.Tensor,
+           max_new_tokens: int, eos_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Append the first `count[b]` tokens of `block[b]` to row b's output, with EOS/length cut-off.
+
+    block: (B, W) candidate tokens, count: (B,) how many are valid (1 for plain decode, a+1 for
+    speculative), logp: (B, W) their target log-probs. Active rows (not finished before this call)
+    emit min(count, up to and including the first EOS, room left); finished rows emit nothing.
+    Updates out_*, finished and the τ counters; returns (emitted counts (B,), active (B,) — the
+    rows that were unfinished when the call started).
+    Static shapes only: writes go through gather/where/scatter at out_len + j, j < W, into a buffer
+    with W columns of slack, so no index is ever clamped onto another (which would race).
+    """
+    B, W = block.shape
+    j = torch.arange(W, device=block.device)  # (W,)
+    active = ~st.finished
+    in_block = j[None, :] < count[:, None]  # (B, W)
+    if eos_token_id is not None:
+        is_eos = (block == eos_token_id) & in_block
+        first_eos = torch.where(is_eos.any(-1), is_eos.long().argmax(-1), W)  # (B,)
+        count = torch.minimum(count, first_eos + 1)
+    count = torch.minimum(count, max_new_tokens - st.out_len)
+    count = torch.where(active, count, 0)
+    write = j[None, :] < count[:, None]  # (B, W)
+    idx = st.out_len[:, None] + j[None, :]  # (B, W) < T + W: never clamped
+    st.out_tokens.scatter_(1, idx, torch.where(write, block, st.out_tokens.gather(1, idx)))
+    st.out_logp.scatter_(1, idx, torch.where(write, logp.float(), st.out_logp.gather(1, idx)))
+    st.out_len.add_(count)
+    done = st.out_len >= max_new_tokens
+    if eos_token_id is not None:
+        done |= ((block == eos_token_id) & write).any(-1)
+    st.finished.logical_or_(active & done)
+    st.n_emitted.add_(count.sum())
+    st.n_row_forwards.add_(active.sum())
+    return count, active

@@ -1,0 +1,188 @@
+"""Rollout engine: sampling processing, log-probs, τ bookkeeping, EOS/padding, prompt groups, refit."""
+import pytest
+import torch
+
+from specco.model.layers import KVCache
+from specco.rollout.engine import RefitError, RolloutEngine
+from specco.rollout.generate import GenerateConfig, generate
+from specco.rollout.sampling import (SamplingParams, processed_logprobs, processed_probs,
+                                     sample_from_probs)
+from test_rollout_helpers import one_thread, random_draft, structured_pair, tiny_policy  # noqa: F401
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _prompts(V, lens=(3, 6, 1, 4), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (L,), generator=g) for L in lens]
+
+
+# -- sampling.py ---------------------------------------------------------------------------------
+def test_processed_distribution():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 10)
+    lp = processed_logprobs(logits, SamplingParams(temperature=0.5))
+    torch.testing.assert_close(lp, (logits / 0.5).log_softmax(-1))
+    p = processed_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert ((p > 0).sum(-1) == 3).all()
+    top3 = logits.topk(3, -1).indices
+    torch.testing.assert_close(p.gather(-1, top3), logits.gather(-1, top3).softmax(-1))
+    # top-p: the shortest prefix (by descending prob) whose mass reaches top_p
+    full = logits.softmax(-1)
+    p = processed_probs(logits, SamplingParams(top_p=0.6))
+    for r in range(3):
+        srt = full[r].sort(descending=True).values
+        n_keep = int((srt.cumsum(0) - srt < 0.6).sum())
+        assert int((p[r] > 0).sum()) == n_keep
+    g = processed_probs(logits, GREEDY)
+    assert torch.equal(g.argmax(-1), logits.argmax(-1)) and (g.sum(-1) == 1).all()
+
+
+def test_sample_from_probs_frequencies_and_zero_mass():
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    N = 200_000
+    s = sample_from_probs(probs.expand(N, 6), torch.rand(N, generator=g))
+    freq = torch.bincount(s, minlength=6).double() / N
+    assert (freq[probs == 0] == 0).all()
+    assert (freq - probs.double()).abs().max() < 5e-3
+    # edge uniforms never land on a zero-probability id
+    edge = sample_from_probs(probs.expand(3, 6), torch.tensor([0.0, 0.5, 1.0 - 1e-7]))
+    assert (probs[edge] > 0).all()
+
+
+# -- log-probs, τ, EOS ---------------------------------------------------------------------------
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), GREEDY,
+                                    SamplingParams(temperature=0.7, top_k=6, top_p=0.9)])
+@pytest.mark.parametrize("speculative", [False, True])
+@torch.no_grad()
+def test_logprobs_equal_full_forward(params, speculative):
+    policy, draft = structured_pair(layer_scale=100.0)
+    prompts = _prompts(policy.cfg.vocab_size)
+    cfg = GenerateConfig(max_new_tokens=12, sampling=params, num_draft_tokens=3)
+    out = generate(policy, prompts, cfg, draft=draft if speculative else None,
+                   generator=torch.Generator().manual_seed(0))
+    for b, prompt in enumerate(prompts):
+        n = int(out.lengths[b])
+        seq = torch.cat([prompt, out.tokens[b, :n]])
+        logits = policy(seq[None]).logits[0, prompt.numel() - 1: -1]  # predicts the emitted tokens
+        # greedy reports the raw log-softmax (the processed one-hot would be all zeros)
+        ref = logits.log_softmax(-1) if params.greedy else processed_logprobs(logits, params)
+        ref = ref.gather(-1, out.tokens[b, :n, None]).squeeze(-1)
+        torch.testing.assert_close(out.logprobs[b, :n], ref, atol=1e-4, rtol=0)
+        assert torch.isfinite(out.logprobs[b, :n]).all()
+
+
+def test_tau_plain_is_one_and_forward_count():
+    policy = tiny_policy()
+    out = generate(policy, _prompts(32), GenerateConfig(max_new_tokens=9, sampling=GREEDY))
+    assert out.tau == 1.0 and out.accept_rate.numel() == 0
+    assert out.num_target_forwards == 9  # prefill + 8 decode steps
+    assert (out.lengths == 9).all()
+
+
+def test_tau_random_draft_in_range():
+    policy = tiny_policy()
+    out = generate(policy, _prompts(32), GenerateConfig(max_new_tokens=9, num_draft_tokens=4),
+                   draft=random_draft(policy))
+    assert out.tau >= 1.0 and out.accept_rate.numel() == 4
+    assert ((out.accept_rate >= 0) & (out.accept_rate <= 1)).all()
+    assert (out.accept_rate[1:] <= out.accept_rate[:-1] + 1e-12).all()  # P(a>=j) is non-increasing
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_eos_and_padding(speculative):
+    policy, draft = structured_pair(layer_scale=100.0)
+    prompts = _prompts(32)
+    base = generate(policy, prompts, GenerateConfig(max_new_tokens=15, sampling=GREEDY))
+    eos = int(base.tokens[0, 4])
+    cfg = GenerateConfig(max_new_tokens=15, sampling=GREEDY, eos_token_id=eos, pad_token_id=-7,
+                         num_draft_tokens=4)
+    out = generate(policy, prompts, cfg, draft=draft if speculative else None)
+    for b in range(len(prompts)):
+        n = int(out.lengths[b])
+        row = base.tokens[b]
+        hits = (row == eos).nonzero()
+        expect = int(hits[0]) + 1 if hits.numel() else 15
+        assert n == expect
+        assert torch.equal(out.tokens[b, :n], row[:n])
+        assert (out.tokens[b, n:] == -7).all() and (out.logprobs[b, n:] == 0).all()
+
+
+def test_max_new_tokens_one():
+    policy, draft = structured_pair()
+    out = generate(policy, _prompts(32), GenerateConfig(max_new_tokens=1), draft=draft)
+    assert out.tokens.shape == (4, 1) and (out.lengths == 1).all() and out.num_target_forwards == 1
+
+
+# -- prompt groups -------------------------------------------------------------------------------
+@pytest.mark.parametrize("speculative", [False, True])
+def test_group_prefill_once_and_greedy_groups_identical(speculative):
+    policy, draft = structured_pair(layer_scale=100.0)
+    prompts, G = _prompts(32), 3
+    batch_sizes = []
+    hook = policy.register_forward_hook(lambda m, args, out: batch_sizes.append(out.hidden.shape[0]))
+    cfg = GenerateConfig(max_new_tokens=10, sampling=GREEDY, num_draft_tokens=2)
+    out = generate(policy, prompts, cfg, draft=draft if speculative else None, group_size=G)
+    hook.remove()
+    assert batch_sizes[0] == len(prompts)  # one prefill row per prompt ...
+    assert all(b == len(prompts) * G for b in batch_sizes[1:])  # ... decode rows per sample
+    assert out.tokens.shape == (len(prompts) * G, 10) and out.group_size == G
+    groups = out.tokens.view(len(prompts), G, 10)  # (B0, G, T): row b*G + g
+    assert (groups == groups[:, :1]).all()
+    single = generate(policy, prompts, cfg, draft=draft if speculative else None)
+    assert torch.equal(groups[:, 0], single.tokens)
+
+
+def test_sampled_groups_differ_and_are_valid():
+    policy, draft = structured_pair(layer_scale=100.0)
+    prompts, G = _prompts(32, lens=(2, 5)), 8
+    out = generate(policy, prompts, GenerateConfig(max_new_tokens=10, sampling=SamplingParams(
+        temperature=1.5)), draft=draft, group_size=G, generator=torch.Generator().manual_seed(0))
+    groups = out.tokens.view(2, G, 10)
+    assert ((out.tokens >= 0) & (out.tokens < 32)).all()
+    assert len({tuple(r.tolist()) for r in groups[0]}) > 1  # independent samples per group
+
+
+def test_kv_cache_repeat_rows():
+    c = KVCache(torch.randn(2, 3, 1, 5, 4), torch.randn(2, 3, 1, 5, 4))
+    r = c.repeat_rows(2)
+    assert r.k.shape == (2, 6, 1, 5, 4)
+    assert torch.equal(r.k[:, 2], c.k[:, 1]) and torch.equal(r.v[:, 3], c.v[:, 1])
+
+
+# -- engine --------------------------------------------------------------------------------------
+def test_engine_refit_loads_and_fails_loudly():
+    policy, draft = structured_pair(layer_scale=100.0)
+    cfg = GenerateConfig(max_new_tokens=8, sampling=GREEDY, num_draft_tokens=2)
+    new_policy, new_draft = tiny_policy(seed=5), random_draft(tiny_policy(seed=5), seed=6)
+    engine = RolloutEngine(policy, draft, cfg)
+    prompts = _prompts(32)
+    counts = engine.refit(new_policy.state_dict(), new_draft.state_dict())
+    assert counts["policy"] == len(new_policy.state_dict()) and counts["draft"] > 0
+    got = engine.generate(prompts)
+    ref = generate(new_policy, prompts, cfg)
+    assert torch.equal(got.tokens, ref.tokens)
+    for k, v in new_draft.state_dict().items():
+        assert torch.equal(engine.draft.state_dict()[k], v)
+
+    with pytest.raises(RefitError, match="no draft"):
+        RolloutEngine(tiny_policy(), None, cfg).refit(None, new_draft.state_dict())
+    bad = dict(new_draft.state_dict())
+    bad.pop("fc.weight")
+    with pytest.raises(RefitError, match="missing"):
+        engine.refit(None, bad)
+    bad = dict(new_policy.state_dict(), extra=torch.zeros(1))
+    with pytest.raises(RefitError, match="unexpected"):
+        engine.refit(bad)
+    bad = dict(new_policy.state_dict())
+    bad["norm.weight"] = torch.ones(7)
+    with pytest.raises(RefitError, match="shape"):
+        engine.refit(bad)
+
+
+def test_engine_rejects_mismatched_draft():
+    policy = tiny_policy()
+    other = tiny_policy(V=40)
+    with pytest.raises(ValueError, match="vocab"):
+        RolloutEngine(policy, random_draft(other))
