@@ -30,7 +30,8 @@ class TrainBatch:
 
     tokens (B, S); target_mask (B, S): 1 where token j is trained on (a completion token);
     logp_old (B, S): the rollout's log-prob of token j (ignored where target_mask is 0);
-    advantages (B,); positions (B, S) optional global positions (CP passes zigzag positions);
+    advantages (B,) per sample, or (B, S) per token (indexed by token j, like logp_old — CP packs);
+    positions (B, S) optional global positions (CP passes zigzag positions);
     logp_ref (B, S) optional reference-policy log-probs for the KL term.
     """
     tokens: torch.Tensor
@@ -115,12 +116,16 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
         out = policy(batch.tokens, batch.positions, tap_layers=tap_ids)
     total = out.logits.new_zeros((), dtype=torch.float32)
     if train_policy:
-        # Logits at j-1 predict token j: compare shifted logits with tokens.
-        logp_new = token_logprobs(out.logits[:, :-1],
-                                  batch.tokens[:, 1:], cfg.temperature)
-        mask = batch.target_mask[:, 1:]
-        ref = batch.logp_ref[:, 1:] if batch.logp_ref is not None else None
-        l_pol, m = clipped_surrogate(logp_new, batch.logp_old[:, 1:], batch.advantages, mask,
+        # Logits at i predict token i+1. The next-token alignment goes through `shift` (not
+        # logits[:, :-1] vs tokens[:, 1:]) so that under CP, where i+1 may live on another rank,
+        # the CP-aware shift fetches it; per-token fields (logp_old, logp_ref, mask, per-token
+        # advantages) are indexed by token like `tokens`, so they shift with it. With shift_left
+        # this is the same math: the last position's target is masked out by shift(mask, 1).
+        logp_new = token_logprobs(out.logits, shift(batch.tokens, 1), cfg.temperature)
+        mask = shift(batch.target_mask, 1)
+        ref = shift(batch.logp_ref, 1) if batch.logp_ref is not None else None
+        adv = batch.advantages if batch.advantages.dim() == 1 else shift(batch.advantages, 1)
+        l_pol, m = clipped_surrogate(logp_new, shift(batch.logp_old, 1), adv, mask,
                                      cfg.clip_eps, ref, cfg.kl_coef, policy_token_count)
         total = total + l_pol
         metrics.update(m)

@@ -1,0 +1,123 @@
+"""Co-training steps with context parallelism on a synthetic packed batch (a thin entry point).
+
+    torchrun --nproc-per-node 4 -m specco.parallel.launch_cotrain configs/demo.toml parallel.cp=2 parallel.dp=2
+    torchrun --nproc-per-node 2 -m specco.parallel.launch_cotrain parallel.cp=2 --steps 3 --seq-lens 300,41,7
+
+The CLI will call `run_cotrain_step_cp(cfg, ...)`; everything it does is the recipe of cp.py:
+per batch, build the ZigzagLayout, shard the packed batch, apply_cp on the policy, and pass the
+CP shift / ring attention / global counts to `cotrain_step`. Metrics are printed on rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..config import RunConfig, load_config
+from ..model.config import DraftConfig, PolicyConfig
+from ..model.draft import Eagle3Draft
+from ..model.policy import Policy
+from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+from .cp import apply_cp, cp_attn, cp_shift, global_count, shard_batch
+from .mesh import Mesh
+from .zigzag import ZigzagLayout
+
+__all__ = ["run_cotrain_step_cp", "synthetic_packed_batch", "main"]
+
+_SYNTH_VOCAB = 256  # the tiny policy's vocabulary when no tokenizer is involved
+
+
+def synthetic_packed_batch(seq_lens, vocab: int, seed: int, device=None) -> tuple[TrainBatch, tuple[int, ...]]:
+    """One THD pack (B = 1) of random sequences: prompt = first quarter (mask 0), completion mask 1,
+    per-token advantages constant within a sequence (GRPO's per-sample value), random old log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    T = sum(seq_lens)
+    tokens = torch.randint(0, vocab, (1, T), generator=g)
+    mask, adv, cu = torch.zeros(1, T), torch.zeros(1, T), [0]
+    for L in seq_lens:
+        a = cu[-1]
+        mask[0, a + L // 4:a + L] = 1
+        adv[0, a:a + L] = torch.randn((), generator=g)
+        cu.append(a + L)
+    # Old log-probs near a uniform policy's, so the PPO ratio starts near 1 (as after a real rollout).
+    logp_old = -math.log(vocab) + 0.05 * torch.randn(1, T, generator=g)
+    batch = TrainBatch(tokens=tokens, target_mask=mask, advantages=adv, logp_old=logp_old)
+    if device is not None:
+        batch = TrainBatch(**{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in vars(batch).items()})
+    return batch, tuple(cu)
+
+
+def _build_models(cfg: RunConfig, device):
+    ps = cfg.policy
+    if ps.source != "tiny":
+        raise ValueError(f"run_cotrain_step_cp builds synthetic tiny models; policy.source={ps.source!r} "
+                         "is loaded by the training CLI, not here")
+    dtype = getattr(torch, ps.dtype)
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
+    pc = PolicyConfig(vocab_size=_SYNTH_VOCAB, hidden_size=ps.hidden_size, intermediate_size=ps.intermediate_size,
+                      num_layers=ps.num_layers, num_heads=ps.num_heads, num_kv_heads=ps.num_kv_heads)
+    policy = Policy(pc).to(device=device, dtype=dtype)
+    dc = DraftConfig.for_policy(pc, cfg.draft.draft_vocab_size or None, cfg.draft.aux_layer_ids or None)
+    draft = Eagle3Draft(dc).to(device=device, dtype=dtype)
+    return policy, draft
+
+
+def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), mesh: Mesh | None = None,
+                        log=print) -> list[dict]:
+    """Run `steps` co-training steps with dp × cp = cfg.parallel on synthetic packs; return metrics.
+
+    Every dp rank gets its own pack of `seq_lens` sequences (a different seed per dp rank and step);
+    the pack is zigzag-sharded over the dp rank's CP group. Must be called on every rank.
+    """
+    mesh = mesh or Mesh.build(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.backend)
+    device = mesh.device
+    policy, draft = _build_models(cfg, device)
+    t = cfg.train
+    opt = build_optimizer(policy, draft, t.lr, t.draft_lr)
+    step_cfg = StepConfig(draft_weight=t.draft_weight, ttt_passes=cfg.draft.ttt_passes,
+                          pass_decay=cfg.draft.pass_decay, clip_eps=t.clip_eps, kl_coef=t.kl_coef,
+                          policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
+                          loss_chunk=t.loss_chunk)
+    history = []
+    for step in range(steps):
+        packed, cu = synthetic_packed_batch(seq_lens, _SYNTH_VOCAB, seed=1000 * step + mesh.dp_rank, device=device)
+        layout = ZigzagLayout(cu, mesh.cp, mesh.cp_rank)
+        batch = shard_batch(packed, layout)
+        apply_cp(policy, mesh.cp_group, layout)
+        shift = functools.partial(cp_shift, group=mesh.cp_group, layout=layout)
+        n_tok = global_count(shift(batch.target_mask, 1), mesh.grad_group)
+        m = cotrain_step(policy, draft, batch, opt, None, step_cfg, grad_group=mesh.grad_group, shift=shift,
+                         attn=cp_attn(mesh.cp_group, layout), policy_token_count=n_tok)
+        # The two losses are each rank's contribution to the global mean: report their sum.
+        losses = torch.tensor([m.get("policy/loss", 0.0), m.get("draft/loss", 0.0)], dtype=torch.float64,
+                              device=device)
+        dist.all_reduce(losses, group=mesh.grad_group)
+        for key, v in zip(("policy/loss", "draft/loss"), losses.tolist()):
+            if key in m:
+                m[key] = v
+        m["step"] = step
+        m["tokens/local"] = layout.num_local
+        history.append(m)
+        if mesh.rank == 0 and log is not None:
+            log(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in m.items()}))
+    return history
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("args", nargs="*", help="[config.toml] key.sub=value ...")
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--seq-lens", default="512,77,5", help="comma-separated lengths of one dp rank's pack")
+    ns = ap.parse_args(argv)
+    path = ns.args[0] if ns.args and "=" not in ns.args[0] else None
+    overrides = [a for a in ns.args if "=" in a]
+    cfg = load_config(path, overrides)
+    run_cotrain_step_cp(cfg, ns.steps, tuple(int(x) for x in ns.seq_lens.split(",")))
+
+
+if __name__ == "__main__":
+    main()

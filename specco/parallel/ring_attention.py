@@ -1,0 +1,231 @@
+"""Zigzag ring attention: causal trunk over the CP group ⊕ rank-local TTT branch (DESIGN §3, §4).
+
+Each rank holds, per sequence, its front chunk F (global chunk r) and back chunk Bk (chunk 2cp−1−r)
+of q, k, v (zigzag.py). The pass-1 trunk K/V shards ride the ring; at step s rank r holds the shard
+of src = (r − s) mod cp, and which of its queries see which of the arriving keys follows from the
+chunk order alone (chunk ids: r < 2cp−1−r, and src's are src < 2cp−1−src):
+
+    step 0 ("local"): the local shard itself. Local order [F; Bk] is sorted by global position, so
+                      this is ONE causal square block over the 2c local tokens.
+    src < r ("front"): src's front chunk precedes both local chunks and its back chunk follows both:
+                      ALL 2c local queries × src's FRONT chunk (c keys), no mask.
+    src > r ("back"):  src's two chunks both lie strictly between chunk r and chunk 2cp−1−r:
+                      only the local BACK chunk (c queries) × ALL 2c arriving keys, no mask.
+
+Every step yields a partial (out, lse) merged into an fp32 accumulator with `merge_lse` (the one
+merge definition). Per rank the work is 1 causal (2c)² block + (cp−1) blocks of 2c·c scores —
+the same on every rank, which is the point of zigzag.
+
+TTT: the branch keys of a pass-d query live at its own anchor, hence on its own rank: they are
+attended locally with `branch_attn_fwd` and merged with the ring result — no communication.
+
+Backward (the §3 identity): each block's backward, evaluated with the JOINT (out, lse) and dout,
+is exactly that block's share of the gradient. K/V travel the ring again; the dK/dV of a visiting
+shard accumulate in a buffer that travels with it (one hop behind) and arrives home after a full
+cycle. No rank ever holds more than its own shard plus one visiting shard of K/V.
+
+Packing: attention never crosses a sequence border — blocks are per sequence (a Python loop: fine
+for correctness on CPU; the long single-sequence case, one block per step, is the performance case).
+Padding needs no mask (zigzag.py). GQA: k/v have Hkv heads (the adapter handles GQA natively), so the
+ring moves Hkv-head shards.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..ops.attention import block_attn_bwd, block_attn_fwd, branch_attn_bwd, branch_attn_fwd, merge_lse
+from ..ops.sdpa_adapter import lse_dtype
+from .comm import RingComm
+from .zigzag import ZigzagLayout
+
+__all__ = ["ring_causal_attention", "ring_ttt_attention", "RingTTTAttention", "step_kind",
+           "fwd_step", "bwd_step"]
+
+_KV_TAG, _DKV_TAG = 0, 1
+
+
+def step_kind(step: int, rank: int, cp: int) -> str:
+    """Which blocks ring step `step` computes on rank `rank` (module docstring): local/front/back."""
+    if step == 0:
+        return "local"
+    return "front" if (rank - step) % cp < rank else "back"
+
+
+def _blocks(kind: str, layout: ZigzagLayout):
+    """Per sequence: (query rows, key rows, causal) as slices of the local token dimension."""
+    for s, c in layout.seq_slices():
+        if kind == "local":
+            yield slice(s, s + 2 * c), slice(s, s + 2 * c), True
+        elif kind == "front":
+            yield slice(s, s + 2 * c), slice(s, s + c), False
+        else:  # "back"
+            yield slice(s + c, s + 2 * c), slice(s, s + 2 * c), False
+
+
+# --------------------------------------------------------------------------------------------------
+# One ring step, forward and backward. Public so bench/cp_attention.py can replay one rank's steps
+# on one GPU without communication.
+# --------------------------------------------------------------------------------------------------
+
+def fwd_step(kind: str, q, k_src, v_src, out_acc, lse_acc, layout: ZigzagLayout, scale: float,
+             impl: str | None = None) -> None:
+    """Attend q to the visiting shard (k_src, v_src) and merge into (out_acc, lse_acc) in place.
+
+    q (B, H, T, D); k_src, v_src (B, Hkv, T, D); out_acc (B, H, T, D) and lse_acc (B, H, T) in fp32
+    (fp64 for fp64). Step 0 *initialises* the accumulator: every row sees at least its own key there,
+    so afterwards every lse is finite and later merges never see −inf on both sides.
+    """
+    for rows, cols, causal in _blocks(kind, layout):
+        o, l = block_attn_fwd(q[:, :, rows], k_src[:, :, cols], v_src[:, :, cols], causal, scale, impl=impl)
+        if kind == "local":
+            out_acc[:, :, rows], lse_acc[:, :, rows] = o, l
+        else:
+            o_m, l_m = merge_lse(out_acc[:, :, rows], lse_acc[:, :, rows], o, l)
+            out_acc[:, :, rows], lse_acc[:, :, rows] = o_m, l_m
+
+
+def bwd_step(kind: str, dout, q, k_src, v_src, out, lse, dq_acc, dk_src, dv_src, layout: ZigzagLayout,
+             scale: float, impl: str | None = None) -> None:
+    """This step's share of the joint gradient: dq_acc += ..., dk_src/dv_src (visiting shard's) += ...
+
+    out/lse are the JOINT statistics (ring ⊕ branch) of the local queries; dq_acc (B, H, T, D) and
+    dk_src/dv_src (B, Hkv, T, D) are fp32 accumulators (fp64 for fp64).
+    """
+    for rows, cols, causal in _blocks(kind, layout):
+        dq, dk, dv = block_attn_bwd(dout[:, :, rows], q[:, :, rows], k_src[:, :, cols], v_src[:, :, cols],
+                                    out[:, :, rows], lse[:, :, rows], causal, scale, impl=impl)
+        dq_acc[:, :, rows] += dq
+        dk_src[:, :, cols] += dk
+        dv_src[:, :, cols] += dv
+
+
+# --------------------------------------------------------------------------------------------------
+# Ring loops: post -> compute -> wait -> swap.
+# --------------------------------------------------------------------------------------------------
+
+def _ring_fwd(q, k, v, group, layout, scale, impl):
+    B, H, T, D = q.shape
+    md = lse_dtype(q)
+    out_acc = q.new_empty(B, H, T, D, dtype=md)
+    lse_acc = q.new_empty(B, H, T, dtype=md)
+    cp = layout.cp
+    comm = RingComm(group, _KV_TAG) if cp > 1 else None
+    kv = [k, v]
+    for step in range(cp):
+        if step + 1 < cp:
+            nxt = comm.send_recv(kv)  # prefetch the shard we attend to next
+            comm.commit()
+        fwd_step(step_kind(step, layout.rank, cp), q, kv[0], kv[1], out_acc, lse_acc, layout, scale, impl)
+        if step + 1 < cp:
+            comm.wait()
+            kv = nxt
+    assert comm is None or comm.idle, "ring forward left a transfer in flight"
+    return out_acc, lse_acc
+
+
+def _ring_bwd(dout, q, k, v, out, lse, group, layout, scale, impl):
+    """Returns fp32 dq (B, H, T, D) and this rank's own dk, dv (B, Hkv, T, D), fp32.
+
+    Schedule at step s (holding the shard of src = r − s):
+        post K/V(src) -> next                      (prefetch for step s+1)
+        compute: dq += ..., dkv_blk = our share for src's K/V
+        wait dKV(src) from prev (posted at s−1):   it holds ranks src..r−1's shares; add ours
+        post dKV(src) -> next,  dKV(src−1) <- prev (the buffer that travels one hop behind its K/V)
+        wait K/V; swap
+    After step cp−1 the last dKV received is for src = r − cp = r: our own shard, all cp shares.
+    """
+    cp = layout.cp
+    md = lse_dtype(q)
+    dq_acc = torch.zeros(q.shape, dtype=md, device=q.device)
+    kv_comm = RingComm(group, _KV_TAG) if cp > 1 else None
+    dkv_comm = RingComm(group, _DKV_TAG) if cp > 1 else None
+    kv, dkv_in = [k, v], None
+    for step in range(cp):
+        if step + 1 < cp:
+            nxt = kv_comm.send_recv(kv)
+            kv_comm.commit()
+        dk_blk = torch.zeros(k.shape, dtype=md, device=k.device)  # (B, Hkv, T, D)
+        dv_blk = torch.zeros(v.shape, dtype=md, device=v.device)
+        bwd_step(step_kind(step, layout.rank, cp), dout, q, kv[0], kv[1], out, lse, dq_acc, dk_blk, dv_blk,
+                 layout, scale, impl)
+        if cp == 1:
+            dkv_in = [dk_blk, dv_blk]
+            break
+        if step > 0:
+            dkv_comm.wait()  # the travelling dK/dV of the shard we just used
+            dk_blk += dkv_in[0]
+            dv_blk += dkv_in[1]
+        dkv_in = dkv_comm.send_recv([dk_blk, dv_blk])
+        dkv_comm.commit()
+        if step + 1 < cp:
+            kv_comm.wait()
+            kv = nxt
+    if cp > 1:
+        dkv_comm.wait()  # our own shard's dK/dV, home after a full cycle
+        assert kv_comm.idle and dkv_comm.idle, "ring backward left a transfer in flight"
+    return dq_acc, dkv_in[0], dkv_in[1]
+
+
+class RingTTTAttention(torch.autograd.Function):
+    """(out, lse) of ring trunk ⊕ local branch; backward with the joint (out, lse). lse is non-differentiable
+    (no gradient w.r.t. lse is ever needed, §3)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, k_branch, v_branch, group, layout, scale, impl):
+        # One copy up front instead of one per block: k/v travel (sends need contiguous buffers) and
+        # the policy's q/k/v arrive as (B, S, H, D)-ordered views of (B, H, S, D).
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out_acc, lse_acc = _ring_fwd(q, k, v, group, layout, scale, impl)
+        has_branch = k_branch is not None and k_branch.shape[3] > 0
+        if has_branch:
+            md = lse_acc.dtype
+            # Branch in fp32 (fp64 for fp64) straight into the fp32 accumulator: one rounding, at the end.
+            out_b, lse_b = branch_attn_fwd(q.to(md), k_branch, v_branch, scale)
+            out_acc, lse_acc = merge_lse(out_acc, lse_acc, out_b, lse_b)
+        out = out_acc.to(q.dtype)  # the kernels read out in q's dtype for D = rowsum(dout ⊙ out)
+        ctx.save_for_backward(q, k, v, k_branch if has_branch else None, v_branch if has_branch else None,
+                              out, lse_acc)
+        ctx.group, ctx.layout, ctx.scale, ctx.impl, ctx.has_branch = group, layout, scale, impl, has_branch
+        ctx.mark_non_differentiable(lse_acc)
+        return out, lse_acc
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, k_branch, v_branch, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        dq, dk, dv = _ring_bwd(dout, q, k, v, out, lse, ctx.group, ctx.layout, ctx.scale, ctx.impl)
+        dkb = dvb = None
+        if ctx.has_branch:
+            dq_b, dkb, dvb = branch_attn_bwd(dout, q.to(dq.dtype), k_branch, v_branch, out, lse, ctx.scale)
+            dq += dq_b  # both shares summed in fp32 before the one rounding below
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dkb, dvb, None, None, None, None
+
+
+def ring_ttt_attention(q, k_trunk, v_trunk, k_branch=None, v_branch=None, group=None, layout=None, *,
+                       scale: float | None = None, return_lse: bool = False, impl: str | None = None):
+    """CP version of `ops.attention.ttt_attention` (the `attn` argument of `ttt_forward`).
+
+    q (B, H, T_local, D); k_trunk, v_trunk (B, Hkv, T_local, D) — this rank's zigzag shards;
+    k_branch, v_branch (B, Hkv, T_local, P, D) or None (pass 1). `group`: the CP process group
+    (None only when layout.cp == 1); `layout`: this batch's ZigzagLayout for this rank.
+    Returns out (B, H, T_local, D) in q's dtype (+ lse (B, H, T_local) fp32 when return_lse).
+    """
+    if layout is None:
+        raise ValueError("ring attention needs the batch's ZigzagLayout")
+    if q.shape[2] != layout.num_local:
+        raise ValueError(f"q has {q.shape[2]} local tokens but the layout expects {layout.num_local}")
+    if layout.cp > 1 and (dist.get_world_size(group), dist.get_rank(group)) != (layout.cp, layout.rank):
+        raise ValueError(f"layout is for rank {layout.rank} of cp={layout.cp} but the group has rank "
+                         f"{dist.get_rank(group)} of {dist.get_world_size(group)}: pass the CP group")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = RingTTTAttention.apply(q, k_trunk, v_trunk, k_branch, v_branch, group, layout, scale, impl)
+    return (out, lse) if return_lse else out
+
+
+def ring_causal_attention(q, k, v, group=None, layout=None, scale: float | None = None):
+    """CP causal attention with the signature of `Attention.core` once group/layout are bound
+    (cp.apply_cp does that): q (B, H, T_local, D), k/v (B, Hkv, T_local, D) -> out (B, H, T_local, D)."""
+    return ring_ttt_attention(q, k, v, None, None, group, layout, scale=scale)
