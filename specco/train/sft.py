@@ -1,0 +1,191 @@
+"""Supervised fine-tuning (SFT) of the policy on a task's reference answers, and a small evaluator.
+
+The demo starts from a from-scratch tiny policy that knows nothing; SFT teaches it the task's
+format and most of the arithmetic, so that RL starts from a policy with non-trivial but imperfect
+accuracy when sampling at temperature 1 (the regime where GRPO has signal to learn from).
+
+    loss = sum_{t in completion} -log p(x_t | x_<t) / #completion tokens     (prompt tokens masked)
+
+Batches are drawn from the task's stream `seed` at data position `offset + step * batch_size`, so a
+resumed run sees the same data. Evaluation draws from a different stream (`eval_seed`), but the
+easy tasks' problem space is small (chain_sum 1-digit 2-3 terms: 4,200 problems), so held-out
+problems are mostly not unseen: the evaluator measures skill on the task distribution, not
+generalisation.
+
+`generate_simple` is deliberately the dumbest correct decoder -- a full-recompute forward per new
+token, no KV cache -- so this stage does not depend on the rollout engine (`train` and `rollout`
+never import each other).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from specco.model.config import PolicyConfig
+
+
+def tiny_policy_config(tokenizer, hidden_size: int = 96, num_layers: int = 4, num_heads: int = 4,
+                       num_kv_heads: int = 2, intermediate_size: int = 256,
+                       max_position_embeddings: int = 256) -> PolicyConfig:
+    """A Llama-style from-scratch policy sized for a CPU demo, matched to `tokenizer`."""
+    return PolicyConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size,
+                        intermediate_size=intermediate_size, num_layers=num_layers,
+                        num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        max_position_embeddings=max_position_embeddings, model_type="llama",
+                        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+
+
+def sft_batch(task, tokenizer, items, device="cpu"):
+    """Right-padded (input_ids, loss_mask), both (B, S).
+
+    loss_mask[b, t] is 1 where token t+1 is a completion token (so logits[:, t] predict it):
+    the mask is aligned with the *inputs*, the targets are input_ids shifted left by one.
+    Right padding needs no attention mask: real tokens never attend to later (pad) positions.
+    """
+    seqs, masks = [], []
+    for it in items:
+        p, c = task.prompt_ids(it, tokenizer), task.completion_ids(it, tokenizer)
+        seqs.append(p + c)
+        masks.append([0] * (len(p) - 1) + [1] * len(c) + [0])  # predict c from positions p-1..
+    S = max(map(len, seqs))
+    ids = torch.full((len(seqs), S), tokenizer.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), S), dtype=torch.float32)
+    for b, (s, m) in enumerate(zip(seqs, masks)):
+        ids[b, :len(s)] = torch.tensor(s)
+        mask[b, :len(m)] = torch.tensor(m, dtype=torch.float32)
+    return ids.to(device), mask.to(device)
+
+
+def sft_loss(policy, input_ids, loss_mask):
+    """Mean next-token cross-entropy over completion tokens (fp32 logits)."""
+    logits = policy(input_ids).logits[:, :-1].float()  # (B, S-1, V) predicts tokens 1..S-1
+    targets = input_ids[:, 1:]
+    mask = loss_mask[:, :-1]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                         reduction="none").view_as(mask)
+    return (ce * mask).sum() / mask.sum().clamp(min=1)
+
+
+def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) -> float:
+    """LR multiplier: linear 0 -> 1 over `warmup` steps, then cosine 1 -> min_ratio at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def sft(policy, tokenizer, task, steps: int, batch_size: int = 128, lr: float = 3e-3,
+        seed: int = 0, offset: int = 0, warmup: int | None = None, weight_decay: float = 0.01,
+        grad_clip: float = 1.0, eval_every: int = 0, eval_n: int = 128, progress: bool = True,
+        log=None) -> dict:
+    """Train `policy` in place for `steps` AdamW steps; returns metrics.
+
+    Data: items `offset + k*batch_size ...` of task stream `seed`; the returned `offset` is where
+    the next stage (or a resumed SFT) continues. `eval_every > 0` evaluates greedy accuracy on
+    `eval_n` held-out items during training (costs time; the demo leaves it off).
+    """
+    device = next(policy.parameters()).device
+    warmup = max(1, steps // 20) if warmup is None else warmup
+    decay = [p for n, p in policy.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in policy.named_parameters() if p.dim() < 2]  # norms: no weight decay
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, steps, warmup))
+    policy.train()
+    history, losses = [], []
+    t0, c0 = time.perf_counter(), time.process_time()
+    bar = tqdm(range(steps), desc="sft", disable=not progress, dynamic_ncols=True)
+    for step in bar:
+        items = task.prompts(batch_size, seed=seed, offset=offset)
+        offset += batch_size
+        ids, mask = sft_batch(task, tokenizer, items, device)
+        loss = sft_loss(policy, ids, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if step % 10 == 0 or step == steps - 1:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", gnorm=f"{gnorm.item():.2f}")
+        if eval_every and ((step + 1) % eval_every == 0 or step == steps - 1):
+            ev = evaluate(policy, tokenizer, task, eval_n, temperature=0.0)
+            policy.train()
+            rec = {"step": step + 1, "loss": sum(losses[-10:]) / len(losses[-10:]),
+                   "greedy_acc": ev["accuracy"], "time_s": time.perf_counter() - t0}
+            history.append(rec)
+            if log is not None:
+                log(rec)
+    policy.eval()
+    elapsed = time.perf_counter() - t0
+    cpu_s = time.process_time() - c0  # CPU seconds of all threads: robust to a busy machine
+    tail = losses[-max(1, min(20, len(losses))):] if losses else [float("nan")]
+    return {"steps": steps, "loss_first": losses[0] if losses else float("nan"),
+            "loss_last": sum(tail) / len(tail), "losses": losses, "time_s": elapsed, "cpu_s": cpu_s,
+            "steps_per_s": steps / elapsed if elapsed > 0 else float("nan"),
+            "offset": offset, "history": history}
+
+
+@torch.no_grad()
+def generate_simple(policy, prompt_ids: list[list[int]], max_new_tokens: int, eos_id: int,
+                    temperature: float = 0.0, generator: torch.Generator | None = None):
+    """Sample continuations; returns per-prompt lists of new token ids (up to and without <eos>).
+
+    Prompts are bucketed by length so no padding (and no attention mask) is needed; each bucket is
+    decoded with a full forward over the whole sequence per new token. temperature 0 = greedy.
+    """
+    device = next(policy.parameters()).device
+    buckets = defaultdict(list)
+    for i, p in enumerate(prompt_ids):
+        buckets[len(p)].append(i)
+    out: list[list[int]] = [[] for _ in prompt_ids]
+    for _, rows in sorted(buckets.items()):
+        seq = torch.tensor([prompt_ids[i] for i in rows], dtype=torch.long, device=device)  # (b, P)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=device)
+        for _ in range(max_new_tokens):
+            logits = policy(seq).logits[:, -1].float()  # (b, V) at the last position
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            else:
+                nxt = logits.argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+            done |= nxt == eos_id
+            seq = torch.cat([seq, nxt[:, None]], dim=1)
+            if bool(done.all()):
+                break
+        for r, i in enumerate(rows):
+            new = seq[r, len(prompt_ids[i]):].tolist()
+            out[i] = new[:new.index(eos_id)] if eos_id in new else new
+    return out
+
+
+@torch.no_grad()
+def evaluate(policy, tokenizer, task, n: int = 256, temperature: float = 0.0, eval_seed: int = 1,
+             offset: int = 0, max_new_tokens: int | None = None, seed: int = 0,
+             return_samples: bool = False) -> dict:
+    """Generate answers for `n` items of stream `eval_seed` and score them with the task's reward.
+
+    accuracy = fraction with score == 1.0; mean_score includes reasoning_gym's partial credit.
+    """
+    was_training = policy.training
+    policy.eval()
+    items = task.prompts(n, seed=eval_seed, offset=offset)
+    prompts = [task.prompt_ids(it, tokenizer) for it in items]
+    if max_new_tokens is None:  # longest reference completion + eos, with slack
+        max_new_tokens = max(len(task.completion_ids(it, tokenizer)) for it in items) + 4
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    outs = generate_simple(policy, prompts, max_new_tokens, tokenizer.eos_id, temperature, gen)
+    texts = [tokenizer.decode(o) for o in outs]
+    scores = [task.score(t, it) for t, it in zip(texts, items)]
+    policy.train(was_training)
+    res = {"n": n, "temperature": temperature,
+           "accuracy": sum(s == 1.0 for s in scores) / n, "mean_score": sum(scores) / n}
+    if return_samples:
+        res["samples"] = [(it.prompt, t, it.answer, s) for it, t, s in zip(items, texts, scores)]
+    return res

@@ -1,0 +1,99 @@
+"""Task streams, rewards and the char-level tokenizer (specco.data).
+
+Streams must be deterministic and resumable by offset (a resumed run continues the same data);
+rewards come from reasoning_gym's own scorer; the tokenizer saved next to a model must give the
+same ids through transformers as through specco.
+"""
+import pytest
+
+pytest.importorskip("reasoning_gym")
+
+from specco.data.tasks import get_task, task_info  # noqa: E402
+from specco.data.tokenizer import build_char_tokenizer, load_tokenizer  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["chain_sum", "basic_arithmetic"])
+def test_stream_deterministic_and_resumable(name):
+    task = get_task(name)
+    full = task.prompts(40, seed=3)
+    again = get_task(name).prompts(40, seed=3)  # a fresh Task object: no hidden state
+    resumed = task.prompts(15, seed=3, offset=25)
+    assert [i.prompt for i in full] == [i.prompt for i in again]
+    assert [(i.index, i.prompt, i.answer) for i in full[25:]] == \
+        [(i.index, i.prompt, i.answer) for i in resumed]
+    # Different seeds are different streams, not shifted copies (reasoning_gym seeds Random(seed+idx)).
+    other = task.prompts(41, seed=4)
+    assert [i.prompt for i in other[:40]] != [i.prompt for i in full]
+    assert [i.prompt for i in other[1:]] != [i.prompt for i in full]
+
+
+def test_compact_prompt_format():
+    task = get_task("chain_sum")
+    for it in task.prompts(50, seed=0):
+        assert it.prompt.endswith("=") and " " not in it.prompt
+        assert it.completion == it.answer
+        assert eval(it.prompt[:-1]) == int(it.answer)  # the compact prompt is the same problem
+    assert task_info(task)["config"]["max_terms"] == 3
+
+
+def test_score_right_and_wrong():
+    task = get_task("chain_sum")
+    for it in task.prompts(20, seed=0):
+        assert task.score(it.answer, it) == 1.0
+        assert task.score(f" {it.answer} ", it) == 1.0
+        wrong = str(int(it.answer) + 1)
+        if it.answer not in wrong:  # reasoning_gym gives partial credit to superstrings
+            assert task.score(wrong, it) == 0.0
+        assert task.score("", it) == 0.0
+        assert task.score("abc", it) == 0.0
+
+
+def test_bad_task_config_is_loud():
+    with pytest.raises(ValueError, match="rejected config"):
+        get_task("chain_sum", max_terms=1, min_terms=2)
+    with pytest.raises(ValueError, match="mode"):
+        get_task("chain_sum", mode="verbose")
+
+
+def test_tokenizer_roundtrip_and_transformers_parity(tmp_path):
+    tok = build_char_tokenizer()
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+    texts = ["4-1-7=", "-12", "Calculate 10 + 8.\n<answer>18</answer>", "(3*4)/2 = 6"]
+    for t in texts:
+        ids = tok.encode(t)
+        assert len(ids) == len(t)  # one id per character
+        assert tok.decode(ids) == t
+        assert tok.encode(t, add_bos=True) == [tok.bos_id] + ids
+        assert tok.decode([tok.bos_id] + ids + [tok.eos_id]) == t  # specials dropped
+    tok.save(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert [loaded.encode(t) for t in texts] == [tok.encode(t) for t in texts]
+    assert (loaded.pad_id, loaded.bos_id, loaded.eos_id) == (0, 1, 2)
+
+    transformers = pytest.importorskip("transformers")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for t in texts:
+        assert fast.encode(t, add_special_tokens=False) == tok.encode(t)
+        assert fast.encode(t) == tok.encode(t, add_bos=True)  # post-processor prepends <bos>
+        assert auto.encode(t) == tok.encode(t, add_bos=True)
+    assert (auto.pad_token_id, auto.bos_token_id, auto.eos_token_id) == (0, 1, 2)
+
+
+def test_chat_mode_prompt_and_answer_extraction(tmp_path):
+    """Chat mode (pretrained policies): reasoning_gym's question in the chat template, the answer
+    read from <answer> tags. Uses the char tokenizer with a toy template (no model download)."""
+    pytest.importorskip("transformers")
+    tok = build_char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tok.save(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    task = get_task("chain_sum", mode="chat", tokenizer=tok)
+    it = task.prompts(1, seed=0)[0]
+    assert it.question in it.prompt and it.prompt.endswith("<assistant>")
+    assert "<answer>" in it.prompt  # reasoning_gym's default system prompt asks for the tags
+    assert task.prompt_ids(it, tok)[0] != tok.bos_id  # the template owns the special tokens
+    assert task.score(f"thinking... <answer>{it.answer}</answer>", it) == 1.0
+    assert task.score(it.answer, it) == 0.0  # no tags, no answer
+    assert it.completion == f"<answer>{it.answer}</answer>"
