@@ -12,8 +12,11 @@ every rank exactly 1/cp of the causal work), bwd 2.5× fwd. Baselines, also fwd+
 * `sdpa_full`: causal SDPA over all S tokens on one device (cuDNN on CUDA) — what the ring's per-rank
   rate should approach; ring/sdpa_full is the figure of merit (1.0 = no loss from splitting the work).
 * `sdpa_local`: causal SDPA over S/cp tokens — a single-device problem of the same token count.
-Before timing, the replay is checked against autograd through SDPA on the full sequence (dout only
-on rank r's rows, so the full dK/dV equal the sum of r's per-step shares): relative errors reported.
+Before timing, the replay is checked against fp64 autograd through the dense reference on the full
+sequence (dout only on rank r's rows, so the full dK/dV equal the sum of r's per-step shares): relative
+errors of out and every gradient are reported, for the kernels the run selects (adapter default: cuDNN
+on CUDA; branch ⊕ merge: the Triton kernels on CUDA). `ring_trunk_ms` times the same replay without the
+branch, so ring_ms − ring_trunk_ms is what the branch costs. Timing: CUDA events, median of --iters.
 
     python bench/cp_attention.py --device cuda --seqs 8192,16384,32768 --cps 2,4,8     # H200, bf16
     python bench/cp_attention.py --device cpu --small                                   # CI check
@@ -32,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specco.ops.attention import branch_attn_bwd, branch_attn_fwd, merge_lse  # noqa: E402
-from specco.ops.sdpa_adapter import lse_dtype  # noqa: E402
+from specco.ops.attention import _use_triton, branch_bwd_into, branch_merge_fwd  # noqa: E402
+from specco.ops.sdpa_adapter import _pick_impl, lse_dtype  # noqa: E402
 from specco.parallel.ring_attention import bwd_step, fwd_step, step_kind  # noqa: E402
 from specco.parallel.zigzag import ZigzagLayout  # noqa: E402
 
@@ -44,14 +47,25 @@ def _sync(device):
 
 
 def _timeit(fn, device, iters, warmup):
+    """Median seconds per call: CUDA events around each call on CUDA, the host clock elsewhere."""
     for _ in range(warmup):
         fn()
     _sync(device)
-    t0 = time.perf_counter()
+    times = []
     for _ in range(iters):
-        fn()
-    _sync(device)
-    return (time.perf_counter() - t0) / iters
+        if device == "cuda":
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            fn()
+            t1.record()
+            torch.cuda.synchronize()
+            times.append(t0.elapsed_time(t1) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
 
 
 class RankReplay:
@@ -79,9 +93,8 @@ class RankReplay:
         for step in range(self.cp):
             k, v = self.kv[self._src(step)]
             fwd_step(step_kind(step, self.rank, self.cp), q, k, v, out_acc, lse_acc, self.lay, self.scale, self.impl)
-        if self.kb is not None:
-            ob, lb = branch_attn_fwd(q.to(md), self.kb, self.vb, self.scale)
-            out_acc, lse_acc = merge_lse(out_acc, lse_acc, ob, lb)
+        if self.kb is not None:  # as RingTTTAttention.forward: branch ⊕ merge ⊕ rounding, one pass
+            return branch_merge_fwd(q, self.kb, self.vb, out_acc, lse_acc, self.scale, q.dtype)
         return out_acc.to(q.dtype), lse_acc
 
     def backward(self, dout, out, lse):
@@ -104,15 +117,14 @@ class RankReplay:
             dkv[src] = (dk, dv)
         dkb = dvb = None
         if self.kb is not None:
-            dqb, dkb, dvb = branch_attn_bwd(dout, q.to(md), self.kb, self.vb, out, lse, self.scale)
-            dq += dqb
+            dkb, dvb = branch_bwd_into(dout, q, self.kb, self.vb, out, lse, dq, self.scale)
         return dq.to(q.dtype), dkv, dkb, dvb
 
 
 def _check(replay, q, k, v, kb, vb, H, Hkv):
-    """Replay vs autograd through full-sequence attention with dout only on this rank's rows (fp32)."""
+    """Replay vs fp64 autograd through full-sequence attention with dout only on this rank's rows."""
     from specco.ops.reference import dense_ttt_reference
-    leaves = [None if x is None else x.detach().float().requires_grad_() for x in (q, k, v, kb, vb)]
+    leaves = [None if x is None else x.detach().double().requires_grad_() for x in (q, k, v, kb, vb)]
     if kb is None:
         out_ref = F.scaled_dot_product_attention(*leaves[:3], is_causal=True, enable_gqa=H != Hkv)
     else:
@@ -123,13 +135,13 @@ def _check(replay, q, k, v, kb, vb, H, Hkv):
     # scatter this rank's dout into the full sequence (zeros on other ranks' rows)
     zeros = [torch.zeros_like(dout_local) for _ in range(replay.cp)]
     zeros[replay.rank] = dout_local
-    dout_full = lay.unshard(zeros, dim=2).float()
+    dout_full = lay.unshard(zeros, dim=2).double()
     grads = torch.autograd.grad(out_ref, [x for x in leaves if x is not None], dout_full)
     out, lse = replay.forward()
     dq, dkv, dkb, dvb = replay.backward(dout_local, out, lse)
     dk_full = lay.unshard([dkv[r][0] for r in range(replay.cp)], dim=2)
     dv_full = lay.unshard([dkv[r][1] for r in range(replay.cp)], dim=2)
-    rel = lambda a, b: ((a.float() - b).norm() / b.norm().clamp_min(1e-12)).item()  # noqa: E731
+    rel = lambda a, b: ((a.double() - b).norm() / b.norm().clamp_min(1e-12)).item()  # noqa: E731
     errs = {"out": rel(out, lay.shard(out_ref.detach(), dim=2)), "dq": rel(dq, lay.shard(grads[0], dim=2)),
             "dk": rel(dk_full, grads[1]), "dv": rel(dv_full, grads[2])}
     if kb is not None:
@@ -164,7 +176,7 @@ def main():
     ap.add_argument("--branch", type=int, default=2, help="P branch keys per anchor (pass P+1); 0 = trunk only")
     ap.add_argument("--dtype", default=None, help="default bf16 on cuda, fp32 on cpu")
     ap.add_argument("--impl", default=None, help="force an adapter kernel: flash / cudnn / cpu_flash / torch")
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--small", action="store_true", help="tiny sizes (CPU check)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -180,7 +192,7 @@ def main():
         q, k, v = mk(1, H, S, D), mk(1, Hkv, S, D), mk(1, Hkv, S, D)
         kb, vb = (mk(1, Hkv, S, P, D), mk(1, Hkv, S, P, D)) if P else (None, None)
         fwd_flops_full = 4 * H * D * S * S / 2
-        t_full = _timeit(_sdpa_fwd_bwd(S, H, D, dev, dtype, dev == "cuda"), dev, a.iters, 1)
+        t_full = _timeit(_sdpa_fwd_bwd(S, H, D, dev, dtype, dev == "cuda"), dev, a.iters, 3)
         for cp in (int(c) for c in a.cps.split(",")):
             if S % (2 * cp):
                 continue
@@ -194,27 +206,44 @@ def main():
                 rep = RankReplay(q, k, v, kb, vb, cp, rank, a.impl)
                 dout = torch.randn_like(rep.q)
 
-                def ring():
+                def ring(rep=rep):
                     out, lse = rep.forward()
                     rep.backward(dout, out, lse)
-                t_ring = _timeit(ring, dev, a.iters, 1)
-                t_local = _timeit(_sdpa_fwd_bwd(S // cp, H, D, dev, dtype, dev == "cuda"), dev, a.iters, 1)
+                t_ring = _timeit(ring, dev, a.iters, 3)
+                rep_trunk = RankReplay(q, k, v, None, None, cp, rank, a.impl)
+                t_trunk = _timeit(lambda: ring(rep_trunk), dev, a.iters, 3) if P else t_ring
+                del rep_trunk
+                t_local = _timeit(_sdpa_fwd_bwd(S // cp, H, D, dev, dtype, dev == "cuda"), dev, a.iters, 3)
                 flops_rank = 3.5 * fwd_flops_full / cp
                 row = {"S": S, "cp": cp, "rank": rank, "H": H, "Hkv": Hkv, "D": D, "P": P, "dtype": str(dtype),
                        "ring_ms": 1e3 * t_ring, "ring_tflops": flops_rank / t_ring / 1e12,
+                       "ring_trunk_ms": 1e3 * t_trunk, "ring_trunk_tflops": flops_rank / t_trunk / 1e12,
                        "sdpa_full_tflops": 3.5 * fwd_flops_full / t_full / 1e12,
                        "sdpa_local_tflops": 3.5 * 4 * H * D * (S // cp) ** 2 / 2 / t_local / 1e12,
                        "check_rel_err": errs}
                 row["ring_vs_sdpa_full"] = row["ring_tflops"] / row["sdpa_full_tflops"]
                 rows.append(row)
                 print(f"S={S:>6} cp={cp} rank={rank}: ring {row['ring_tflops']:.4g} TFLOP/s "
-                      f"({row['ring_ms']:.1f} ms), sdpa full {row['sdpa_full_tflops']:.4g}, "
+                      f"({row['ring_ms']:.1f} ms; trunk only {row['ring_trunk_ms']:.1f} ms), "
+                      f"sdpa full {row['sdpa_full_tflops']:.4g}, "
                       f"sdpa S/cp {row['sdpa_local_tflops']:.4g}, ratio {row['ring_vs_sdpa_full']:.2f}"
                       + (f", max rel err {max(errs.values()):.1e}" if errs else ""), flush=True)
     out = Path(a.out or os.environ.get("OUT", "bench/results")) / f"cp_attention_{dev}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
+    probe = torch.empty(1, H, 8, D, device=dev, dtype=dtype)
+    meta = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
+            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python"] + sys.argv),
+            "trunk_kernel": a.impl or _pick_impl(probe, None),
+            "branch_kernel": ("triton" if _use_triton(probe, probe.new_empty(1, Hkv, 8, max(P, 1), D), None)
+                              else "torch") if P else None}
+    out.write_text(json.dumps({**meta, "args": vars(a), "rows": rows}, indent=1))
     print(f"wrote {out}")
+    print(f"\n{'S':>6} {'cp':>3} {'rank':>4} {'ring TF/s':>10} {'trunk TF/s':>10} {'cuDNN TF/s':>10} {'ratio':>6}"
+          f" {'err':>8}   ({meta['trunk_kernel']} trunk, {meta['branch_kernel']} branch, {meta['device']})")
+    for r in rows:
+        e = max(r["check_rel_err"].values()) if r["check_rel_err"] else float("nan")
+        print(f"{r['S']:>6} {r['cp']:>3} {r['rank']:>4} {r['ring_tflops']:>10.1f} {r['ring_trunk_tflops']:>10.1f} "
+              f"{r['sdpa_full_tflops']:>10.1f} {r['ring_vs_sdpa_full']:>6.2f} {e:>8.1e}")
 
 
 if __name__ == "__main__":

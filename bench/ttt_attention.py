@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specco.ops.attention import ttt_attention  # noqa: E402
+from specco.ops.attention import _use_triton, ttt_attention  # noqa: E402
+from specco.ops.sdpa_adapter import _pick_impl  # noqa: E402
 from specco.ops.reference import dense_ttt_reference  # noqa: E402
 
 
@@ -54,7 +55,9 @@ def _timeit(fn, device, iters=10, warmup=3):
 
 def check_kernels(device, dtype):
     """Each adapter impl vs an fp64 dense reference: rel. error of out and all grads."""
-    impls = ["cpu_flash", "torch"] if device == "cpu" else ["flash", "cudnn", "torch"]
+    # None = what ttt_attention selects by default (cuDNN trunk + Triton branch on CUDA); on CUDA every
+    # row's branch ⊕ merge runs the Triton kernels, so each row checks them too.
+    impls = ["cpu_flash", "torch", None] if device == "cpu" else ["flash", "cudnn", "torch", None]
     B, H, Hkv, S, D, P = 2, 8, 2, 256, 128, 2
     g = torch.Generator(device="cpu").manual_seed(0)
     mk = lambda *s: torch.randn(*s, generator=g).to(device)  # noqa: E731
@@ -70,9 +73,9 @@ def check_kernels(device, dtype):
             out = ttt_attention(*leaves, impl=impl)
             grads = torch.autograd.grad(out, leaves, dout.to(dtype))
             errs = [((a.double() - b).norm() / b.norm()).item() for a, b in zip([out, *grads], [ref, *ref_g])]
-            rows[impl] = {"max_rel_err": max(errs), "errs(out,dq,dk,dv,dkb,dvb)": errs}
+            rows[impl or "default"] = {"max_rel_err": max(errs), "errs(out,dq,dk,dv,dkb,dvb)": errs}
         except Exception as e:  # report, do not hide: a kernel that fails here must not be used
-            rows[impl] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            rows[impl or "default"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     return rows
 
 
@@ -132,14 +135,25 @@ def main():
         a.seqs, a.heads, a.kv_heads, a.head_dim = "256,512", 4, 2, 64
     res = {"device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu",
            "torch": torch.__version__, "dtype": str(dtype), "date": time.strftime("%Y-%m-%d"),
+           "command": " ".join(["python"] + sys.argv),
            "kernel_check": check_kernels(a.device, dtype)}
     print(json.dumps(res["kernel_check"], indent=1))
+    probe = torch.empty(1, a.heads, 8, a.head_dim, device=a.device, dtype=dtype)
+    res["trunk_kernel"] = _pick_impl(probe, None)
+    res["branch_kernel"] = "triton" if _use_triton(probe, probe.new_empty(1, a.kv_heads, 8, 1, a.head_dim),
+                                                   None) else "torch"
     res["rows"] = bench(a.device, dtype, [int(s) for s in a.seqs.split(",")], a.K, a.batch,
                         a.heads, a.kv_heads, a.head_dim)
     out = Path(a.out or os.environ.get("OUT", "bench/results")) / f"ttt_attention_{a.device}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     print("wrote", out)
+    print(f"\nkernel check max rel err: " + ", ".join(
+        f"{k}={v.get('max_rel_err', float('nan')):.1e}" for k, v in res["kernel_check"].items()))
+    print(f"{'S':>6} {'K':>2} {'TTT ms':>8} {'Kx causal ms':>12} {'ratio':>6}   "
+          f"({res['trunk_kernel']} trunk, {res['branch_kernel']} branch)")
+    for r in res["rows"]:
+        print(f"{r['S']:>6} {r['K']:>2} {1e3 * r['t_ttt_s']:>8.2f} {1e3 * r['t_causal_x_K_s']:>12.2f} {r['ratio']:>6.3f}")
 
 
 if __name__ == "__main__":

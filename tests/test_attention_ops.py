@@ -219,3 +219,63 @@ def test_ttt_gradcheck_fp64():
     H, Hkv = HEADS["gqa"]
     xs = _leaf([x[:1, :, :, :4] if x.dim() == 4 else x[:1, :, :, :, :4] for x in _ttt_inputs(5, 2, H, Hkv, torch.float64)])
     assert torch.autograd.gradcheck(lambda *a: ttt_attention(*a, scale=0.5), xs, eps=1e-6, atol=1e-7)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fused branch ⊕ merge / branch backward: the Triton kernels vs their pure-torch twin.
+# --------------------------------------------------------------------------------------------------
+
+def _triton_device():
+    """CUDA when present; else CPU under TRITON_INTERPRET=1 (Triton's interpreter); else None (skip)."""
+    from specco.ops import attention as A
+    if A.triton is None:
+        return None
+    if torch.cuda.is_available():
+        return "cuda"
+    import os
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("heads", list(HEADS.values()), ids=list(HEADS))
+def test_fused_branch_matches_twin_and_reference(impl, P, heads):
+    """branch_merge_fwd == merge_lse(trunk, branch) and branch_bwd_into == branch_attn_bwd (+ dq add),
+    fp32, S not a multiple of the kernel's row block (masking), trunk lse from a real causal block."""
+    from specco.ops.attention import branch_bwd_into, branch_merge_fwd
+    dev = "cpu"
+    if impl == "triton":
+        dev = _triton_device()
+        if dev is None:
+            pytest.skip("Triton needs CUDA (or TRITON_INTERPRET=1 on CPU)")
+    H, Hkv = heads
+    S, Dh = 37, 32
+    q, kt, vt, kb, vb = (x.float().to(dev) for x in _ttt_inputs(S, P, H, Hkv, torch.float64, seed=11))
+    dout = _randn(B, H, S, Dh, seed=17, dtype=torch.float32).to(dev)
+    q, kb, vb = (torch.nn.functional.pad(x, (0, Dh - D)) for x in (q, kb, vb))  # D=16 -> 32: pow2, padded
+    kt, vt = (torch.nn.functional.pad(x, (0, Dh - D)) for x in (kt, vt))
+    scale = 0.3
+    out_t, lse_t = block_attn_fwd(q, kt, vt, True, scale, impl="torch")
+    out, lse = branch_merge_fwd(q, kb, vb, out_t, lse_t, scale, torch.float32, impl=impl)
+    out_b, lse_b = branch_attn_fwd(q, kb, vb, scale)
+    out_ref, lse_ref = merge_lse(out_t, lse_t, out_b, lse_b)
+    torch.testing.assert_close(out, out_ref, **FP32_TOL)
+    torch.testing.assert_close(lse, lse_ref, **FP32_TOL)
+    dq_acc = torch.randn(B, H, S, Dh, device=dev)
+    dq_start = dq_acc.clone()
+    dkb, dvb = branch_bwd_into(dout, q, kb, vb, out, lse, dq_acc, scale, impl=impl)
+    dq_r, dkb_r, dvb_r = branch_attn_bwd(dout, q, kb, vb, out, lse, scale)
+    torch.testing.assert_close(dq_acc, dq_start + dq_r, **FP32_TOL)
+    torch.testing.assert_close(dkb, dkb_r, **FP32_TOL)
+    torch.testing.assert_close(dvb, dvb_r, **FP32_TOL)
+
+
+def test_merge_lse_inplace_equals_out_of_place():
+    out_a, lse_a = _randn(B, 4, 9, D, seed=1, dtype=torch.float32), _randn(B, 4, 9, seed=2, dtype=torch.float32)
+    out_b, lse_b = _randn(B, 4, 9, D, seed=3, dtype=torch.bfloat16), _randn(B, 4, 9, seed=4, dtype=torch.float32)
+    ref_o, ref_l = merge_lse(out_a, lse_a, out_b, lse_b)
+    acc_o, acc_l = out_a.clone(), lse_a.clone()
+    o, l = merge_lse(acc_o[:, :, 2:], acc_l[:, :, 2:], out_b[:, :, 2:], lse_b[:, :, 2:], inplace=True)
+    torch.testing.assert_close(acc_o[:, :, 2:], ref_o[:, :, 2:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(acc_l[:, :, 2:], ref_l[:, :, 2:], rtol=1e-6, atol=1e-6)
+    assert torch.equal(acc_o[:, :, :2], out_a[:, :, :2])  # rows outside the view untouched

@@ -22,12 +22,12 @@ from specco.ops.sdpa_adapter import block_attn_bwd, block_attn_fwd
 
 __all__ = [
     "merge_lse", "block_attn_fwd", "block_attn_bwd", "branch_attn_fwd", "branch_attn_bwd",
-    "TTTAttention", "ttt_attention",
+    "branch_merge_fwd", "branch_bwd_into", "TTTAttention", "ttt_attention",
 ]
 
 
-def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
+              *, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of two attention parts over disjoint key sets A and B (the only definition in specco).
 
         lse = logaddexp(lse_a, lse_b)                                  = log Σ_{j∈A∪B} exp(s_j)
@@ -38,12 +38,20 @@ def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse
     of out_a and out_b, so a ring loop that keeps an fp32 accumulator in `out_a` stays in fp32.
     A part with no visible key for a row must carry lse = -inf there (its weight is then exactly 0);
     at least one part per row must be non-empty.
+
+    inplace=True writes the result into (out_a, lse_a) — an fp32/fp64 accumulator (a view is fine) —
+    and returns them: two passes over out_a (scale, then fused multiply-add of out_b) instead of ~six
+    for the out-of-place form, which matters once per ring step.
     """
     md = torch.promote_types(torch.promote_types(lse_a.dtype, lse_b.dtype), torch.float32)
-    lse_a, lse_b = lse_a.to(md), lse_b.to(md)
-    lse = torch.logaddexp(lse_a, lse_b)
-    w_a = torch.exp(lse_a - lse).unsqueeze(-1)  # (B, H, S, 1)
-    w_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    lse = torch.logaddexp(lse_a.to(md), lse_b.to(md))
+    w_a = torch.exp(lse_a.to(md) - lse).unsqueeze(-1)  # (B, H, S, 1)
+    w_b = torch.exp(lse_b.to(md) - lse).unsqueeze(-1)
+    if inplace:
+        assert out_a.dtype == md and lse_a.dtype == md, "in-place merge needs an fp32/fp64 accumulator"
+        out_a.mul_(w_a).addcmul_(w_b, out_b)  # addcmul promotes out_b's bf16 elementwise, no copy
+        lse_a.copy_(lse)
+        return out_a, lse_a
     out = w_a * out_a.to(md) + w_b * out_b.to(md)
     return out.to(torch.promote_types(out_a.dtype, out_b.dtype)), lse
 
@@ -121,6 +129,181 @@ def branch_attn_bwd(dout: torch.Tensor, q_d: torch.Tensor, k_br: torch.Tensor, v
 
 
 # --------------------------------------------------------------------------------------------------
+# Fused branch ⊕ merge (forward) and branch backward. One pass over q/dout/out per call instead of the
+# closed form's ~10 (fp32 copies of q, einsum layouts, exp, merge temporaries): the branch is memory-bound
+# (P·D MACs per query per pass), so passes are its cost. Two implementations, one meaning:
+#   * torch twin  = `_branch_fwd` + `merge_lse` / `_branch_bwd` above (defines the math; CPU and tests);
+#   * Triton      = `_branch_merge_fwd_kernel` / `_branch_bwd_kernel` below, selected only on CUDA.
+# tests/test_attention_ops.py compares them where Triton can run; the benches check both on the GPU.
+# --------------------------------------------------------------------------------------------------
+
+try:  # Triton is optional: absent on CPU-only installs, where the twin runs.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def _use_triton(q: torch.Tensor, k_br: torch.Tensor, impl: str | None) -> bool:
+    if impl is not None:
+        return impl == "triton"
+    D, P = q.shape[-1], k_br.shape[3]
+    return (triton is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+            and D >= 16 and D <= 256 and D & (D - 1) == 0 and 1 <= P <= 16)
+
+
+if triton is not None:
+    @triton.jit
+    def _branch_merge_fwd_kernel(Q, K, V, OA, LA, OUT, LSE, S, H, scale,
+                                 sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sk_p, sv_b, sv_h, sv_s, sv_p,
+                                 so_b, so_h, so_s, sl_b, sl_h, sout_b, sout_h, sout_s, slse_b, slse_h,
+                                 G: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, D: tl.constexpr,
+                                 BLOCK_S: tl.constexpr):
+        """One (query block, b·h): online softmax over [trunk part (out_a, lse_a)] + P branch keys."""
+        pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
+        b, h = pid_bh // H, pid_bh % H
+        hk = h // G
+        offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        offs_p, offs_d = tl.arange(0, PP), tl.arange(0, D)
+        m_s, m_p = offs_s < S, offs_p < P
+        q = tl.load(Q + b * sq_b + h * sq_h + offs_s[:, None] * sq_s + offs_d[None, :],
+                    mask=m_s[:, None], other=0.0).to(tl.float32)  # (BS, D)
+        m3 = m_s[:, None, None] & m_p[None, :, None]
+        k = tl.load(K + b * sk_b + hk * sk_h + offs_s[:, None, None] * sk_s + offs_p[None, :, None] * sk_p
+                    + offs_d[None, None, :], mask=m3, other=0.0).to(tl.float32)  # (BS, PP, D)
+        sc = tl.sum(q[:, None, :] * k, axis=2) * scale  # (BS, PP) branch scores
+        sc = tl.where(m_p[None, :], sc, float("-inf"))
+        lse_a = tl.load(LA + b * sl_b + h * sl_h + offs_s, mask=m_s, other=0.0).to(tl.float32)
+        m = tl.maximum(lse_a, tl.max(sc, axis=1))
+        w_a = tl.exp(lse_a - m)  # trunk mass exp(lse_a) relative to exp(m)
+        e = tl.exp(sc - m[:, None])  # (BS, PP); 0 on padded p
+        l = w_a + tl.sum(e, axis=1)
+        v = tl.load(V + b * sv_b + hk * sv_h + offs_s[:, None, None] * sv_s + offs_p[None, :, None] * sv_p
+                    + offs_d[None, None, :], mask=m3, other=0.0).to(tl.float32)
+        o_a = tl.load(OA + b * so_b + h * so_h + offs_s[:, None] * so_s + offs_d[None, :],
+                      mask=m_s[:, None], other=0.0).to(tl.float32)
+        acc = o_a * w_a[:, None] + tl.sum(e[:, :, None] * v, axis=1)
+        out = acc / l[:, None]
+        tl.store(OUT + b * sout_b + h * sout_h + offs_s[:, None] * sout_s + offs_d[None, :],
+                 out.to(OUT.dtype.element_ty), mask=m_s[:, None])
+        tl.store(LSE + b * slse_b + h * slse_h + offs_s, m + tl.log(l), mask=m_s)
+
+    @triton.jit
+    def _branch_bwd_kernel(Q, K, V, DO, O, LSE, DQ, DK, DV, S, HKV, scale,
+                           sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sk_p, sv_b, sv_h, sv_s, sv_p,
+                           sdo_b, sdo_h, sdo_s, so_b, so_h, so_s, sl_b, sl_h, sdq_b, sdq_h, sdq_s,
+                           sdk_b, sdk_h, sdk_s, sdk_p, sdv_b, sdv_h, sdv_s, sdv_p,
+                           G: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, D: tl.constexpr,
+                           BLOCK_S: tl.constexpr, DQ_ACCUM: tl.constexpr):
+        """One (query block, b·kv head): loops over the G query heads sharing the kv head, so dK/dV of
+        the branch keys are reduced in registers (deterministic, no atomics)."""
+        pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
+        b, hk = pid_bh // HKV, pid_bh % HKV
+        offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        offs_p, offs_d = tl.arange(0, PP), tl.arange(0, D)
+        m_s, m_p = offs_s < S, offs_p < P
+        m3 = m_s[:, None, None] & m_p[None, :, None]
+        k = tl.load(K + b * sk_b + hk * sk_h + offs_s[:, None, None] * sk_s + offs_p[None, :, None] * sk_p
+                    + offs_d[None, None, :], mask=m3, other=0.0).to(tl.float32)  # (BS, PP, D)
+        v = tl.load(V + b * sv_b + hk * sv_h + offs_s[:, None, None] * sv_s + offs_p[None, :, None] * sv_p
+                    + offs_d[None, None, :], mask=m3, other=0.0).to(tl.float32)
+        dk = tl.zeros((BLOCK_S, PP, D), dtype=tl.float32)
+        dv = tl.zeros((BLOCK_S, PP, D), dtype=tl.float32)
+        for g in range(G):
+            h = hk * G + g
+            row = offs_s[:, None]
+            q = tl.load(Q + b * sq_b + h * sq_h + row * sq_s + offs_d[None, :], mask=m_s[:, None],
+                        other=0.0).to(tl.float32)
+            do = tl.load(DO + b * sdo_b + h * sdo_h + row * sdo_s + offs_d[None, :], mask=m_s[:, None],
+                         other=0.0).to(tl.float32)
+            o = tl.load(O + b * so_b + h * so_h + row * so_s + offs_d[None, :], mask=m_s[:, None],
+                        other=0.0).to(tl.float32)
+            lse = tl.load(LSE + b * sl_b + h * sl_h + offs_s, mask=m_s, other=0.0).to(tl.float32)
+            dj = tl.sum(do * o, axis=1)  # D = rowsum(dout ⊙ out_joint)
+            sc = tl.sum(q[:, None, :] * k, axis=2) * scale
+            p = tl.where(m_p[None, :], tl.exp(sc - lse[:, None]), 0.0)  # joint-normalised, (BS, PP)
+            dv += p[:, :, None] * do[:, None, :]
+            dp = tl.sum(do[:, None, :] * v, axis=2)
+            ds = p * (dp - dj[:, None]) * scale
+            dq = tl.sum(ds[:, :, None] * k, axis=1)  # (BS, D)
+            dk += ds[:, :, None] * q[:, None, :]
+            dq_ptr = DQ + b * sdq_b + h * sdq_h + row * sdq_s + offs_d[None, :]
+            if DQ_ACCUM:
+                dq += tl.load(dq_ptr, mask=m_s[:, None], other=0.0).to(tl.float32)
+            tl.store(dq_ptr, dq.to(DQ.dtype.element_ty), mask=m_s[:, None])
+        tl.store(DK + b * sdk_b + hk * sdk_h + offs_s[:, None, None] * sdk_s + offs_p[None, :, None] * sdk_p
+                 + offs_d[None, None, :], dk.to(DK.dtype.element_ty), mask=m3)
+        tl.store(DV + b * sdv_b + hk * sdv_h + offs_s[:, None, None] * sdv_s + offs_p[None, :, None] * sdv_p
+                 + offs_d[None, None, :], dv.to(DV.dtype.element_ty), mask=m3)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _block_s(P: int, D: int) -> int:
+    # ~4K fp32 elements per (BS, PP, D) register tile: 4 such tiles live in the backward.
+    return max(16, min(64, 4096 // (_pow2(P) * D)))
+
+
+def branch_merge_fwd(q_d: torch.Tensor, k_br: torch.Tensor, v_br: torch.Tensor, out_a: torch.Tensor,
+                     lse_a: torch.Tensor, scale: float, out_dtype: torch.dtype, *, impl: str | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out_a, lse_a) ⊕ branch, rounded once to `out_dtype`: exactly merge_lse(out_a, lse_a, *branch_fwd).
+
+    out_a (B,H,S,D) any float dtype (a bf16 trunk output or the ring's fp32 accumulator), lse_a (B,H,S)
+    fp32/fp64. Returns out (B,H,S,D) in out_dtype and lse (B,H,S) in lse_a's dtype. `impl`: None
+    (Triton on CUDA where it applies), "triton" or "torch" (the twin) — tests force both.
+    """
+    if not _use_triton(q_d, k_br, impl):
+        out_b, lse_b = _branch_fwd(q_d, k_br, v_br, scale)
+        out, lse = merge_lse(out_a, lse_a, out_b, lse_b)
+        return out.to(out_dtype), lse
+    B, H, S, D = q_d.shape
+    Hkv, P = k_br.shape[1], k_br.shape[3]
+    q_d, k_br, v_br, out_a = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_d, k_br, v_br, out_a))
+    lse_a = lse_a if lse_a.stride(-1) == 1 else lse_a.contiguous()
+    out = torch.empty(B, H, S, D, dtype=out_dtype, device=q_d.device)
+    lse = torch.empty(B, H, S, dtype=lse_a.dtype, device=q_d.device)
+    BS = _block_s(P, D)
+    _branch_merge_fwd_kernel[(triton.cdiv(S, BS), B * H)](
+        q_d, k_br, v_br, out_a, lse_a, out, lse, S, H, float(scale),
+        *q_d.stride()[:3], *k_br.stride()[:4], *v_br.stride()[:4], *out_a.stride()[:3], *lse_a.stride()[:2],
+        *out.stride()[:3], *lse.stride()[:2],
+        G=H // Hkv, P=P, PP=_pow2(P), D=D, BLOCK_S=BS, num_warps=4)
+    return out, lse
+
+
+def branch_bwd_into(dout: torch.Tensor, q_d: torch.Tensor, k_br: torch.Tensor, v_br: torch.Tensor,
+                    out_joint: torch.Tensor, lse_joint: torch.Tensor, dq_acc: torch.Tensor, scale: float,
+                    *, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Branch share of the joint gradient (the `branch_attn_bwd` formula), with dq ADDED into dq_acc.
+
+    dq_acc (B,H,S,D): the trunk's dq (any float dtype; the sum is formed in fp32 and rounded once into
+    dq_acc's dtype) or the ring's fp32 accumulator. Returns (dk_br, dv_br) (B,Hkv,S,P,D) in k_br's dtype.
+    """
+    if not _use_triton(q_d, k_br, impl):
+        dq_b, dkb, dvb = _branch_bwd(dout, q_d, k_br, v_br, out_joint, lse_joint, scale)
+        dq_acc.copy_(dq_acc.to(dq_b.dtype) + dq_b)
+        return dkb.to(k_br.dtype), dvb.to(v_br.dtype)
+    B, H, S, D = q_d.shape
+    Hkv, P = k_br.shape[1], k_br.shape[3]
+    q_d, k_br, v_br, dout, out_joint = (x if x.stride(-1) == 1 else x.contiguous()
+                                        for x in (q_d, k_br, v_br, dout, out_joint))
+    lse_joint = lse_joint if lse_joint.stride(-1) == 1 else lse_joint.contiguous()
+    assert dq_acc.stride(-1) == 1, "dq_acc is written in place: it needs a unit last stride"
+    dk = torch.empty(k_br.shape, dtype=k_br.dtype, device=k_br.device)
+    dv = torch.empty(v_br.shape, dtype=v_br.dtype, device=v_br.device)
+    BS = _block_s(P, D)
+    _branch_bwd_kernel[(triton.cdiv(S, BS), B * Hkv)](
+        q_d, k_br, v_br, dout, out_joint, lse_joint, dq_acc, dk, dv, S, Hkv, float(scale),
+        *q_d.stride()[:3], *k_br.stride()[:4], *v_br.stride()[:4], *dout.stride()[:3], *out_joint.stride()[:3],
+        *lse_joint.stride()[:2], *dq_acc.stride()[:3], *dk.stride()[:4], *dv.stride()[:4],
+        G=H // Hkv, P=P, PP=_pow2(P), D=D, BLOCK_S=BS, DQ_ACCUM=True, num_warps=8)
+    return dk, dv
+
+
+# --------------------------------------------------------------------------------------------------
 # TTT attention = causal trunk block ⊕ branch diagonal, one custom autograd node.
 # --------------------------------------------------------------------------------------------------
 
@@ -136,10 +319,8 @@ class TTTAttention(torch.autograd.Function):
         out_t, lse_t = block_attn_fwd(q_d, k_trunk, v_trunk, True, scale, impl=impl)
         has_branch = k_branch is not None and k_branch.shape[3] > 0
         if has_branch:
-            # Keep the branch output in fp32 into the merge: one rounding to q's dtype, at the end.
-            out_b, lse_b = _branch_fwd(q_d, k_branch, v_branch, scale)
-            out, lse = merge_lse(out_t, lse_t, out_b, lse_b)
-            out = out.to(q_d.dtype)
+            # Branch and merge in fp32, one rounding to q's dtype at the end (fused on CUDA).
+            out, lse = branch_merge_fwd(q_d, k_branch, v_branch, out_t, lse_t, scale, q_d.dtype)
         else:
             out, lse = out_t, lse_t
         # out in q's dtype is what every kernel backward reads for D = rowsum(dout ⊙ out).
@@ -155,9 +336,8 @@ class TTTAttention(torch.autograd.Function):
         dq, dk, dv = block_attn_bwd(dout, q_d, k_trunk, v_trunk, out, lse, True, ctx.scale, impl=ctx.impl)
         dkb = dvb = None
         if ctx.has_branch:
-            dq_b, dkb, dvb = _branch_bwd(dout, q_d, k_branch, v_branch, out, lse, ctx.scale)
-            dq = (dq.to(dq_b.dtype) + dq_b).to(q_d.dtype)  # sum the two shares before rounding
-            dkb, dvb = dkb.to(k_branch.dtype), dvb.to(v_branch.dtype)
+            # dq += branch share, summed in fp32 before the one rounding to q's dtype
+            dkb, dvb = branch_bwd_into(dout, q_d, k_branch, v_branch, out, lse, dq, ctx.scale)
         return dq, dk, dv, dkb, dvb, None, None
 
 

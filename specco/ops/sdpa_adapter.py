@@ -22,9 +22,17 @@ Every flash-style kernel's backward recomputes p from the lse it is *given* and 
 *given*, so handing it the joint (out, lse) yields exactly this block's share of the joint gradient.
 
 Kernels (`impl`): "cpu_flash" (aten `_scaled_dot_product_flash_attention_for_cpu`, any float dtype incl.
-fp64, native GQA), "flash" / "cudnn" (CUDA, fp16/bf16, written from the op schemas — not run in CI here),
+fp64, native GQA), "flash" / "cudnn" (CUDA, fp16/bf16, written from the op schemas — not run in CI here;
+bench/ttt_attention.py and bench/cp_attention.py check both against fp64 on the GPU),
 "torch" (pure-torch, fp32/fp64 math; the reference kernel for every device/dtype the others miss).
-`impl=None` picks automatically.
+`impl=None` picks automatically: on CUDA cuDNN where it applies (fp16/bf16, D % 8 == 0, D <= 128, cuDNN
+>= 9 present), else FlashAttention-2 (D <= 256), else torch. cuDNN is the default because on the H200 it
+ran the causal block fwd+bwd ~1.3x faster than flash (bench/results/cp_attention_cuda*.json).
+
+GQA on CUDA: the dense cuDNN/flash entry points take one head count, so K/V are repeat_interleave'd
+to H heads (one copy of the visiting block; a stride-0 `expand` cannot express head h -> h // G in
+one dimension) and dK/dV are summed back over the G heads in fp32 (`grad_dtype` lets a caller that
+accumulates in fp32 skip the rounding to k's dtype).
 """
 
 from __future__ import annotations
@@ -45,11 +53,24 @@ def _pick_impl(q: torch.Tensor, impl: str | None) -> str:
         return impl
     if q.device.type == "cpu":
         return "cpu_flash"
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
-        # FlashAttention-2 first: its backward with an external (out, lse) is the well-trodden path
-        # (ring-flash-attention, torch's experimental context parallel). cuDNN is opt-in.
-        return "flash"
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0:
+        if q.shape[-1] <= 128 and _cudnn_ok():
+            return "cudnn"
+        if q.shape[-1] <= 256:
+            return "flash"  # FlashAttention-2: the fallback where cuDNN is missing or the shape is not its
     return "torch"
+
+
+_CUDNN_OK: bool | None = None
+
+
+def _cudnn_ok() -> bool:
+    """cuDNN >= 9 is loaded and torch lets SDPA use it (the same switch `sdpa_kernel` flips)."""
+    global _CUDNN_OK
+    if _CUDNN_OK is None:
+        ver = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        _CUDNN_OK = bool(ver and ver >= 90000)
+    return _CUDNN_OK and torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def _check_causal(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
@@ -67,13 +88,14 @@ def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 def _reduce_kv_grad(dx: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of _expand_kv for gradients: sum the G query heads that shared one kv head.
 
-    The sum runs in fp32 (fp64 for fp64) so bf16 kernel outputs are rounded once, after the reduction.
+    The sum accumulates in fp32 (fp64 for fp64) without materialising an upcast copy, so bf16 kernel
+    outputs are rounded once, after the reduction (and not at all when `dtype` is the fp32 accumulator's).
     """
     if groups == 1:
         return dx.to(dtype)
     B, H, S, D = dx.shape
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    return dx.to(acc).view(B, H // groups, groups, S, D).sum(2).to(dtype)  # (B, Hkv, S, D)
+    return dx.view(B, H // groups, groups, S, D).sum(2, dtype=acc).to(dtype)  # (B, Hkv, S, D)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -155,8 +177,14 @@ def block_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 def block_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out_joint: torch.Tensor, lse_joint: torch.Tensor, causal: bool, scale: float | None = None,
-                   *, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's share of the joint gradient (formula in the module docstring); dk/dv are (B,Hkv,Sk,D)."""
+                   *, impl: str | None = None, grad_dtype: torch.dtype | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This block's share of the joint gradient (formula in the module docstring); dk/dv are (B,Hkv,Sk,D).
+
+    dq is in q's dtype; dk/dv in `grad_dtype` (default k's dtype). A ring loop accumulating in fp32 passes
+    grad_dtype=float32 so GQA's head sum is not rounded to bf16 before it is accumulated.
+    """
+    grad_dtype = k.dtype if grad_dtype is None else grad_dtype
     _check_causal(q, k, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     impl = _pick_impl(q, impl)
@@ -166,10 +194,12 @@ def block_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     lse_joint = lse_joint.to(lse_dtype(q)).contiguous()
     dout = dout.to(q.dtype)
     if impl == "cpu_flash":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
             dout, q, k, v, out_joint, lse_joint, 0.0, causal, attn_mask=None, scale=scale)
+        return dq, dk.to(grad_dtype), dv.to(grad_dtype)
     if impl == "torch":
-        return _torch_bwd(dout, q, k, v, out_joint, lse_joint, causal, scale)
+        dq, dk, dv = _torch_bwd(dout, q, k, v, out_joint, lse_joint, causal, scale)
+        return dq, dk.to(grad_dtype), dv.to(grad_dtype)
     groups = q.shape[1] // k.shape[1]
     ke, ve = _expand_kv(k, groups).contiguous(), _expand_kv(v, groups).contiguous()
     q, dout, out_joint = q.contiguous(), dout.contiguous(), out_joint.contiguous()
@@ -186,4 +216,4 @@ def block_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward.default(
             dout, q, ke, ve, out_joint, lse_joint.unsqueeze(-1), seed, offset, None, None, None,
             Sq, Sk, 0.0, causal, scale=scale)
-    return dq, _reduce_kv_grad(dk, groups, k.dtype), _reduce_kv_grad(dv, groups, v.dtype)
+    return dq, _reduce_kv_grad(dk, groups, grad_dtype), _reduce_kv_grad(dv, groups, grad_dtype)

@@ -17,7 +17,7 @@ merge definition). Per rank the work is 1 causal (2c)² block + (cp−1) blocks 
 the same on every rank, which is the point of zigzag.
 
 TTT: the branch keys of a pass-d query live at its own anchor, hence on its own rank: they are
-attended locally with `branch_attn_fwd` and merged with the ring result — no communication.
+attended locally and merged with the ring result (`branch_merge_fwd`, one fused pass) — no communication.
 
 Backward (the §3 identity): each block's backward, evaluated with the JOINT (out, lse) and dout,
 is exactly that block's share of the gradient. K/V travel the ring again; the dK/dV of a visiting
@@ -36,7 +36,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..ops.attention import block_attn_bwd, block_attn_fwd, branch_attn_bwd, branch_attn_fwd, merge_lse
+from ..ops.attention import block_attn_bwd, block_attn_fwd, branch_bwd_into, branch_merge_fwd, merge_lse
 from ..ops.sdpa_adapter import lse_dtype
 from .comm import RingComm
 from .zigzag import ZigzagLayout
@@ -82,9 +82,8 @@ def fwd_step(kind: str, q, k_src, v_src, out_acc, lse_acc, layout: ZigzagLayout,
         o, l = block_attn_fwd(q[:, :, rows], k_src[:, :, cols], v_src[:, :, cols], causal, scale, impl=impl)
         if kind == "local":
             out_acc[:, :, rows], lse_acc[:, :, rows] = o, l
-        else:
-            o_m, l_m = merge_lse(out_acc[:, :, rows], lse_acc[:, :, rows], o, l)
-            out_acc[:, :, rows], lse_acc[:, :, rows] = o_m, l_m
+        else:  # in place on the accumulator's row view: no fp32 temporaries of the whole block
+            merge_lse(out_acc[:, :, rows], lse_acc[:, :, rows], o, l, inplace=True)
 
 
 def bwd_step(kind: str, dout, q, k_src, v_src, out, lse, dq_acc, dk_src, dv_src, layout: ZigzagLayout,
@@ -95,8 +94,10 @@ def bwd_step(kind: str, dout, q, k_src, v_src, out, lse, dq_acc, dk_src, dv_src,
     dk_src/dv_src (B, Hkv, T, D) are fp32 accumulators (fp64 for fp64).
     """
     for rows, cols, causal in _blocks(kind, layout):
+        # grad_dtype: GQA's head sum of dK/dV lands in the fp32 accumulator without a bf16 rounding
         dq, dk, dv = block_attn_bwd(dout[:, :, rows], q[:, :, rows], k_src[:, :, cols], v_src[:, :, cols],
-                                    out[:, :, rows], lse[:, :, rows], causal, scale, impl=impl)
+                                    out[:, :, rows], lse[:, :, rows], causal, scale, impl=impl,
+                                    grad_dtype=dk_src.dtype)
         dq_acc[:, :, rows] += dq
         dk_src[:, :, cols] += dk
         dv_src[:, :, cols] += dv
@@ -180,12 +181,12 @@ class RingTTTAttention(torch.autograd.Function):
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out_acc, lse_acc = _ring_fwd(q, k, v, group, layout, scale, impl)
         has_branch = k_branch is not None and k_branch.shape[3] > 0
+        # The kernels read out in q's dtype for D = rowsum(dout ⊙ out). With a branch, branch ⊕ merge ⊕
+        # that rounding are one fused pass over the fp32 accumulator (Triton on CUDA, its twin elsewhere).
         if has_branch:
-            md = lse_acc.dtype
-            # Branch in fp32 (fp64 for fp64) straight into the fp32 accumulator: one rounding, at the end.
-            out_b, lse_b = branch_attn_fwd(q.to(md), k_branch, v_branch, scale)
-            out_acc, lse_acc = merge_lse(out_acc, lse_acc, out_b, lse_b)
-        out = out_acc.to(q.dtype)  # the kernels read out in q's dtype for D = rowsum(dout ⊙ out)
+            out, lse_acc = branch_merge_fwd(q, k_branch, v_branch, out_acc, lse_acc, scale, q.dtype)
+        else:
+            out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, k_branch if has_branch else None, v_branch if has_branch else None,
                               out, lse_acc)
         ctx.group, ctx.layout, ctx.scale, ctx.impl, ctx.has_branch = group, layout, scale, impl, has_branch
@@ -198,9 +199,8 @@ class RingTTTAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq, dk, dv = _ring_bwd(dout, q, k, v, out, lse, ctx.group, ctx.layout, ctx.scale, ctx.impl)
         dkb = dvb = None
-        if ctx.has_branch:
-            dq_b, dkb, dvb = branch_attn_bwd(dout, q.to(dq.dtype), k_branch, v_branch, out, lse, ctx.scale)
-            dq += dq_b  # both shares summed in fp32 before the one rounding below
+        if ctx.has_branch:  # branch share added into the fp32 dq: one rounding below
+            dkb, dvb = branch_bwd_into(dout, q, k_branch, v_branch, out, lse, dq, ctx.scale)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dkb, dvb, None, None, None, None
 
 
