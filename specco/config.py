@@ -64,7 +64,7 @@ class RolloutSpec:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    max_new_tokens: int = 16
+    max_new_tokens: int = 40
     group_size: int = 8  # GRPO group G: samples per prompt
     prompts_per_step: int = 8
 
@@ -83,10 +83,11 @@ class RolloutSpec:
 class TrainSpec:
     seed: int = 0
     steps: int = 30  # RL steps
-    sft_steps: int = 600
-    warm_start_steps: int = 200  # offline draft training against the frozen SFT policy
-    lr: float = 2e-5
-    draft_lr: float = 1e-3  # public runs use ~50x the policy LR
+    sft_steps: int = 300
+    sft_lr: float = 3e-3
+    warm_start_steps: int = 150  # offline draft training against the frozen SFT policy
+    lr: float = 2e-4
+    draft_lr: float = 3e-3  # its own LR (public runs use ~50x the policy's; tiny models less)
     draft_weight: float = 1.0  # lambda in L_policy + lambda * L_draft
     clip_eps: float = 0.2
     kl_coef: float = 0.0
@@ -121,7 +122,15 @@ class ParallelSpec:
 @dataclass(frozen=True)
 class TaskSpec:
     name: str = "chain_sum"
+    mode: str = "cot"  # tiny policy: 'cot' (worked steps, then '>answer') or 'compact'; pretrained: 'chat'
     eval_size: int = 64
+    min_terms: int = 3  # reasoning_gym chain_sum/basic_arithmetic options (0 = the task preset's)
+    max_terms: int = 5
+    max_digits: int = 0
+
+    def __post_init__(self):
+        _check(self.mode in ("compact", "cot", "chat"),
+               f"task.mode={self.mode!r}: choose compact, cot or chat")
 
 
 @dataclass(frozen=True)

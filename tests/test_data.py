@@ -97,3 +97,16 @@ def test_chat_mode_prompt_and_answer_extraction(tmp_path):
     assert task.score(f"thinking... <answer>{it.answer}</answer>", it) == 1.0
     assert task.score(it.answer, it) == 0.0  # no tags, no answer
     assert it.completion == f"<answer>{it.answer}</answer>"
+
+
+def test_cot_mode_worked_steps_and_scoring():
+    from specco.data.tasks import worked_steps
+    assert worked_steps("4 - 1 - 7") == "4-1=3,3-7=-4>-4"
+    assert worked_steps("9 + 9") == "9+9=18>18"
+    with pytest.raises(ValueError, match="cot mode"):
+        worked_steps("2 * 3")
+    task = get_task("chain_sum", mode="cot")
+    for it in task.prompts(20, seed=3):
+        assert task.score(it.completion, it) == 1.0
+        assert task.score(it.completion.split(">")[0], it) == 0.0  # no answer after '>'
+        assert it.completion.endswith(">" + it.answer)

@@ -39,7 +39,25 @@ PRESETS: dict[str, dict[str, Any]] = {
                              operators=("+", "-", "*"), allow_parentheses=False,
                              allow_negation=False, whitespace="no_space"),
 }
-MODES = ("compact", "chat")
+MODES = ("compact", "cot", "chat")
+
+
+def worked_steps(expression: str) -> str:
+    """Left-to-right partial sums of a +/- chain: '4 - 1 - 7' -> '4-1=3,3-7=-4>-4'.
+
+    The 'cot' mode's completion: a short chain of thought the tiny policy writes before its answer
+    (after '>'). It makes completions long enough (~8-16 tokens) for speculative decoding to matter,
+    and much of it (copied operands, separators) is predictable for a draft.
+    """
+    toks = expression.split()
+    if len(toks) % 2 == 0 or any(op not in "+-" for op in toks[1::2]):
+        raise ValueError(f"cot mode needs a +/- chain like '4 - 1 - 7', got {expression!r}")
+    acc, steps = int(toks[0]), []
+    for op, x in zip(toks[1::2], toks[2::2]):
+        new = acc + int(x) if op == "+" else acc - int(x)
+        steps.append(f"{acc}{op}{x}={new}")
+        acc = new
+    return ",".join(steps) + f">{acc}"
 _STREAM_SIZE = 2**31  # reasoning_gym's datasets are virtual; `size` only bounds iteration
 
 
@@ -86,12 +104,14 @@ class Task:
     def item(self, index: int, seed: int) -> Item:
         entry = self._dataset(seed)[index]
         q, a = entry["question"], entry["answer"]
-        if self.mode == "compact":
+        if self.mode in ("compact", "cot"):
             expr = entry.get("metadata", {}).get("expression")
             if expr is None:
                 raise ValueError(f"task {self.name!r} has no metadata['expression']; compact "
                                  "prompts exist only for arithmetic tasks (use mode='chat')")
-            return Item(index, q, a, prompt=expr.replace(" ", "") + "=", completion=a, entry=entry)
+            completion = a if self.mode == "compact" else worked_steps(expr)
+            return Item(index, q, a, prompt=expr.replace(" ", "") + "=", completion=completion,
+                        entry=entry)
         prompt = self.tokenizer.chat_prompt(q, system=self.system_prompt or None)
         return Item(index, q, a, prompt=prompt, completion=f"<answer>{a}</answer>", entry=entry)
 
@@ -103,7 +123,7 @@ class Task:
     def prompt_ids(self, item: Item, tokenizer) -> list[int]:
         """Prompt token ids. Compact prompts start with <bos>; chat-templated text already carries
         the template's own special tokens (added tokens are recognised inside the text)."""
-        return tokenizer.encode(item.prompt, add_bos=self.mode == "compact")
+        return tokenizer.encode(item.prompt, add_bos=self.mode != "chat")
 
     def completion_ids(self, item: Item, tokenizer) -> list[int]:
         """Reference completion ids for SFT, ending with <eos> so the policy learns to stop."""
@@ -114,6 +134,8 @@ class Task:
         """The answer string inside a completion (decoded text, special tokens removed)."""
         if self.mode == "chat":
             return extract_answer(completion_text)
+        if self.mode == "cot":  # the answer follows the last '>'; no '>' means no answer
+            return completion_text.rsplit(">", 1)[1].strip() if ">" in completion_text else None
         return completion_text.strip()
 
     def score(self, completion_text: str, item: Item) -> float:

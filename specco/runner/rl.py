@@ -1,0 +1,219 @@
+"""The GRPO loop with speculative rollouts and online draft co-training (DESIGN §1).
+
+Each step:  rollout (speculative with the engine's draft) -> rewards -> group advantages
+            -> log-prob recompute -> co-training step -> refit policy (+ draft) into the engine.
+
+Arms (same seed, same data stream):
+  none       plain decoding, policy-only training
+  frozen     the warm-started draft speculates; it is never trained or refit
+  cotrained  the draft is trained with the policy (lambda * L_draft) and refit every step
+Speculative sampling is lossless, so the three arms' rollouts have the same distribution; only
+speed (tau, tokens/s) may differ. This module plugs `rollout` and `train` together; neither
+imports the other.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import RunConfig
+from ..model.draft import Eagle3Draft
+from ..model.policy import Policy
+from ..model.ttt import ttt_forward
+from ..rollout.engine import RolloutEngine
+from ..rollout.generate import GenerateConfig
+from ..rollout.sampling import SamplingParams
+from ..train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, build_scheduler, cotrain_step
+from ..train.losses import draft_loss_parts, grpo_advantages, normalize_draft_loss, pass_weights, token_logprobs
+from .report import MetricsLog
+
+ARMS = ("none", "frozen", "cotrained")
+
+
+def generate_config(cfg: RunConfig, eos_id: int, pad_id: int) -> GenerateConfig:
+    r = cfg.rollout
+    return GenerateConfig(max_new_tokens=r.max_new_tokens,
+                          sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+                          num_draft_tokens=r.k, eos_token_id=eos_id, pad_token_id=pad_id)
+
+
+def step_config(cfg: RunConfig, arm: str) -> StepConfig:
+    t, d = cfg.train, cfg.draft
+    return StepConfig(draft_weight=t.draft_weight if arm == "cotrained" else 0.0,
+                      ttt_passes=d.ttt_passes, pass_decay=d.pass_decay, clip_eps=t.clip_eps,
+                      kl_coef=t.kl_coef, temperature=max(cfg.rollout.temperature, 1e-6),
+                      policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
+                      loss_chunk=t.loss_chunk)
+
+
+def build_batch(prompts: list[list[int]], out, pad_id: int, device) -> TrainBatch:
+    """Sequences prompt + completion (right-padded); target_mask marks completion tokens (EOS
+    included); logp_old is filled by the recompute. Row b*G+g holds sample g of prompt b."""
+    G = out.group_size
+    rows = []
+    for r in range(out.tokens.shape[0]):
+        p = prompts[r // G]
+        n = int(out.lengths[r])
+        rows.append((p, out.tokens[r, :n].tolist()))
+    S = max(len(p) + len(c) for p, c in rows)
+    tokens = torch.full((len(rows), S), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), S)
+    for b, (p, c) in enumerate(rows):
+        tokens[b, :len(p) + len(c)] = torch.tensor(p + c)
+        mask[b, len(p):len(p) + len(c)] = 1.0
+    return TrainBatch(tokens=tokens.to(device), target_mask=mask.to(device))
+
+
+@torch.no_grad()
+def recompute_logprobs(policy: Policy, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p_old(token j) by the training policy, indexed by token (column 0 is 0)."""
+    lp = token_logprobs(policy(tokens).logits[:, :-1], tokens[:, 1:], temperature)
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+
+
+@torch.no_grad()
+def draft_eval(policy: Policy, draft: Eagle3Draft, batch: TrainBatch, cfg: StepConfig) -> dict:
+    """Draft TTT metrics (loss per pass, top-1, simulated tau) without training it (frozen arm)."""
+    out = policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids)
+    B, S = batch.tokens.shape
+    outs = ttt_forward(draft, out.taps.aux, out.taps.embed,
+                       torch.arange(S, device=batch.tokens.device).expand(B, S), cfg.ttt_passes)
+    parts = draft_loss_parts(draft, outs, out.logits, batch.target_mask, cfg.loss_chunk)
+    loss, m = normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay))
+    m["draft/loss"] = loss.item()
+    return m
+
+
+@dataclass
+class ArmState:
+    arm: str
+    policy: Policy  # training copy
+    draft: Eagle3Draft | None  # training copy (cotrained) or the frozen draft
+    engine: RolloutEngine  # its own copies of the weights, refit after each step
+    opt: torch.optim.Optimizer
+    sched: object
+    gen: torch.Generator
+    step: int = 0
+    data_offset: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, gen_cfg) -> ArmState:
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
+    policy = copy.deepcopy(policy).train()
+    draft = copy.deepcopy(draft) if (draft is not None and arm != "none") else None
+    eng_draft = copy.deepcopy(draft) if draft is not None else None
+    engine = RolloutEngine(copy.deepcopy(policy).eval(), eng_draft, gen_cfg)
+    opt = build_optimizer(policy, draft if arm == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
+    sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps)
+    gen = torch.Generator(device="cpu").manual_seed(cfg.train.seed + 1)
+    return ArmState(arm, policy, draft, engine, opt, sched, gen)
+
+
+def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device) -> dict:
+    """One GRPO step for one arm; returns its metrics."""
+    r = cfg.rollout
+    scfg = step_config(cfg, st.arm)
+    items = task.prompts(r.prompts_per_step, seed=cfg.train.seed, offset=st.data_offset)
+    prompts = [task.prompt_ids(it, tokenizer) for it in items]
+    # -- rollout ------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    out = st.engine.generate(prompts, group_size=r.group_size, generator=st.gen)
+    t_roll = time.perf_counter() - t0
+    texts = [tokenizer.decode(out.tokens[i, :int(out.lengths[i])]) for i in range(out.tokens.shape[0])]
+    rewards = torch.tensor([task.score(t, items[i // r.group_size]) for i, t in enumerate(texts)])
+    adv = grpo_advantages(rewards, r.group_size)
+    batch = build_batch(prompts, out, tokenizer.pad_id, device)
+    batch.advantages = adv.to(device)
+    # -- log-prob recompute (the trainer's own numerics; the engine's are logged as a check) ----
+    t0 = time.perf_counter()
+    batch.logp_old = recompute_logprobs(st.policy, batch.tokens, scfg.temperature)
+    t_lp = time.perf_counter() - t0
+    eng_lp = torch.zeros_like(batch.logp_old)
+    for i in range(out.tokens.shape[0]):
+        p, n = len(prompts[i // r.group_size]), int(out.lengths[i])
+        eng_lp[i, p:p + n] = out.logprobs[i, :n].to(eng_lp)
+    lp_gap = ((eng_lp - batch.logp_old).abs() * batch.target_mask).max().item()
+    # -- train --------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    train_draft = st.draft if st.arm == "cotrained" else None
+    m = cotrain_step(st.policy, train_draft, batch, st.opt, st.sched, scfg)
+    if st.arm == "frozen":
+        m.update(draft_eval(st.policy, st.draft, batch, step_config(cfg, "cotrained")))
+    t_train = time.perf_counter() - t0
+    # -- refit --------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    st.engine.refit(st.policy.state_dict(),
+                    st.draft.state_dict() if st.arm == "cotrained" else None)
+    t_refit = time.perf_counter() - t0
+    n_tok = int(out.lengths.sum())
+    st.step += 1
+    st.data_offset += r.prompts_per_step
+    m.update({"reward": rewards.mean().item(), "accuracy": (rewards == 1.0).float().mean().item(),
+              "tau": out.tau, "completion_len": n_tok / len(texts),
+              "tokens_per_s": n_tok / t_roll, "time/rollout": t_roll, "time/logprob": t_lp,
+              "time/train": t_train, "time/refit": t_refit, "logprob_gap_engine_vs_trainer": lp_gap,
+              "target_forwards": out.num_target_forwards})
+    for j, a in enumerate(out.accept_rate.tolist()):
+        m[f"accept/pos{j + 1}"] = a
+    return m
+
+
+def _ckpt_state(st: ArmState) -> dict:
+    return {"policy": st.policy.state_dict(), "draft": st.draft.state_dict() if st.draft is not None else None,
+            "opt": st.opt.state_dict(), "sched": st.sched.state_dict(), "gen": st.gen,
+            "step": st.step, "data_offset": st.data_offset, "arm": st.arm}
+
+
+def _restore(st: ArmState, path) -> None:
+    s = load_checkpoint(path, generators={"gen": st.gen})
+    if s["arm"] != st.arm:
+        raise ValueError(f"checkpoint {path} is for arm {s['arm']!r}, not {st.arm!r}")
+    st.policy.load_state_dict(s["policy"])
+    if st.draft is not None:
+        st.draft.load_state_dict(s["draft"])
+    st.opt.load_state_dict(s["opt"])
+    st.sched.load_state_dict(s["sched"])
+    st.step, st.data_offset = s["step"], s["data_offset"]
+    st.engine.refit(st.policy.state_dict(), st.draft.state_dict() if st.arm == "cotrained" else None)
+
+
+def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, task, tokenizer,
+            out_dir, device="cpu", resume: bool = True, progress: bool = True,
+            stop_after: int | None = None) -> list[dict]:
+    """Run (or resume) the RL loop of one arm in `out_dir`; returns the per-step metrics.
+
+    Checkpoints go to out_dir/ckpt every train.checkpoint_every steps and at the end;
+    `stop_after` stops early after that many steps of this call (tests use it to simulate a crash).
+    """
+    from pathlib import Path
+    out_dir = Path(out_dir)
+    st = make_arm(cfg, arm, policy, draft, generate_config(cfg, tokenizer.eos_id, tokenizer.pad_id))
+    ck = latest_checkpoint(out_dir / "ckpt") if resume else None
+    if ck is not None:
+        _restore(st, ck)
+    log = MetricsLog(out_dir, resume_step=st.step)
+    rows = []
+    done = 0
+    bar = tqdm(total=cfg.train.steps, initial=st.step, desc=f"RL [{arm}]", disable=not progress,
+               leave=False)
+    while st.step < cfg.train.steps and (stop_after is None or done < stop_after):
+        m = rl_step(st, cfg, task, tokenizer, device)
+        log.log(st.step, m)
+        rows.append({"step": st.step, **m})
+        done += 1
+        bar.update(1)
+        bar.set_postfix(reward=f"{m['reward']:.2f}", tau=f"{m['tau']:.2f}")
+        if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
+            save_checkpoint(out_dir / "ckpt", st.step, _ckpt_state(st))
+    bar.close()
+    log.close()
+    st.extra["final_policy"] = st.policy
+    st.extra["final_draft"] = st.draft
+    return rows
