@@ -120,7 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     from .model.config import ConfigError
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may come before or after options (`train CONFIG --quiet k=v`): argparse leaves the
+    # late ones unparsed, so collect every leftover `key=value` and reject anything else.
+    a, extra = parser.parse_known_args(argv)
+    bad = [x for x in extra if "=" not in x or x.startswith("-")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        if not hasattr(a, "overrides"):
+            parser.error(f"{a.cmd} takes no key=value overrides: {' '.join(extra)}")
+        a.overrides = list(a.overrides) + extra
     try:
         a.fn(a)
     except ConfigError as e:

@@ -86,14 +86,15 @@ class TrainSpec:
     sft_steps: int = 300
     sft_lr: float = 3e-3
     warm_start_steps: int = 150  # offline draft training against the frozen SFT policy
-    lr: float = 2e-4
-    draft_lr: float = 3e-3  # its own LR (public runs use ~50x the policy's; tiny models less)
+    lr: float = 1e-4
+    draft_lr: float = 1e-3  # its own LR (public runs use ~50x the policy's; tiny models less)
     draft_weight: float = 1.0  # lambda in L_policy + lambda * L_draft
     clip_eps: float = 0.2
     kl_coef: float = 0.0
     policy_grad_clip: float = 1.0
     draft_grad_clip: float = 1.0
     warmup_steps: int = 0
+    draft_warmup_steps: int = 5  # RL phase: the draft's LR ramps up so the warm start is not shaken
     loss_chunk: int = 1024  # sequence chunk for vocabulary-sized fp32 work
     checkpoint_every: int = 10
 

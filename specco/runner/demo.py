@@ -114,6 +114,8 @@ def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
     device = pick_device(cfg.device)
+    if device.type == "cuda":  # fp32 policies train with TF32 matmuls (10-bit mantissa products)
+        torch.set_float32_matmul_precision("high")
     t_start = time.perf_counter()
     policy, tok, sft_m = prepare_policy(cfg, out, device, progress)
     mode = cfg.task.mode if cfg.policy.source == "tiny" else "chat"

@@ -111,8 +111,9 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None
     eng_draft = copy.deepcopy(draft) if draft is not None else None
     engine = RolloutEngine(copy.deepcopy(policy).eval(), eng_draft, gen_cfg)
     opt = build_optimizer(policy, draft if arm == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
-    sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps)
-    gen = torch.Generator(device="cpu").manual_seed(cfg.train.seed + 1)
+    sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps)
+    # On the models' device: the engine draws its uniforms there (CUDA needs a CUDA generator).
+    gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(cfg.train.seed + 1)
     return ArmState(arm, policy, draft, engine, opt, sched, gen)
 
 

@@ -25,7 +25,7 @@ def sample_pool(policy: Policy, task, tokenizer, n_prompts: int, group: int, gen
                 seed: int, batch_prompts: int = 32):
     """Policy samples (prompt + completion) as a TrainBatch over all rows; mask = completion."""
     engine = RolloutEngine(policy, None, gen_cfg)
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     seqs = []
     for off in range(0, n_prompts, batch_prompts):
         items = task.prompts(min(batch_prompts, n_prompts - off), seed=seed, offset=off)
@@ -89,7 +89,7 @@ def measure_tau(policy: Policy, draft: Eagle3Draft, task, tokenizer, n_prompts: 
                              eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
         eng = RolloutEngine(policy, d, cfg)
         t = time.perf_counter()
-        out = eng.generate(prompts, group_size=1, generator=torch.Generator().manual_seed(seed))
+        out = eng.generate(prompts, group_size=1, generator=torch.Generator(device=next(policy.parameters()).device).manual_seed(seed))
         dt = time.perf_counter() - t
         res[name] = {"tau": out.tau, "tokens_per_s": float(out.lengths.sum()) / dt,
                      "accept_rate": [round(x, 4) for x in out.accept_rate.tolist()]}

@@ -179,7 +179,7 @@ def evaluate(policy, tokenizer, task, n: int = 256, temperature: float = 0.0, ev
     prompts = [task.prompt_ids(it, tokenizer) for it in items]
     if max_new_tokens is None:  # longest reference completion + eos, with slack
         max_new_tokens = max(len(task.completion_ids(it, tokenizer)) for it in items) + 4
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     outs = generate_simple(policy, prompts, max_new_tokens, tokenizer.eos_id, temperature, gen)
     texts = [tokenizer.decode(o) for o in outs]
     scores = [task.score(t, it) for t, it in zip(texts, items)]
