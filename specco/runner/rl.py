@@ -51,21 +51,28 @@ def step_config(cfg: RunConfig, arm: str) -> StepConfig:
                       loss_chunk=t.loss_chunk)
 
 
-def build_batch(prompts: list[list[int]], out, pad_id: int, device) -> TrainBatch:
-    """Sequences prompt + completion (right-padded); target_mask marks completion tokens (EOS
-    included); logp_old is filled by the recompute. Row b*G+g holds sample g of prompt b."""
-    G = out.group_size
-    rows = []
-    for r in range(out.tokens.shape[0]):
-        p = prompts[r // G]
-        n = int(out.lengths[r])
-        rows.append((p, out.tokens[r, :n].tolist()))
-    S = max(len(p) + len(c) for p, c in rows)
-    tokens = torch.full((len(rows), S), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), S)
-    for b, (p, c) in enumerate(rows):
+def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int):
+    """(prompt, completion) id lists -> right-padded tokens (B, S) and completion mask (B, S)."""
+    S = max(len(p) + len(c) for p, c in pairs)
+    tokens = torch.full((len(pairs), S), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(pairs), S)
+    for b, (p, c) in enumerate(pairs):
         tokens[b, :len(p) + len(c)] = torch.tensor(p + c)
         mask[b, len(p):len(p) + len(c)] = 1.0
+    return tokens, mask
+
+
+def rollout_pairs(prompts: list[list[int]], out) -> list[tuple[list[int], list[int]]]:
+    """(prompt, completion) per output row; row b*G+g holds sample g of prompt b."""
+    G = out.group_size
+    return [(prompts[r // G], out.tokens[r, :int(out.lengths[r])].tolist())
+            for r in range(out.tokens.shape[0])]
+
+
+def build_batch(prompts: list[list[int]], out, pad_id: int, device) -> TrainBatch:
+    """Sequences prompt + completion (right-padded); target_mask marks completion tokens (EOS
+    included); logp_old is filled by the recompute."""
+    tokens, mask = pad_pairs(rollout_pairs(prompts, out), pad_id)
     return TrainBatch(tokens=tokens.to(device), target_mask=mask.to(device))
 
 

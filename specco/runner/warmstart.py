@@ -19,27 +19,20 @@ from ..rollout.engine import RolloutEngine
 from ..rollout.generate import GenerateConfig
 from ..rollout.sampling import SamplingParams
 from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+from .rl import pad_pairs, rollout_pairs
 
 
 def sample_pool(policy: Policy, task, tokenizer, n_prompts: int, group: int, gen_cfg: GenerateConfig,
                 seed: int, batch_prompts: int = 32):
-    """Policy samples (prompt + completion) as a TrainBatch over all rows; mask = completion."""
+    """Policy samples on task prompts: right-padded tokens (N, S) and completion mask (N, S)."""
     engine = RolloutEngine(policy, None, gen_cfg)
     g = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     seqs = []
     for off in range(0, n_prompts, batch_prompts):
         items = task.prompts(min(batch_prompts, n_prompts - off), seed=seed, offset=off)
         prompts = [task.prompt_ids(it, tokenizer) for it in items]
-        out = engine.generate(prompts, group_size=group, generator=g)
-        for r in range(out.tokens.shape[0]):
-            seqs.append((prompts[r // group], out.tokens[r, :int(out.lengths[r])].tolist()))
-    S = max(len(p) + len(c) for p, c in seqs)
-    tokens = torch.full((len(seqs), S), tokenizer.pad_id, dtype=torch.long)
-    mask = torch.zeros(len(seqs), S)
-    for b, (p, c) in enumerate(seqs):
-        tokens[b, :len(p) + len(c)] = torch.tensor(p + c)
-        mask[b, len(p):len(p) + len(c)] = 1
-    return tokens, mask
+        seqs += rollout_pairs(prompts, engine.generate(prompts, group_size=group, generator=g))
+    return pad_pairs(seqs, tokenizer.pad_id)
 
 
 def new_draft(policy: Policy, tokens: torch.Tensor, draft_vocab_size: int = 0,
