@@ -86,6 +86,7 @@ class TrainSpec:
     sft_steps: int = 300
     sft_lr: float = 3e-3
     warm_start_steps: int = 150  # offline draft training against the frozen SFT policy
+    warm_start_prompts: int = 256  # prompts whose policy samples (x4) form the warm-start pool
     lr: float = 1e-4
     draft_lr: float = 1e-3  # its own LR (public runs use ~50x the policy's; tiny models less)
     draft_weight: float = 1.0  # lambda in L_policy + lambda * L_draft

@@ -87,7 +87,7 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
         return Eagle3Draft.load(d_dir, device=dev), json.loads((d_dir / "warm_metrics.json").read_text())
     gcfg = generate_config(cfg, tok.eos_id, tok.pad_id)
     t = time.perf_counter()
-    tokens, mask = sample_pool(policy, task, tok, n_prompts=256, group=4, gen_cfg=gcfg,
+    tokens, mask = sample_pool(policy, task, tok, n_prompts=cfg.train.warm_start_prompts, group=4, gen_cfg=gcfg,
                                seed=cfg.train.seed + 1000)
     draft = new_draft(policy, tokens, cfg.draft.draft_vocab_size, cfg.draft.aux_layer_ids,
                       cfg.draft.init_head_from_policy)
@@ -98,7 +98,7 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
                       batch_size=64, scfg=scfg, seed=cfg.train.seed, progress=progress)
     last = hist[-min(10, len(hist)):] if hist else []
     sim = sum(h["draft/sim_accept_len"] for h in last) / max(1, len(last))
-    real = {f"T={T}": measure_tau(policy, draft, task, tok, 64, cfg.rollout.k, T,
+    real = {f"T={T}": measure_tau(policy, draft, task, tok, min(64, cfg.train.warm_start_prompts), cfg.rollout.k, T,
                                   cfg.rollout.max_new_tokens, seed=cfg.train.seed + 2000)
             for T in (0.0, cfg.rollout.temperature)}
     metrics = {"warm_time_s": time.perf_counter() - t, "sim_tau_start": hist[0]["draft/sim_accept_len"] if hist else None,
