@@ -17,26 +17,48 @@ identity on the residual, yet still computes all its matmuls, so timing is uncha
 embeddings are tied and scaled so that its logits peak on the *current* token (it repeats the last
 prompt token). The draft's fc selects the last aux tap (= the embedding), its attention o_proj and
 MLP down_proj are 0, its head is the policy head's rows: it proposes "repeat" as well, so τ → k+1.
-`--draft-noise` perturbs the draft head to dial τ down. τ here says nothing about real acceptance;
+`--draft-noise` perturbs the draft head to dial τ down — per token: the draft then misses some tokens
+always, and a row repeating such a token accepts nothing (a straggler that keeps the whole batch
+decoding). `--draft-scale` c < 1 instead flattens the draft's distribution (logits × c), so at
+T > 0 every position is accepted with about the same probability q(repeat): ragged but stochastic
+acceptance, as with a real draft. τ here says nothing about real acceptance;
 the point is timing the verify/draft/bookkeeping machinery at a known τ.
+
+RL-LIKE MODE (`--rl-like`): what one GRPO step's rollout costs. Times repeated
+`RolloutEngine.generate` calls (32 prompts of 7-11 tokens x 8 samples = 256 rows, 40 new tokens,
+T = 1, k = 3; the 113M policy of configs/gpu.toml, fp32 with TF32 matmuls, `--draft self`), plain vs
+speculative: per-call wall time (host clock, synchronized; the first call, which captures the
+graphs, reported apart), tokens/s, τ and the speedup. `--no-graph-cache` builds a fresh runner per
+call (graphs captured per call, as before the engine cached them). It also checks that an engine
+whose graphs were captured before a refit generates what an eager loop of the new weights does.
+
+A/B against another revision: `--impl=DIR` imports `specco` from DIR instead of this checkout
+(e.g. `git archive HEAD specco | tar -x -C DIR`); `--summarize a.json b.json ...` prints a table.
 
     python bench/rollout.py --device cuda --model 0.5b --batch-sizes 1,2,4,8,16,32,64 --k 4
     python bench/rollout.py --device cpu --model tiny --batch-sizes 1,2,4
+    python bench/rollout.py --device cuda --rl-like --out bench/results/rollout_rl_cuda.json
 """
 from __future__ import annotations
 
 import argparse
+import copy
+import inspect
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# --impl=DIR must act before specco is imported (argparse documents it below).
+_IMPL = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--impl=")), None)
+sys.path.insert(0, str(Path(_IMPL).resolve()) if _IMPL else str(Path(__file__).resolve().parents[1]))
 from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
+from specco.rollout.engine import RolloutEngine  # noqa: E402
 from specco.rollout.generate import DecodeRunner, GenerateConfig, generate  # noqa: E402
 from specco.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -47,7 +69,15 @@ MODELS = {
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                  num_heads=14, num_kv_heads=2, tie_word_embeddings=True, attention_bias=True,
                  model_type="qwen2", rope_theta=1000000.0, max_position_embeddings=32768),
+    # configs/gpu.toml's from-scratch policy (char vocabulary), tied for the `--draft self` pair.
+    "rl113m": dict(vocab_size=101, hidden_size=1024, intermediate_size=2816, num_layers=10,
+                   num_heads=16, num_kv_heads=4, tie_word_embeddings=True, model_type="llama",
+                   max_position_embeddings=256),
 }
+
+
+# --draft-scale for --rl-like with rl113m: calibrated on CPU to tau ~3.4 at k = 3, T = 1.
+RL_DRAFT_SCALE = 0.35
 
 
 def timed(fn, device, iters, warmup=2):
@@ -73,11 +103,12 @@ def timed(fn, device, iters, warmup=2):
 def build(args, device, dtype):
     torch.manual_seed(0)
     pc = PolicyConfig(**MODELS[args.model])
-    policy = Policy(pc)
-    draft = None
-    if args.draft != "none":
-        dc = DraftConfig.for_policy(pc, draft_vocab_size=args.draft_vocab)
-        draft = Eagle3Draft(dc)
+    with torch.device(device):  # random init on the device: seconds less for the 0.5B model
+        policy = Policy(pc)
+        draft = None
+        if args.draft != "none":
+            dc = DraftConfig.for_policy(pc, draft_vocab_size=args.draft_vocab)
+            draft = Eagle3Draft(dc)
     if args.draft == "self":  # synthetic agreeing pair, see the module docstring
         h = pc.hidden_size
         for layer in policy.layers.values():
@@ -93,6 +124,7 @@ def build(args, device, dtype):
         draft.midlayer.mlp.down_proj.weight.zero_()
         draft.norm.weight.copy_(policy.norm.weight)
         draft.init_head_from_policy(policy.lm_head.weight)
+        draft.lm_head.weight.mul_(args.draft_scale)
         if args.draft_noise > 0:
             w = draft.lm_head.weight
             w.add_(args.draft_noise * w.std() * torch.randn_like(w))
@@ -184,7 +216,7 @@ def bench_batch(policy, draft, args, batch, device):
         e0, f0 = int(spec.st.n_emitted), int(spec.st.n_row_forwards)
         t_round = timed(spec.round, device, iters, warmup=0)
         e1, f1 = int(spec.st.n_emitted), int(spec.st.n_row_forwards)
-        assert not bool(spec.st.finished.any()), "a row finished during timing; raise T"
+        assert not bool(spec.st.finished[:batch].any()), "a row finished during timing; raise T"
         tau = (e1 - e0) / (f1 - f0)
         t_verify = isolated(spec, "verify", device, iters)
         t_propose = isolated(spec, "propose", device, iters)
@@ -200,57 +232,216 @@ def bench_batch(policy, draft, args, batch, device):
     return res
 
 
+@torch.no_grad()
+def attention_kernel(policy, device):
+    """Which SDPA kernel family a cached decode forward can use: 'efficient' if it runs with only
+    the memory-efficient kernel allowed (else it fell back to the math path)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    cache = policy.new_cache(4, 160)
+    tok = torch.zeros(4, 1, dtype=torch.long, device=device)
+    pos = torch.full((4, 1), 70, dtype=torch.long, device=device)
+    try:
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            policy(tok, pos, cache)
+        return "efficient"
+    except RuntimeError:
+        return "math (efficient kernel refused the call)"
+
+
+def rl_prompts(args, call, vocab):
+    """One RL step's prompts: `--rl-prompts` prompts of 7-11 tokens (the chain_sum CoT prompts)."""
+    g = torch.Generator().manual_seed(1000 + call)
+    lens = torch.randint(7, 12, (args.rl_prompts,), generator=g)
+    return [torch.randint(0, vocab, (int(n),), generator=g) for n in lens]
+
+
+def make_engine(policy, draft, cfg, cache: bool):
+    kw = {}
+    if not cache:
+        if "cache_runners" not in inspect.signature(RolloutEngine).parameters:
+            raise SystemExit("--no-graph-cache: this specco has no engine cache to turn off")
+        kw["cache_runners"] = 0
+    return RolloutEngine(policy, draft, cfg, **kw)
+
+
+@torch.no_grad()
+def bench_rl(policy, draft, args, device):
+    """Repeated engine.generate calls in the RL setting; returns per-arm stats and the speedup."""
+    vocab = policy.cfg.vocab_size
+    cfg = GenerateConfig(max_new_tokens=args.rl_new_tokens,
+                         sampling=SamplingParams(temperature=args.temperature),
+                         num_draft_tokens=args.k)
+    res = {}
+    for arm, d in (("plain", None), ("spec", draft)):
+        engine = make_engine(policy, d, cfg, not args.no_graph_cache)
+        gen = torch.Generator(device).manual_seed(0)
+        times, toks, taus = [], 0, []
+        for call in range(args.rl_warmup + args.rl_calls):
+            prompts = rl_prompts(args, call, vocab)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = engine.generate(prompts, group_size=args.rl_group, generator=gen)
+            n_tok = int(out.lengths.sum())  # syncs
+            times.append(time.perf_counter() - t0)
+            if call >= args.rl_warmup:
+                toks += n_tok
+                taus.append(out.tau)
+        timed_s = times[args.rl_warmup:]
+        res[arm] = dict(first_call_ms=times[0] * 1e3, median_call_ms=statistics.median(timed_s) * 1e3,
+                        mean_call_ms=statistics.mean(timed_s) * 1e3, tok_s=toks / sum(timed_s),
+                        tau=statistics.mean(taus), calls_ms=[t * 1e3 for t in times])
+        print(f"rl-like {arm:5s}: first call {res[arm]['first_call_ms']:8.1f} ms, median "
+              f"{res[arm]['median_call_ms']:7.2f} ms/call, {res[arm]['tok_s']:9.0f} tok/s, "
+              f"tau {res[arm]['tau']:.2f}", flush=True)
+    res["speedup"] = res["plain"]["median_call_ms"] / res["spec"]["median_call_ms"]
+    return res
+
+
+@torch.no_grad()
+def refit_check(policy, draft, args, device, dtype):
+    """An engine captures its graphs, is refit to other weights, and must then generate what an
+    eager (ungraphed) loop of the new weights does — greedy, fp32 matmuls without TF32 so that
+    near-ties do not flip. Speculative decoding is lossless, so its reference is plain decoding."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        torch.manual_seed(1)
+        with torch.device(device):
+            new_policy = Policy(policy.cfg).to(dtype=dtype).eval()  # random weights
+        prompts = rl_prompts(args, 0, policy.cfg.vocab_size)[:8]
+        cfg = GenerateConfig(max_new_tokens=24, sampling=SamplingParams(temperature=0.0),
+                             num_draft_tokens=args.k)
+        ref = generate(new_policy, prompts, GenerateConfig(
+            max_new_tokens=24, sampling=SamplingParams(temperature=0.0), use_graphs=False),
+            group_size=2)
+        out = {}
+        for arm, d in (("plain", None), ("spec", draft)):
+            engine = RolloutEngine(copy.deepcopy(policy), copy.deepcopy(d), cfg)
+            before = engine.generate(prompts, group_size=2)  # captures (and caches) the graphs
+            engine.refit(new_policy.state_dict())
+            got = engine.generate(prompts, group_size=2)
+            out[arm] = dict(agree_with_new_eager=(got.tokens == ref.tokens).float().mean().item(),
+                            changed_by_refit=(before.tokens != got.tokens).float().mean().item())
+            print(f"refit check ({arm}): graphed after refit == eager new weights on "
+                  f"{out[arm]['agree_with_new_eager']:.1%} of tokens; refit changed "
+                  f"{out[arm]['changed_by_refit']:.1%}", flush=True)
+            if out[arm]["agree_with_new_eager"] < 0.95 or out[arm]["changed_by_refit"] < 0.5:
+                raise SystemExit("graphs replayed after a refit do not use the new weights")
+        return out
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def summarize(paths):
+    """Print one table from result JSONs of this script (e.g. before/after)."""
+    print(f"{'file':34s} {'kind':8s} {'row':14s} {'value'}")
+    for p in paths:
+        d = json.loads(Path(p).read_text())
+        name = Path(p).name
+        if "rl" in d:
+            r = d["rl"]
+            for arm in ("plain", "spec"):
+                print(f"{name:34s} {'rl':8s} {arm:14s} first {r[arm]['first_call_ms']:7.1f} ms  "
+                      f"median {r[arm]['median_call_ms']:7.2f} ms/call  {r[arm]['tok_s']:8.0f} tok/s"
+                      f"  tau {r[arm]['tau']:.2f}")
+            print(f"{name:34s} {'rl':8s} {'speedup':14s} {r['speedup']:.2f}x (spec vs plain, median call)")
+        for r in d.get("results", []):
+            line = f"step {r['t_step_ms']:.3f} ms"
+            if "t_floor_ms" in r:
+                line += f"  floor {r['t_floor_ms']:.3f} ms ({r['step_over_floor']:.2f})"
+            if "speedup" in r:
+                line += f"  spec {r['speedup']:.2f}x tau {r['tau']:.2f} verify/step {r['verify_over_step']:.2f}"
+            print(f"{name:34s} {d['meta'].get('model', ''):8s} B={r['batch']:<12d} {line}")
+        if d["meta"].get("attention_kernel"):
+            print(f"{name:34s} {'':8s} {'attention':14s} {d['meta']['attention_kernel']}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    ap.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    ap.add_argument("--model", choices=sorted(MODELS), default=None,
+                    help="default: tiny; rl113m with --rl-like")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=None, help="default 4; 3 with --rl-like")
     ap.add_argument("--draft", choices=["self", "random", "none"], default="self")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--draft-noise", type=float, default=0.0)
+    ap.add_argument("--draft-scale", type=float, default=None,
+                    help="default 1; with --rl-like and rl113m %(RL)s, which puts tau near the GPU RL "
+                    "runs' 3.4" % {"RL": RL_DRAFT_SCALE})
     ap.add_argument("--policy-layer-scale", type=float, default=0.0)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                    help="default: bfloat16 on cuda, float32 on cpu")
+                    help="default: bfloat16 on cuda (float32 + TF32 with --rl-like), float32 on cpu")
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU intra-op threads (1 avoids OpenMP thrash on small shared machines)")
     ap.add_argument("--no-check", action="store_true", help="skip the graphed-vs-eager check")
+    ap.add_argument("--rl-like", action="store_true", help="time engine.generate calls (docstring)")
+    ap.add_argument("--rl-prompts", type=int, default=32)
+    ap.add_argument("--rl-group", type=int, default=8)
+    ap.add_argument("--rl-new-tokens", type=int, default=40)
+    ap.add_argument("--rl-calls", type=int, default=10, help="timed calls per arm")
+    ap.add_argument("--rl-warmup", type=int, default=3, help="untimed calls first (capture)")
+    ap.add_argument("--no-graph-cache", action="store_true",
+                    help="rl-like: a fresh runner (graph capture) in every call")
+    ap.add_argument("--impl", default=None, help="--impl=DIR: import specco from DIR")
+    ap.add_argument("--summarize", nargs="+", default=None, help="print a table of result JSONs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available")
     if device == "cpu":
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
+    args.model = args.model or ("rl113m" if args.rl_like else "tiny")
+    args.k = args.k or (3 if args.rl_like else 4)
+    if args.draft_scale is None:
+        args.draft_scale = RL_DRAFT_SCALE if args.rl_like and args.model == "rl113m" else 1.0
+    default_dtype = "bfloat16" if device == "cuda" and not args.rl_like else "float32"
+    dtype = getattr(torch, args.dtype or default_dtype)
+    if dtype == torch.float32 and device == "cuda":  # as the GPU RL runs: TF32 matmuls
+        torch.set_float32_matmul_precision("high")
     policy, draft = build(args, device, dtype)
     vocab = draft.cfg.draft_vocab_size if draft else policy.cfg.vocab_size
     if device == "cuda" and not args.no_check:
         check_graphs(policy, draft, args, vocab)
-    rows = []
-    for b in [int(x) for x in args.batch_sizes.split(",")]:
-        r = bench_batch(policy, draft, args, b, device)
-        rows.append(r)
-        line = (f"B={b:3d} step {r['t_step_ms']:7.3f} ms  plain {r['plain_tok_s']:9.1f} tok/s")
-        if "t_floor_ms" in r:
-            line += f"  floor {r['t_floor_ms']:.3f} ms (step/floor {r['step_over_floor']:.2f})"
-        if "tau" in r:
-            line += (f"  | spec {r['spec_tok_s']:9.1f} tok/s  tau {r['tau']:.2f}  verify "
-                     f"{r['t_verify_ms']:.3f} ms  draft {r['t_draft_ms']:.3f} ms  speedup "
-                     f"{r['speedup']:.2f} (ideal {r['ideal_speedup']:.2f})")
-        print(line, flush=True)
-    out = Path(args.out or Path(__file__).parent / "results" / f"rollout_{device}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {k: v for k, v in vars(args).items()}
     meta.update(dtype=str(dtype), torch=torch.__version__,
                 gpu=torch.cuda.get_device_name() if device == "cuda" else None,
-                graphs=device == "cuda",
+                graphs=device == "cuda", impl=str(Path(_IMPL).resolve()) if _IMPL else "checkout",
+                attention_kernel=attention_kernel(policy, device) if device == "cuda" else None,
                 note="synthetic agreeing draft (see docstring); tau is by construction"
                 if args.draft == "self" else "")
-    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
+    result = {"meta": meta}
+    if args.rl_like:
+        result["rl"] = bench_rl(policy, draft, args, device)
+        if device == "cuda" and not args.no_check:
+            result["refit_check"] = refit_check(policy, draft, args, device, dtype)
+        name = f"rollout_rl_{device}.json"
+    else:
+        rows = []
+        for b in [int(x) for x in args.batch_sizes.split(",")]:
+            r = bench_batch(policy, draft, args, b, device)
+            rows.append(r)
+            line = (f"B={b:3d} step {r['t_step_ms']:7.3f} ms  plain {r['plain_tok_s']:9.1f} tok/s")
+            if "t_floor_ms" in r:
+                line += f"  floor {r['t_floor_ms']:.3f} ms (step/floor {r['step_over_floor']:.2f})"
+            if "tau" in r:
+                line += (f"  | spec {r['spec_tok_s']:9.1f} tok/s  tau {r['tau']:.2f}  verify "
+                         f"{r['t_verify_ms']:.3f} ms  draft {r['t_draft_ms']:.3f} ms  speedup "
+                         f"{r['speedup']:.2f} (ideal {r['ideal_speedup']:.2f})")
+            print(line, flush=True)
+        result["results"] = rows
+        name = f"rollout_{device}.json"
+    out = Path(args.out or Path(__file__).parent / "results" / name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
 
 

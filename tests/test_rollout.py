@@ -1,8 +1,9 @@
 """Rollout engine: sampling processing, log-probs, τ bookkeeping, EOS/padding, prompt groups, refit."""
 import pytest
 import torch
+import torch.nn.functional as F
 
-from specco.model.layers import KVCache
+from specco.model.layers import KVCache, cached_attention
 from specco.rollout.engine import RefitError, RolloutEngine
 from specco.rollout.generate import GenerateConfig, generate
 from specco.rollout.sampling import (SamplingParams, processed_logprobs, processed_probs,
@@ -179,6 +180,147 @@ def test_engine_refit_loads_and_fails_loudly():
     bad["norm.weight"] = torch.ones(7)
     with pytest.raises(RefitError, match="shape"):
         engine.refit(bad)
+
+
+def _same_output(a, b, logp_atol=1e-5):
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.lengths, b.lengths)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=logp_atol, rtol=0)
+    assert a.tau == pytest.approx(b.tau) and a.num_target_forwards == b.num_target_forwards
+    torch.testing.assert_close(a.accept_rate, b.accept_rate)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0)])
+def test_engine_reuses_runners_across_calls(speculative, params):
+    """Cached runners (static buffers refilled per call) give exactly what a fresh generate does,
+    for repeated shapes, a new shape in between, and EOS-finished rows left over from the last call."""
+    policy, draft = structured_pair(layer_scale=100.0)
+    draft = draft if speculative else None
+    base = generate(policy, _prompts(32), GenerateConfig(max_new_tokens=12, sampling=GREEDY))
+    cfg = GenerateConfig(max_new_tokens=12, sampling=params, num_draft_tokens=3,
+                         eos_token_id=int(base.tokens[0, 3]))
+    engine = RolloutEngine(policy, draft, cfg)
+    calls = [(_prompts(32, seed=1), 2), (_prompts(32, seed=2), 2), (_prompts(32, lens=(2, 9)), 1),
+             (_prompts(32, seed=3), 2)]
+    for i, (prompts, G) in enumerate(calls):
+        got = engine.generate(prompts, G, generator=torch.Generator().manual_seed(i))
+        ref = generate(policy, prompts, cfg, draft, G, generator=torch.Generator().manual_seed(i))
+        _same_output(got, ref)
+    assert len(engine._runners) == 2  # calls 0, 1, 3 share one runner
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("G", [1, 3])
+def test_bucketed_shapes_equal_exact_shapes(speculative, G):
+    """Padding the batch (3 -> 4 prompts) and prompt length (9 -> 16), as the graphed path does, does
+    not change any real row: padding rows are finished from the start and cut from the result."""
+    policy, draft = structured_pair(layer_scale=100.0)
+    prompts = _prompts(32, lens=(3, 9, 1))
+    for params in (GREEDY, SamplingParams(temperature=1.0)):
+        outs = [generate(policy, prompts, GenerateConfig(
+            max_new_tokens=12, sampling=params, num_draft_tokens=3, bucket_shapes=b),
+            draft if speculative else None, G, generator=torch.Generator().manual_seed(0))
+            for b in (False, True)]
+        _same_output(outs[0], outs[1], logp_atol=1e-4)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_bucketed_engine_shares_one_runner_across_batch_and_prompt_sizes(speculative):
+    """As on GPU: 4 prompts, then 3 (the 4th row turns into padding), then other lengths — one
+    runner, and every call equals an exact-shape fresh generate."""
+    policy, draft = structured_pair(layer_scale=100.0)
+    cfg = GenerateConfig(max_new_tokens=10, sampling=SamplingParams(temperature=1.0),
+                         num_draft_tokens=3, bucket_shapes=True)
+    exact = GenerateConfig(max_new_tokens=10, sampling=SamplingParams(temperature=1.0),
+                           num_draft_tokens=3)
+    engine = RolloutEngine(policy, draft if speculative else None, cfg)
+    for i, lens in enumerate([(3, 6, 1, 4), (9, 2, 5), (1, 1, 16, 2)]):
+        prompts = _prompts(32, lens=lens, seed=i)
+        got = engine.generate(prompts, 2, generator=torch.Generator().manual_seed(i))
+        ref = generate(policy, prompts, exact, draft if speculative else None, 2,
+                       generator=torch.Generator().manual_seed(i))
+        _same_output(got, ref, logp_atol=1e-4)
+    assert len(engine._runners) == 1
+
+
+def test_engine_refit_reaches_cached_runner():
+    """Refit copies into the parameters' own storage (what captured graphs read) and a runner
+    cached before the refit generates with the new weights."""
+    policy, draft = structured_pair(layer_scale=100.0)
+    cfg = GenerateConfig(max_new_tokens=10, sampling=GREEDY, num_draft_tokens=2)
+    engine = RolloutEngine(policy, draft, cfg)
+    prompts = _prompts(32)
+    old = engine.generate(prompts)
+    ptrs = engine._storage_fingerprint()
+    new_policy = tiny_policy(seed=5)
+    engine.refit(new_policy.state_dict())  # the draft stays (frozen): now a poor guesser
+    assert engine._storage_fingerprint() == ptrs  # in place: same storage
+    got = engine.generate(prompts)
+    assert len(engine._runners) == 1  # the cached runner served both calls
+    ref = generate(new_policy, prompts, cfg)  # lossless: plain decoding of the new policy
+    assert torch.equal(got.tokens, ref.tokens) and not torch.equal(got.tokens, old.tokens)
+
+
+def test_engine_drops_runners_when_parameters_are_replaced():
+    policy = tiny_policy()
+    cfg = GenerateConfig(max_new_tokens=8, sampling=GREEDY)
+    engine = RolloutEngine(policy, None, cfg)
+    prompts = _prompts(32)
+    engine.generate(prompts)
+    stale = next(iter(engine._runners.values()))
+    with torch.no_grad():
+        policy.lm_head.weight = torch.nn.Parameter(torch.randn_like(policy.lm_head.weight))
+    got = engine.generate(prompts)
+    assert next(iter(engine._runners.values())) is not stale
+    assert torch.equal(got.tokens, generate(policy, prompts, cfg).tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("speculative", [False, True])
+def test_cuda_graphed_engine_after_refit_equals_eager(speculative):
+    """On GPU: graphs captured before a refit replay with the new weights (fp32, greedy)."""
+    dev = torch.device("cuda")
+    policy, draft = structured_pair(layer_scale=100.0)
+    policy, draft = policy.to(dev), draft.to(dev)
+    cfg = GenerateConfig(max_new_tokens=12, sampling=GREEDY, num_draft_tokens=3)
+    engine = RolloutEngine(policy, draft if speculative else None, cfg)
+    prompts = _prompts(32)
+    engine.generate(prompts, 2)  # captures
+    new_policy = tiny_policy(seed=5).to(dev)
+    engine.refit(new_policy.state_dict())
+    got = engine.generate(prompts, 2)
+    ref = generate(new_policy, prompts, GenerateConfig(max_new_tokens=12, sampling=GREEDY,
+                                                       use_graphs=False), group_size=2)
+    assert torch.equal(got.tokens, ref.tokens)
+
+
+# -- cached attention ----------------------------------------------------------------------------
+def _masked_gqa_reference(q, positions, cache, layer):
+    """The defining semantics: SDPA with GQA and a boolean mask key_pos <= query position."""
+    k, v = cache.k[layer], cache.v[layer]
+    mask = torch.arange(cache.max_len)[None, None, None, :] <= positions[:, None, :, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+@pytest.mark.parametrize("B,H,Hkv,T,S", [(3, 8, 2, 1, 37), (2, 4, 4, 5, 20), (2, 6, 2, 7, 50)])
+def test_cached_attention_matches_masked_gqa(B, H, Hkv, T, S):
+    g = torch.Generator().manual_seed(0)
+    D, L = 16, 3
+    cache = KVCache(torch.randn(L, B, Hkv, S, D, generator=g), torch.randn(L, B, Hkv, S, D, generator=g))
+    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)  # strided, like Attention.qkv's
+    positions = torch.randint(0, S - T, (B, 1), generator=g) + torch.arange(T)
+    for layer in range(L):  # layers 1.. reuse layer 0's bias (one forward)
+        torch.testing.assert_close(cached_attention(q, positions, cache, layer),
+                                   _masked_gqa_reference(q, positions, cache, layer),
+                                   atol=1e-5, rtol=1e-5)
+    assert cache._bias_memo[2] == L - 1
+    # a new forward (layer 0 again) or an in-place change of positions rebuilds the bias
+    positions.add_(1)
+    for layer in (1, 0):
+        torch.testing.assert_close(cached_attention(q, positions, cache, layer),
+                                   _masked_gqa_reference(q, positions, cache, layer),
+                                   atol=1e-5, rtol=1e-5)
 
 
 def test_engine_rejects_mismatched_draft():

@@ -5,7 +5,7 @@ swappable callable (`Attention.core`) so context parallelism can replace it from
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,8 @@ class KVCache:
     """
     k: torch.Tensor
     v: torch.Tensor
+    # Private memo of the attention bias of the forward in progress (see `visibility_bias`).
+    _bias_memo: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def empty(cls, num_layers, batch, num_kv_heads, max_len, head_dim, device, dtype):
@@ -93,6 +95,41 @@ class KVCache:
         self.k[layer].scatter_(2, idx, k.to(self.k.dtype))
         self.v[layer].scatter_(2, idx, v.to(self.v.dtype))
 
+    def visibility_bias(self, positions: torch.Tensor, group: int, layer: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+        """Additive attention bias (B, 1, group*T, S_max): 0 where key j <= the query's position,
+        -inf elsewhere; query row g*T + t has position positions[b, t] (layout of `cached_attention`).
+
+        Built once per forward and reused by its later layers. Every layer of one forward sees the
+        same `positions` object with layers in ascending order, so the memo is reused only when
+        `positions` is the same object at the same version (no in-place change since), `layer` is
+        larger than the memo's, and CUDA-graph capture state, group and dtype match. A new forward
+        restarts at a layer <= the last one seen and so rebuilds it; in particular a forward captured
+        into a CUDA graph computes its own bias inside the graph and never reads one made outside.
+        Building it per layer instead costs ~4 tiny kernels x L layers per decode step (~0.3 ms in a
+        graphed 24-layer step), about the price of the whole attention.
+        """
+        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+        version = -1 if positions.is_inference() else positions._version
+        key = (version, group, dtype, capturing)
+        memo = self._bias_memo
+        if memo is not None and memo[0] is positions and memo[1] == key and layer > memo[2]:
+            self._bias_memo = (positions, key, layer, memo[3])
+            return memo[3]
+        B, T = positions.shape
+        S = self.max_len
+        key_pos = torch.arange(S, device=positions.device)
+        visible = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, S)
+        # Allocate the key dim padded to a multiple of 16 and slice: the memory-efficient SDPA
+        # kernel wants 16-byte-aligned bias rows and would otherwise pad (copy) it in every layer.
+        S_pad = -(-S // 16) * 16
+        bias = torch.full((B, 1, group * T, S_pad), float("-inf"), dtype=dtype,
+                          device=positions.device)[..., :S]
+        # row g*T + t of the grouped queries has the position of query t: tile over g
+        bias.masked_fill_(visible.repeat(1, group, 1)[:, None], 0.0)  # (B, 1, G*T, S)
+        self._bias_memo = (positions, key, layer, bias)
+        return bias
+
 
 def causal_sdpa(q, k, v, scale=None):
     """Default attention core for full-sequence (training) forwards: causal SDPA, GQA aware.
@@ -108,12 +145,24 @@ def cached_attention(q, positions, cache: KVCache, layer: int, scale=None):
 
     Key j is visible to a query at position p iff j <= p. Reading the full S_max keeps shapes
     static for graph capture; stale entries past p are masked out.
+
+    GQA without a GQA kernel: the G = H/Hkv query heads that share kv head h are folded into the
+    query-length dim, q (B, H, T, D) -> (B, Hkv, G*T, D) (head h*G + g -> row g*T + t), so this is
+    a plain multi-head call with an additive bias. SDPA with `enable_gqa` plus a mask has no fused
+    kernel on CUDA (flash takes no mask, memory-efficient no GQA) and fell back to the math path,
+    which copies the cache G times per layer; the folded call runs the memory-efficient kernel and
+    reads each cached K/V once. Same function: scores, softmax and weights per (head, query) are
+    unchanged, only the batching differs.
     """
+    B, H, T, D = q.shape
     k, v = cache.k[layer], cache.v[layer]  # (B, Hkv, S_max, D)
-    key_pos = torch.arange(cache.max_len, device=q.device)
-    mask = key_pos[None, None, None, :] <= positions[:, None, :, None]  # (B, 1, T, S_max)
-    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                          scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    Hkv = k.shape[1]
+    G = H // Hkv
+    bias = cache.visibility_bias(positions, G, layer, q.dtype)  # (B, 1, G*T, S_max)
+    q_grouped = q.reshape(B, Hkv, G * T, D)  # (B, Hkv, G*T, D)
+    o = F.scaled_dot_product_attention(q_grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=bias,
+                                       scale=scale)
+    return o.reshape(B, H, T, D)
 
 
 class Attention(nn.Module):

@@ -4,9 +4,18 @@ The trainer owns the authoritative weights; after each optimizer step it calls `
 into the engine's models. Refit is a boundary and fails loudly (STYLE §10): a draft state without a
 draft, a missing/unexpected key or a shape mismatch raises. (A public peer ran for days at zero
 acceptance because a draft refit that took no weights was only a warning.)
+
+Per-call costs. An RL loop calls `generate` once per step with the same batch shape and config, so
+the engine keeps its `DecodeRunner`s — static buffers plus captured CUDA graphs — keyed by
+(config, shape bucket) and reuses them: a call costs the host-side prompt copy, one prefill graph
+and the decode rounds, not a fresh capture (which costs more than a short rollout itself).
+Captured graphs read the parameters' storage, so weights must change *in place*: refit copies into
+the existing tensors (`copy_`), which the next replay sees. If parameter tensors are replaced
+(`.to(...)`, `load_state_dict(assign=True)`), the storage fingerprint changes and the cache is dropped.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Mapping, Sequence
 
 import torch
@@ -14,7 +23,8 @@ from torch import nn
 
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
-from .generate import GenerateConfig, GenerateOutput, generate
+from .generate import (DecodeRunner, GenerateConfig, GenerateOutput, RunnerShape, pad_prompts,
+                       execution_modes, seeded_generator)
 
 
 class RefitError(RuntimeError):
@@ -41,10 +51,19 @@ def _load_exact(model: nn.Module, state: Mapping[str, torch.Tensor], what: str) 
 
 
 class RolloutEngine:
+    """Generates with its policy (+ draft); `refit` loads new weights in place.
+
+    cache_runners: how many DecodeRunners (one per config and shape bucket) to keep, the least
+    recently used dropped first; 0 builds a fresh runner, and captures its graphs, every call.
+    """
+
     def __init__(self, policy: Policy, draft: Eagle3Draft | None = None,
-                 cfg: GenerateConfig | None = None):
+                 cfg: GenerateConfig | None = None, cache_runners: int = 8):
         self.policy, self.draft = policy.eval(), draft
         self.cfg = cfg or GenerateConfig()
+        self.cache_runners = cache_runners
+        self._runners: OrderedDict[tuple, DecodeRunner] = OrderedDict()
+        self._storage: tuple | None = None
         if draft is not None:
             draft.eval()
             self._check_draft_fits(policy, draft)
@@ -66,10 +85,46 @@ class RolloutEngine:
         if policy.embed_tokens is None or policy.lm_head is None:
             raise ValueError("speculative rollouts need a whole policy (embedding and head)")
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.policy.parameters()).device
+
+    def _storage_fingerprint(self) -> tuple:
+        """Where every parameter and buffer lives: captured graphs are valid while this holds."""
+        models = [self.policy] + ([self.draft] if self.draft is not None else [])
+        return tuple((t.data_ptr(), t.dtype) for m in models
+                     for t in (*m.parameters(), *m.buffers()))
+
+    def _runner(self, cfg: GenerateConfig, ids: torch.Tensor, group_size: int) -> DecodeRunner:
+        """The cached runner for this config and shape bucket (built on a miss)."""
+        if self.cache_runners <= 0:
+            return DecodeRunner(self.policy, cfg, self.draft)
+        storage = self._storage_fingerprint()
+        if storage != self._storage:  # parameters were replaced, not updated in place
+            self._runners.clear()
+            self._storage = storage
+        _, bucketed = execution_modes(cfg, self.device)
+        k = cfg.num_draft_tokens if self.draft is not None else 0
+        key = (cfg, RunnerShape.bucket(ids.shape[0], ids.shape[1], group_size, cfg, k, bucketed))
+        runner = self._runners.get(key)
+        if runner is None:
+            runner = self._runners[key] = DecodeRunner(self.policy, cfg, self.draft)
+            while len(self._runners) > self.cache_runners:
+                self._runners.popitem(last=False)  # least recently used
+        self._runners.move_to_end(key)
+        return runner
+
+    @torch.no_grad()
     def generate(self, prompts: Sequence, group_size: int = 1,
                  generator: torch.Generator | None = None,
                  cfg: GenerateConfig | None = None) -> GenerateOutput:
-        return generate(self.policy, prompts, cfg or self.cfg, self.draft, group_size, generator)
+        """`generate.generate` with this engine's models, reusing buffers and graphs across calls."""
+        cfg = cfg or self.cfg
+        ids, lens = pad_prompts(prompts)
+        runner = self._runner(cfg, ids, group_size)
+        runner.prefill_padded(ids, lens, group_size, generator or seeded_generator(self.device))
+        runner.run()
+        return runner.result()
 
     def refit(self, policy_state: Mapping[str, torch.Tensor] | None,
               draft_state: Mapping[str, torch.Tensor] | None = None) -> dict:

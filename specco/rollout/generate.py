@@ -11,9 +11,16 @@ both modes because speculative sampling is exact. For temperature == 0 that p is
 = 0, useless to RL), so we report log_softmax(raw logits) instead. A trainer that recomputes
 log-probs must apply the same processing to compare like with like.
 
-Speed (DESIGN §6): every decode step is an in-place function over static buffers, captured as a
-CUDA graph on GPU (graphs.py); the host syncs once per round to test whether all rows finished.
-The prefill and the draft's prompt catch-up are eager (variable shapes, run once).
+Speed (DESIGN §6): every step — the prefill (target prefill, first token, draft prompt catch-up)
+and each decode step — is an in-place function over static buffers, captured as a CUDA graph on
+GPU (graphs.py); the host syncs once per round to test whether all rows finished.
+
+Shape buckets. A `DecodeRunner` allocates its buffers and captures its graphs for one shape and
+keeps them across calls: `RolloutEngine` holds runners keyed by shape, so an RL loop that calls
+generate once per step captures once, not per call. To make shapes recur, with graphs the batch
+is padded up to a bucket (prompts: next power of two up to 32, then multiples of 32; padding rows
+are finished from the start and cut from the result) and the prompt length up to a multiple of 16
+(the right-padding the prefill already handles); the cache length follows from those two.
 """
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ from ..model.policy import Policy
 from .graphs import StepGraphs
 from .sampling import SamplingParams, pick_tokens
 from .speculative import SpeculativeSteps, gather_rows, draft_prefill
-from .state import DecodeState, commit
+from .state import DecodeState, commit, fill_groups, group_leaders
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,7 @@ class GenerateConfig:
     eos_token_id: int | None = None  # None: rows stop only at max_new_tokens
     pad_token_id: int = 0  # fills tokens past each row's length
     use_graphs: bool | None = None  # None: CUDA graphs on CUDA, eager on CPU
+    bucket_shapes: bool | None = None  # pad batch / prompt length to buckets; None: iff graphs
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -57,108 +65,232 @@ class GenerateOutput:
     group_size: int = 1
 
 
-def _pad_prompts(prompts: Sequence, device) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_prompts(prompts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts -> right-padded ids (B0, S) and lengths (B0,), int64 on the host."""
     if len(prompts) == 0:
         raise ValueError("generate() needs at least one prompt")
     rows = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
     if min(r.numel() for r in rows) < 1:
         raise ValueError("every prompt needs at least one token")
-    lens = torch.tensor([r.numel() for r in rows], device=device)
+    lens = torch.tensor([r.numel() for r in rows])
     ids = torch.zeros(len(rows), int(lens.max()), dtype=torch.long)  # (B0, S) right-padded
     for b, r in enumerate(rows):
         ids[b, : r.numel()] = r
-    return ids.to(device), lens
+    return ids, lens
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True)
+class RunnerShape:
+    """The static shape a DecodeRunner's buffers and graphs are built for."""
+    prompts: int  # B0 rows of the prefill (padded), each the leader of a group
+    group_size: int  # G samples per prompt: B0*G decode rows
+    prompt_len: int  # S, prefill length (padded)
+    cache_len: int  # target and draft KV cache length
+
+    @classmethod
+    def bucket(cls, num_prompts: int, prompt_len: int, group_size: int, cfg: GenerateConfig,
+               k: int, bucketed: bool) -> "RunnerShape":
+        B0, S = num_prompts, prompt_len
+        if bucketed:  # few distinct shapes, so graphs captured once serve many calls
+            B0 = 1 << (B0 - 1).bit_length() if B0 <= 32 else _round_up(B0, 32)
+            S = _round_up(S, 16)
+        # Verify writes up to n + k with n <= L + T - 2 while a row is live; + slack.
+        cache_len = S + cfg.max_new_tokens + k + 1
+        if bucketed:  # 16-aligned rows for the attention kernels
+            cache_len = _round_up(cache_len, 16)
+        return cls(B0, group_size, S, cache_len)
+
+
+@dataclass
+class PromptBuffers:
+    """Static inputs of the prefill step, refilled on the host side each call."""
+    ids: torch.Tensor  # (B0, S) int64 right-padded prompt ids
+    lens: torch.Tensor  # (B0,) int64 prompt lengths (1 for padding prompts)
+    real: torch.Tensor  # (B0,) bool, False for padding prompts
+    u0: torch.Tensor | None  # (B0*G,) uniforms for the first token (None when greedy)
+
+
+def execution_modes(cfg: GenerateConfig, device: torch.device) -> tuple[bool, bool]:
+    """(use CUDA graphs, pad shapes to buckets) for `cfg` on `device`."""
+    use_graphs = (device.type == "cuda") if cfg.use_graphs is None else cfg.use_graphs
+    if use_graphs and device.type != "cuda":
+        raise ValueError("use_graphs=True needs the model on a CUDA device")
+    return use_graphs, use_graphs if cfg.bucket_shapes is None else cfg.bucket_shapes
+
+
+def seeded_generator(device) -> torch.Generator:
+    """A fresh generator on `device` seeded from the global torch RNG (reproducible under
+    torch.manual_seed): what a generate call without an explicit generator samples with."""
+    seed = int(torch.randint(0, 2**62, (1,)).item())
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 class DecodeRunner:
-    """Holds the state of one batched generation. `generate` is prefill -> rounds -> result.
+    """Static buffers and (on GPU) captured step graphs for generation at one shape; one batched
+    generation at a time. `generate` is prefill -> rounds -> result.
+
+    A runner can be reused: `prefill` with prompts of the same shape bucket refills the buffers and
+    replays the graphs captured the first time (a new bucket reallocates and recaptures). The
+    graphs read the models' parameters in place, so in-place weight updates (RolloutEngine.refit)
+    are seen by the next replay; replacing parameter tensors is not (the engine checks for that).
 
     Tests and the benchmark drive it step by step: `prefill`, `round`, `all_finished`, `result`;
-    `graphs.run(name)` replays a single captured step ('decode'; 'propose', 'verify', 'catch_up').
+    `graphs.run(name)` replays a single captured step ('prefill'; 'decode' or 'propose', 'verify',
+    'catch_up').
     """
 
     def __init__(self, policy: Policy, cfg: GenerateConfig, draft: Eagle3Draft | None = None,
                  generator: torch.Generator | None = None):
         self.policy, self.cfg, self.draft = policy, cfg, draft
         self.device = next(policy.parameters()).device
-        if generator is None:  # reproducible under torch.manual_seed, on the model's device
-            seed = int(torch.randint(0, 2**62, (1,)).item())
-            generator = torch.Generator(device=self.device).manual_seed(seed)
         self.generator = generator
-        use = cfg.use_graphs
-        self.use_graphs = (self.device.type == "cuda") if use is None else use
-        if self.use_graphs and self.device.type != "cuda":
-            raise ValueError("use_graphs=True needs the model on a CUDA device")
+        self.use_graphs, self.bucketed = execution_modes(cfg, self.device)
         self.k = cfg.num_draft_tokens if draft is not None else 0
+        self.shape: RunnerShape | None = None
         self.st: DecodeState | None = None
+        self.io: PromptBuffers | None = None
         self.num_target_forwards = 0
+
+    def shape_for(self, num_prompts: int, prompt_len: int, group_size: int) -> RunnerShape:
+        return RunnerShape.bucket(num_prompts, prompt_len, group_size, self.cfg, self.k,
+                                  self.bucketed)
 
     # -- prefill ---------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, prompts: Sequence, group_size: int = 1):
-        cfg, policy, draft, dev = self.cfg, self.policy, self.draft, self.device
-        G, T, k = group_size, cfg.max_new_tokens, self.k
+    def prefill(self, prompts: Sequence, group_size: int = 1,
+                generator: torch.Generator | None = None):
+        """Start a generation: `prompts` (token-id sequences), `group_size` samples each.
+        generator: for this generation's randomness; None keeps the runner's (or seeds one)."""
+        ids, lens = pad_prompts(prompts)
+        self.prefill_padded(ids, lens, group_size, generator)
+
+    @torch.no_grad()
+    def prefill_padded(self, ids: torch.Tensor, lens: torch.Tensor, group_size: int = 1,
+                       generator: torch.Generator | None = None):
+        """`prefill` from host-side right-padded ids (B0, S) and lengths (B0,)."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
-        self.group_size = group_size
-        ids, lens = _pad_prompts(prompts, dev)  # (B0, S), (B0,)
+        if generator is not None:
+            self.generator = generator
+        elif self.generator is None:
+            self.generator = seeded_generator(self.device)
         B0, S = ids.shape
-        N = B0 * G
-        W = k + 1  # widest block one round can emit
-        # Verify writes up to n + k with n <= L + T - 2 while a row is live; + slack.
-        cache_len = S + T + W
-        tap_layers = tuple(draft.cfg.aux_layer_ids) if draft is not None else None
-        t_cache = policy.new_cache(B0, cache_len)
-        out = policy(ids, None, t_cache, tap_layers=tap_layers, compute_logits=False)
-        logits = policy.lm_head(gather_rows(out.hidden, lens - 1))  # (B0, V): only last positions
-        logits = logits.repeat_interleave(G, dim=0)  # (N, V)
-        if G > 1:
-            t_cache = t_cache.repeat_rows(G)  # one prefill shared by the G samples of a prompt
-        u0 = torch.rand(N, generator=self.generator, device=dev)
-        first, logp_all = pick_tokens(logits, cfg.sampling, u0)
-        if logp_all is None:
-            logp_all = logits.float().log_softmax(-1)
-        zeros = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)  # noqa: E731
-        st = DecodeState(
-            n=lens.repeat_interleave(G), last_tok=first.clone(),
-            out_tokens=zeros(N, T + W), out_logp=zeros(N, T + W, dt=torch.float32),
-            out_len=torch.ones(N, dtype=torch.long, device=dev),
-            finished=torch.full((N,), T <= 1, dtype=torch.bool, device=dev),
-            n_emitted=zeros(), n_row_forwards=zeros(), n_accepted=zeros(k), t_cache=t_cache)
-        st.out_tokens[:, 0] = first
-        st.out_logp[:, 0] = logp_all.gather(-1, first[:, None]).squeeze(-1)
-        if cfg.eos_token_id is not None:
-            st.finished |= first == cfg.eos_token_id
+        shape = self.shape_for(B0, S, group_size)
+        if shape != self.shape:
+            self._allocate(shape)
+        self.num_rows, self.group_size = B0 * group_size, group_size
+        io = self.io
+        # Host -> device: the whole padded block in one copy per buffer (padding prompts: one
+        # token 0, length 1, marked not real).
+        host_ids = torch.zeros(shape.prompts, shape.prompt_len, dtype=torch.long)
+        host_ids[:B0, :S] = ids
+        host_lens = torch.ones(shape.prompts, dtype=torch.long)
+        host_lens[:B0] = lens
+        io.ids.copy_(host_ids)
+        io.lens.copy_(host_lens)
+        io.real.copy_(torch.arange(shape.prompts) < B0)
+        if io.u0 is not None:  # the same draws as an unpadded batch: N uniforms, then per round
+            torch.rand(self.num_rows, generator=self.generator, device=self.device,
+                       out=io.u0[: self.num_rows])
+        self.graphs.run("prefill")
         self.num_target_forwards = 1
+
+    def _allocate(self, shape: RunnerShape):
+        """Static buffers for `shape`, then the step functions (and their graphs)."""
+        cfg, policy, draft, dev, k = self.cfg, self.policy, self.draft, self.device, self.k
+        self.shape, self.st, self.io, self.graphs, self.spec = shape, None, None, None, None
+        N, T, W = shape.prompts * shape.group_size, cfg.max_new_tokens, k + 1
+        sampled = not cfg.sampling.greedy
+        zeros = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)  # noqa: E731
+        self.io = PromptBuffers(ids=zeros(shape.prompts, shape.prompt_len),
+                                lens=torch.ones(shape.prompts, dtype=torch.long, device=dev),
+                                real=zeros(shape.prompts, dt=torch.bool),
+                                u0=zeros(N, dt=torch.float32) if sampled else None)
+        st = DecodeState(
+            n=zeros(N), last_tok=zeros(N),
+            out_tokens=zeros(N, T + W), out_logp=zeros(N, T + W, dt=torch.float32),
+            out_len=zeros(N), finished=torch.ones(N, dtype=torch.bool, device=dev),
+            n_emitted=zeros(), n_row_forwards=zeros(), n_accepted=zeros(k),
+            t_cache=policy.new_cache(N, shape.cache_len))
         n_uniforms = 1
         if draft is not None:
-            st.d_cache, st.d_logits0, st.d_hidden0 = draft_prefill(
-                policy, draft, ids, lens, out.taps.aux, first, G, cache_len)
+            d_dtype = draft.fc.weight.dtype
+            n_aux = len(draft.cfg.aux_layer_ids)
+            st.d_cache = draft.new_cache(N, shape.cache_len)
+            st.d_logits0 = zeros(N, draft.cfg.draft_vocab_size, dt=d_dtype)
+            st.d_hidden0 = zeros(N, draft.cfg.hidden_size, dt=d_dtype)
             st.draft_tok = zeros(N, k)
-            st.taps = torch.zeros(N, W, out.taps.aux.shape[-1], dtype=out.taps.aux.dtype, device=dev)
+            st.taps = zeros(N, W, n_aux * policy.cfg.hidden_size, dt=st.t_cache.k.dtype)
             st.num_accepted, st.block = zeros(N), zeros(N, W)
-            if not cfg.sampling.greedy:
-                st.q_draft = torch.zeros(N, k, policy.cfg.vocab_size, device=dev)
+            if sampled:
+                st.q_draft = zeros(N, k, policy.cfg.vocab_size, dt=torch.float32)
             n_uniforms = SpeculativeSteps.num_uniforms(k)
-        if not cfg.sampling.greedy:
-            st.u = torch.zeros(N, n_uniforms, device=dev)
+        if sampled:
+            st.u = zeros(N, n_uniforms, dt=torch.float32)
         self.st = st
         self._build_steps()
+
+    def _prefill_step(self):
+        """Target prefill over the prompts (once per prompt: the G samples of a group share its
+        cache rows), first token per sample, state reset, draft prompt catch-up. In place."""
+        cfg, policy, draft, st, io = self.cfg, self.policy, self.draft, self.st, self.io
+        G, S = self.shape.group_size, self.shape.prompt_len
+        tap_layers = tuple(draft.cfg.aux_layer_ids) if draft is not None else None
+        out = policy(io.ids, None, group_leaders(st.t_cache, G), tap_layers=tap_layers,
+                     compute_logits=False)
+        fill_groups(st.t_cache, G, S)
+        logits = policy.lm_head(gather_rows(out.hidden, io.lens - 1))  # (B0, V): last positions
+        logits = logits.repeat_interleave(G, dim=0)  # (N, V)
+        first, logp_all = pick_tokens(logits, cfg.sampling, io.u0)
+        if logp_all is None:
+            logp_all = logits.float().log_softmax(-1)
+        st.n.copy_(io.lens.repeat_interleave(G))
+        st.last_tok.copy_(first)
+        st.out_tokens.zero_()
+        st.out_tokens[:, 0] = first
+        st.out_logp.zero_()
+        st.out_logp[:, 0] = logp_all.gather(-1, first[:, None]).squeeze(-1)
+        st.out_len.fill_(1)
+        finished = ~io.real.repeat_interleave(G)  # padding rows never run
+        if cfg.max_new_tokens <= 1:
+            finished.fill_(True)
+        if cfg.eos_token_id is not None:
+            finished |= first == cfg.eos_token_id
+        st.finished.copy_(finished)
+        for t in (st.n_emitted, st.n_row_forwards, st.n_accepted):
+            t.zero_()
+        if draft is not None:
+            d_logits0, d_hidden0 = draft_prefill(policy, draft, io.ids, io.lens, out.taps.aux,
+                                                 first, G, st.d_cache)
+            st.d_logits0.copy_(d_logits0)
+            st.d_hidden0.copy_(d_hidden0)
 
     def _build_steps(self):
         cfg, st = self.cfg, self.st
         if self.draft is None:
-            self.order = ["decode"]
+            rounds = ["decode"]
             fns = {"decode": self._decode_step}
         else:
             self.spec = SpeculativeSteps(self.policy, self.draft, st, cfg.sampling, self.k,
                                          cfg.max_new_tokens, cfg.eos_token_id)
-            self.order = ["propose", "verify", "catch_up"]
+            rounds = ["propose", "verify", "catch_up"]
             fns = {"propose": self.spec.propose, "verify": self.spec.verify,
                    "catch_up": self.spec.catch_up}
+        fns["prefill"] = self._prefill_step
+        self.order = rounds
         self.graphs = StepGraphs(fns, self.use_graphs)
-        if self.use_graphs:  # st.u is zeros here: valid uniforms, and the generator stays untouched
-            self.graphs.capture(st.small_tensors(), self.order, lambda: st.finished.fill_(True))
+        if self.use_graphs:
+            # Captured before any prompt is loaded: the buffers hold zeros (valid ids, lengths 1,
+            # uniforms 0) and every prompt is marked padding, so the warm-up's prefill leaves all
+            # rows finished and its decode steps advance nothing.
+            def freeze():
+                self.io.real.fill_(False)
+                st.finished.fill_(True)
+            self.graphs.capture(st.small_tensors(), ["prefill"] + rounds, freeze)
 
     # -- decode ----------------------------------------------------------------------------
     def _decode_step(self):
@@ -176,8 +308,11 @@ class DecodeRunner:
         st.last_tok.copy_(torch.where(live, tok, st.last_tok))
 
     def _fill_uniforms(self):
-        if self.st.u is not None:  # one host-side RNG launch per round, outside the graphs
-            torch.rand(self.st.u.shape, generator=self.generator, device=self.device, out=self.st.u)
+        # One host-side RNG launch per round, outside the graphs. Only the real rows draw (the
+        # same stream as an unpadded batch); padding rows keep the valid uniform 0.
+        if self.st.u is not None:
+            u = self.st.u[: self.num_rows]
+            torch.rand(u.shape, generator=self.generator, device=self.device, out=u)
 
     @torch.no_grad()
     def round(self):
@@ -199,14 +334,15 @@ class DecodeRunner:
             self.round()
 
     def result(self) -> GenerateOutput:
-        st, T = self.st, self.cfg.max_new_tokens
-        valid = torch.arange(T, device=self.device)[None, :] < st.out_len[:, None]  # (N, T)
-        tokens = torch.where(valid, st.out_tokens[:, :T], self.cfg.pad_token_id)
-        logprobs = torch.where(valid, st.out_logp[:, :T], 0.0)
+        st, T, N = self.st, self.cfg.max_new_tokens, self.num_rows
+        out_len = st.out_len[:N]
+        valid = torch.arange(T, device=self.device)[None, :] < out_len[:, None]  # (N, T)
+        tokens = torch.where(valid, st.out_tokens[:N, :T], self.cfg.pad_token_id)
+        logprobs = torch.where(valid, st.out_logp[:N, :T], 0.0)
         fwd = int(st.n_row_forwards)
         tau = int(st.n_emitted) / fwd if fwd else 1.0
         rate = st.n_accepted.double().cpu() / max(fwd, 1)
-        return GenerateOutput(tokens, st.out_len.clone(), logprobs, tau, rate,
+        return GenerateOutput(tokens, out_len.clone(), logprobs, tau, rate,
                               self.num_target_forwards, self.group_size)
 
 

@@ -26,10 +26,11 @@ from __future__ import annotations
 import torch
 
 from ..model.draft import Eagle3Draft
+from ..model.layers import KVCache
 from ..model.policy import Policy
 from . import acceptance
 from .sampling import SamplingParams, processed_logprobs, processed_probs, sample_from_probs
-from .state import DecodeState, commit
+from .state import DecodeState, commit, fill_groups, group_leaders
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -113,25 +114,25 @@ class SpeculativeSteps:
 
 def draft_prefill(policy: Policy, draft: Eagle3Draft, prompt_ids: torch.Tensor,
                   prompt_lens: torch.Tensor, taps_aux: torch.Tensor, first_tok: torch.Tensor,
-                  group_size: int, cache_len: int):
-    """Bring the draft to the round invariant right after the target prefill (eager, once).
+                  group_size: int, cache: KVCache):
+    """Bring the draft to the round invariant right after the target prefill (static shapes, in
+    place: part of the prefill step, which is graphed when the decode steps are).
 
     prompt_ids: (B0, S) right-padded, prompt_lens: (B0,), taps_aux: (B0, S, n_aux*h) from the
-    target prefill, first_tok: (B0*G,) the token sampled from the prefill (x_n with n = L_b).
-    Anchors 0..L_b-2 only need prompt tokens, so they run once per prompt; the cache is then
-    repeated for the G samples, and anchor L_b-1 (whose token input is the sampled x_{L_b}) runs
-    per sample. Returns (draft cache, d_logits0 (B0*G, Vd), d_hidden0 (B0*G, h)).
+    target prefill, first_tok: (B0*G,) the token sampled from the prefill (x_n with n = L_b),
+    cache: the per-sample draft cache (B0*G rows), overwritten at positions < L_b.
+    Anchors 0..L_b-2 only need prompt tokens, so they run once per prompt (on the group leaders'
+    rows) and are copied to the G samples; anchor L_b-1 (whose token input is the sampled x_{L_b})
+    runs per sample. Returns (d_logits0 (B0*G, Vd), d_hidden0 (B0*G, h)).
     """
     B0, S = prompt_ids.shape
-    cache = draft.new_cache(B0, cache_len)
     if S > 1:  # anchor i = 0..S-2: fc(taps_i), emb(x_{i+1}); padded entries are overwritten later
         pos = torch.arange(S - 1, device=prompt_ids.device).expand(B0, S - 1)
         draft.step(draft.project_taps(taps_aux[:, :-1]), policy.embed_tokens(prompt_ids[:, 1:]),
-                   pos, cache)
-    if group_size > 1:
-        cache = cache.repeat_rows(group_size)
+                   pos, group_leaders(cache, group_size))
+        fill_groups(cache, group_size, S - 1)
     last = (prompt_lens - 1).repeat_interleave(group_size)  # (N,) anchor L_b - 1
     last_tap = gather_rows(taps_aux, prompt_lens - 1).repeat_interleave(group_size, dim=0)  # (N, k*h)
     logits, out = draft.step(draft.project_taps(last_tap[:, None]),
                              policy.embed_tokens(first_tok)[:, None], last[:, None], cache)
-    return cache, logits[:, 0], out[:, 0]
+    return logits[:, 0], out[:, 0]

@@ -6,7 +6,12 @@ Per row b the state means:
     out_tokens[b, :out_len[b]]  the emitted tokens (the first comes from the prefill).
     finished[b]   EOS emitted or max_new_tokens reached; the row is then frozen (n, last_tok and
                   out_len stop changing) while the batch keeps its static shape.
-All tensors are preallocated with static shapes so that steps can be captured in CUDA graphs.
+All tensors are preallocated with static shapes so that steps can be captured in CUDA graphs, and
+they are reused across generate calls of the same shape bucket (generate.py): every field is
+re-initialised by the prefill step, and KV-cache entries at positions >= n_b are stale by design.
+
+Rows of a state may be *padding* (a shape bucket rounds the batch up): such rows are finished from
+the start, so they never emit, never advance and never count in τ, though they are computed.
 """
 from __future__ import annotations
 
@@ -48,6 +53,24 @@ class DecodeState:
             if isinstance(v, torch.Tensor):
                 out.append(v)
         return out
+
+
+def group_leaders(cache: KVCache, group_size: int) -> KVCache:
+    """Rows 0, G, 2G, ... of a per-sample cache, as a view: where a prompt shared by the G samples
+    of its group is prefilled once (writes through the view land in the cache itself)."""
+    if group_size == 1:
+        return cache
+    return KVCache(cache.k[:, ::group_size], cache.v[:, ::group_size])
+
+
+def fill_groups(cache: KVCache, group_size: int, upto: int):
+    """Copy each group leader's cache entries at positions < upto to the other G-1 rows of its
+    group (rows b*G+1 .. b*G+G-1), in place: the prompt's K/V, written once by the prefill."""
+    if group_size == 1:
+        return
+    for t in (cache.k, cache.v):  # (L, B0*G, Hkv, S_max, D)
+        per_group = t.unflatten(1, (-1, group_size))[..., :upto, :]  # (L, B0, G, Hkv, upto, D)
+        per_group[:, :, 1:].copy_(per_group[:, :, :1])
 
 
 def commit(st: DecodeState, block: torch.Tensor, count: torch.Tensor, logp: torch.Tensor,
