@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -200,7 +201,6 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None,
     Checkpoints go to out_dir/ckpt every train.checkpoint_every steps and at the end;
     `stop_after` stops early after that many steps of this call (tests use it to simulate a crash).
     """
-    from pathlib import Path
     out_dir = Path(out_dir)
     st = make_arm(cfg, arm, policy, draft, generate_config(cfg, tokenizer.eos_id, tokenizer.pad_id))
     ck = latest_checkpoint(out_dir / "ckpt") if resume else None
