@@ -24,13 +24,12 @@ from tqdm.auto import tqdm
 from ..config import RunConfig
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
-from ..model.ttt import ttt_forward
 from ..rollout.engine import RolloutEngine
 from ..rollout.generate import GenerateConfig
 from ..rollout.sampling import SamplingParams
 from ..train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, build_scheduler, cotrain_step
-from ..train.losses import draft_loss_parts, grpo_advantages, normalize_draft_loss, pass_weights, token_logprobs
+from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, build_scheduler, cotrain_step, draft_loss
+from ..train.losses import grpo_advantages, token_logprobs
 from .report import MetricsLog
 
 ARMS = ("none", "frozen", "cotrained")
@@ -87,12 +86,7 @@ def recompute_logprobs(policy: Policy, tokens: torch.Tensor, temperature: float)
 @torch.no_grad()
 def draft_eval(policy: Policy, draft: Eagle3Draft, batch: TrainBatch, cfg: StepConfig) -> dict:
     """Draft TTT metrics (loss per pass, top-1, simulated tau) without training it (frozen arm)."""
-    out = policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids)
-    B, S = batch.tokens.shape
-    outs = ttt_forward(draft, out.taps.aux, out.taps.embed,
-                       torch.arange(S, device=batch.tokens.device).expand(B, S), cfg.ttt_passes)
-    parts = draft_loss_parts(draft, outs, out.logits, batch.target_mask, cfg.loss_chunk)
-    loss, m = normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay))
+    loss, m = draft_loss(draft, policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids), batch, cfg)
     m["draft/loss"] = loss.item()
     return m
 

@@ -98,6 +98,19 @@ def reduce_grads(params, group) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
+def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig,
+               shift: Callable = shift_left, attn: Callable = ttt_attention, count_group=None):
+    """L_draft and its metrics from a policy output with taps: K TTT passes, soft CE, normalised."""
+    positions = batch.positions
+    if positions is None:
+        B, S = batch.tokens.shape
+        positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
+    outs = ttt_forward(draft, out.taps.aux, out.taps.embed, positions, cfg.ttt_passes,
+                       shift=shift, attn=attn)
+    parts = draft_loss_parts(draft, outs, out.logits, batch.target_mask, cfg.loss_chunk, shift)
+    return normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), count_group)
+
+
 def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                  opt: torch.optim.Optimizer, sched, cfg: StepConfig, *,
                  train_policy: bool = True, grad_group=None,
@@ -131,15 +144,7 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
         metrics.update(m)
         metrics["policy/loss"] = l_pol.item()
     if draft is not None and (cfg.draft_weight > 0 or not train_policy):
-        positions = batch.positions
-        if positions is None:
-            B, S = batch.tokens.shape
-            positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
-        outs = ttt_forward(draft, out.taps.aux, out.taps.embed, positions, cfg.ttt_passes,
-                           shift=shift, attn=attn)
-        parts = draft_loss_parts(draft, outs, out.logits, batch.target_mask, cfg.loss_chunk, shift)
-        l_draft, m = normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay),
-                                          grad_group)
+        l_draft, m = draft_loss(draft, out, batch, cfg, shift, attn, grad_group)
         weight = cfg.draft_weight if train_policy else 1.0
         total = total + weight * l_draft
         metrics.update(m)
