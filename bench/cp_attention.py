@@ -35,37 +35,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import timeit  # noqa: E402
 from specco.ops.attention import _use_triton, branch_bwd_into, branch_merge_fwd  # noqa: E402
 from specco.ops.sdpa_adapter import _pick_impl, lse_dtype  # noqa: E402
 from specco.parallel.ring_attention import bwd_step, fwd_step, step_kind  # noqa: E402
 from specco.parallel.zigzag import ZigzagLayout  # noqa: E402
-
-
-def _sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timeit(fn, device, iters, warmup):
-    """Median seconds per call: CUDA events around each call on CUDA, the host clock elsewhere."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        if device == "cuda":
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            fn()
-            t1.record()
-            torch.cuda.synchronize()
-            times.append(t0.elapsed_time(t1) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
 
 
 class RankReplay:
@@ -192,7 +167,7 @@ def main():
         q, k, v = mk(1, H, S, D), mk(1, Hkv, S, D), mk(1, Hkv, S, D)
         kb, vb = (mk(1, Hkv, S, P, D), mk(1, Hkv, S, P, D)) if P else (None, None)
         fwd_flops_full = 4 * H * D * S * S / 2
-        t_full = _timeit(_sdpa_fwd_bwd(S, H, D, dev, dtype, dev == "cuda"), dev, a.iters, 3)
+        t_full = timeit(_sdpa_fwd_bwd(S, H, D, dev, dtype, dev == "cuda"), dev, a.iters, 3)
         for cp in (int(c) for c in a.cps.split(",")):
             if S % (2 * cp):
                 continue
@@ -209,11 +184,11 @@ def main():
                 def ring(rep=rep):
                     out, lse = rep.forward()
                     rep.backward(dout, out, lse)
-                t_ring = _timeit(ring, dev, a.iters, 3)
+                t_ring = timeit(ring, dev, a.iters, 3)
                 rep_trunk = RankReplay(q, k, v, None, None, cp, rank, a.impl)
-                t_trunk = _timeit(lambda: ring(rep_trunk), dev, a.iters, 3) if P else t_ring
+                t_trunk = timeit(lambda: ring(rep_trunk), dev, a.iters, 3) if P else t_ring
                 del rep_trunk
-                t_local = _timeit(_sdpa_fwd_bwd(S // cp, H, D, dev, dtype, dev == "cuda"), dev, a.iters, 3)
+                t_local = timeit(_sdpa_fwd_bwd(S // cp, H, D, dev, dtype, dev == "cuda"), dev, a.iters, 3)
                 flops_rank = 3.5 * fwd_flops_full / cp
                 row = {"S": S, "cp": cp, "rank": rank, "H": H, "Hkv": Hkv, "D": D, "P": P, "dtype": str(dtype),
                        "ring_ms": 1e3 * t_ring, "ring_tflops": flops_rank / t_ring / 1e12,

@@ -25,32 +25,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import timeit  # noqa: E402
 from specco.ops.attention import _use_triton, ttt_attention  # noqa: E402
 from specco.ops.sdpa_adapter import _pick_impl  # noqa: E402
 from specco.ops.reference import dense_ttt_reference  # noqa: E402
-
-
-def _timeit(fn, device, iters=10, warmup=3):
-    for _ in range(warmup):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(iters):
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    else:
-        times = []
-        for _ in range(iters):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def check_kernels(device, dtype):
@@ -106,7 +85,7 @@ def bench(device, dtype, seqs, K, B, H, Hkv, D):
                                                    enable_gqa=Hkv != H) for d in range(K)]
             torch.autograd.backward(outs, [dout] * K)
 
-        t_ttt, t_base = _timeit(ttt, device), _timeit(base, device)
+        t_ttt, t_base = timeit(ttt, device), timeit(base, device)
         # causal fwd+bwd FLOPs: 4*B*H*S^2*D/2 fwd, x2.5 for fwd+bwd (bwd = 2x fwd)
         flops = K * 3.5 * 2 * B * H * S * S * D
         rows.append({"S": S, "K": K, "t_ttt_s": t_ttt, "t_causal_x_K_s": t_base,

@@ -45,7 +45,12 @@ class PolicySpec:
 @dataclass(frozen=True)
 class DraftSpec:
     enabled: bool = True
-    draft_vocab_size: int = 0  # 0 -> the full target vocabulary
+    # 0 -> automatic: the full target vocabulary when it has <= 8192 tokens (the tiny char model),
+    # else the 4096 tokens most frequent in the warm-start pool (SmolLM2's 49,152-token head would
+    # make the draft's fp32 teacher/student logits -- B x S x V per TTT pass -- dominate memory and
+    # time, and a draft only needs the tokens it will actually propose). A positive value is used
+    # as given (capped at the target vocabulary). The rule: runner.warmstart.resolve_draft_vocab.
+    draft_vocab_size: int = 0
     aux_layer_ids: tuple[int, ...] = ()  # () -> EAGLE-3 default sorted({1, L//2-1, max(1, L-4)})
     ttt_passes: int = 3  # K
     pass_decay: float = 0.8  # alpha_d = pass_decay**(d-1)
@@ -85,8 +90,10 @@ class TrainSpec:
     steps: int = 30  # RL steps
     sft_steps: int = 300
     sft_lr: float = 3e-3
+    sft_batch: int = 128  # sequences per SFT step (tiny model; a pretrained one needs far fewer)
     warm_start_steps: int = 150  # offline draft training against the frozen SFT policy
     warm_start_prompts: int = 256  # prompts whose policy samples (x4) form the warm-start pool
+    warm_start_batch: int = 64  # pool rows per warm-start step; memory ~ batch x seq x draft vocab
     lr: float = 1e-4
     draft_lr: float = 1e-3  # its own LR (public runs use ~50x the policy's; tiny models less)
     draft_weight: float = 1.0  # lambda in L_policy + lambda * L_draft
@@ -97,6 +104,9 @@ class TrainSpec:
     warmup_steps: int = 0
     draft_warmup_steps: int = 5  # RL phase: the draft's LR ramps up so the warm start is not shaken
     loss_chunk: int = 1024  # sequence chunk for vocabulary-sized fp32 work
+    # The draft co-trains on every n-th rollout row (1 = all): its share of the train step
+    # shrinks ~n-fold while it still sees an unbiased sample of the policy's outputs.
+    draft_row_stride: int = 1
     checkpoint_every: int = 10
 
     def __post_init__(self):
@@ -106,6 +116,14 @@ class TrainSpec:
         _check(self.draft_weight >= 0, f"train.draft_weight={self.draft_weight}: must be >= 0")
         _check(self.clip_eps > 0, f"train.clip_eps={self.clip_eps}: must be > 0")
         _check(self.loss_chunk >= 1, "train.loss_chunk must be >= 1")
+        _check(self.sft_batch >= 1, f"train.sft_batch={self.sft_batch}: must be >= 1")
+        _check(self.warm_start_batch >= 1,
+               f"train.warm_start_batch={self.warm_start_batch}: must be >= 1 (lower it, e.g. 4-8, "
+               "if the draft warm start runs out of memory)")
+        _check(self.warm_start_prompts >= 1,
+               f"train.warm_start_prompts={self.warm_start_prompts}: must be >= 1")
+        _check(self.draft_row_stride >= 1, f"train.draft_row_stride={self.draft_row_stride}: "
+               "must be >= 1 (1 = the draft trains on every rollout row)")
 
 
 @dataclass(frozen=True)
@@ -151,6 +169,10 @@ class RunConfig:
         object.__setattr__(self, "arms", tuple(self.arms))
         bad = [a for a in self.arms if a not in ("none", "frozen", "cotrained")]
         _check(not bad, f"arms {bad} unknown: choose from none, frozen, cotrained")
+        rows = self.rollout.group_size * self.rollout.prompts_per_step
+        _check(self.train.draft_row_stride <= rows,
+               f"train.draft_row_stride={self.train.draft_row_stride} exceeds the {rows} rollout rows "
+               "per step (rollout.group_size x rollout.prompts_per_step); lower it")
 
 
 # -- building from dicts / TOML / overrides ------------------------------------------------

@@ -152,3 +152,24 @@ def test_offline_warm_start_freezes_policy_and_learns():
 def test_shift_left():
     x = torch.arange(6.).view(1, 6, 1)
     assert shift_left(x, 2).flatten().tolist() == [2, 3, 4, 5, 0, 0]
+
+
+def test_draft_row_stride_equals_loss_on_the_selected_rows():
+    """stride n: L_draft and its gradients equal those of a batch holding only rows 0, n, 2n..."""
+    from specco.train.cotrain import draft_loss
+    policy, draft = _models(torch.float64)
+    batch = _batch(B=8)
+    out = policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids)
+    sub = TrainBatch(tokens=batch.tokens[::4], target_mask=batch.target_mask[::4])
+    out_sub = policy(sub.tokens, tap_layers=draft.cfg.aux_layer_ids)
+    l_a, m_a = draft_loss(draft, out, batch, StepConfig(ttt_passes=3, draft_row_stride=4))
+    g_a = torch.autograd.grad(l_a, list(draft.parameters()), allow_unused=True)
+    l_b, m_b = draft_loss(draft, out_sub, sub, StepConfig(ttt_passes=3))
+    g_b = torch.autograd.grad(l_b, list(draft.parameters()), allow_unused=True)
+    _, m_full = draft_loss(draft, out, batch, StepConfig(ttt_passes=3))
+    assert m_a["draft/tokens"] == m_b["draft/tokens"] == m_full["draft/tokens"] / 4
+    assert abs(l_a.item() - l_b.item()) < 1e-12  # same rows, same fp64 math
+    for a, b in zip(g_a, g_b):
+        assert (a is None and b is None) or torch.allclose(a, b, atol=1e-12)
+    with pytest.raises(ValueError, match="draft_row_stride"):
+        draft_loss(draft, out_sub, sub, StepConfig(draft_row_stride=4))  # 2 rows < stride

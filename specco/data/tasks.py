@@ -23,6 +23,7 @@ same stream exactly.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,13 +78,16 @@ class Task:
     """A reasoning_gym dataset with a prompt format and a scorer. See the module docstring."""
 
     def __init__(self, name: str, config: dict[str, Any] | None = None, mode: str = "compact",
-                 tokenizer=None, system_prompt: str | None = None):
+                 tokenizer=None, system_prompt: str | None = None, cot_fraction: float = 1.0):
         if mode not in MODES:
             raise ValueError(f"task mode {mode!r}: choose from {MODES}")
         if mode == "chat" and (tokenizer is None or tokenizer.chat_template is None):
             raise ValueError("chat mode needs a tokenizer with a chat template (a pretrained "
                              "instruct policy); the from-scratch policy uses mode='compact'")
+        if not 0.0 <= cot_fraction <= 1.0:
+            raise ValueError(f"cot_fraction={cot_fraction}: must be in [0, 1]")
         self.name, self.mode, self.tokenizer = name, mode, tokenizer
+        self.cot_fraction = cot_fraction
         self.config = dict(config or {})
         self.system_prompt = SYSTEM_PROMPTS["default"] if system_prompt is None else system_prompt
         self._datasets: dict[int, Any] = {}
@@ -109,11 +113,28 @@ class Task:
             if expr is None:
                 raise ValueError(f"task {self.name!r} has no metadata['expression']; compact "
                                  "prompts exist only for arithmetic tasks (use mode='chat')")
-            completion = a if self.mode == "compact" else worked_steps(expr)
+            if self.mode == "compact":
+                completion = a
+            elif self.shows_steps(index, seed):
+                completion = worked_steps(expr)
+            else:  # a direct answer: the same '>answer' ending without the worked steps
+                completion = ">" + worked_steps(expr).rsplit(">", 1)[1]
             return Item(index, q, a, prompt=expr.replace(" ", "") + "=", completion=completion,
                         entry=entry)
         prompt = self.tokenizer.chat_prompt(q, system=self.system_prompt or None)
         return Item(index, q, a, prompt=prompt, completion=f"<answer>{a}</answer>", entry=entry)
+
+    def shows_steps(self, index: int, seed: int) -> bool:
+        """Whether reference completion `index` of stream `seed` shows its worked steps ('cot' mode).
+
+        A fraction `cot_fraction` of them do; the rest answer directly. An SFT policy trained on
+        that mixture sometimes reasons and sometimes guesses, as a base model does; reasoning is
+        far more accurate, so RL has a strong, learnable signal to move the policy towards it
+        (completions grow longer, the drift real RL shows). Deterministic in (seed, index).
+        """
+        if self.cot_fraction >= 1.0:
+            return True
+        return random.Random(f"{seed}:{index}").random() < self.cot_fraction
 
     def prompts(self, n: int, seed: int, offset: int = 0) -> list[Item]:
         """Items offset .. offset+n-1 of stream `seed` (deterministic; resumable by offset)."""
@@ -148,10 +169,11 @@ class Task:
         return float(self._dataset(0).score_answer(self.extract(completion_text), item.entry))
 
 
-def get_task(name: str, mode: str = "compact", tokenizer=None, **overrides) -> Task:
+def get_task(name: str, mode: str = "compact", tokenizer=None, cot_fraction: float = 1.0,
+             **overrides) -> Task:
     """A task with its easy preset (if any) updated by `overrides` (reasoning_gym config kwargs)."""
     config = {**PRESETS.get(name, {}), **overrides}
-    return Task(name, config, mode=mode, tokenizer=tokenizer)
+    return Task(name, config, mode=mode, tokenizer=tokenizer, cot_fraction=cot_fraction)
 
 
 def task_info(task: Task) -> dict:

@@ -29,7 +29,7 @@ from ..rollout.generate import GenerateConfig
 from ..rollout.sampling import SamplingParams
 from ..train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, build_scheduler, cotrain_step, draft_loss
-from ..train.losses import grpo_advantages, token_logprobs
+from ..train.losses import grpo_advantages, metrics_to_floats, token_logprobs
 from .report import MetricsLog
 
 ARMS = ("none", "frozen", "cotrained")
@@ -48,7 +48,7 @@ def step_config(cfg: RunConfig, arm: str) -> StepConfig:
                       ttt_passes=d.ttt_passes, pass_decay=d.pass_decay, clip_eps=t.clip_eps,
                       kl_coef=t.kl_coef, temperature=max(cfg.rollout.temperature, 1e-6),
                       policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
-                      loss_chunk=t.loss_chunk)
+                      loss_chunk=t.loss_chunk, draft_row_stride=t.draft_row_stride)
 
 
 def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int):
@@ -87,8 +87,8 @@ def recompute_logprobs(policy: Policy, tokens: torch.Tensor, temperature: float)
 def draft_eval(policy: Policy, draft: Eagle3Draft, batch: TrainBatch, cfg: StepConfig) -> dict:
     """Draft TTT metrics (loss per pass, top-1, simulated tau) without training it (frozen arm)."""
     loss, m = draft_loss(draft, policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids), batch, cfg)
-    m["draft/loss"] = loss.item()
-    return m
+    m["draft/loss"] = loss
+    return metrics_to_floats(m)
 
 
 @dataclass
@@ -147,9 +147,9 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device) -> dict:
     t0 = time.perf_counter()
     train_draft = st.draft if st.arm == "cotrained" else None
     m = cotrain_step(st.policy, train_draft, batch, st.opt, st.sched, scfg)
-    if st.arm == "frozen":
-        m.update(draft_eval(st.policy, st.draft, batch, step_config(cfg, "cotrained")))
     t_train = time.perf_counter() - t0
+    if st.arm == "frozen":  # metrics only, so outside the timed train step
+        m.update(draft_eval(st.policy, st.draft, batch, step_config(cfg, "cotrained")))
     # -- refit --------------------------------------------------------------------------------
     t0 = time.perf_counter()
     st.engine.refit(st.policy.state_dict(),

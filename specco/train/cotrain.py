@@ -21,7 +21,8 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..model.ttt import shift_left, ttt_forward
 from ..ops.attention import ttt_attention
-from .losses import clipped_surrogate, draft_loss_parts, normalize_draft_loss, pass_weights, token_logprobs
+from .losses import (clipped_surrogate, draft_loss_parts, metrics_to_floats, normalize_draft_loss, pass_weights,
+                     token_logprobs)
 
 
 @dataclass
@@ -53,6 +54,10 @@ class StepConfig:
     policy_grad_clip: float = 1.0
     draft_grad_clip: float = 1.0
     loss_chunk: int = 1024
+    # The draft trains on rollout rows 0, n, 2n, ... (1 = every row). GRPO rows are G i.i.d.
+    # samples per prompt, so a stride that divides G keeps an unbiased sample of the policy's
+    # outputs while cutting the draft's share of the step ~n-fold (DESIGN §6: the overhead goal).
+    draft_row_stride: int = 1
 
 
 def build_optimizer(policy: Policy | None, draft: Eagle3Draft | None, lr: float, draft_lr: float,
@@ -100,14 +105,23 @@ def reduce_grads(params, group) -> None:
 
 def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig,
                shift: Callable = shift_left, attn: Callable = ttt_attention, count_group=None):
-    """L_draft and its metrics from a policy output with taps: K TTT passes, soft CE, normalised."""
+    """L_draft and its metrics from a policy output with taps: K TTT passes, soft CE, normalised.
+
+    With cfg.draft_row_stride = n > 1 only rows 0, n, 2n, ... are used (the policy forward that
+    made `out` ran on all rows anyway; only the draft's own work shrinks)."""
+    B, S = batch.tokens.shape
     positions = batch.positions
     if positions is None:
-        B, S = batch.tokens.shape
         positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
-    outs = ttt_forward(draft, out.taps.aux, out.taps.embed, positions, cfg.ttt_passes,
-                       shift=shift, attn=attn)
-    parts = draft_loss_parts(draft, outs, out.logits, batch.target_mask, cfg.loss_chunk, shift)
+    aux, embed, logits, mask = out.taps.aux, out.taps.embed, out.logits, batch.target_mask
+    n = cfg.draft_row_stride
+    if n > 1:
+        if B < n:
+            raise ValueError(f"draft_row_stride={n} is larger than the batch ({B} rows); under "
+                             "context parallelism (one packed row) leave it at 1")
+        aux, embed, logits, mask, positions = (t[::n] for t in (aux, embed, logits, mask, positions))
+    outs = ttt_forward(draft, aux, embed, positions, cfg.ttt_passes, shift=shift, attn=attn)
+    parts = draft_loss_parts(draft, outs, logits, mask, cfg.loss_chunk, shift)
     return normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), count_group)
 
 
@@ -142,13 +156,13 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                                      cfg.clip_eps, ref, cfg.kl_coef, policy_token_count)
         total = total + l_pol
         metrics.update(m)
-        metrics["policy/loss"] = l_pol.item()
+        metrics["policy/loss"] = l_pol.detach()
     if draft is not None and (cfg.draft_weight > 0 or not train_policy):
         l_draft, m = draft_loss(draft, out, batch, cfg, shift, attn, grad_group)
         weight = cfg.draft_weight if train_policy else 1.0
         total = total + weight * l_draft
         metrics.update(m)
-        metrics["draft/loss"] = l_draft.item()
+        metrics["draft/loss"] = l_draft.detach()
     opt.zero_grad(set_to_none=True)
     if total.requires_grad:
         total.backward()
@@ -158,7 +172,7 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
             continue
         reduce_grads(params, grad_group)
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        metrics[f"{name}/grad_norm"] = norm.item()
+        metrics[f"{name}/grad_norm"] = norm
     if not train_policy:
         for p in _group_params(opt, "policy"):
             p.grad = None
@@ -167,4 +181,4 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
         sched.step()
     for g in opt.param_groups:
         metrics[f"{g.get('name', 'group')}/lr"] = g["lr"]
-    return metrics
+    return metrics_to_floats(metrics)  # the step's only host sync, after the optimizer update

@@ -1,7 +1,7 @@
 """Losses of the co-training step: the draft's TTT soft cross-entropy and the GRPO policy loss.
 
 One home per formula: `soft_cross_entropy`, `normalize_draft_loss` (L_draft), `grpo_advantages`,
-`clipped_surrogate`. Process groups are arguments (None = single process).
+`clipped_surrogate`. Their metrics are 0-dim tensors; `metrics_to_floats` converts them. Process groups are arguments (None = single process).
 """
 from __future__ import annotations
 
@@ -112,11 +112,27 @@ def normalize_draft_loss(parts: DraftLossParts, pass_weights: list[float],
     denom = (w * n).sum().clamp_min(1.0)
     loss = sum(w[d] * parts.ce_sum[d] for d in range(K)) / denom
     rate = chain_n / n.clamp_min(1.0)
-    metrics = {f"draft/ce_pass{d + 1}": (ce_n[d] / n[d].clamp_min(1)).item() for d in range(K)}
-    metrics.update({f"draft/top1_pass{d + 1}": (agree_n[d] / n[d].clamp_min(1)).item() for d in range(K)})
-    metrics["draft/sim_accept_len"] = 1.0 + rate.sum().item()
-    metrics["draft/tokens"] = n[0].item()
+    # Metrics stay 0-dim tensors: a .item() here would stall the host mid-step (see metrics_to_floats).
+    metrics = {f"draft/ce_pass{d + 1}": ce_n[d] / n[d].clamp_min(1) for d in range(K)}
+    metrics.update({f"draft/top1_pass{d + 1}": agree_n[d] / n[d].clamp_min(1) for d in range(K)})
+    metrics["draft/sim_accept_len"] = 1.0 + rate.sum()
+    metrics["draft/tokens"] = n[0]
     return loss, metrics
+
+
+def metrics_to_floats(metrics: dict) -> dict:
+    """Tensor-valued metrics -> Python floats in one device->host transfer.
+
+    The losses return their metrics as detached 0-dim tensors so that a training step has no host
+    sync before its optimizer update: on a GPU each .item() drains the queue, and the many small
+    kernels launched after it (the draft's) then run at the host's launch speed instead of
+    being queued behind the policy's large ones.
+    """
+    keys = [k for k, v in metrics.items() if torch.is_tensor(v)]
+    if not keys:
+        return dict(metrics)
+    vals = torch.stack([metrics[k].detach().reshape(()).double() for k in keys]).tolist()
+    return {**metrics, **dict(zip(keys, vals))}
 
 
 def pass_weights(num_passes: int, decay: float) -> list[float]:
@@ -173,4 +189,4 @@ def clipped_surrogate(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages
     with torch.no_grad():
         clipped = ((ratio - 1).abs() > clip_eps).float()
         frac = (clipped * mask).sum() / mask.sum().clamp_min(1.0)
-    return loss, {"policy/clip_frac": frac.item()}
+    return loss, {"policy/clip_frac": frac}  # a tensor: see metrics_to_floats
