@@ -11,6 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+
+# `specco demo --policy smollm2` without --config starts from this file: the built-in defaults are
+# sized for the tiny from-scratch model (300 SFT steps at lr 3e-3, 64-row warm-start batches),
+# which would wreck a pretrained 135M model and take hours on a CPU.
+SMOLLM2_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2.toml"
 
 
 def _add_overrides(p):
@@ -21,12 +27,19 @@ def _add_overrides(p):
 def cmd_demo(a):
     from .config import load_config
     from .runner.demo import run_demo
+    from .model.config import ConfigError
     ov = list(a.overrides)
     if a.policy != "tiny":
         ov = [f"policy.source={a.policy}"] + ov
     if a.out:
         ov.append(f"out_dir={a.out}")
-    cfg = load_config(a.config, ov)
+    config = a.config
+    if config is None and a.policy == "smollm2":
+        if not SMOLLM2_CONFIG.exists():
+            raise ConfigError(f"{SMOLLM2_CONFIG} not found (specco is not run from a source checkout?); "
+                              "pass --config path/to/smollm2.toml")
+        config = SMOLLM2_CONFIG
+    cfg = load_config(config, ov)
     run_demo(cfg, progress=not a.quiet)
 
 
@@ -82,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "run GRPO with three arms (no draft / frozen draft / co-trained draft) from the "
                        "same seed, and write a report (markdown, PNG plots, JSONL, TensorBoard).")
     p.add_argument("--policy", default="tiny", help="tiny (from scratch, default), smollm2, or a HF dir")
-    p.add_argument("--config", default=None, help="TOML config (default: built-in demo settings)")
+    p.add_argument("--config", default=None, help="TOML config (default: built-in demo settings; "
+                   "configs/smollm2.toml with --policy smollm2)")
     p.add_argument("--out", default=None, help="output directory (default runs/demo)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_overrides(p)

@@ -35,11 +35,33 @@ def sample_pool(policy: Policy, task, tokenizer, n_prompts: int, group: int, gen
     return pad_pairs(seqs, tokenizer.pad_id)
 
 
+# The automatic draft vocabulary (draft.draft_vocab_size = 0). Small vocabularies (the tiny char
+# model's ~100 tokens) are kept whole. Large ones (SmolLM2: 49,152) are cut to the most frequent
+# tokens of the warm-start pool: the draft's fp32 teacher/student logits are B x S x Vd per TTT
+# pass, so the full head made a 64-row warm-start batch need > 10 GB on CPU, while task completions
+# use a few hundred distinct tokens. EAGLE-3 releases use 32k drafts for 128k-152k targets.
+FULL_VOCAB_MAX = 8192
+AUTO_DRAFT_VOCAB = 4096
+
+
+def resolve_draft_vocab(requested: int, target_vocab: int) -> int:
+    """The draft vocabulary size for `requested` (0 = automatic, see above) and a target vocab."""
+    if requested < 0:
+        raise ValueError(f"draft_vocab_size={requested}: must be >= 0 (0 = automatic)")
+    if requested:
+        return min(requested, target_vocab)
+    return target_vocab if target_vocab <= FULL_VOCAB_MAX else AUTO_DRAFT_VOCAB
+
+
 def new_draft(policy: Policy, tokens: torch.Tensor, draft_vocab_size: int = 0,
               aux_layer_ids=(), init_head: bool = True) -> Eagle3Draft:
-    """A draft for `policy` with its vocabulary chosen by token frequency in `tokens`."""
+    """A draft for `policy` with its vocabulary chosen by token frequency in `tokens`.
+
+    `draft_vocab_size` 0 picks the size with `resolve_draft_vocab` (full vocab for small targets, else the
+    4096 most frequent tokens); ties in frequency go to the lower token id.
+    """
     V = policy.cfg.vocab_size
-    dv = draft_vocab_size or V
+    dv = resolve_draft_vocab(draft_vocab_size, V)
     dc = DraftConfig.for_policy(policy.cfg, dv, tuple(aux_layer_ids) or None)
     draft = Eagle3Draft(dc).to(next(policy.parameters()).device)
     counts = torch.bincount(tokens.flatten().cpu(), minlength=V).float()
