@@ -110,3 +110,24 @@ def test_cot_mode_worked_steps_and_scoring():
         assert task.score(it.completion, it) == 1.0
         assert task.score(it.completion.split(">")[0], it) == 0.0  # no answer after '>'
         assert it.completion.endswith(">" + it.answer)
+
+
+def test_cot_fraction_mixes_worked_and_direct_references():
+    """cot_fraction: that share of SFT references show worked steps, the rest answer directly
+    ('>ans'); the choice is a pure function of (seed, index) and both forms score as correct."""
+    task = get_task("chain_sum", mode="cot", min_terms=3, max_terms=4, cot_fraction=0.25)
+    items = task.prompts(400, seed=0)
+    worked = [it for it in items if "=" in it.completion]
+    direct = [it for it in items if "=" not in it.completion]
+    assert 0.18 < len(worked) / len(items) < 0.32  # binomial(400, 0.25): sd 0.022
+    for it in direct[:20]:
+        assert it.completion == ">" + it.answer and task.score(it.completion, it) == 1.0
+    for it in worked[:20]:
+        assert it.completion.endswith(">" + it.answer) and task.score(it.completion, it) == 1.0
+    again = get_task("chain_sum", mode="cot", min_terms=3, max_terms=4, cot_fraction=0.25)
+    assert [it.completion for it in again.prompts(50, seed=0, offset=100)] == \
+        [it.completion for it in items[100:150]]
+    full = get_task("chain_sum", mode="cot", min_terms=3, max_terms=4)
+    assert all("=" in it.completion for it in full.prompts(50, seed=0))
+    with pytest.raises(ValueError, match="cot_fraction"):
+        get_task("chain_sum", mode="cot", cot_fraction=1.5)

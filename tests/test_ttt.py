@@ -171,5 +171,9 @@ def test_draft_row_stride_equals_loss_on_the_selected_rows():
     assert abs(l_a.item() - l_b.item()) < 1e-12  # same rows, same fp64 math
     for a, b in zip(g_a, g_b):
         assert (a is None and b is None) or torch.allclose(a, b, atol=1e-12)
-    with pytest.raises(ValueError, match="draft_row_stride"):
-        draft_loss(draft, out_sub, sub, StepConfig(draft_row_stride=4))  # 2 rows < stride
+    # a stride beyond the batch keeps row 0
+    l_c, _ = draft_loss(draft, out_sub, sub, StepConfig(ttt_passes=3, draft_row_stride=99))
+    one = TrainBatch(tokens=sub.tokens[:1], target_mask=sub.target_mask[:1])
+    l_d, _ = draft_loss(draft, policy(one.tokens, tap_layers=draft.cfg.aux_layer_ids), one,
+                        StepConfig(ttt_passes=3))
+    assert abs(l_c.item() - l_d.item()) < 1e-12

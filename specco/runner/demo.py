@@ -5,6 +5,7 @@ was interrupted resumes where it stopped (the RL arms resume from their own chec
 """
 from __future__ import annotations
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -53,7 +54,8 @@ def prepare_policy(cfg: RunConfig, out: Path, device, progress=True):
     dtype = getattr(torch, cfg.policy.dtype)
     if src == "tiny":
         tok = build_char_tokenizer()
-        task = get_task(cfg.task.name, mode=cfg.task.mode, **task_overrides(cfg))
+        task = get_task(cfg.task.name, mode=cfg.task.mode, cot_fraction=cfg.task.cot_fraction,
+                        **task_overrides(cfg))
         torch.manual_seed(cfg.train.seed)
         pc = tiny_policy_config(tok, cfg.policy.hidden_size, cfg.policy.num_layers,
                                 cfg.policy.num_heads, cfg.policy.num_kv_heads,
@@ -149,7 +151,7 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
          f"{cfg.train.warm_start_batch} rows on {tokens.shape[0]} policy samples, draft vocab "
          f"{draft.cfg.draft_vocab_size}/{draft.cfg.target_vocab_size}", progress)
     scfg: StepConfig = step_config(cfg, "cotrained")
-    hist = warm_start(policy, draft, tokens, mask, cfg.train.warm_start_steps, cfg.train.draft_lr,
+    hist = warm_start(policy, draft, tokens, mask, cfg.train.warm_start_steps, cfg.train.warm_start_lr,
                       batch_size=cfg.train.warm_start_batch, scfg=scfg, seed=cfg.train.seed,
                       progress=progress)
     last = hist[-min(10, len(hist)):] if hist else []
@@ -176,7 +178,8 @@ def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
     t_start = time.perf_counter()
     policy, tok, sft_m = prepare_policy(cfg, out, device, progress)
     mode = cfg.task.mode if cfg.policy.source == "tiny" else "chat"
-    task = get_task(cfg.task.name, mode=mode, tokenizer=tok, **task_overrides(cfg))
+    task = get_task(cfg.task.name, mode=mode, tokenizer=tok, cot_fraction=cfg.task.cot_fraction,
+                    **task_overrides(cfg))
     if cfg.policy.source == "tiny":
         ev = evaluate(policy, tok, task, n=cfg.task.eval_size, temperature=cfg.rollout.temperature)
         sft_m["accuracy_T"] = ev["accuracy"]
@@ -192,6 +195,9 @@ def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
                                 progress=progress)
         # include rows from before a resume, for the report
         arm_rows[arm] = read_jsonl(out / "arms" / arm / "metrics.jsonl")
+        gc.collect()  # the arm's models, optimizer and graph pools go before the next arm starts
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     _say("[4/4] report", progress)
     summary = write_report(cfg, out, arm_rows, sft_m, warm_m, time.perf_counter() - t_start)
     return summary

@@ -54,7 +54,7 @@ class StepConfig:
     policy_grad_clip: float = 1.0
     draft_grad_clip: float = 1.0
     loss_chunk: int = 1024
-    # The draft trains on rollout rows 0, n, 2n, ... (1 = every row). GRPO rows are G i.i.d.
+    # The draft trains on rollout rows 0, n, 2n, ... (1 = every row; at least row 0). GRPO rows are G i.i.d.
     # samples per prompt, so a stride that divides G keeps an unbiased sample of the policy's
     # outputs while cutting the draft's share of the step ~n-fold (DESIGN §6: the overhead goal).
     draft_row_stride: int = 1
@@ -115,10 +115,7 @@ def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig,
         positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
     aux, embed, logits, mask = out.taps.aux, out.taps.embed, out.logits, batch.target_mask
     n = cfg.draft_row_stride
-    if n > 1:
-        if B < n:
-            raise ValueError(f"draft_row_stride={n} is larger than the batch ({B} rows); under "
-                             "context parallelism (one packed row) leave it at 1")
+    if n > 1:  # rows[::n] keeps at least row 0 (a CP rank's one packed row: all of it)
         aux, embed, logits, mask, positions = (t[::n] for t in (aux, embed, logits, mask, positions))
     outs = ttt_forward(draft, aux, embed, positions, cfg.ttt_passes, shift=shift, attn=attn)
     parts = draft_loss_parts(draft, outs, logits, mask, cfg.loss_chunk, shift)
