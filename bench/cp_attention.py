@@ -125,6 +125,27 @@ def _check(replay, q, k, v, kb, vb, H, Hkv):
     return errs
 
 
+def _graphed_time(fn, dev, iters):
+    """Seconds per replay of `fn` captured in one CUDA graph: the same kernels without the host's
+    launch cost, i.e. how much of a small-block ring step is launch overhead. None if capture fails."""
+    if dev != "cuda":
+        return None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (lazy inits, autotuning) off the capture
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return timeit(graph.replay, dev, iters, 3)
+    except Exception as e:  # report, keep the eager figures
+        print(f"CUDA graph capture failed: {type(e).__name__}: {e}", flush=True)
+        return None
+
+
 def _sdpa_fwd_bwd(T, H, D, device, dtype, cudnn):
     q, k, v = (torch.randn(1, H, T, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     dout = torch.randn(1, H, T, D, device=device, dtype=dtype)
@@ -153,6 +174,8 @@ def main():
     ap.add_argument("--impl", default=None, help="force an adapter kernel: flash / cudnn / cpu_flash / torch")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--small", action="store_true", help="tiny sizes (CPU check)")
+    ap.add_argument("--graph", action="store_true", help="also time each rank's ring fwd+bwd replayed from one "
+                    "CUDA graph (launch overhead removed)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.small:
@@ -185,6 +208,7 @@ def main():
                     out, lse = rep.forward()
                     rep.backward(dout, out, lse)
                 t_ring = timeit(ring, dev, a.iters, 3)
+                t_graph = _graphed_time(ring, dev, a.iters) if a.graph else None
                 rep_trunk = RankReplay(q, k, v, None, None, cp, rank, a.impl)
                 t_trunk = timeit(lambda: ring(rep_trunk), dev, a.iters, 3) if P else t_ring
                 del rep_trunk
@@ -197,11 +221,17 @@ def main():
                        "sdpa_local_tflops": 3.5 * 4 * H * D * (S // cp) ** 2 / 2 / t_local / 1e12,
                        "check_rel_err": errs}
                 row["ring_vs_sdpa_full"] = row["ring_tflops"] / row["sdpa_full_tflops"]
+                if t_graph:
+                    row["ring_graph_ms"] = 1e3 * t_graph
+                    row["ring_graph_tflops"] = flops_rank / t_graph / 1e12
+                    row["ring_graph_vs_sdpa_full"] = row["ring_graph_tflops"] / row["sdpa_full_tflops"]
                 rows.append(row)
                 print(f"S={S:>6} cp={cp} rank={rank}: ring {row['ring_tflops']:.4g} TFLOP/s "
                       f"({row['ring_ms']:.1f} ms; trunk only {row['ring_trunk_ms']:.1f} ms), "
                       f"sdpa full {row['sdpa_full_tflops']:.4g}, "
                       f"sdpa S/cp {row['sdpa_local_tflops']:.4g}, ratio {row['ring_vs_sdpa_full']:.2f}"
+                      + (f", graphed {row['ring_graph_tflops']:.4g} ({row['ring_graph_vs_sdpa_full']:.2f})"
+                         if t_graph else "")
                       + (f", max rel err {max(errs.values()):.1e}" if errs else ""), flush=True)
     out = Path(a.out or os.environ.get("OUT", "bench/results")) / f"cp_attention_{dev}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
