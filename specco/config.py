@@ -112,6 +112,9 @@ class TrainSpec:
     # share of the train step shrinks ~n-fold while it still sees an unbiased sample of the
     # policy's outputs (the G samples of a prompt are i.i.d.). The demo: 64 of 512 rows.
     draft_row_stride: int = 8
+    # Rows per forward/backward of the train step (0 = all at once); gradients accumulate, the
+    # update equals the whole-batch one. Lower it when the train step runs out of memory.
+    micro_batch_rows: int = 0
     checkpoint_every: int = 10
 
     def __post_init__(self):
@@ -128,6 +131,8 @@ class TrainSpec:
                "if the draft warm start runs out of memory)")
         _check(self.warm_start_prompts >= 1,
                f"train.warm_start_prompts={self.warm_start_prompts}: must be >= 1")
+        _check(self.micro_batch_rows >= 0, f"train.micro_batch_rows={self.micro_batch_rows}: must be "
+               ">= 0 (0 = the whole batch in one forward/backward)")
         _check(self.draft_row_stride >= 1, f"train.draft_row_stride={self.draft_row_stride}: "
                "must be >= 1 (1 = the draft trains on every rollout row)")
 

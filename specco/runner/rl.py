@@ -48,7 +48,8 @@ def step_config(cfg: RunConfig, arm: str) -> StepConfig:
                       ttt_passes=d.ttt_passes, pass_decay=d.pass_decay, clip_eps=t.clip_eps,
                       kl_coef=t.kl_coef, temperature=max(cfg.rollout.temperature, 1e-6),
                       policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
-                      loss_chunk=t.loss_chunk, draft_row_stride=t.draft_row_stride)
+                      loss_chunk=t.loss_chunk, draft_row_stride=t.draft_row_stride,
+                      micro_batch_rows=t.micro_batch_rows)
 
 
 def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int):

@@ -21,8 +21,8 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..model.ttt import shift_left, ttt_forward
 from ..ops.attention import ttt_attention
-from .losses import (clipped_surrogate, draft_loss_parts, metrics_to_floats, normalize_draft_loss, pass_weights,
-                     token_logprobs)
+from .losses import (clipped_surrogate, draft_loss_parts, metrics_to_floats, normalize_draft_loss, pass_target_masks,
+                     pass_weights, token_logprobs)
 
 
 @dataclass
@@ -58,6 +58,10 @@ class StepConfig:
     # samples per prompt, so a stride that divides G keeps an unbiased sample of the policy's
     # outputs while cutting the draft's share of the step ~n-fold (DESIGN §6: the overhead goal).
     draft_row_stride: int = 1
+    # Rows per forward/backward (0 = the whole batch at once): gradients accumulate over
+    # micro-batches with the whole batch's token counts as denominators, so the update is the
+    # full-batch one (tested) while activation memory scales with the micro-batch.
+    micro_batch_rows: int = 0
 
 
 def build_optimizer(policy: Policy | None, draft: Eagle3Draft | None, lr: float, draft_lr: float,
@@ -103,23 +107,34 @@ def reduce_grads(params, group) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
+def draft_denominator(target_mask: torch.Tensor, cfg: StepConfig, shift: Callable = shift_left):
+    """sum_d a_d N_d of L_draft over the rows the draft trains on (rows 0, n, 2n, ...)."""
+    masks = pass_target_masks(target_mask[::cfg.draft_row_stride], cfg.ttt_passes, shift)
+    n = torch.stack([m.sum() for m in masks]).double()  # (K,) exact integer counts
+    w = torch.tensor(pass_weights(cfg.ttt_passes, cfg.pass_decay), dtype=n.dtype, device=n.device)
+    return (w * n).sum().clamp_min(1.0)  # fp64; normalize_draft_loss casts it to the loss dtype
+
+
 def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig,
-               shift: Callable = shift_left, attn: Callable = ttt_attention, count_group=None):
+               shift: Callable = shift_left, attn: Callable = ttt_attention, count_group=None,
+               row_start: int = 0, denominator: torch.Tensor | None = None):
     """L_draft and its metrics from a policy output with taps: K TTT passes, soft CE, normalised.
 
-    With cfg.draft_row_stride = n > 1 only rows 0, n, 2n, ... are used (the policy forward that
-    made `out` ran on all rows anyway; only the draft's own work shrinks)."""
+    With cfg.draft_row_stride = n > 1 only rows row_start, row_start + n, ... are used (the policy
+    forward that made `out` ran on all rows anyway; only the draft's own work shrinks).
+    `denominator`: the whole batch's, when `batch` is one micro-batch of it."""
     B, S = batch.tokens.shape
     positions = batch.positions
     if positions is None:
         positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
     aux, embed, logits, mask = out.taps.aux, out.taps.embed, out.logits, batch.target_mask
     n = cfg.draft_row_stride
-    if n > 1:  # rows[::n] keeps at least row 0 (a CP rank's one packed row: all of it)
-        aux, embed, logits, mask, positions = (t[::n] for t in (aux, embed, logits, mask, positions))
+    if n > 1 or row_start:  # rows[::n] keeps at least row 0 (a CP rank's one packed row: all of it)
+        aux, embed, logits, mask, positions = (t[row_start::n] for t in (aux, embed, logits, mask, positions))
     outs = ttt_forward(draft, aux, embed, positions, cfg.ttt_passes, shift=shift, attn=attn)
     parts = draft_loss_parts(draft, outs, logits, mask, cfg.loss_chunk, shift)
-    return normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), count_group)
+    return normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), count_group,
+                                denominator)
 
 
 def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
@@ -134,6 +149,12 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     shift and trunk+branch attention (single-device defaults). `policy_token_count`: the global
     number of trained completion tokens (defaults to the local count).
     """
+    if 0 < cfg.micro_batch_rows < batch.tokens.shape[0]:
+        if grad_group is not None:
+            raise ValueError("micro_batch_rows is for single-process steps; with DP/CP ranks lower "
+                             "the per-rank batch instead (set micro_batch_rows = 0)")
+        return _microbatched_step(policy, draft, batch, opt, sched, cfg, train_policy, shift, attn,
+                                  policy_token_count)
     metrics: dict = {}
     tap_ids = draft.cfg.aux_layer_ids if draft is not None else None
     with torch.set_grad_enabled(train_policy):
@@ -179,3 +200,76 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     for g in opt.param_groups:
         metrics[f"{g.get('name', 'group')}/lr"] = g["lr"]
     return metrics_to_floats(metrics)  # the step's only host sync, after the optimizer update
+
+
+def _rows(batch: TrainBatch, a: int, b: int) -> TrainBatch:
+    """Rows a..b-1 of every per-row field."""
+    take = lambda t: None if t is None else t[a:b]  # noqa: E731
+    return TrainBatch(tokens=batch.tokens[a:b], target_mask=batch.target_mask[a:b],
+                      advantages=take(batch.advantages), logp_old=take(batch.logp_old),
+                      logp_ref=take(batch.logp_ref), positions=take(batch.positions))
+
+
+def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_policy, shift, attn,
+                       policy_token_count) -> dict:
+    """cotrain_step over micro-batches of cfg.micro_batch_rows rows: one forward + backward each,
+    the losses divided by the whole batch's counts, then one clip + optimizer step. Loss metrics
+    are exact sums; per-token metrics (CE per pass, top-1, clip fraction, simulated tau) are
+    means over micro-batches weighted by their trained-token counts."""
+    B, m, n = batch.tokens.shape[0], cfg.micro_batch_rows, cfg.draft_row_stride
+    use_draft = draft is not None and (cfg.draft_weight > 0 or not train_policy)
+    pol_count = policy_token_count if policy_token_count is not None else \
+        shift(batch.target_mask, 1).float().sum().clamp_min(1.0)
+    denom = draft_denominator(batch.target_mask, cfg, shift) if use_draft else None
+    tap_ids = draft.cfg.aux_layer_ids if draft is not None else None
+    sums: dict = {}
+    weights: dict = {}
+
+    def add(key, value, weight=None):  # weight None: an exact sum; else a weighted mean
+        sums[key] = sums.get(key, 0.0) + (value if weight is None else value * weight)
+        if weight is not None:
+            weights[key] = weights.get(key, 0.0) + weight
+
+    opt.zero_grad(set_to_none=True)
+    for a in range(0, B, m):
+        sub = _rows(batch, a, min(B, a + m))
+        with torch.set_grad_enabled(train_policy):
+            out = policy(sub.tokens, sub.positions, tap_layers=tap_ids)
+        total = out.logits.new_zeros((), dtype=torch.float32)
+        if train_policy:
+            mask = shift(sub.target_mask, 1)
+            logp_new = token_logprobs(out.logits, shift(sub.tokens, 1), cfg.temperature)
+            ref = shift(sub.logp_ref, 1) if sub.logp_ref is not None else None
+            adv = sub.advantages if sub.advantages.dim() == 1 else shift(sub.advantages, 1)
+            l_pol, mp = clipped_surrogate(logp_new, shift(sub.logp_old, 1), adv, mask, cfg.clip_eps,
+                                          ref, cfg.kl_coef, pol_count)
+            total = total + l_pol
+            add("policy/loss", l_pol.detach())
+            add("policy/clip_frac", mp["policy/clip_frac"], mask.float().sum())
+        start = (-a) % n  # the first row of this micro-batch with a global index divisible by n
+        if use_draft and start < sub.tokens.shape[0]:
+            l_d, md = draft_loss(draft, out, sub, cfg, shift, attn, row_start=start, denominator=denom)
+            total = total + (cfg.draft_weight if train_policy else 1.0) * l_d
+            add("draft/loss", l_d.detach())
+            tok = md.pop("draft/tokens")
+            add("draft/tokens", tok)
+            for k, v in md.items():
+                add(k, v, tok)
+        if total.requires_grad:
+            total.backward()
+    metrics = {k: v / torch.as_tensor(weights[k]).clamp_min(1e-12) if k in weights else v
+               for k, v in sums.items()}
+    for name, clip in (("policy", cfg.policy_grad_clip), ("draft", cfg.draft_grad_clip)):
+        params = _group_params(opt, name)
+        if not params or (name == "policy" and not train_policy):
+            continue
+        metrics[f"{name}/grad_norm"] = torch.nn.utils.clip_grad_norm_(params, clip)
+    if not train_policy:
+        for p in _group_params(opt, "policy"):
+            p.grad = None
+    opt.step()
+    if sched is not None:
+        sched.step()
+    for g in opt.param_groups:
+        metrics[f"{g.get('name', 'group')}/lr"] = g["lr"]
+    return metrics_to_floats(metrics)

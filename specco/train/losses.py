@@ -44,6 +44,14 @@ class DraftLossParts:
     valid: list[torch.Tensor]  # (B, S) bool mask per pass
 
 
+def pass_target_masks(target_mask: torch.Tensor, num_passes: int,
+                      shift: Callable[[torch.Tensor, int], torch.Tensor] = shift_left) -> list[torch.Tensor]:
+    """Pass d's valid targets: pass d at anchor i predicts token i+d+1, so its mask is target_mask
+    shifted by d+1 (float, one tensor per pass)."""
+    m = target_mask.float()
+    return [shift(m, d + 1) for d in range(1, num_passes + 1)]
+
+
 def draft_loss_parts(draft: Eagle3Draft, pass_outputs: list[torch.Tensor],
                      policy_logits: torch.Tensor, target_mask: torch.Tensor, chunk: int,
                      shift: Callable[[torch.Tensor, int], torch.Tensor] = shift_left,
@@ -62,10 +70,11 @@ def draft_loss_parts(draft: Eagle3Draft, pass_outputs: list[torch.Tensor],
     d2t_ids = draft.draft_to_target
     parts = DraftLossParts([], [], [], [])
     S = pass_outputs[0].shape[1]
+    masks = pass_target_masks(target_mask, len(pass_outputs), shift)
     for d, hidden in enumerate(pass_outputs, start=1):
         teacher = shift(teacher_all, d)
         top1 = shift(teacher_top1, d)
-        mask = shift(target_mask.float(), d + 1)
+        mask = masks[d - 1]
         ce_sum = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
         agree = []
         for s in range(0, S, chunk):
@@ -85,14 +94,17 @@ def draft_loss_parts(draft: Eagle3Draft, pass_outputs: list[torch.Tensor],
 
 
 def normalize_draft_loss(parts: DraftLossParts, pass_weights: list[float],
-                         count_group=None) -> tuple[torch.Tensor, dict]:
+                         count_group=None, denominator: torch.Tensor | None = None,
+                         ) -> tuple[torch.Tensor, dict]:
     """L_draft = sum_d a_d sum_i mask*CE / sum_d a_d N_d.
 
     N_d is the number of valid pass-d targets in the whole global batch: local counts are summed
     over `count_group` (the data-parallel x context-parallel ranks; CP ranks hold disjoint tokens
     so each is counted once). Gradients are then *summed* across those ranks.
     Returns the local loss contribution and metrics (per-pass CE means, top-1 agreement and the
-    simulated greedy acceptance length they imply).
+    simulated greedy acceptance length they imply). `denominator` replaces sum_d a_d N_d when the
+    batch is processed in micro-batches (the whole batch's value, see cotrain.draft_denominator);
+    the metrics then describe this micro-batch only.
     """
     K = len(parts.ce_sum)
     counts = torch.stack([c.detach().to(parts.ce_sum[0].dtype) for c in parts.count])  # (K,)
@@ -109,7 +121,7 @@ def normalize_draft_loss(parts: DraftLossParts, pass_weights: list[float],
         dist.all_reduce(stats, group=count_group)
     n, chain_n, agree_n, ce_n = stats.split(K)
     w = torch.tensor(pass_weights[:K], dtype=parts.ce_sum[0].dtype, device=n.device)
-    denom = (w * n).sum().clamp_min(1.0)
+    denom = (w * n).sum().clamp_min(1.0) if denominator is None else denominator.to(w.dtype)
     loss = sum(w[d] * parts.ce_sum[d] for d in range(K)) / denom
     rate = chain_n / n.clamp_min(1.0)
     # Metrics stay 0-dim tensors: a .item() here would stall the host mid-step (see metrics_to_floats).
