@@ -137,6 +137,44 @@ def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig,
                                 denominator)
 
 
+def policy_loss(logits, batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left,
+                num_tokens=None):
+    """The GRPO clipped surrogate of `batch` from the policy's logits, divided by `num_tokens`
+    (default: the batch's own trained-token count).
+
+    Logits at i predict token i+1. The next-token alignment goes through `shift` (not
+    logits[:, :-1] vs tokens[:, 1:]) so that under CP, where i+1 may live on another rank, the
+    CP-aware shift fetches it; per-token fields (logp_old, logp_ref, mask, per-token advantages)
+    are indexed by token like `tokens`, so they shift with it. With shift_left this is the same
+    math: the last position's target is masked out by shift(mask, 1)."""
+    logp_new = token_logprobs(logits, shift(batch.tokens, 1), cfg.temperature)
+    mask = shift(batch.target_mask, 1)
+    ref = shift(batch.logp_ref, 1) if batch.logp_ref is not None else None
+    adv = batch.advantages if batch.advantages.dim() == 1 else shift(batch.advantages, 1)
+    return clipped_surrogate(logp_new, shift(batch.logp_old, 1), adv, mask, cfg.clip_eps, ref,
+                             cfg.kl_coef, num_tokens)
+
+
+def _clip_and_step(opt, sched, cfg: StepConfig, train_policy: bool, metrics: dict, grad_group=None) -> dict:
+    """Per-group gradient all-reduce and clip, the optimizer and scheduler step, LRs into
+    `metrics`; returns the metrics as floats (the step's only host sync, after the update)."""
+    for name, clip in (("policy", cfg.policy_grad_clip), ("draft", cfg.draft_grad_clip)):
+        params = _group_params(opt, name)
+        if not params or (name == "policy" and not train_policy):
+            continue
+        reduce_grads(params, grad_group)
+        metrics[f"{name}/grad_norm"] = torch.nn.utils.clip_grad_norm_(params, clip)
+    if not train_policy:
+        for p in _group_params(opt, "policy"):
+            p.grad = None
+    opt.step()
+    if sched is not None:
+        sched.step()
+    for g in opt.param_groups:
+        metrics[f"{g.get('name', 'group')}/lr"] = g["lr"]
+    return metrics_to_floats(metrics)
+
+
 def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                  opt: torch.optim.Optimizer, sched, cfg: StepConfig, *,
                  train_policy: bool = True, grad_group=None,
@@ -161,17 +199,7 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
         out = policy(batch.tokens, batch.positions, tap_layers=tap_ids)
     total = out.logits.new_zeros((), dtype=torch.float32)
     if train_policy:
-        # Logits at i predict token i+1. The next-token alignment goes through `shift` (not
-        # logits[:, :-1] vs tokens[:, 1:]) so that under CP, where i+1 may live on another rank,
-        # the CP-aware shift fetches it; per-token fields (logp_old, logp_ref, mask, per-token
-        # advantages) are indexed by token like `tokens`, so they shift with it. With shift_left
-        # this is the same math: the last position's target is masked out by shift(mask, 1).
-        logp_new = token_logprobs(out.logits, shift(batch.tokens, 1), cfg.temperature)
-        mask = shift(batch.target_mask, 1)
-        ref = shift(batch.logp_ref, 1) if batch.logp_ref is not None else None
-        adv = batch.advantages if batch.advantages.dim() == 1 else shift(batch.advantages, 1)
-        l_pol, m = clipped_surrogate(logp_new, shift(batch.logp_old, 1), adv, mask,
-                                     cfg.clip_eps, ref, cfg.kl_coef, policy_token_count)
+        l_pol, m = policy_loss(out.logits, batch, cfg, shift, policy_token_count)
         total = total + l_pol
         metrics.update(m)
         metrics["policy/loss"] = l_pol.detach()
@@ -184,22 +212,7 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     opt.zero_grad(set_to_none=True)
     if total.requires_grad:
         total.backward()
-    for name, clip in (("policy", cfg.policy_grad_clip), ("draft", cfg.draft_grad_clip)):
-        params = _group_params(opt, name)
-        if not params or (name == "policy" and not train_policy):
-            continue
-        reduce_grads(params, grad_group)
-        norm = torch.nn.utils.clip_grad_norm_(params, clip)
-        metrics[f"{name}/grad_norm"] = norm
-    if not train_policy:
-        for p in _group_params(opt, "policy"):
-            p.grad = None
-    opt.step()
-    if sched is not None:
-        sched.step()
-    for g in opt.param_groups:
-        metrics[f"{g.get('name', 'group')}/lr"] = g["lr"]
-    return metrics_to_floats(metrics)  # the step's only host sync, after the optimizer update
+    return _clip_and_step(opt, sched, cfg, train_policy, metrics, grad_group)
 
 
 def _rows(batch: TrainBatch, a: int, b: int) -> TrainBatch:
@@ -237,15 +250,10 @@ def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_
             out = policy(sub.tokens, sub.positions, tap_layers=tap_ids)
         total = out.logits.new_zeros((), dtype=torch.float32)
         if train_policy:
-            mask = shift(sub.target_mask, 1)
-            logp_new = token_logprobs(out.logits, shift(sub.tokens, 1), cfg.temperature)
-            ref = shift(sub.logp_ref, 1) if sub.logp_ref is not None else None
-            adv = sub.advantages if sub.advantages.dim() == 1 else shift(sub.advantages, 1)
-            l_pol, mp = clipped_surrogate(logp_new, shift(sub.logp_old, 1), adv, mask, cfg.clip_eps,
-                                          ref, cfg.kl_coef, pol_count)
+            l_pol, mp = policy_loss(out.logits, sub, cfg, shift, pol_count)
             total = total + l_pol
             add("policy/loss", l_pol.detach())
-            add("policy/clip_frac", mp["policy/clip_frac"], mask.float().sum())
+            add("policy/clip_frac", mp["policy/clip_frac"], shift(sub.target_mask, 1).float().sum())
         start = (-a) % n  # the first row of this micro-batch with a global index divisible by n
         if use_draft and start < sub.tokens.shape[0]:
             l_d, md = draft_loss(draft, out, sub, cfg, shift, attn, row_start=start, denominator=denom)
@@ -259,17 +267,4 @@ def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_
             total.backward()
     metrics = {k: v / torch.as_tensor(weights[k]).clamp_min(1e-12) if k in weights else v
                for k, v in sums.items()}
-    for name, clip in (("policy", cfg.policy_grad_clip), ("draft", cfg.draft_grad_clip)):
-        params = _group_params(opt, name)
-        if not params or (name == "policy" and not train_policy):
-            continue
-        metrics[f"{name}/grad_norm"] = torch.nn.utils.clip_grad_norm_(params, clip)
-    if not train_policy:
-        for p in _group_params(opt, "policy"):
-            p.grad = None
-    opt.step()
-    if sched is not None:
-        sched.step()
-    for g in opt.param_groups:
-        metrics[f"{g.get('name', 'group')}/lr"] = g["lr"]
-    return metrics_to_floats(metrics)
+    return _clip_and_step(opt, sched, cfg, train_policy, metrics)
