@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import timeit  # noqa: E402
 from specco.ops.attention import _use_triton, branch_bwd_into, branch_merge_fwd  # noqa: E402
 from specco.ops.sdpa_adapter import _pick_impl, lse_dtype  # noqa: E402
-from specco.parallel.ring_attention import bwd_step, fwd_step, step_kind  # noqa: E402
+from specco.parallel.ring_attention import add_shares, bwd_step, fwd_step, step_kind  # noqa: E402
 from specco.parallel.zigzag import ZigzagLayout  # noqa: E402
 
 
@@ -73,23 +73,28 @@ class RankReplay:
         return out_acc.to(q.dtype), lse_acc
 
     def backward(self, dout, out, lse):
+        """As `_ring_bwd`: the first step starts a zeroed fp32 buffer for the own shard; later steps add
+        their shares in place into the buffer that arrives with the visiting shard — here a standing fp32
+        buffer per source rank (made once; its contents only matter for `_check`, which runs once)."""
         q = self.q
         md = lse_dtype(q)
         dq = torch.zeros(q.shape, dtype=md, device=q.device)
+        if not hasattr(self, "arriving"):
+            self.arriving = {src: (torch.zeros(k.shape, dtype=md, device=k.device),
+                                   torch.zeros(v.shape, dtype=md, device=v.device))
+                             for src, (k, v) in enumerate(self.kv) if src != self.rank}
         dkv = {}
-        travelling = None
         for step in range(self.cp):
             src = self._src(step)
             k, v = self.kv[src]
-            dk = torch.zeros(k.shape, dtype=md, device=k.device)
-            dv = torch.zeros(v.shape, dtype=md, device=v.device)
-            bwd_step(step_kind(step, self.rank, self.cp), dout, q, k, v, out, lse, dq, dk, dv, self.lay,
-                     self.scale, self.impl)
-            if travelling is not None:  # the add a real ring does with the arriving dK/dV buffer
-                dk += travelling[0]
-                dv += travelling[1]
-            travelling = (torch.zeros_like(dk), torch.zeros_like(dv))
-            dkv[src] = (dk, dv)
+            shares = bwd_step(step_kind(step, self.rank, self.cp), dout, q, k, v, out, lse, dq, self.lay,
+                              self.scale, self.impl)
+            if step == 0:
+                buf = (torch.zeros(k.shape, dtype=md, device=k.device), torch.zeros(v.shape, dtype=md, device=v.device))
+            else:
+                buf = self.arriving[src]
+            add_shares(buf[0], buf[1], shares)
+            dkv[src] = buf
         dkb = dvb = None
         if self.kb is not None:
             dkb, dvb = branch_bwd_into(dout, q, self.kb, self.vb, out, lse, dq, self.scale)

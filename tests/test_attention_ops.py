@@ -270,12 +270,34 @@ def test_fused_branch_matches_twin_and_reference(impl, P, heads):
     torch.testing.assert_close(dvb, dvb_r, **FP32_TOL)
 
 
-def test_merge_lse_inplace_equals_out_of_place():
-    out_a, lse_a = _randn(B, 4, 9, D, seed=1, dtype=torch.float32), _randn(B, 4, 9, seed=2, dtype=torch.float32)
-    out_b, lse_b = _randn(B, 4, 9, D, seed=3, dtype=torch.bfloat16), _randn(B, 4, 9, seed=4, dtype=torch.float32)
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_merge_lse_inplace_equals_out_of_place(impl):
+    """In-place merge into a row view of an fp32 accumulator == the out-of-place formula, incl. rows whose
+    part B is empty (lse_b = -inf) and a row count that is not a multiple of the Triton row block.
+    Tolerance 1e-6: fp32 math in both, summed in a different order (Triton subtracts the max first)."""
+    dev = "cpu"
+    if impl == "triton":
+        dev = _triton_device()
+        if dev is None:
+            pytest.skip("Triton needs CUDA (or TRITON_INTERPRET=1 on CPU)")
+    S, Dh = 41, 32
+    out_a = _randn(B, 4, S, Dh, seed=1, dtype=torch.float32).to(dev)
+    lse_a = _randn(B, 4, S, seed=2, dtype=torch.float32).to(dev)
+    out_b = _randn(B, 4, S, Dh, seed=3, dtype=torch.bfloat16).to(dev)
+    lse_b = _randn(B, 4, S, seed=4, dtype=torch.float32).to(dev)
+    lse_b[:, :, 5:9] = float("-inf")  # part B empty for these rows: the merge must leave them as part A
     ref_o, ref_l = merge_lse(out_a, lse_a, out_b, lse_b)
     acc_o, acc_l = out_a.clone(), lse_a.clone()
-    o, l = merge_lse(acc_o[:, :, 2:], acc_l[:, :, 2:], out_b[:, :, 2:], lse_b[:, :, 2:], inplace=True)
+    o, l = merge_lse(acc_o[:, :, 2:], acc_l[:, :, 2:], out_b[:, :, 2:], lse_b[:, :, 2:], inplace=True, impl=impl)
+    assert o.data_ptr() == acc_o[:, :, 2:].data_ptr() and l.data_ptr() == acc_l[:, :, 2:].data_ptr()
     torch.testing.assert_close(acc_o[:, :, 2:], ref_o[:, :, 2:], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(acc_l[:, :, 2:], ref_l[:, :, 2:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(acc_o[:, :, 5:9], out_a[:, :, 5:9], rtol=1e-6, atol=1e-6)
     assert torch.equal(acc_o[:, :, :2], out_a[:, :, :2])  # rows outside the view untouched
+    assert torch.equal(acc_l[:, :, :2], lse_a[:, :, :2])
+
+
+def test_merge_lse_rejects_unknown_impl():
+    x, l = torch.zeros(1, 1, 2, 16), torch.zeros(1, 1, 2)
+    with pytest.raises(ValueError, match="unknown merge impl"):
+        merge_lse(x, l, x, l, inplace=True, impl="cuda")

@@ -27,7 +27,7 @@ __all__ = [
 
 
 def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
-              *, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              *, inplace: bool = False, impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of two attention parts over disjoint key sets A and B (the only definition in specco).
 
         lse = logaddexp(lse_a, lse_b)                                  = log Σ_{j∈A∪B} exp(s_j)
@@ -41,8 +41,12 @@ def merge_lse(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse
 
     inplace=True writes the result into (out_a, lse_a) — an fp32/fp64 accumulator (a view is fine) —
     and returns them: two passes over out_a (scale, then fused multiply-add of out_b) instead of ~six
-    for the out-of-place form, which matters once per ring step.
+    for the out-of-place form, which matters once per ring step. On CUDA the in-place merge is one
+    Triton pass (`_merge_inplace_kernel`, the same formula with the max subtracted first) instead of
+    the eight small kernels below; `impl` = None (Triton where it applies), "triton" or "torch".
     """
+    if inplace and _use_triton_merge(out_a, lse_a, out_b, lse_b, impl):
+        return _merge_inplace_triton(out_a, lse_a, out_b, lse_b)
     md = torch.promote_types(torch.promote_types(lse_a.dtype, lse_b.dtype), torch.float32)
     lse = torch.logaddexp(lse_a.to(md), lse_b.to(md))
     w_a = torch.exp(lse_a.to(md) - lse).unsqueeze(-1)  # (B, H, S, 1)
@@ -134,6 +138,7 @@ def branch_attn_bwd(dout: torch.Tensor, q_d: torch.Tensor, k_br: torch.Tensor, v
 # (P·D MACs per query per pass), so passes are its cost. Two implementations, one meaning:
 #   * torch twin  = `_branch_fwd` + `merge_lse` / `_branch_bwd` above (defines the math; CPU and tests);
 #   * Triton      = `_branch_merge_fwd_kernel` / `_branch_bwd_kernel` below, selected only on CUDA.
+# `_merge_inplace_kernel` is the same idea for the ring's per-step in-place `merge_lse`.
 # tests/test_attention_ops.py compares them where Triton can run; the benches check both on the GPU.
 # --------------------------------------------------------------------------------------------------
 
@@ -235,6 +240,52 @@ if triton is not None:
                  + offs_d[None, None, :], dk.to(DK.dtype.element_ty), mask=m3)
         tl.store(DV + b * sdv_b + hk * sdv_h + offs_s[:, None, None] * sdv_s + offs_p[None, :, None] * sdv_p
                  + offs_d[None, None, :], dv.to(DV.dtype.element_ty), mask=m3)
+
+
+    @triton.jit
+    def _merge_inplace_kernel(OA, LA, OB, LB, S, H, so_b, so_h, so_s, sl_b, sl_h, sob_b, sob_h, sob_s,
+                              slb_b, slb_h, D: tl.constexpr, BLOCK_S: tl.constexpr):
+        """One (row block, b·h): (OA, LA) <- merge_lse((OA, LA), (OB, LB)), in place, one pass."""
+        pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
+        b, h = pid_bh // H, pid_bh % H
+        offs_s = pid_s * BLOCK_S + tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, D)
+        m_s = offs_s < S
+        la = tl.load(LA + b * sl_b + h * sl_h + offs_s, mask=m_s, other=0.0).to(tl.float32)
+        lb = tl.load(LB + b * slb_b + h * slb_h + offs_s, mask=m_s, other=0.0).to(tl.float32)
+        m = tl.maximum(la, lb)  # finite: at least one part per row is non-empty (merge_lse's contract)
+        w_a, w_b = tl.exp(la - m), tl.exp(lb - m)
+        l = w_a + w_b
+        pa = OA + b * so_b + h * so_h + offs_s[:, None] * so_s + offs_d[None, :]
+        oa = tl.load(pa, mask=m_s[:, None], other=0.0)
+        ob = tl.load(OB + b * sob_b + h * sob_h + offs_s[:, None] * sob_s + offs_d[None, :],
+                     mask=m_s[:, None], other=0.0).to(tl.float32)
+        tl.store(pa, (oa * w_a[:, None] + ob * w_b[:, None]) / l[:, None], mask=m_s[:, None])
+        tl.store(LA + b * sl_b + h * sl_h + offs_s, m + tl.log(l), mask=m_s)
+
+
+def _use_triton_merge(out_a, lse_a, out_b, lse_b, impl: str | None) -> bool:
+    if impl is not None:
+        if impl not in ("triton", "torch"):
+            raise ValueError(f"unknown merge impl {impl!r}; expected 'triton' or 'torch'")
+        return impl == "triton"
+    D = out_a.shape[-1]
+    return (triton is not None and out_a.is_cuda and out_a.dtype == torch.float32
+            and lse_a.dtype == torch.float32 and 16 <= D <= 256 and D & (D - 1) == 0)
+
+
+def _merge_inplace_triton(out_a, lse_a, out_b, lse_b):
+    B, H, S, D = out_a.shape
+    assert out_a.dtype == torch.float32 and lse_a.dtype == torch.float32, "in-place merge needs an fp32 accumulator"
+    if out_a.stride(-1) != 1 or lse_a.stride(-1) != 1:
+        raise ValueError("the in-place merge writes out_a/lse_a through their strides: they need a unit last stride")
+    out_b = out_b if out_b.stride(-1) == 1 else out_b.contiguous()
+    lse_b = lse_b if lse_b.stride(-1) == 1 else lse_b.contiguous()
+    BS = max(16, min(128, 8192 // D))  # an (BS, D) fp32 tile of ~8K elements per operand
+    _merge_inplace_kernel[(triton.cdiv(S, BS), B * H)](
+        out_a, lse_a, out_b, lse_b, S, H, *out_a.stride()[:3], *lse_a.stride()[:2], *out_b.stride()[:3],
+        *lse_b.stride()[:2], D=D, BLOCK_S=BS, num_warps=4)
+    return out_a, lse_a
 
 
 def _pow2(n: int) -> int:

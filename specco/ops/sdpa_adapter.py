@@ -29,10 +29,15 @@ bench/ttt_attention.py and bench/cp_attention.py check both against fp64 on the 
 >= 9 present), else FlashAttention-2 (D <= 256), else torch. cuDNN is the default because on the H200 it
 ran the causal block fwd+bwd ~1.3x faster than flash (bench/results/cp_attention_cuda*.json).
 
-GQA on CUDA: the dense cuDNN/flash entry points take one head count, so K/V are repeat_interleave'd
+GQA on CUDA: an impl in `NATIVE_GQA` is handed the Hkv-head K/V as they are (the kernel maps query
+head h to kv head h // G and sums dK/dV over the G heads itself). Otherwise K/V are repeat_interleave'd
 to H heads (one copy of the visiting block; a stride-0 `expand` cannot express head h -> h // G in
 one dimension) and dK/dV are summed back over the G heads in fp32 (`grad_dtype` lets a caller that
-accumulates in fp32 skip the rounding to k's dtype).
+accumulates in fp32 skip the rounding to k's dtype). `bench/cp_kernels.py` checks both forms against
+fp64 on the GPU and times them; an impl joins NATIVE_GQA only after that check.
+
+Strides: an impl in `STRIDED_OK` is handed row slices of (B, H, T, D) tensors (what a ring step's
+blocks are) without a `.contiguous()` copy; the kernels take any strides with a unit last stride.
 """
 
 from __future__ import annotations
@@ -44,6 +49,13 @@ import torch
 aten = torch.ops.aten
 
 _IMPLS = ("cpu_flash", "flash", "cudnn", "torch")
+
+# CUDA impls verified (bench/cp_kernels.py, H200, torch 2.11, 2026-11-29: fwd and joint-statistics bwd
+# against fp64, causal and rectangular blocks, bf16 rel. err <= 2.9e-3) to take Hkv < H K/V natively,
+# and to take inputs whose only unit stride is the last one. Module-level sets so the bench can switch
+# them off to measure what they save.
+NATIVE_GQA: set[str] = {"cudnn", "flash"}
+STRIDED_OK: set[str] = {"cudnn", "flash"}
 
 
 def _pick_impl(q: torch.Tensor, impl: str | None) -> str:
@@ -78,6 +90,13 @@ def _check_causal(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
         raise ValueError(
             f"causal block needs Sq == Sk (got {q.shape[-2]} vs {k.shape[-2]}); kernels differ on "
             "rectangular causal alignment, so split the block or pass causal=False")
+
+
+def _dense(x: torch.Tensor, impl: str) -> torch.Tensor:
+    """x as the CUDA kernel `impl` accepts it: unchanged where its strides are fine, else a contiguous copy."""
+    if impl in STRIDED_OK and x.stride(-1) == 1:
+        return x
+    return x.contiguous()
 
 
 def _expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -163,9 +182,9 @@ def block_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         return out, lse.to(lse_dtype(q)).contiguous()
     if impl == "torch":
         return _torch_fwd(q, k, v, causal, scale)
-    groups = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, groups), _expand_kv(v, groups)  # (B, H, Sk, D): cuDNN's dense path has one head count
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    groups = 1 if impl in NATIVE_GQA else q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, groups), _expand_kv(v, groups)  # (B, H, Sk, D) unless the kernel does GQA itself
+    q, k, v = _dense(q, impl), _dense(k, impl), _dense(v, impl)
     if impl == "flash":
         out, lse = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal, False, scale=scale)[:2]
         return out, lse.contiguous()  # lse (B, H, Sq) fp32
@@ -182,7 +201,10 @@ def block_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """This block's share of the joint gradient (formula in the module docstring); dk/dv are (B,Hkv,Sk,D).
 
     dq is in q's dtype; dk/dv in `grad_dtype` (default k's dtype). A ring loop accumulating in fp32 passes
-    grad_dtype=float32 so GQA's head sum is not rounded to bf16 before it is accumulated.
+    grad_dtype=float32 so GQA's head sum is not rounded to bf16 before it is accumulated. On CUDA, where
+    no head sum is left to this function (H == Hkv, or a NATIVE_GQA kernel) dk/dv come back in the
+    kernel's dtype (k's): converting them would only be an extra copy, since adding a bf16 tensor into
+    an fp32 accumulator promotes it elementwise.
     """
     grad_dtype = k.dtype if grad_dtype is None else grad_dtype
     _check_causal(q, k, causal)
@@ -200,9 +222,9 @@ def block_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if impl == "torch":
         dq, dk, dv = _torch_bwd(dout, q, k, v, out_joint, lse_joint, causal, scale)
         return dq, dk.to(grad_dtype), dv.to(grad_dtype)
-    groups = q.shape[1] // k.shape[1]
-    ke, ve = _expand_kv(k, groups).contiguous(), _expand_kv(v, groups).contiguous()
-    q, dout, out_joint = q.contiguous(), dout.contiguous(), out_joint.contiguous()
+    groups = 1 if impl in NATIVE_GQA else q.shape[1] // k.shape[1]
+    ke, ve = _dense(_expand_kv(k, groups), impl), _dense(_expand_kv(v, groups), impl)
+    q, dout, out_joint = _dense(q, impl), _dense(dout, impl), _dense(out_joint, impl)
     Sq, Sk = q.shape[-2], ke.shape[-2]
     # dropout_p = 0, so the philox seed/offset are never read; pass defined placeholders anyway.
     seed = torch.empty((), dtype=torch.int64, device=q.device)
@@ -216,4 +238,6 @@ def block_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward.default(
             dout, q, ke, ve, out_joint, lse_joint.unsqueeze(-1), seed, offset, None, None, None,
             Sq, Sk, 0.0, causal, scale=scale)
+    if groups == 1:
+        return dq, dk, dv
     return dq, _reduce_kv_grad(dk, groups, grad_dtype), _reduce_kv_grad(dv, groups, grad_dtype)

@@ -21,8 +21,8 @@ attended locally and merged with the ring result (`branch_merge_fwd`, one fused 
 
 Backward (the §3 identity): each block's backward, evaluated with the JOINT (out, lse) and dout,
 is exactly that block's share of the gradient. K/V travel the ring again; the dK/dV of a visiting
-shard accumulate in a buffer that travels with it (one hop behind) and arrives home after a full
-cycle. No rank ever holds more than its own shard plus one visiting shard of K/V.
+shard accumulate in an fp32 buffer that travels with it (one hop behind), each rank adding its share
+in place, and arrives home after a full cycle. No rank ever holds more than its own shard plus one visiting shard of K/V.
 
 Packing: attention never crosses a sequence border — blocks are per sequence (a Python loop: fine
 for correctness on CPU; the long single-sequence case, one block per step, is the performance case).
@@ -42,9 +42,12 @@ from .comm import RingComm
 from .zigzag import ZigzagLayout
 
 __all__ = ["ring_causal_attention", "ring_ttt_attention", "RingTTTAttention", "step_kind",
-           "fwd_step", "bwd_step"]
+           "fwd_step", "bwd_step", "add_shares"]
 
 _KV_TAG, _DKV_TAG = 0, 1
+# merge_lse's impl for the per-step merge: None = fused Triton on CUDA; bench/cp_kernels.py sets "torch"
+# to measure what the fused kernel saves.
+MERGE_IMPL: str | None = None
 
 
 def step_kind(step: int, rank: int, cp: int) -> str:
@@ -83,24 +86,34 @@ def fwd_step(kind: str, q, k_src, v_src, out_acc, lse_acc, layout: ZigzagLayout,
         if kind == "local":
             out_acc[:, :, rows], lse_acc[:, :, rows] = o, l
         else:  # in place on the accumulator's row view: no fp32 temporaries of the whole block
-            merge_lse(out_acc[:, :, rows], lse_acc[:, :, rows], o, l, inplace=True)
+            merge_lse(out_acc[:, :, rows], lse_acc[:, :, rows], o, l, inplace=True, impl=MERGE_IMPL)
 
 
-def bwd_step(kind: str, dout, q, k_src, v_src, out, lse, dq_acc, dk_src, dv_src, layout: ZigzagLayout,
-             scale: float, impl: str | None = None) -> None:
-    """This step's share of the joint gradient: dq_acc += ..., dk_src/dv_src (visiting shard's) += ...
+def bwd_step(kind: str, dout, q, k_src, v_src, out, lse, dq_acc, layout: ZigzagLayout, scale: float,
+             impl: str | None = None) -> list:
+    """This step's share of the joint gradient: dq_acc += ...; returns the visiting shard's dK/dV shares.
 
-    out/lse are the JOINT statistics (ring ⊕ branch) of the local queries; dq_acc (B, H, T, D) and
-    dk_src/dv_src (B, Hkv, T, D) are fp32 accumulators (fp64 for fp64).
+    out/lse are the JOINT statistics (ring ⊕ branch) of the local queries; dq_acc (B, H, T, D) is the
+    fp32 accumulator (fp64 for fp64). Returns [(cols, dk, dv)] per block, dk/dv (B, Hkv, len(cols), D) in
+    the kernel's dtype (or fp32 where the adapter summed GQA heads): `add_shares` adds them into the
+    travelling fp32 buffer, so no zero-filled per-step buffer is needed.
     """
+    shares = []
     for rows, cols, causal in _blocks(kind, layout):
-        # grad_dtype: GQA's head sum of dK/dV lands in the fp32 accumulator without a bf16 rounding
+        # grad_dtype: a GQA head sum left to the adapter lands in fp32 without a bf16 rounding
         dq, dk, dv = block_attn_bwd(dout[:, :, rows], q[:, :, rows], k_src[:, :, cols], v_src[:, :, cols],
                                     out[:, :, rows], lse[:, :, rows], causal, scale, impl=impl,
-                                    grad_dtype=dk_src.dtype)
+                                    grad_dtype=dq_acc.dtype)
         dq_acc[:, :, rows] += dq
-        dk_src[:, :, cols] += dk
-        dv_src[:, :, cols] += dv
+        shares.append((cols, dk, dv))
+    return shares
+
+
+def add_shares(dk_acc, dv_acc, shares) -> None:
+    """dk_acc/dv_acc (B, Hkv, T, D) fp32 += one step's shares (bwd_step's list), in place."""
+    for cols, dk, dv in shares:
+        dk_acc[:, :, cols] += dk
+        dv_acc[:, :, cols] += dv
 
 
 # --------------------------------------------------------------------------------------------------
@@ -132,34 +145,35 @@ def _ring_bwd(dout, q, k, v, out, lse, group, layout, scale, impl):
 
     Schedule at step s (holding the shard of src = r − s):
         post K/V(src) -> next                      (prefetch for step s+1)
-        compute: dq += ..., dkv_blk = our share for src's K/V
-        wait dKV(src) from prev (posted at s−1):   it holds ranks src..r−1's shares; add ours
+        compute: dq += ..., shares = our dK/dV share for src's K/V
+        s = 0:  start src's (= our own shard's) travelling fp32 buffer: zeros + shares
+        s > 0:  wait dKV(src) from prev (posted at s−1, holding ranks src..r−1's shares); add ours in place
         post dKV(src) -> next,  dKV(src−1) <- prev (the buffer that travels one hop behind its K/V)
         wait K/V; swap
     After step cp−1 the last dKV received is for src = r − cp = r: our own shard, all cp shares.
+    Shares are added straight into the arriving buffer: one add per block and step, no per-step zeros.
     """
     cp = layout.cp
     md = lse_dtype(q)
     dq_acc = torch.zeros(q.shape, dtype=md, device=q.device)
     kv_comm = RingComm(group, _KV_TAG) if cp > 1 else None
     dkv_comm = RingComm(group, _DKV_TAG) if cp > 1 else None
-    kv, dkv_in = [k, v], None
+    kv, dkv = [k, v], None
     for step in range(cp):
         if step + 1 < cp:
             nxt = kv_comm.send_recv(kv)
             kv_comm.commit()
-        dk_blk = torch.zeros(k.shape, dtype=md, device=k.device)  # (B, Hkv, T, D)
-        dv_blk = torch.zeros(v.shape, dtype=md, device=v.device)
-        bwd_step(step_kind(step, layout.rank, cp), dout, q, kv[0], kv[1], out, lse, dq_acc, dk_blk, dv_blk,
-                 layout, scale, impl)
-        if cp == 1:
-            dkv_in = [dk_blk, dv_blk]
-            break
-        if step > 0:
+        shares = bwd_step(step_kind(step, layout.rank, cp), dout, q, kv[0], kv[1], out, lse, dq_acc,
+                          layout, scale, impl)
+        if step == 0:
+            dkv = [torch.zeros(k.shape, dtype=md, device=k.device),  # (B, Hkv, T, D)
+                   torch.zeros(v.shape, dtype=md, device=v.device)]
+        else:
             dkv_comm.wait()  # the travelling dK/dV of the shard we just used
-            dk_blk += dkv_in[0]
-            dv_blk += dkv_in[1]
-        dkv_in = dkv_comm.send_recv([dk_blk, dv_blk])
+        add_shares(dkv[0], dkv[1], shares)
+        if cp == 1:
+            break
+        dkv = dkv_comm.send_recv(dkv)
         dkv_comm.commit()
         if step + 1 < cp:
             kv_comm.wait()
@@ -167,7 +181,7 @@ def _ring_bwd(dout, q, k, v, out, lse, group, layout, scale, impl):
     if cp > 1:
         dkv_comm.wait()  # our own shard's dK/dV, home after a full cycle
         assert kv_comm.idle and dkv_comm.idle, "ring backward left a transfer in flight"
-    return dq_acc, dkv_in[0], dkv_in[1]
+    return dq_acc, dkv[0], dkv[1]
 
 
 class RingTTTAttention(torch.autograd.Function):
