@@ -58,11 +58,11 @@ def check(dev, H, Hkv, D, dtype):
     """Part 1. Inputs are row slices of larger (B, H, T, D) tensors, as a ring step's blocks are."""
     rows = []
     g = torch.Generator(device=dev).manual_seed(11)
-    for impl in ("cudnn", "flash"):
-        for name in VARIANTS:
+    for impl, idt in (("cudnn", dtype), ("flash", dtype), ("efficient", torch.float32)):
+        for name in (VARIANTS if impl != "efficient" else ["repeat+copy"]):  # efficient: no native GQA
             _set_variant(name)
             for causal, Sq, Sk in ((True, 384, 384), (False, 256, 512), (False, 512, 256)):
-                mk = lambda h, s: torch.randn(2, h, 2 * s, D, generator=g, device=dev, dtype=dtype)  # noqa: E731
+                mk = lambda h, s: torch.randn(2, h, 2 * s, D, generator=g, device=dev, dtype=idt)  # noqa: E731
                 q, dout = mk(H, Sq)[:, :, Sq:], mk(H, Sq)[:, :, :Sq]      # (2, H, Sq, D) strided views
                 k, v = mk(Hkv, Sk)[:, :, Sk:], mk(Hkv, Sk)[:, :, :Sk]     # (2, Hkv, Sk, D)
                 row = {"impl": impl, "variant": name, "causal": causal, "Sq": Sq, "Sk": Sk}
@@ -82,6 +82,19 @@ def check(dev, H, Hkv, D, dtype):
                 errs = {k_: v_ for k_, v_ in row.items() if k_ in ("out", "lse", "dq", "dk", "dv")}
                 print(f"check {impl:5} {name:18} causal={causal!s:5} {Sq}x{Sk}: "
                       + (row.get("error") or " ".join(f"{k_} {v_:.1e}" for k_, v_ in errs.items())), flush=True)
+    # fp32 on CUDA: the efficient kernel must not materialise the scores (torch's kernel would: 32 GiB here)
+    S = 16384
+    q, k, v = (torch.randn(1, H if i == 0 else Hkv, S, D, generator=g, device=dev) for i in range(3))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, lse = ad.block_attn_fwd(q, k, v, True)
+    ad.block_attn_bwd(torch.randn_like(out), q, k, v, out, lse, True)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    rows.append({"impl": "efficient_memory", "S": S, "picked": ad._pick_impl(q, None), "peak_gib_above_inputs": peak})
+    print(f"check fp32 causal S={S}: impl {ad._pick_impl(q, None)}, peak {peak:.2f} GiB above the inputs", flush=True)
+    del q, k, v, out, lse
     # the fused in-place merge (Triton) on a row view of an fp32 accumulator, some rows with an empty part B
     from specco.ops.attention import merge_lse
     for S in (1000, 4096):

@@ -24,9 +24,12 @@ Every flash-style kernel's backward recomputes p from the lse it is *given* and 
 Kernels (`impl`): "cpu_flash" (aten `_scaled_dot_product_flash_attention_for_cpu`, any float dtype incl.
 fp64, native GQA), "flash" / "cudnn" (CUDA, fp16/bf16, written from the op schemas — not run in CI here;
 bench/ttt_attention.py and bench/cp_attention.py check both against fp64 on the GPU),
+"efficient" (CUDA memory-efficient SDPA, the one CUDA kernel for fp32: without it fp32 attention on
+a GPU would materialise Sq x Sk scores per head; its lse comes padded to a multiple of 32 rows),
 "torch" (pure-torch, fp32/fp64 math; the reference kernel for every device/dtype the others miss).
 `impl=None` picks automatically: on CUDA cuDNN where it applies (fp16/bf16, D % 8 == 0, D <= 128, cuDNN
->= 9 present), else FlashAttention-2 (D <= 256), else torch. cuDNN is the default because on the H200 it
+>= 9 present), else FlashAttention-2 (D <= 256); fp32 on CUDA takes "efficient" (D % 4 == 0, D <= 128);
+everything else torch. cuDNN is the default because on the H200 it
 ran the causal block fwd+bwd ~1.3x faster than flash (bench/results/cp_attention_cuda*.json).
 
 GQA on CUDA: an impl in `NATIVE_GQA` is handed the Hkv-head K/V as they are (the kernel maps query
@@ -48,7 +51,7 @@ import torch
 
 aten = torch.ops.aten
 
-_IMPLS = ("cpu_flash", "flash", "cudnn", "torch")
+_IMPLS = ("cpu_flash", "flash", "cudnn", "efficient", "torch")
 
 # CUDA impls verified (bench/cp_kernels.py, H200, torch 2.11, 2026-11-29: fwd and joint-statistics bwd
 # against fp64, causal and rectangular blocks, bf16 rel. err <= 2.9e-3) to take Hkv < H K/V natively,
@@ -70,6 +73,8 @@ def _pick_impl(q: torch.Tensor, impl: str | None) -> str:
             return "cudnn"
         if q.shape[-1] <= 256:
             return "flash"  # FlashAttention-2: the fallback where cuDNN is missing or the shape is not its
+    if q.is_cuda and q.dtype == torch.float32 and q.shape[-1] % 4 == 0 and q.shape[-1] <= 128:
+        return "efficient"
     return "torch"
 
 
@@ -188,6 +193,10 @@ def block_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     if impl == "flash":
         out, lse = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, causal, False, scale=scale)[:2]
         return out, lse.contiguous()  # lse (B, H, Sq) fp32
+    if impl == "efficient":  # lse (B, H, Sq rounded up to 32): keep the real rows
+        out, lse = aten._scaled_dot_product_efficient_attention.default(q, k, v, None, True, 0.0, causal,
+                                                                         scale=scale)[:2]
+        return out, lse[..., :q.shape[-2]].contiguous()
     # cudnn: its logsumexp is (B, H, Sq, 1) fp32.
     out, lse = aten._scaled_dot_product_cudnn_attention.default(
         q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
@@ -229,7 +238,17 @@ def block_attn_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     # dropout_p = 0, so the philox seed/offset are never read; pass defined placeholders anyway.
     seed = torch.empty((), dtype=torch.int64, device=q.device)
     offset = torch.empty((), dtype=torch.int64, device=q.device)
-    if impl == "flash":
+    if impl == "efficient":
+        # The kernel reads lse with the padded row count its forward produced (a multiple of 32); the
+        # pad rows are never used. seed/offset are unread at dropout 0 (its forward makes them on CPU).
+        B, H = q.shape[:2]
+        lse_pad = lse_joint.new_zeros(B, H, -(-Sq // 32) * 32)  # (B, H, ceil32(Sq))
+        lse_pad[..., :Sq] = lse_joint
+        cpu_seed = torch.empty((), dtype=torch.int64)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward.default(
+            dout, q, ke, ve, None, out_joint, lse_pad, cpu_seed, cpu_seed, 0.0, [True, True, True, False],
+            causal, scale=scale)
+    elif impl == "flash":
         # cum_seq_q/k = None selects the dense (non-varlen) kernel; max_q/max_k are then unused.
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward.default(
             dout, q, ke, ve, out_joint, lse_joint, None, None, Sq, Sk, 0.0, causal, seed, offset, scale=scale)

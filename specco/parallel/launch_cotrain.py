@@ -13,6 +13,7 @@ import argparse
 import functools
 import json
 import math
+import time
 
 import torch
 import torch.distributed as dist
@@ -84,6 +85,9 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
                           loss_chunk=t.loss_chunk)
     history = []
     for step in range(steps):
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         packed, cu = synthetic_packed_batch(seq_lens, _SYNTH_VOCAB, seed=1000 * step + mesh.dp_rank, device=device)
         layout = ZigzagLayout(cu, mesh.cp, mesh.cp_rank)
         batch = shard_batch(packed, layout)
@@ -101,6 +105,10 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
                 m[key] = v
         m["step"] = step
         m["tokens/local"] = layout.num_local
+        if device.type == "cuda":  # this rank's figures (rank 0 prints): time incl. the metrics' syncs
+            torch.cuda.synchronize(device)
+            m["mem/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        m["time/step_s"] = time.perf_counter() - t0
         history.append(m)
         if mesh.rank == 0 and log is not None:
             log(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in m.items()}))
