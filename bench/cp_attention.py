@@ -151,6 +151,15 @@ def _graphed_time(fn, dev, iters):
         return None
 
 
+def make_inputs(S, H, Hkv, D, P, dev, dtype, seed=0):
+    """One sequence: q (1, H, S, D), trunk k/v (1, Hkv, S, D), branch k/v (1, Hkv, S, P, D) or None."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=dtype)  # noqa: E731
+    q, k, v = mk(1, H, S, D), mk(1, Hkv, S, D), mk(1, Hkv, S, D)
+    kb, vb = (mk(1, Hkv, S, P, D), mk(1, Hkv, S, P, D)) if P else (None, None)
+    return q, k, v, kb, vb
+
+
 def _sdpa_fwd_bwd(T, H, D, device, dtype, cudnn):
     q, k, v = (torch.randn(1, H, T, D, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     dout = torch.randn(1, H, T, D, device=device, dtype=dtype)
@@ -190,10 +199,7 @@ def main():
     H, Hkv, D, P = a.heads, a.kv_heads, a.head_dim, a.branch
     rows = []
     for S in (int(s) for s in a.seqs.split(",")):
-        g = torch.Generator(device=dev).manual_seed(0)
-        mk = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=dtype)  # noqa: E731
-        q, k, v = mk(1, H, S, D), mk(1, Hkv, S, D), mk(1, Hkv, S, D)
-        kb, vb = (mk(1, Hkv, S, P, D), mk(1, Hkv, S, P, D)) if P else (None, None)
+        q, k, v, kb, vb = make_inputs(S, H, Hkv, D, P, dev, dtype)
         fwd_flops_full = 4 * H * D * S * S / 2
         t_full = timeit(_sdpa_fwd_bwd(S, H, D, dev, dtype, dev == "cuda"), dev, a.iters, 3)
         for cp in (int(c) for c in a.cps.split(",")):

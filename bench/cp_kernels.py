@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import timeit  # noqa: E402
-from cp_attention import RankReplay, _graphed_time, _sdpa_fwd_bwd  # noqa: E402
+from cp_attention import RankReplay, _graphed_time, _sdpa_fwd_bwd, make_inputs  # noqa: E402
 from specco.ops import sdpa_adapter as ad  # noqa: E402
 from specco.parallel import ring_attention  # noqa: E402
 
@@ -115,10 +115,7 @@ def variants(dev, seqs, cps, H, Hkv, D, P, dtype, iters):
     """Part 2."""
     rows = []
     for S in seqs:
-        g = torch.Generator(device=dev).manual_seed(0)
-        mk = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=dtype)  # noqa: E731
-        q, k, v = mk(1, H, S, D), mk(1, Hkv, S, D), mk(1, Hkv, S, D)
-        kb, vb = (mk(1, Hkv, S, P, D), mk(1, Hkv, S, P, D)) if P else (None, None)
+        q, k, v, kb, vb = make_inputs(S, H, Hkv, D, P, dev, dtype)
         t_full = timeit(_sdpa_fwd_bwd(S, H, D, dev, dtype, True), dev, iters, 3)
         flops_full = 3.5 * 4 * H * D * S * S / 2
         for cp in cps:
@@ -161,10 +158,7 @@ def profile(dev, seqs, cps, H, Hkv, D, P, dtype, variant, reps=5):
     _set_variant(variant)
     out = []
     for S in seqs:
-        g = torch.Generator(device=dev).manual_seed(0)
-        mk = lambda *s: torch.randn(*s, generator=g, device=dev, dtype=dtype)  # noqa: E731
-        q, k, v = mk(1, H, S, D), mk(1, Hkv, S, D), mk(1, Hkv, S, D)
-        kb, vb = (mk(1, Hkv, S, P, D), mk(1, Hkv, S, P, D)) if P else (None, None)
+        q, k, v, kb, vb = make_inputs(S, H, Hkv, D, P, dev, dtype)
         for cp in cps:
             rep = RankReplay(q, k, v, kb, vb, cp, cp - 1, None)
             dout = torch.randn_like(rep.q)
