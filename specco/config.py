@@ -72,6 +72,9 @@ class RolloutSpec:
     max_new_tokens: int = 40
     group_size: int = 16  # GRPO group G: samples per prompt
     prompts_per_step: int = 32  # 512 samples per step: fewer and the tiny policy's GRPO is noise
+    # Live-row compaction: once live rows are <= this fraction of the batch, decode on with just them
+    # (rollout/compaction.py; outputs unchanged). 0 disables.
+    compact_below: float = 0.25
 
     def __post_init__(self):
         _check(self.k >= 1, f"rollout.k={self.k}: the draft must propose at least 1 token (k >= 1)")
@@ -82,6 +85,8 @@ class RolloutSpec:
                "per prompt to compute group-relative advantages")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
         _check(self.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
+        _check(0 <= self.compact_below < 1, f"rollout.compact_below={self.compact_below}: must be in [0, 1) "
+               "(0 disables live-row compaction)")
 
 
 @dataclass(frozen=True)

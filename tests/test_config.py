@@ -27,6 +27,7 @@ def test_toml_file(tmp_path):
     ("rollout.k=0", "k >= 1"),
     ("rollout.group_size=1", "group_size=1"),
     ("rollout.top_p=0", "top_p"),
+    ("rollout.compact_below=1", "compact_below"),
     ("train.steps=abc", "expected int"),
     ("policy.hidden_size=102", "divisible"),
     ("arms=none,bogus", "bogus"),

@@ -31,6 +31,7 @@ import torch
 
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
+from . import compaction
 from .graphs import StepGraphs
 from .sampling import SamplingParams, pick_tokens
 from .speculative import SpeculativeSteps, gather_rows, draft_prefill
@@ -46,12 +47,17 @@ class GenerateConfig:
     pad_token_id: int = 0  # fills tokens past each row's length
     use_graphs: bool | None = None  # None: CUDA graphs on CUDA, eager on CPU
     bucket_shapes: bool | None = None  # pad batch / prompt length to buckets; None: iff graphs
+    # Live-row compaction (compaction.py): when live rows <= this fraction of the batch, continue on a
+    # smaller batch holding just them. 0 disables.
+    compact_below: float = 0.25
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if not 0 <= self.compact_below < 1:
+            raise ValueError(f"compact_below must be in [0, 1) (0 disables compaction), got {self.compact_below}")
 
 
 @dataclass
@@ -81,6 +87,15 @@ def pad_prompts(prompts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
+
+
+@dataclass
+class _Level:
+    """One decode state of a runner with its step functions: the root (all rows) or a compacted one."""
+    st: DecodeState
+    graphs: StepGraphs
+    spec: SpeculativeSteps | None
+    root_rows: torch.Tensor | None  # (N',) int64: which root row each row holds (None for the root)
 
 
 @dataclass(frozen=True)
@@ -182,6 +197,7 @@ class DecodeRunner:
         shape = self.shape_for(B0, S, group_size)
         if shape != self.shape:
             self._allocate(shape)
+        self._uncompact()  # a generation left unfinished by step-by-step driving
         self.num_rows, self.group_size = B0 * group_size, group_size
         io = self.io
         # Host -> device: the whole padded block in one copy per buffer (padding prompts: one
@@ -201,26 +217,37 @@ class DecodeRunner:
 
     def _allocate(self, shape: RunnerShape):
         """Static buffers for `shape`, then the step functions (and their graphs)."""
-        cfg, policy, draft, dev, k = self.cfg, self.policy, self.draft, self.device, self.k
+        dev = self.device
         self.shape, self.st, self.io, self.graphs, self.spec = shape, None, None, None, None
-        N, T, W = shape.prompts * shape.group_size, cfg.max_new_tokens, k + 1
+        self._levels: dict[int, _Level] = {}  # compacted states by row count, kept across calls
+        self._chain: list[tuple[_Level, torch.Tensor]] = []  # active compactions: (level, parent rows)
+        N = shape.prompts * shape.group_size
+        sampled = not self.cfg.sampling.greedy
+        self.io = PromptBuffers(ids=torch.zeros(shape.prompts, shape.prompt_len, dtype=torch.long, device=dev),
+                                lens=torch.ones(shape.prompts, dtype=torch.long, device=dev),
+                                real=torch.zeros(shape.prompts, dtype=torch.bool, device=dev),
+                                u0=torch.zeros(N, dtype=torch.float32, device=dev) if sampled else None)
+        self.st = self._new_state(N)
+        self.graphs, self.spec, self.order = self._build_steps(self.st, with_prefill=True)
+        self._root = _Level(self.st, self.graphs, self.spec, None)
+
+    def _new_state(self, N: int) -> DecodeState:
+        """Zeroed decode buffers for N rows at this runner's shape (cache length, k, sampling)."""
+        cfg, policy, draft, dev, k = self.cfg, self.policy, self.draft, self.device, self.k
+        T, W, cache_len = cfg.max_new_tokens, k + 1, self.shape.cache_len
         sampled = not cfg.sampling.greedy
         zeros = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)  # noqa: E731
-        self.io = PromptBuffers(ids=zeros(shape.prompts, shape.prompt_len),
-                                lens=torch.ones(shape.prompts, dtype=torch.long, device=dev),
-                                real=zeros(shape.prompts, dt=torch.bool),
-                                u0=zeros(N, dt=torch.float32) if sampled else None)
         st = DecodeState(
             n=zeros(N), last_tok=zeros(N),
             out_tokens=zeros(N, T + W), out_logp=zeros(N, T + W, dt=torch.float32),
             out_len=zeros(N), finished=torch.ones(N, dtype=torch.bool, device=dev),
             n_emitted=zeros(), n_row_forwards=zeros(), n_accepted=zeros(k),
-            t_cache=policy.new_cache(N, shape.cache_len))
+            t_cache=policy.new_cache(N, cache_len))
         n_uniforms = 1
         if draft is not None:
             d_dtype = draft.fc.weight.dtype
             n_aux = len(draft.cfg.aux_layer_ids)
-            st.d_cache = draft.new_cache(N, shape.cache_len)
+            st.d_cache = draft.new_cache(N, cache_len)
             st.d_logits0 = zeros(N, draft.cfg.draft_vocab_size, dt=d_dtype)
             st.d_hidden0 = zeros(N, draft.cfg.hidden_size, dt=d_dtype)
             st.draft_tok = zeros(N, k)
@@ -231,8 +258,7 @@ class DecodeRunner:
             n_uniforms = SpeculativeSteps.num_uniforms(k)
         if sampled:
             st.u = zeros(N, n_uniforms, dt=torch.float32)
-        self.st = st
-        self._build_steps()
+        return st
 
     def _prefill_step(self):
         """Target prefill over the prompts (once per prompt: the G samples of a group share its
@@ -269,33 +295,36 @@ class DecodeRunner:
             st.d_logits0.copy_(d_logits0)
             st.d_hidden0.copy_(d_hidden0)
 
-    def _build_steps(self):
-        cfg, st = self.cfg, self.st
+    def _build_steps(self, st: DecodeState, with_prefill: bool):
+        """The round's step functions over `st` (+ the prefill for the root state), captured as
+        graphs on GPU. Returns (graphs, speculative steps or None, the round's step order)."""
+        cfg, spec = self.cfg, None
         if self.draft is None:
             rounds = ["decode"]
-            fns = {"decode": self._decode_step}
+            fns = {"decode": lambda: self._decode_step(st)}
         else:
-            self.spec = SpeculativeSteps(self.policy, self.draft, st, cfg.sampling, self.k,
-                                         cfg.max_new_tokens, cfg.eos_token_id)
+            spec = SpeculativeSteps(self.policy, self.draft, st, cfg.sampling, self.k,
+                                    cfg.max_new_tokens, cfg.eos_token_id)
             rounds = ["propose", "verify", "catch_up"]
-            fns = {"propose": self.spec.propose, "verify": self.spec.verify,
-                   "catch_up": self.spec.catch_up}
-        fns["prefill"] = self._prefill_step
-        self.order = rounds
-        self.graphs = StepGraphs(fns, self.use_graphs)
+            fns = {"propose": spec.propose, "verify": spec.verify, "catch_up": spec.catch_up}
+        if with_prefill:
+            fns["prefill"] = self._prefill_step
+        graphs = StepGraphs(fns, self.use_graphs)
         if self.use_graphs:
             # Captured before any prompt is loaded: the buffers hold zeros (valid ids, lengths 1,
-            # uniforms 0) and every prompt is marked padding, so the warm-up's prefill leaves all
-            # rows finished and its decode steps advance nothing.
+            # uniforms 0) and every prompt is marked padding (a compacted state: every row finished),
+            # so the warm-up's prefill leaves all rows finished and its decode steps advance nothing.
             def freeze():
-                self.io.real.fill_(False)
+                if with_prefill:
+                    self.io.real.fill_(False)
                 st.finished.fill_(True)
-            self.graphs.capture(st.small_tensors(), ["prefill"] + rounds, freeze)
+            graphs.capture(st.small_tensors(), (["prefill"] if with_prefill else []) + rounds, freeze)
+        return graphs, spec, rounds
 
     # -- decode ----------------------------------------------------------------------------
-    def _decode_step(self):
+    def _decode_step(self, st: DecodeState):
         """Plain decode: one target forward at position n, sample, commit, advance live rows."""
-        st, cfg = self.st, self.cfg
+        cfg = self.cfg
         logits = self.policy(st.last_tok[:, None], st.n[:, None], st.t_cache).logits[:, 0]  # (N, V)
         u = st.u[:, 0] if st.u is not None else None
         tok, logp_all = pick_tokens(logits, cfg.sampling, u)
@@ -309,10 +338,15 @@ class DecodeRunner:
 
     def _fill_uniforms(self):
         # One host-side RNG launch per round, outside the graphs. Only the real rows draw (the
-        # same stream as an unpadded batch); padding rows keep the valid uniform 0.
-        if self.st.u is not None:
-            u = self.st.u[: self.num_rows]
+        # same stream as an unpadded batch); padding rows keep the valid uniform 0. After a
+        # compaction the draw is still for every original row, then gathered: the same stream.
+        root = self._root.st
+        if root.u is not None:
+            u = root.u[: self.num_rows]
             torch.rand(u.shape, generator=self.generator, device=self.device, out=u)
+            if self._chain:
+                level = self._chain[-1][0]
+                torch.index_select(root.u, 0, level.root_rows, out=level.st.u)
 
     @torch.no_grad()
     def round(self):
@@ -329,11 +363,39 @@ class DecodeRunner:
     def run(self):
         # Each round emits >= 1 token per live row, so T - 1 rounds always suffice.
         for _ in range(self.cfg.max_new_tokens - 1):
-            if self.all_finished():
+            live = int((~self.st.finished).sum())  # the one host sync per round
+            if live == 0:
                 break
+            size = compaction.compact_size(live, self.st.finished.numel(), self.cfg.compact_below)
+            if size is not None:
+                self._compact(size)
             self.round()
 
+    def _compact(self, size: int):
+        """Move the live rows into a `size`-row state (compaction.py) and make it the current one."""
+        level = self._levels.get(size)
+        if level is None:  # built (and captured) once per size, reused by later calls
+            st = self._new_state(size)
+            graphs, spec, _ = self._build_steps(st, with_prefill=False)
+            level = self._levels[size] = _Level(st, graphs, spec, torch.empty(size, dtype=torch.long,
+                                                                                device=self.device))
+        rows = compaction.pick_rows(self.st.finished, size)
+        compaction.gather_state(self.st, level.st, rows)
+        parent_root_rows = self._chain[-1][0].root_rows if self._chain else None
+        level.root_rows.copy_(rows if parent_root_rows is None else parent_root_rows[rows])
+        self._chain.append((level, rows))
+        self.st, self.graphs, self.spec = level.st, level.graphs, level.spec
+
+    def _uncompact(self):
+        """Write every compacted state's outputs back, innermost first; the root is current again."""
+        while self._chain:
+            level, rows = self._chain.pop()
+            parent = self._chain[-1][0].st if self._chain else self._root.st
+            compaction.scatter_outputs(level.st, parent, rows)
+        self.st, self.graphs, self.spec = self._root.st, self._root.graphs, self._root.spec
+
     def result(self) -> GenerateOutput:
+        self._uncompact()
         st, T, N = self.st, self.cfg.max_new_tokens, self.num_rows
         out_len = st.out_len[:N]
         valid = torch.arange(T, device=self.device)[None, :] < out_len[:, None]  # (N, T)

@@ -39,7 +39,8 @@ def generate_config(cfg: RunConfig, eos_id: int, pad_id: int) -> GenerateConfig:
     r = cfg.rollout
     return GenerateConfig(max_new_tokens=r.max_new_tokens,
                           sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
-                          num_draft_tokens=r.k, eos_token_id=eos_id, pad_token_id=pad_id)
+                          num_draft_tokens=r.k, eos_token_id=eos_id, pad_token_id=pad_id,
+                          compact_below=r.compact_below)
 
 
 def step_config(cfg: RunConfig, arm: str) -> StepConfig:

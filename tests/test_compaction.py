@@ -1,0 +1,140 @@
+"""Live-row compaction (specco/rollout/compaction.py) changes no output.
+
+Generations with compaction (aggressive threshold, so it happens early and more than once) are
+compared with the same generations without it: plain and speculative, greedy and sampled (the same
+generator seed: compaction keeps the random stream), group sampling, EOS so rows finish at different
+rounds, and a runner reused across calls. Tokens and lengths must be equal; log-probs within 1e-5
+(fp32 kernels over a different batch size may round differently in the last bits); τ and acceptance
+counters equal, since padding rows of a compacted state never count.
+"""
+import pytest
+import torch
+
+from specco.rollout import compaction
+from specco.rollout.generate import DecodeRunner, GenerateConfig
+from specco.rollout.sampling import SamplingParams
+from test_rollout_helpers import one_thread, random_draft, sigma_perm, structured_pair, tiny_policy  # noqa: F401
+
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=1.0)
+
+
+def _prompts(V, n=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g) for _ in range(n)]
+
+
+def _run(policy, draft, prompts, cfg, group_size, seed, runner=None):
+    runner = runner or DecodeRunner(policy, cfg, draft)
+    runner.prefill(prompts, group_size, generator=torch.Generator().manual_seed(seed))
+    runner.run()
+    return runner.result(), runner
+
+
+def _frequent_token(policy, draft, prompts, cfg, group_size):
+    """The token found in the most rows of a generation: as EOS it makes rows finish at many rounds."""
+    out, _ = _run(policy, draft, prompts, GenerateConfig(**{**cfg.__dict__, "compact_below": 0.0}), group_size, 0)
+    V = policy.cfg.vocab_size
+    present = torch.zeros(out.tokens.shape[0], V, dtype=torch.long).scatter_(1, out.tokens[:, 1:].clamp(0, V - 1), 1)
+    return int(present.sum(0).argmax())
+
+
+def _structured_prompts(V, n=12, fixed=12):
+    """structured_pair's policy follows a permutation σ (tests/test_rollout_helpers.py), almost
+    deterministically. Prompts ending on σ's longest cycle reach its first token (the EOS) after
+    1..len(cycle) tokens; two prompts ending on a fixed point of σ never do: a long tail."""
+    sigma = sigma_perm(V, fixed, 0).tolist()  # structured_pair's σ (seed 0)
+    seen, cycles = set(), []
+    for start in range(V):
+        cyc, x = [], start
+        while x not in seen:
+            seen.add(x)
+            cyc.append(x)
+            x = sigma[x]
+        cycles.append(cyc)
+    cyc = max(cycles, key=len)
+    g = torch.Generator().manual_seed(0)
+    lasts = [cyc[(3 * i) % len(cyc)] for i in range(n - 2)] + [0, 5]  # 0, 5: fixed points
+    prompts = [torch.cat([torch.randint(0, V, (int(torch.randint(0, 6, (1,), generator=g)),), generator=g),
+                          torch.tensor([t])]) for t in lasts]
+    return prompts, cyc[0]
+
+
+def _assert_same(a, b):
+    assert torch.equal(a.lengths, b.lengths)
+    assert torch.equal(a.tokens, b.tokens)
+    torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    assert a.tau == b.tau and torch.equal(a.accept_rate, b.accept_rate)
+    assert a.num_target_forwards == b.num_target_forwards
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", ["plain", "random_draft", "structured_draft"])
+def test_compaction_changes_no_output(kind, sampling):
+    G, T = 4, 64
+    base_cfg = GenerateConfig(max_new_tokens=T, sampling=sampling, num_draft_tokens=3, pad_token_id=-1)
+    if kind == "structured_draft":  # a draft that agrees with the target often: ragged acceptance
+        policy, draft = structured_pair()
+        prompts, eos = _structured_prompts(policy.cfg.vocab_size)
+    else:
+        policy = tiny_policy()
+        draft = random_draft(policy, draft_vocab=24) if kind == "random_draft" else None
+        prompts = _prompts(policy.cfg.vocab_size)
+        eos = _frequent_token(policy, draft, prompts, base_cfg, G)
+    off = GenerateConfig(**{**base_cfg.__dict__, "eos_token_id": eos, "compact_below": 0.0})
+    on = GenerateConfig(**{**base_cfg.__dict__, "eos_token_id": eos, "compact_below": 0.6})
+    ref, _ = _run(policy, draft, prompts, off, G, seed=5)
+    got, runner = _run(policy, draft, prompts, on, G, seed=5)
+    assert (ref.lengths < T).sum() >= 24 and (ref.lengths == T).any(), "rows should finish at many rounds"
+    assert runner._levels, "compaction never happened: the test would prove nothing"
+    _assert_same(got, ref)
+    # The runner is reused: a second call (new prompts, same shape bucket) goes through the kept
+    # compacted states and must again match a generation without compaction.
+    prompts2 = _prompts(policy.cfg.vocab_size, seed=1)
+    ref2, _ = _run(policy, draft, prompts2, off, G, seed=9)
+    got2, _ = _run(policy, draft, prompts2, on, G, seed=9, runner=runner)
+    _assert_same(got2, ref2)
+
+
+def test_compaction_nests():
+    """48 rows with a high threshold compact more than once (e.g. 48 -> 16 -> 8)."""
+    policy = tiny_policy()
+    prompts, G, T = _prompts(policy.cfg.vocab_size), 4, 64
+    base = GenerateConfig(max_new_tokens=T, sampling=SAMPLED, pad_token_id=-1)
+    eos = _frequent_token(policy, None, prompts, base, G)
+    on = GenerateConfig(**{**base.__dict__, "eos_token_id": eos, "compact_below": 0.9})
+    off = GenerateConfig(**{**base.__dict__, "eos_token_id": eos, "compact_below": 0.0})
+    runner = DecodeRunner(policy, on, None)
+    runner.prefill(prompts, G, generator=torch.Generator().manual_seed(3))
+    depth = 0
+    for _ in range(T - 1):  # run(), watching how deep the chain of compacted states gets
+        live = int((~runner.st.finished).sum())
+        if live == 0:
+            break
+        size = compaction.compact_size(live, runner.st.finished.numel(), on.compact_below)
+        if size is not None:
+            runner._compact(size)
+        depth = max(depth, len(runner._chain))
+        runner.round()
+    got = runner.result()
+    ref, _ = _run(policy, None, prompts, off, G, seed=3)
+    assert depth >= 2
+    _assert_same(got, ref)
+
+
+def test_compact_size_and_pick_rows():
+    assert compaction.compact_size(10, 1024, 0.25) == 16
+    assert compaction.compact_size(300, 1024, 0.25) is None  # not below the threshold
+    assert compaction.compact_size(3, 1024, 0.25) == 8  # at least min_rows
+    assert compaction.compact_size(5, 12, 0.5) is None  # 8 rows would not halve 12
+    assert compaction.compact_size(0, 64, 0.25) is None and compaction.compact_size(4, 64, 0.0) is None
+    finished = torch.tensor([True, False, True, True, False, True])
+    rows = compaction.pick_rows(finished, 4)
+    assert rows.tolist() == [1, 4, 0, 2]  # live rows first, then distinct finished rows
+    with pytest.raises(ValueError, match="cannot compact"):
+        compaction.pick_rows(finished, 1)
+
+
+def test_compact_below_is_validated():
+    with pytest.raises(ValueError, match="compact_below"):
+        GenerateConfig(compact_below=1.0)
