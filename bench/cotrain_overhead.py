@@ -32,21 +32,47 @@ from specco.model.policy import Policy  # noqa: E402
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step  # noqa: E402
 
 
-def profile_step(policy, draft, batch, opt, cfg, dev):
-    """Where the draft's share of a co-training step goes: kernels by device time, and the host
-    time per step (a launch-bound draft shows host time well above its kernels' time)."""
+def _device_times(fn, dev, reps=3):
+    """{op name: device (or CPU) microseconds per call} of fn, and host microseconds per call."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     for _ in range(2):
-        cotrain_step(policy, draft, batch, opt, None, cfg)
+        fn()
+    t0 = time.perf_counter()
     with profile(activities=acts) as prof:
-        for _ in range(3):
-            cotrain_step(policy, draft, batch, opt, None, cfg)
+        for _ in range(reps):
+            fn()
         if dev.type == "cuda":
             torch.cuda.synchronize()
-    key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=30), flush=True)
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25), flush=True)
+    host_us = (time.perf_counter() - t0) / reps * 1e6
+    attr = "device_time_total" if dev.type == "cuda" else "cpu_time_total"
+    ops = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, attr, 0.0) or 0.0
+        if t:
+            ops[ev.key] = t / reps
+    return ops, host_us, prof
+
+
+def profile_step(policy, draft, batch, opt0, opt1, cfg, dev):
+    """Where the draft's share of a co-training step goes: per op, device time of the co-trained step
+    minus that of the policy-only step (top 25 by difference), plus both steps' kernel and host totals
+    (a launch-bound draft shows host time well above its kernels' time)."""
+    base, host0, _ = _device_times(lambda: cotrain_step(policy, None, batch, opt0, None, StepConfig(draft_weight=0.0)),
+                                   dev)
+    co, host1, prof = _device_times(lambda: cotrain_step(policy, draft, batch, opt1, None, cfg), dev)
+    # aten ops nest (a matmul's time is also in its autograd node): compare leaf kernels on CUDA
+    kern = (lambda d: {k: v for k, v in d.items() if not k.startswith(("aten::", "autograd::", "Optimizer", "cudaLaunch",
+                                                                     "cudaMemcpy", "cudaStream", "ProfilerStep"))}
+            ) if dev.type == "cuda" else (lambda d: d)
+    kb, kc = kern(base), kern(co)
+    print(f"kernel time per step: policy-only {sum(kb.values()) / 1e3:.2f} ms, co-trained {sum(kc.values()) / 1e3:.2f} "
+          f"ms; host time per step (profiled) {host0 / 1e3:.2f} vs {host1 / 1e3:.2f} ms", flush=True)
+    diff = sorted(((kc.get(k, 0.0) - kb.get(k, 0.0), k) for k in set(kb) | set(kc)), reverse=True)
+    print(f"{'extra us/step':>14}  {'policy-only us':>14}  op / kernel", flush=True)
+    for d, k in diff[:25]:
+        print(f"{d:>14.1f}  {kb.get(k, 0.0):>14.1f}  {k[:110]}", flush=True)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20), flush=True)
 
 
 def main():
@@ -98,8 +124,8 @@ def main():
             t = timeit(lambda: cotrain_step(policy, draft, batch, opt1, None, cfg), dev, a.iters)
             ratios[n] = t / t_pol
         if a.profile:
-            profile_step(policy, draft, batch, opt1, StepConfig(draft_weight=1.0, ttt_passes=a.K,
-                                                                draft_row_stride=a.profile), dev)
+            profile_step(policy, draft, batch, opt0, opt1, StepConfig(draft_weight=1.0, ttt_passes=a.K,
+                                                                      draft_row_stride=a.profile), dev)
         n_pol = sum(p.numel() for p in policy.parameters()) / 1e6
         n_dr = sum(p.numel() for p in draft.parameters()) / 1e6
         print(f"{L:>6} {n_pol:>8.1f} {n_dr:>7.1f} {t_pol * 1e3:>9.2f} " +

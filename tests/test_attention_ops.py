@@ -301,3 +301,19 @@ def test_merge_lse_rejects_unknown_impl():
     x, l = torch.zeros(1, 1, 2, 16), torch.zeros(1, 1, 2)
     with pytest.raises(ValueError, match="unknown merge impl"):
         merge_lse(x, l, x, l, inplace=True, impl="cuda")
+
+def test_causal_sdpa_expanded_gqa_equals_native_gqa():
+    """The fp32-on-CUDA route of `causal_sdpa` (K/V repeated to H heads, no `enable_gqa`) computes the
+    same attention and gradients as SDPA's own GQA; forced here on CPU. fp64: agreement to 1e-12."""
+    from specco.model.layers import causal_sdpa
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 6, 9, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 9, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(2, 6, 9, 8, generator=g, dtype=torch.float64)
+    outs = []
+    for expand in (False, True):
+        o = causal_sdpa(q, k, v, 0.4, expand_gqa=expand)
+        outs.append((o, *torch.autograd.grad(o, (q, k, v), dout)))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -131,13 +131,22 @@ class KVCache:
         return bias
 
 
-def causal_sdpa(q, k, v, scale=None):
+def causal_sdpa(q, k, v, scale=None, *, expand_gqa: bool | None = None):
     """Default attention core for full-sequence (training) forwards: causal SDPA, GQA aware.
 
     q: (B, H, S, D); k, v: (B, Hkv, S, D). Context parallelism swaps this callable for a ring.
+    expand_gqa (None: only for fp32 on CUDA): repeat K/V to H heads instead of `enable_gqa`. In fp32
+    on CUDA the one fused kernel, memory-efficient SDPA, has no GQA, so `enable_gqa` falls back to the
+    math path, which materialises the (S, S) scores of every head (4 GiB per layer at 8K tokens and
+    16 heads) and keeps them for the backward; repeated K/V cost G copies of (S, D) per kv head.
     """
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    G = q.shape[1] // k.shape[1]
+    if expand_gqa is None:
+        expand_gqa = q.is_cuda and q.dtype == torch.float32
+    if G > 1 and expand_gqa:
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, S, D): head h -> h // G
+        G = 1
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=G > 1)
 
 
 def cached_attention(q, positions, cache: KVCache, layer: int, scale=None):
