@@ -5,6 +5,7 @@ was interrupted resumes where it stopped (the RL arms resume from their own chec
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import time
@@ -19,8 +20,6 @@ from ..model.draft import Eagle3Draft
 from ..model.hf_io import load_policy, save_policy
 from ..model.policy import Policy
 from ..rollout.engine import RolloutEngine
-from ..rollout.generate import GenerateConfig
-from ..rollout.sampling import SamplingParams
 from ..train.cotrain import StepConfig
 from ..train.sft import evaluate, sft, tiny_policy_config
 from .report import markdown_table, plot_arms, read_jsonl
@@ -115,10 +114,9 @@ def engine_accuracy(cfg: RunConfig, policy, tok, task, eval_seed: int = 1) -> di
     prompts = [task.prompt_ids(it, tok) for it in items]
     dev = next(policy.parameters()).device
     res = {"n": len(items)}
+    run_gcfg = generate_config(cfg, tok.eos_id, tok.pad_id)
     for name, temp in (("greedy", 0.0), ("T", cfg.rollout.temperature)):
-        gcfg = GenerateConfig(max_new_tokens=cfg.rollout.max_new_tokens,
-                              sampling=SamplingParams(temperature=temp),
-                              eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+        gcfg = dataclasses.replace(run_gcfg, sampling=dataclasses.replace(run_gcfg.sampling, temperature=temp))
         out = RolloutEngine(policy, None, gcfg).generate(
             prompts, generator=torch.Generator(device=dev).manual_seed(cfg.train.seed))
         texts = [tok.decode(out.tokens[i, :int(out.lengths[i])]) for i in range(len(items))]
@@ -156,8 +154,9 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
                       progress=progress)
     last = hist[-min(10, len(hist)):] if hist else []
     sim = sum(h["draft/sim_accept_len"] for h in last) / max(1, len(last))
-    real = {f"T={T}": measure_tau(policy, draft, task, tok, min(64, cfg.train.warm_start_prompts), cfg.rollout.k, T,
-                                  cfg.rollout.max_new_tokens, seed=cfg.train.seed + 2000)
+    real = {f"T={T}": measure_tau(policy, draft, task, tok, min(64, cfg.train.warm_start_prompts),
+                                  dataclasses.replace(gcfg, sampling=dataclasses.replace(gcfg.sampling, temperature=T)),
+                                  seed=cfg.train.seed + 2000)
             for T in (0.0, cfg.rollout.temperature)}
     metrics = {"warm_time_s": time.perf_counter() - t, "sim_tau_start": hist[0]["draft/sim_accept_len"] if hist else None,
                "sim_tau_end": sim, "real": real, "draft_vocab_size": draft.cfg.draft_vocab_size,
@@ -238,7 +237,7 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed) -> dict:
         fmt = "greedy {accuracy_greedy:.3f} (tagged {tagged_greedy:.2f}), T {accuracy_T:.3f}".format
         acc = [f"Accuracy on {a['n']} held-out prompts: before SFT "
                f"{fmt(**b) if b else 'n/a (no SFT)'}; RL start {fmt(**a)}.\n"]
-    md = [f"# specco demo report\n", f"Task `{cfg.task.name}`, policy `{cfg.policy.source}`, "
+    md = ["# specco demo report\n", f"Task `{cfg.task.name}`, policy `{cfg.policy.source}`, "
           f"k = {cfg.rollout.k}, T = {cfg.rollout.temperature}, {cfg.train.steps} RL steps, "
           f"total time {elapsed:.0f} s.\n", *acc, "## Arms\n", table, "",
           "![tau and reward](tau_reward.png)\n", "![draft](draft.png)\n",

@@ -17,7 +17,6 @@ from ..model.draft import Eagle3Draft, build_vocab_maps
 from ..model.policy import Policy
 from ..rollout.engine import RolloutEngine
 from ..rollout.generate import GenerateConfig
-from ..rollout.sampling import SamplingParams
 from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
 from .rl import pad_pairs, rollout_pairs
 
@@ -92,17 +91,15 @@ def warm_start(policy: Policy, draft: Eagle3Draft, tokens: torch.Tensor, mask: t
 
 
 @torch.no_grad()
-def measure_tau(policy: Policy, draft: Eagle3Draft, task, tokenizer, n_prompts: int, k: int,
-                temperature: float, max_new_tokens: int, seed: int) -> dict:
-    """Real tau and speed of the engine with this draft vs without, on held-out prompts."""
+def measure_tau(policy: Policy, draft: Eagle3Draft, task, tokenizer, n_prompts: int, gen_cfg: GenerateConfig,
+                seed: int) -> dict:
+    """Real tau and speed of the engine with this draft vs without, on held-out prompts, generating
+    with `gen_cfg` (the run's own rollout config, `rl.generate_config`, at the temperature to measure)."""
     items = task.prompts(n_prompts, seed=seed, offset=0)
     prompts = [task.prompt_ids(it, tokenizer) for it in items]
     res = {}
     for name, d in (("plain", None), ("draft", draft)):
-        cfg = GenerateConfig(max_new_tokens=max_new_tokens, num_draft_tokens=k,
-                             sampling=SamplingParams(temperature=temperature),
-                             eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
-        eng = RolloutEngine(policy, d, cfg)
+        eng = RolloutEngine(policy, d, gen_cfg)
         t = time.perf_counter()
         out = eng.generate(prompts, group_size=1, generator=torch.Generator(device=next(policy.parameters()).device).manual_seed(seed))
         dt = time.perf_counter() - t
