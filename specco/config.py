@@ -120,6 +120,9 @@ class TrainSpec:
     # Rows per forward/backward of the train step (0 = all at once); gradients accumulate, the
     # update equals the whole-batch one. Lower it when the train step runs out of memory.
     micro_batch_rows: int = 0
+    # Recompute each policy layer's activations in the backward instead of keeping them
+    # (train/activation_checkpointing.py): long contexts, at one extra layer forward per layer.
+    activation_checkpointing: bool = False
     checkpoint_every: int = 10
 
     def __post_init__(self):

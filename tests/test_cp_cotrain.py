@@ -6,7 +6,8 @@ zigzag-sharded with `shard_batch`, policy attention swapped by `apply_cp`, TTT w
 `ring_ttt_attention`, global token counts, gradients summed over the group by cotrain_step's
 `grad_group`. Compared: policy loss and draft loss (sums of the ranks' contributions), draft metrics
 (already global), the gradient of every policy and draft parameter after the CP sum, the grad norms,
-and the parameters after the optimizer step. GQA policy, K = 3 TTT passes, a sequence shorter than 2·cp.
+and the parameters after the optimizer step. GQA policy, K = 3 TTT passes, a sequence shorter than 2·cp;
+once (cp = 3) with the CP policy's layers activation-checkpointed.
 
 Tolerance: fp64, rtol 1e-9 / atol 1e-12 — the only differences are summation orders (the ring merge,
 per-rank partial sums of losses and gradients); a wrong shift, mask or count gives O(1e-2) or worse.
@@ -23,6 +24,7 @@ from specco.model.policy import Policy
 from specco.parallel.cp import apply_cp, cp_attn, cp_shift, global_count, shard_batch
 from specco.parallel.mesh import spawn_local
 from specco.parallel.zigzag import ZigzagLayout
+from specco.train.activation_checkpointing import apply_activation_checkpointing
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
 
 LENS = (11, 3, 17)
@@ -78,7 +80,7 @@ def _step(policy, draft, batch, **kw):
     return m, grads, params
 
 
-def _worker(rank, world):
+def _worker(rank, world, ckpt=False):
     batch = _data()
     m_ref, g_ref, p_ref = _step(*_models(), batch)
 
@@ -88,6 +90,8 @@ def _worker(rank, world):
     local = shard_batch(packed, lay)
     policy, draft = _models()
     apply_cp(policy, group, lay)
+    if ckpt:  # the ring runs again inside the backward's recompute: sends/receives must still pair up
+        apply_activation_checkpointing(policy)
     shift = functools.partial(cp_shift, group=group, layout=lay)
     count = global_count(shift(local.target_mask, 1), group)
     m, g, p = _step(policy, draft, local, grad_group=group, shift=shift, attn=cp_attn(group, lay),
@@ -108,9 +112,9 @@ def _worker(rank, world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp", [2, 4])
-def test_cotrain_step_cp_equals_single_process(cp):
-    spawn_local(_worker, cp)
+@pytest.mark.parametrize("cp,ckpt", [(2, False), (4, False), (3, True)])
+def test_cotrain_step_cp_equals_single_process(cp, ckpt):
+    spawn_local(_worker, cp, ckpt)
 
 
 def test_shift_refactor_keeps_single_process_policy_loss():

@@ -109,6 +109,20 @@ def test_resume_is_bit_exact(tmp_path):
     assert lrs[0] != lrs[1] and lrs == [g["lr"] for g in sa["opt"]["param_groups"]]
 
 
+def test_activation_checkpointing_leaves_the_rl_loop_unchanged(tmp_path):
+    """`train.activation_checkpointing=true` only recomputes: the same 3 co-training steps (fp32) give the
+    same rewards, losses and τ (1e-6: the recompute is the same arithmetic)."""
+    tok, policy = _setup()
+    draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), aux_layer_ids=(0, 1))
+    rows = {}
+    for flag in ("false", "true"):
+        cfg = _cfg(tmp_path, "train.steps=3", f"train.activation_checkpointing={flag}")
+        rows[flag] = run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp_path / flag, progress=False)
+    for a, b in zip(rows["false"], rows["true"]):
+        for k in ("reward", "policy/loss", "draft/loss", "tau", "policy/grad_norm", "draft/grad_norm"):
+            assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(a[k])), (k, a[k], b[k])
+
+
 def test_arms_rollouts_identically_distributed(tmp_path):
     """Same seed, one RL step each with many samples: the reward distribution of plain and
     speculative rollouts agree within sampling noise (4 standard errors)."""

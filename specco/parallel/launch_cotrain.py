@@ -22,6 +22,7 @@ from ..config import RunConfig, load_config
 from ..model.config import DraftConfig, PolicyConfig
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
+from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
 from .cp import apply_cp, cp_attn, cp_shift, global_count, shard_batch
 from .mesh import Mesh
@@ -77,6 +78,8 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
     mesh = mesh or Mesh.build(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.backend)
     device = mesh.device
     policy, draft = _build_models(cfg, device)
+    if cfg.train.activation_checkpointing:
+        apply_activation_checkpointing(policy)
     t = cfg.train
     opt = build_optimizer(policy, draft, t.lr, t.draft_lr)
     step_cfg = StepConfig(draft_weight=t.draft_weight, ttt_passes=cfg.draft.ttt_passes,

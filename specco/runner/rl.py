@@ -27,6 +27,7 @@ from ..model.policy import Policy
 from ..rollout.engine import RolloutEngine
 from ..rollout.generate import GenerateConfig
 from ..rollout.sampling import SamplingParams
+from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, build_scheduler, cotrain_step, draft_loss
 from ..train.losses import grpo_advantages, metrics_to_floats, token_logprobs
@@ -114,6 +115,8 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None
     draft = copy.deepcopy(draft) if (draft is not None and arm != "none") else None
     eng_draft = copy.deepcopy(draft) if draft is not None else None
     engine = RolloutEngine(copy.deepcopy(policy).eval(), eng_draft, gen_cfg)
+    if cfg.train.activation_checkpointing:  # the trainer's copy only: the engine's never runs a backward
+        apply_activation_checkpointing(policy)
     opt = build_optimizer(policy, draft if arm == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
     sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps)
     # On the models' device: the engine draws its uniforms there (CUDA needs a CUDA generator).
