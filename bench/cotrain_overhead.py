@@ -29,7 +29,7 @@ from _timing import timeit  # noqa: E402
 from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
-from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step  # noqa: E402
+from specco.train.cotrain import AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step  # noqa: E402
 
 
 def _device_times(fn, dev, reps=3):
@@ -91,6 +91,8 @@ def main():
     ap.add_argument("--completion", type=int, default=48)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--tf32", action="store_true", default=True)
+    ap.add_argument("--amp", default="none", help="comma-separated train precisions to compare: none (fp32 "
+                    "weights, TF32 matmuls on CUDA) and/or bf16 (autocast, train.amp)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="also profile the co-trained step at draft_row_stride N (prints a table)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/cotrain_overhead_<device>.json)")
@@ -107,7 +109,7 @@ def main():
                        logp_old=-torch.rand(B, S, device=dev))
     strides = [int(x) for x in a.strides.split(",")]
     rows = []
-    print(f"{'layers':>6} {'policy M':>8} {'draft M':>7} {'policy ms':>9} " +
+    print(f"{'amp':>5} {'layers':>6} {'policy M':>8} {'draft M':>7} {'policy ms':>9} " +
           " ".join(f"{'x' + str(n):>7}" for n in strides) + "   (co-trained / policy-only, by draft_row_stride)")
     for L in (int(x) for x in a.layers.split(",")):
         pc = PolicyConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=L, num_heads=a.heads,
@@ -116,22 +118,25 @@ def main():
         draft = Eagle3Draft(DraftConfig.for_policy(pc)).to(dev)
         opt0 = build_optimizer(policy, None, 1e-6, 1e-6)
         opt1 = build_optimizer(policy, draft, 1e-6, 1e-6)
-        t_pol = timeit(lambda: cotrain_step(policy, None, batch, opt0, None, StepConfig(draft_weight=0.0)),
-                       dev, a.iters)
-        ratios = {}
-        for n in strides:
-            cfg = StepConfig(draft_weight=1.0, ttt_passes=a.K, draft_row_stride=n)
-            t = timeit(lambda: cotrain_step(policy, draft, batch, opt1, None, cfg), dev, a.iters)
-            ratios[n] = t / t_pol
-        if a.profile:
-            profile_step(policy, draft, batch, opt0, opt1, StepConfig(draft_weight=1.0, ttt_passes=a.K,
-                                                                      draft_row_stride=a.profile), dev)
         n_pol = sum(p.numel() for p in policy.parameters()) / 1e6
         n_dr = sum(p.numel() for p in draft.parameters()) / 1e6
-        print(f"{L:>6} {n_pol:>8.1f} {n_dr:>7.1f} {t_pol * 1e3:>9.2f} " +
-              " ".join(f"{ratios[n]:>7.3f}" for n in strides), flush=True)
-        rows.append({"layers": L, "policy_params_M": n_pol, "draft_params_M": n_dr,
-                     "policy_step_ms": t_pol * 1e3, "overhead_by_stride": ratios})
+        for amp in a.amp.split(","):
+            amp_dtype = AMP_DTYPES[amp]
+            t_pol = timeit(lambda: cotrain_step(policy, None, batch, opt0, None,
+                                                StepConfig(draft_weight=0.0, amp_dtype=amp_dtype)), dev, a.iters)
+            ratios = {}
+            for n in strides:
+                cfg = StepConfig(draft_weight=1.0, ttt_passes=a.K, draft_row_stride=n, amp_dtype=amp_dtype)
+                t = timeit(lambda: cotrain_step(policy, draft, batch, opt1, None, cfg), dev, a.iters)
+                ratios[n] = t / t_pol
+            if a.profile:
+                profile_step(policy, draft, batch, opt0, opt1, StepConfig(draft_weight=1.0, ttt_passes=a.K,
+                                                                          draft_row_stride=a.profile,
+                                                                          amp_dtype=amp_dtype), dev)
+            print(f"{amp:>5} {L:>6} {n_pol:>8.1f} {n_dr:>7.1f} {t_pol * 1e3:>9.2f} " +
+                  " ".join(f"{ratios[n]:>7.3f}" for n in strides), flush=True)
+            rows.append({"layers": L, "amp": amp, "policy_params_M": n_pol, "draft_params_M": n_dr,
+                         "policy_step_ms": t_pol * 1e3, "overhead_by_stride": ratios})
         del policy, draft, opt0, opt1
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),

@@ -123,6 +123,9 @@ class TrainSpec:
     # Recompute each policy layer's activations in the backward instead of keeping them
     # (train/activation_checkpointing.py): long contexts, at one extra layer forward per layer.
     activation_checkpointing: bool = False
+    # Mixed precision of the train step (and the log-prob recompute): "bf16" runs forwards and losses
+    # under torch.autocast(bfloat16) with fp32 weights, gradients and optimizer state; "none" = off.
+    amp: str = "none"
     checkpoint_every: int = 10
 
     def __post_init__(self):
@@ -134,6 +137,8 @@ class TrainSpec:
         _check(self.clip_eps > 0, f"train.clip_eps={self.clip_eps}: must be > 0")
         _check(self.loss_chunk >= 1, "train.loss_chunk must be >= 1")
         _check(self.sft_batch >= 1, f"train.sft_batch={self.sft_batch}: must be >= 1")
+        _check(self.amp in ("none", "bf16"), f"train.amp={self.amp!r}: use 'none' or 'bf16' (fp16 would need "
+               "loss scaling)")
         _check(self.warm_start_batch >= 1,
                f"train.warm_start_batch={self.warm_start_batch}: must be >= 1 (lower it, e.g. 4-8, "
                "if the draft warm start runs out of memory)")

@@ -141,8 +141,8 @@ def causal_sdpa(q, k, v, scale=None, *, expand_gqa: bool | None = None):
     16 heads) and keeps them for the backward; repeated K/V cost G copies of (S, D) per kv head.
     """
     G = q.shape[1] // k.shape[1]
-    if expand_gqa is None:
-        expand_gqa = q.is_cuda and q.dtype == torch.float32
+    if expand_gqa is None:  # under autocast SDPA runs in bf16/fp16, where flash and cuDNN do GQA
+        expand_gqa = q.is_cuda and q.dtype == torch.float32 and not torch.is_autocast_enabled("cuda")
     if G > 1 and expand_gqa:
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, S, D): head h -> h // G
         G = 1

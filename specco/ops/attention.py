@@ -14,6 +14,7 @@ Pass 1 has no branch: it is plain causal attention through the same path.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -402,5 +403,21 @@ def ttt_attention(q_d: torch.Tensor, k_trunk: torch.Tensor, v_trunk: torch.Tenso
     plus lse (B, H, S) (fp32; fp64 for fp64 inputs) when return_lse. `impl` forces an adapter kernel (tests).
     """
     scale = 1.0 / math.sqrt(q_d.shape[-1]) if scale is None else float(scale)
-    out, lse = TTTAttention.apply(q_d, k_trunk, v_trunk, k_branch, v_branch, scale, impl)
+    (q_d, k_trunk, v_trunk, k_branch, v_branch), no_autocast = autocast_inputs(q_d, k_trunk, v_trunk, k_branch,
+                                                                                v_branch)
+    with no_autocast:
+        out, lse = TTTAttention.apply(q_d, k_trunk, v_trunk, k_branch, v_branch, scale, impl)
     return (out, lse) if return_lse else out
+
+
+def autocast_inputs(*xs):
+    """Under autocast (mixed-precision training): the floating inputs cast to its dtype, and a context
+    that switches it off. The attention Functions run one kernel dtype end to end (q, k, v may arrive
+    mixed: RoPE's fp32 tables promote q and k, v stays in the autocast dtype) and keep their own fp32
+    statistics; autocast inside them would re-cast their fp32 math. Elsewhere: the inputs, a null context."""
+    dev = next(x for x in xs if x is not None).device.type
+    if not torch.is_autocast_enabled(dev):
+        return xs, contextlib.nullcontext()
+    dt = torch.get_autocast_dtype(dev)
+    cast = tuple(x.to(dt) if x is not None and x.is_floating_point() else x for x in xs)
+    return cast, torch.autocast(dev, enabled=False)

@@ -23,7 +23,7 @@ from ..model.config import DraftConfig, PolicyConfig
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..train.activation_checkpointing import apply_activation_checkpointing
-from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+from ..train.cotrain import AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step
 from .cp import apply_cp, cp_attn, cp_shift, global_count, shard_batch
 from .mesh import Mesh
 from .zigzag import ZigzagLayout
@@ -85,7 +85,7 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
     step_cfg = StepConfig(draft_weight=t.draft_weight, ttt_passes=cfg.draft.ttt_passes,
                           pass_decay=cfg.draft.pass_decay, clip_eps=t.clip_eps, kl_coef=t.kl_coef,
                           policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
-                          loss_chunk=t.loss_chunk)
+                          loss_chunk=t.loss_chunk, amp_dtype=AMP_DTYPES[t.amp])
     history = []
     for step in range(steps):
         t0 = time.perf_counter()

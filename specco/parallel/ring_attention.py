@@ -36,7 +36,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..ops.attention import block_attn_bwd, block_attn_fwd, branch_bwd_into, branch_merge_fwd, merge_lse
+from ..ops.attention import (autocast_inputs, block_attn_bwd, block_attn_fwd, branch_bwd_into, branch_merge_fwd,
+                             merge_lse)
 from ..ops.sdpa_adapter import lse_dtype
 from .comm import RingComm
 from .zigzag import ZigzagLayout
@@ -235,7 +236,9 @@ def ring_ttt_attention(q, k_trunk, v_trunk, k_branch=None, v_branch=None, group=
         raise ValueError(f"layout is for rank {layout.rank} of cp={layout.cp} but the group has rank "
                          f"{dist.get_rank(group)} of {dist.get_world_size(group)}: pass the CP group")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = RingTTTAttention.apply(q, k_trunk, v_trunk, k_branch, v_branch, group, layout, scale, impl)
+    (q, k_trunk, v_trunk, k_branch, v_branch), no_autocast = autocast_inputs(q, k_trunk, v_trunk, k_branch, v_branch)
+    with no_autocast:
+        out, lse = RingTTTAttention.apply(q, k_trunk, v_trunk, k_branch, v_branch, group, layout, scale, impl)
     return (out, lse) if return_lse else out
 
 

@@ -29,7 +29,8 @@ from ..rollout.generate import GenerateConfig
 from ..rollout.sampling import SamplingParams
 from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, build_scheduler, cotrain_step, draft_loss
+from ..train.cotrain import (AMP_DTYPES, StepConfig, TrainBatch, amp_context, build_optimizer, build_scheduler,
+                             cotrain_step, draft_loss)
 from ..train.losses import grpo_advantages, metrics_to_floats, token_logprobs
 from .report import MetricsLog
 
@@ -51,7 +52,7 @@ def step_config(cfg: RunConfig, arm: str) -> StepConfig:
                       kl_coef=t.kl_coef, temperature=max(cfg.rollout.temperature, 1e-6),
                       policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
                       loss_chunk=t.loss_chunk, draft_row_stride=t.draft_row_stride,
-                      micro_batch_rows=t.micro_batch_rows)
+                      micro_batch_rows=t.micro_batch_rows, amp_dtype=AMP_DTYPES[t.amp])
 
 
 def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int):
@@ -80,16 +81,19 @@ def build_batch(prompts: list[list[int]], out, pad_id: int, device) -> TrainBatc
 
 
 @torch.no_grad()
-def recompute_logprobs(policy: Policy, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p_old(token j) by the training policy, indexed by token (column 0 is 0)."""
-    lp = token_logprobs(policy(tokens).logits[:, :-1], tokens[:, 1:], temperature)
+def recompute_logprobs(policy: Policy, tokens: torch.Tensor, cfg: StepConfig) -> torch.Tensor:
+    """log p_old(token j) by the training policy, indexed by token (column 0 is 0). Under the train
+    step's own precision (cfg.amp_dtype), so the PPO ratio starts at exactly 1."""
+    with amp_context(cfg, tokens):
+        lp = token_logprobs(policy(tokens).logits[:, :-1], tokens[:, 1:], cfg.temperature)
     return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
 
 
 @torch.no_grad()
 def draft_eval(policy: Policy, draft: Eagle3Draft, batch: TrainBatch, cfg: StepConfig) -> dict:
     """Draft TTT metrics (loss per pass, top-1, simulated tau) without training it (frozen arm)."""
-    loss, m = draft_loss(draft, policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids), batch, cfg)
+    with amp_context(cfg, batch.tokens):
+        loss, m = draft_loss(draft, policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids), batch, cfg)
     m["draft/loss"] = loss
     return metrics_to_floats(m)
 
@@ -141,7 +145,7 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device) -> dict:
     batch.advantages = adv.to(device)
     # -- log-prob recompute (the trainer's own numerics; the engine's are logged as a check) ----
     t0 = time.perf_counter()
-    batch.logp_old = recompute_logprobs(st.policy, batch.tokens, scfg.temperature)
+    batch.logp_old = recompute_logprobs(st.policy, batch.tokens, scfg)
     t_lp = time.perf_counter() - t0
     eng_lp = torch.zeros_like(batch.logp_old)
     for i in range(out.tokens.shape[0]):

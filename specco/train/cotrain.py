@@ -10,6 +10,7 @@ learning rates and schedules; the draft's does not decay with the policy's.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -62,6 +63,24 @@ class StepConfig:
     # micro-batches with the whole batch's token counts as denominators, so the update is the
     # full-batch one (tested) while activation memory scales with the micro-batch.
     micro_batch_rows: int = 0
+    # Mixed precision: forwards and losses under torch.autocast in this dtype (None = off); weights,
+    # gradients and optimizer state stay in their own dtype (fp32 master weights). bf16 only: fp16
+    # would need loss scaling.
+    amp_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        if self.amp_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"amp_dtype={self.amp_dtype}: only torch.bfloat16 (or None) is supported")
+
+
+AMP_DTYPES = {"none": None, "bf16": torch.bfloat16}  # config train.amp -> StepConfig.amp_dtype
+
+
+def amp_context(cfg: StepConfig, like: torch.Tensor):
+    """The forward/loss region of a step: autocast in cfg.amp_dtype on `like`'s device, or nothing."""
+    if cfg.amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(like.device.type, dtype=cfg.amp_dtype)
 
 
 def build_optimizer(policy: Policy | None, draft: Eagle3Draft | None, lr: float, draft_lr: float,
@@ -195,20 +214,21 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                                   policy_token_count)
     metrics: dict = {}
     tap_ids = draft.cfg.aux_layer_ids if draft is not None else None
-    with torch.set_grad_enabled(train_policy):
-        out = policy(batch.tokens, batch.positions, tap_layers=tap_ids)
-    total = out.logits.new_zeros((), dtype=torch.float32)
-    if train_policy:
-        l_pol, m = policy_loss(out.logits, batch, cfg, shift, policy_token_count)
-        total = total + l_pol
-        metrics.update(m)
-        metrics["policy/loss"] = l_pol.detach()
-    if draft is not None and (cfg.draft_weight > 0 or not train_policy):
-        l_draft, m = draft_loss(draft, out, batch, cfg, shift, attn, grad_group)
-        weight = cfg.draft_weight if train_policy else 1.0
-        total = total + weight * l_draft
-        metrics.update(m)
-        metrics["draft/loss"] = l_draft.detach()
+    with amp_context(cfg, batch.tokens):
+        with torch.set_grad_enabled(train_policy):
+            out = policy(batch.tokens, batch.positions, tap_layers=tap_ids)
+        total = out.logits.new_zeros((), dtype=torch.float32)
+        if train_policy:
+            l_pol, m = policy_loss(out.logits, batch, cfg, shift, policy_token_count)
+            total = total + l_pol
+            metrics.update(m)
+            metrics["policy/loss"] = l_pol.detach()
+        if draft is not None and (cfg.draft_weight > 0 or not train_policy):
+            l_draft, m = draft_loss(draft, out, batch, cfg, shift, attn, grad_group)
+            weight = cfg.draft_weight if train_policy else 1.0
+            total = total + weight * l_draft
+            metrics.update(m)
+            metrics["draft/loss"] = l_draft.detach()
     opt.zero_grad(set_to_none=True)
     if total.requires_grad:
         total.backward()
@@ -246,23 +266,24 @@ def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_
     opt.zero_grad(set_to_none=True)
     for a in range(0, B, m):
         sub = _rows(batch, a, min(B, a + m))
-        with torch.set_grad_enabled(train_policy):
-            out = policy(sub.tokens, sub.positions, tap_layers=tap_ids)
-        total = out.logits.new_zeros((), dtype=torch.float32)
-        if train_policy:
-            l_pol, mp = policy_loss(out.logits, sub, cfg, shift, pol_count)
-            total = total + l_pol
-            add("policy/loss", l_pol.detach())
-            add("policy/clip_frac", mp["policy/clip_frac"], shift(sub.target_mask, 1).float().sum())
-        start = (-a) % n  # the first row of this micro-batch with a global index divisible by n
-        if use_draft and start < sub.tokens.shape[0]:
-            l_d, md = draft_loss(draft, out, sub, cfg, shift, attn, row_start=start, denominator=denom)
-            total = total + (cfg.draft_weight if train_policy else 1.0) * l_d
-            add("draft/loss", l_d.detach())
-            tok = md.pop("draft/tokens")
-            add("draft/tokens", tok)
-            for k, v in md.items():
-                add(k, v, tok)
+        with amp_context(cfg, sub.tokens):
+            with torch.set_grad_enabled(train_policy):
+                out = policy(sub.tokens, sub.positions, tap_layers=tap_ids)
+            total = out.logits.new_zeros((), dtype=torch.float32)
+            if train_policy:
+                l_pol, mp = policy_loss(out.logits, sub, cfg, shift, pol_count)
+                total = total + l_pol
+                add("policy/loss", l_pol.detach())
+                add("policy/clip_frac", mp["policy/clip_frac"], shift(sub.target_mask, 1).float().sum())
+            start = (-a) % n  # the first row of this micro-batch with a global index divisible by n
+            if use_draft and start < sub.tokens.shape[0]:
+                l_d, md = draft_loss(draft, out, sub, cfg, shift, attn, row_start=start, denominator=denom)
+                total = total + (cfg.draft_weight if train_policy else 1.0) * l_d
+                add("draft/loss", l_d.detach())
+                tok = md.pop("draft/tokens")
+                add("draft/tokens", tok)
+                for k, v in md.items():
+                    add(k, v, tok)
         if total.requires_grad:
             total.backward()
     metrics = {k: v / torch.as_tensor(weights[k]).clamp_min(1e-12) if k in weights else v
