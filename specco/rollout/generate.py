@@ -21,6 +21,11 @@ generate once per step captures once, not per call. To make shapes recur, with g
 is padded up to a bucket (prompts: next power of two up to 32, then multiples of 32; padding rows
 are finished from the start and cut from the result) and the prompt length up to a multiple of 16
 (the right-padding the prefill already handles); the cache length follows from those two.
+
+Live-row compaction (compaction.py). `run()` moves the live rows into a smaller state once they are
+<= cfg.compact_below of the batch (and again from there); each compacted size gets its own buffers
+and graphs, built on first use and kept by the runner. `result()` writes the outputs back. Stepping a
+runner by hand (`round()`) never compacts.
 """
 from __future__ import annotations
 
