@@ -23,8 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from specco.rollout.generate import DecodeRunner, GenerateConfig  # noqa: E402
 from specco.rollout.sampling import SamplingParams  # noqa: E402
-from test_compaction import _frequent_token, _prompts, _structured_prompts  # noqa: E402
-from test_rollout_helpers import random_draft, structured_pair, tiny_policy  # noqa: E402
+from test_compaction import compaction_case  # noqa: E402
 
 
 def _gen(policy, draft, prompts, cfg, G, seed):
@@ -40,16 +39,7 @@ def main():
     rows, ok = [], True
     for kind in ("plain", "random_draft", "structured_draft"):
         for temp in (0.0, 1.0):
-            if kind == "structured_draft":
-                policy, draft = structured_pair()
-                prompts, eos = _structured_prompts(policy.cfg.vocab_size)
-            else:
-                policy = tiny_policy()
-                draft = random_draft(policy, draft_vocab=24) if kind == "random_draft" else None
-                prompts = _prompts(policy.cfg.vocab_size)
-                base = GenerateConfig(max_new_tokens=64, sampling=SamplingParams(temperature=temp),
-                                      num_draft_tokens=3, pad_token_id=-1)
-                eos = _frequent_token(policy, draft, prompts, base, 4)
+            policy, draft, prompts, eos, _ = compaction_case(kind, SamplingParams(temperature=temp))
             policy = policy.cuda()
             draft = draft.cuda() if draft is not None else None
             cfg = GenerateConfig(max_new_tokens=64, sampling=SamplingParams(temperature=temp), num_draft_tokens=3,

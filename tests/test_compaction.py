@@ -68,10 +68,9 @@ def _assert_same(a, b):
     assert a.num_target_forwards == b.num_target_forwards
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("kind", ["plain", "random_draft", "structured_draft"])
-def test_compaction_changes_no_output(kind, sampling):
-    G, T = 4, 64
+def compaction_case(kind: str, sampling: SamplingParams, G: int = 4, T: int = 64):
+    """(policy, draft or None, prompts, EOS id, base GenerateConfig) of one case, on CPU: rows finish at
+    many different rounds and some run to T. Shared with bench/compaction_check.py (CUDA graphs)."""
     base_cfg = GenerateConfig(max_new_tokens=T, sampling=sampling, num_draft_tokens=3, pad_token_id=-1)
     if kind == "structured_draft":  # a draft that agrees with the target often: ragged acceptance
         policy, draft = structured_pair()
@@ -81,6 +80,14 @@ def test_compaction_changes_no_output(kind, sampling):
         draft = random_draft(policy, draft_vocab=24) if kind == "random_draft" else None
         prompts = _prompts(policy.cfg.vocab_size)
         eos = _frequent_token(policy, draft, prompts, base_cfg, G)
+    return policy, draft, prompts, eos, base_cfg
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", ["plain", "random_draft", "structured_draft"])
+def test_compaction_changes_no_output(kind, sampling):
+    G, T = 4, 64
+    policy, draft, prompts, eos, base_cfg = compaction_case(kind, sampling, G, T)
     off = GenerateConfig(**{**base_cfg.__dict__, "eos_token_id": eos, "compact_below": 0.0})
     on = GenerateConfig(**{**base_cfg.__dict__, "eos_token_id": eos, "compact_below": 0.6})
     ref, _ = _run(policy, draft, prompts, off, G, seed=5)
@@ -138,3 +145,16 @@ def test_compact_size_and_pick_rows():
 def test_compact_below_is_validated():
     with pytest.raises(ValueError, match="compact_below"):
         GenerateConfig(compact_below=1.0)
+
+
+def test_compaction_with_bucket_padding_rows():
+    """Shape buckets add padding rows (finished from the start, cut from the result): 12 prompts -> a
+    16-prompt bucket, 64 rows of which 16 padding. Compaction may pick them as its own padding; the
+    result must equal an unbucketed, uncompacted generation."""
+    policy, draft, prompts, eos, base = compaction_case("random_draft", SAMPLED)
+    on = GenerateConfig(**{**base.__dict__, "eos_token_id": eos, "compact_below": 0.6, "bucket_shapes": True})
+    off = GenerateConfig(**{**base.__dict__, "eos_token_id": eos, "compact_below": 0.0, "bucket_shapes": False})
+    got, runner = _run(policy, draft, prompts, on, 4, seed=11)
+    ref, _ = _run(policy, draft, prompts, off, 4, seed=11)
+    assert runner.shape.prompts == 16 and runner._levels
+    _assert_same(got, ref)
