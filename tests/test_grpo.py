@@ -123,6 +123,43 @@ def test_activation_checkpointing_leaves_the_rl_loop_unchanged(tmp_path):
             assert abs(a[k] - b[k]) <= 1e-6 * max(1.0, abs(a[k])), (k, a[k], b[k])
 
 
+def test_bf16_rl_loop_starts_each_step_at_ratio_one(tmp_path):
+    """`train.amp=bf16` on CPU, the whole loop: two co-training steps run, nothing is clipped at the
+    step's start, metrics stay finite. (The ratio-is-exactly-1 property: the next test.)"""
+    tok, policy = _setup()
+    draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), aux_layer_ids=(0, 1))
+    cfg = _cfg(tmp_path, "train.steps=2", "train.amp=bf16")
+    rows = run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp_path / "amp", progress=False)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["policy/clip_frac"] == 0.0
+        assert all(math.isfinite(r[k]) for k in ("policy/loss", "draft/loss", "policy/grad_norm", "reward"))
+
+
+def test_bf16_recompute_matches_the_step_so_the_ratio_starts_at_one():
+    """logp_old from `recompute_logprobs` under the step's autocast equals the step's own log-probs
+    before the update, so the surrogate is exactly -sum(A·mask)/sum(mask); an fp32 recompute differs
+    from the bf16 one by bf16 rounding (which would put the ratio off 1 by ~1e-2)."""
+    from specco.runner.rl import recompute_logprobs
+    from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+    tok, policy = _setup()
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, tok.vocab_size, (4, 12), generator=g)
+    mask = torch.zeros(4, 12)
+    mask[:, 4:] = 1
+    adv = torch.randn(4, generator=g)
+    amp, fp32 = StepConfig(amp_dtype=torch.bfloat16), StepConfig()
+    lp_amp, lp_32 = recompute_logprobs(policy, tokens, amp), recompute_logprobs(policy, tokens, fp32)
+    assert (lp_amp - lp_32).abs().max() > 1e-4  # the recompute really ran under autocast
+    batch = TrainBatch(tokens=tokens, target_mask=mask, advantages=adv, logp_old=lp_amp)
+    m = cotrain_step(policy, None, batch, build_optimizer(policy, None, 1e-3, 1e-3), None,
+                     StepConfig(draft_weight=0.0, amp_dtype=torch.bfloat16))
+    m_tok = mask[:, 1:]  # token j is predicted at j-1: the shifted mask the loss uses
+    expect = -(adv[:, None] * m_tok).sum() / m_tok.sum()
+    assert m["policy/clip_frac"] == 0.0
+    assert abs(m["policy/loss"] - expect.item()) <= 1e-6
+
+
 def test_arms_rollouts_identically_distributed(tmp_path):
     """Same seed, one RL step each with many samples: the reward distribution of plain and
     speculative rollouts agree within sampling noise (4 standard errors)."""
