@@ -50,3 +50,15 @@ def test_help_lists_commands(capsys):
     text = capsys.readouterr().out
     for cmd in ("demo", "train", "generate", "cotrain-cp"):
         assert cmd in text
+
+
+def test_rl_loop_refuses_parallel_settings(tmp_path, monkeypatch):
+    """`specco train` is single-process: parallel.* or a torchrun launch is a clear error, not N copies."""
+    from specco.config import load_config
+    from specco.model.config import ConfigError
+    from specco.runner.demo import run_demo
+    with pytest.raises(ConfigError, match="cotrain-cp"):
+        run_demo(load_config(None, ["parallel.dp=2", f"out_dir={tmp_path}"]), progress=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="without torchrun"):
+        run_demo(load_config(None, [f"out_dir={tmp_path}"]), progress=False)

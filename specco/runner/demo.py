@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from ..config import RunConfig, config_to_dict
 from ..data.tasks import get_task
 from ..data.tokenizer import build_char_tokenizer, load_tokenizer
+from ..model.config import ConfigError
 from ..model.draft import Eagle3Draft
 from ..model.hf_io import load_policy, save_policy
 from ..model.policy import Policy
@@ -166,8 +168,24 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
     return draft, metrics
 
 
+def check_single_process(cfg: RunConfig) -> None:
+    """The RL loop runs on one process: refuse settings or launches that suggest otherwise, instead of
+    silently running one independent copy per rank (each writing the same out_dir)."""
+    p = cfg.parallel
+    if (p.dp, p.cp, p.pp) != (1, 1, 1):
+        raise ConfigError(f"parallel.dp={p.dp}, parallel.cp={p.cp}, parallel.pp={p.pp}: the RL loop (`specco "
+                          "train` / `specco demo`) runs on one process; data and context parallelism apply to "
+                          "the co-training step (`torchrun ... -m specco cotrain-cp parallel.cp=N`). Remove "
+                          "the parallel.* overrides here.")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ConfigError(f"launched with WORLD_SIZE={world}: the RL loop runs on one process; start it "
+                          "without torchrun (`specco train CONFIG`)")
+
+
 def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
     """The whole job. Returns the summary that is also written to out_dir/summary.json."""
+    check_single_process(cfg)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
