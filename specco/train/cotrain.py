@@ -126,10 +126,13 @@ def reduce_grads(params, group) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
-def draft_denominator(target_mask: torch.Tensor, cfg: StepConfig, shift: Callable = shift_left):
-    """sum_d a_d N_d of L_draft over the rows the draft trains on (rows 0, n, 2n, ...)."""
+def draft_denominator(target_mask: torch.Tensor, cfg: StepConfig, shift: Callable = shift_left, group=None):
+    """sum_d a_d N_d of L_draft over the rows the draft trains on (rows 0, n, 2n, ...), summed over the
+    ranks of `group` (data parallel) when given."""
     masks = pass_target_masks(target_mask[::cfg.draft_row_stride], cfg.ttt_passes, shift)
     n = torch.stack([m.sum() for m in masks]).double()  # (K,) exact integer counts
+    if group is not None:
+        dist.all_reduce(n, group=group)
     w = torch.tensor(pass_weights(cfg.ttt_passes, cfg.pass_decay), dtype=n.dtype, device=n.device)
     return (w * n).sum().clamp_min(1.0)  # fp64; normalize_draft_loss casts it to the loss dtype
 
@@ -207,11 +210,8 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     number of trained completion tokens (defaults to the local count).
     """
     if 0 < cfg.micro_batch_rows < batch.tokens.shape[0]:
-        if grad_group is not None:
-            raise ValueError("micro_batch_rows is for single-process steps; with DP/CP ranks lower "
-                             "the per-rank batch instead (set micro_batch_rows = 0)")
         return _microbatched_step(policy, draft, batch, opt, sched, cfg, train_policy, shift, attn,
-                                  policy_token_count)
+                                  policy_token_count, grad_group)
     metrics: dict = {}
     tap_ids = draft.cfg.aux_layer_ids if draft is not None else None
     with amp_context(cfg, batch.tokens):
@@ -244,16 +244,19 @@ def _rows(batch: TrainBatch, a: int, b: int) -> TrainBatch:
 
 
 def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_policy, shift, attn,
-                       policy_token_count) -> dict:
+                       policy_token_count, grad_group=None) -> dict:
     """cotrain_step over micro-batches of cfg.micro_batch_rows rows: one forward + backward each,
     the losses divided by the whole batch's counts, then one clip + optimizer step. Loss metrics
     are exact sums; per-token metrics (CE per pass, top-1, clip fraction, simulated tau) are
-    means over micro-batches weighted by their trained-token counts."""
+    means over micro-batches weighted by their trained-token counts. With `grad_group` (data
+    parallel) the denominators are global: the caller passes the global policy_token_count, the
+    draft's is summed here, and the gradients are summed over the group before the clip; the
+    metrics describe this rank's rows."""
     B, m, n = batch.tokens.shape[0], cfg.micro_batch_rows, cfg.draft_row_stride
     use_draft = draft is not None and (cfg.draft_weight > 0 or not train_policy)
     pol_count = policy_token_count if policy_token_count is not None else \
         shift(batch.target_mask, 1).float().sum().clamp_min(1.0)
-    denom = draft_denominator(batch.target_mask, cfg, shift) if use_draft else None
+    denom = draft_denominator(batch.target_mask, cfg, shift, grad_group) if use_draft else None
     tap_ids = draft.cfg.aux_layer_ids if draft is not None else None
     sums: dict = {}
     weights: dict = {}
@@ -288,4 +291,4 @@ def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_
             total.backward()
     metrics = {k: v / torch.as_tensor(weights[k]).clamp_min(1e-12) if k in weights else v
                for k, v in sums.items()}
-    return _clip_and_step(opt, sched, cfg, train_policy, metrics)
+    return _clip_and_step(opt, sched, cfg, train_policy, metrics, grad_group)

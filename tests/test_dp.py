@@ -1,0 +1,59 @@
+"""Data parallelism of the co-training step, incl. micro-batching: 2 gloo ranks == one process.
+
+Each rank holds half of the rows of a batch; `cotrain_step` with grad_group = WORLD, the global
+policy-token count, micro-batches of 3 rows (uneven: 4 rows per rank) and draft row stride 2 must
+give the single-process whole-batch step: losses (summed over ranks), every gradient after the
+all-reduce, and the parameters after the optimizer step. fp64: rtol 1e-9 (summation order only).
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from specco.parallel.cp import global_count
+from specco.parallel.mesh import spawn_local
+from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+from test_cp_cotrain import V, _models
+
+B, S = 8, 14
+
+
+def _batch():
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, V, (B, S), generator=g)
+    mask = torch.zeros(B, S, dtype=torch.float64)
+    for b in range(B):
+        mask[b, 3:S - b % 3] = 1
+    return TrainBatch(tokens=tokens, target_mask=mask, advantages=torch.randn(B, generator=g, dtype=torch.float64),
+                      logp_old=-torch.rand(B, S, generator=g, dtype=torch.float64) * 3)
+
+
+def _run(batch, micro, **kw):
+    policy, draft = _models()
+    opt = build_optimizer(policy, draft, 1e-3, 1e-2)
+    cfg = StepConfig(ttt_passes=3, loss_chunk=5, draft_row_stride=2, micro_batch_rows=micro)
+    m = cotrain_step(policy, draft, batch, opt, None, cfg, **kw)
+    named = [(f"{t}.{n}", p) for t, mod in (("policy", policy), ("draft", draft)) for n, p in mod.named_parameters()]
+    return m, {n: p.grad.clone() for n, p in named}, {n: p.detach().clone() for n, p in named}
+
+
+def _worker(rank, world):
+    full = _batch()
+    m_ref, g_ref, p_ref = _run(full, 0)
+    h = B // world
+    take = lambda t: t[rank * h:(rank + 1) * h]  # noqa: E731
+    local = TrainBatch(tokens=take(full.tokens), target_mask=take(full.target_mask),
+                       advantages=take(full.advantages), logp_old=take(full.logp_old))
+    count = global_count(local.target_mask[:, 1:], dist.group.WORLD)
+    m, g, p = _run(local, 3, grad_group=dist.group.WORLD, policy_token_count=count)
+    for key in ("policy/loss", "draft/loss"):
+        total = torch.tensor([m[key]], dtype=torch.float64)
+        dist.all_reduce(total)
+        assert abs(total.item() - m_ref[key]) <= 1e-9 * abs(m_ref[key]), (key, total.item(), m_ref[key])
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-9, atol=1e-12, msg=lambda s: f"grad {n}: {s}")
+        torch.testing.assert_close(p[n], p_ref[n], rtol=1e-9, atol=1e-12, msg=lambda s: f"param {n}: {s}")
+
+
+@pytest.mark.slow
+def test_dp_microbatched_step_equals_single_process():
+    spawn_local(_worker, 2)
