@@ -52,13 +52,17 @@ def test_help_lists_commands(capsys):
         assert cmd in text
 
 
-def test_rl_loop_refuses_parallel_settings(tmp_path, monkeypatch):
-    """`specco train` is single-process: parallel.* or a torchrun launch is a clear error, not N copies."""
+def test_rl_loop_refuses_inconsistent_parallel_settings(tmp_path, monkeypatch):
+    """`specco train` supports data parallelism under torchrun only, with parallel.dp = WORLD_SIZE;
+    anything else is a clear error (not N independent copies writing one out_dir)."""
     from specco.config import load_config
     from specco.model.config import ConfigError
     from specco.runner.demo import run_demo
-    with pytest.raises(ConfigError, match="cotrain-cp"):
+    with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
         run_demo(load_config(None, ["parallel.dp=2", f"out_dir={tmp_path}"]), progress=False)
+    with pytest.raises(ConfigError, match="cotrain-cp"):
+        run_demo(load_config(None, ["parallel.cp=2", f"out_dir={tmp_path}"]), progress=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="without torchrun"):
+    with pytest.raises(ConfigError, match="set parallel.dp=2"):
         run_demo(load_config(None, [f"out_dir={tmp_path}"]), progress=False)
+    assert not any(tmp_path.iterdir())  # refused before writing anything

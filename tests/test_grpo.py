@@ -104,6 +104,11 @@ def test_resume_is_bit_exact(tmp_path):
     for part in ("policy", "draft"):
         for k in sa[part]:
             assert torch.equal(sa[part][k], sb[part][k]), (part, k)
+    # the resumed run's log holds every step once, in order (a crash after the step-2 checkpoint and
+    # before more logging must not lose or duplicate a row)
+    from specco.runner.report import read_jsonl
+    assert [r["step"] for r in read_jsonl(tmp_path / "b" / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["reward"] for r in read_jsonl(tmp_path / "b" / "metrics.jsonl")] == [r["reward"] for r in straight]
     # each param group keeps its own LR through the resume
     lrs = [g["lr"] for g in sb["opt"]["param_groups"]]
     assert lrs[0] != lrs[1] and lrs == [g["lr"] for g in sa["opt"]["param_groups"]]

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..config import RunConfig, config_to_dict
 from ..data.tasks import get_task
@@ -21,6 +22,7 @@ from ..model.config import ConfigError
 from ..model.draft import Eagle3Draft
 from ..model.hf_io import load_policy, save_policy
 from ..model.policy import Policy
+from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
 from ..train.cotrain import StepConfig
 from ..train.sft import evaluate, sft, tiny_policy_config
@@ -168,31 +170,41 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
     return draft, metrics
 
 
-def check_single_process(cfg: RunConfig) -> None:
-    """The RL loop runs on one process: refuse settings or launches that suggest otherwise, instead of
-    silently running one independent copy per rank (each writing the same out_dir)."""
+def parallel_setup(cfg: RunConfig) -> Mesh | None:
+    """The RL loop's data parallelism: None for one process; under torchrun, a dp-only mesh with
+    parallel.dp = WORLD_SIZE. Anything else is refused with what to change, instead of silently
+    running one independent copy per rank (each writing the same out_dir)."""
     p = cfg.parallel
-    if (p.dp, p.cp, p.pp) != (1, 1, 1):
-        raise ConfigError(f"parallel.dp={p.dp}, parallel.cp={p.cp}, parallel.pp={p.pp}: the RL loop (`specco "
-                          "train` / `specco demo`) runs on one process; data and context parallelism apply to "
-                          "the co-training step (`torchrun ... -m specco cotrain-cp parallel.cp=N`). Remove "
-                          "the parallel.* overrides here.")
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise ConfigError(f"launched with WORLD_SIZE={world}: the RL loop runs on one process; start it "
-                          "without torchrun (`specco train CONFIG`)")
+    if p.cp != 1 or p.pp != 1:
+        raise ConfigError(f"parallel.cp={p.cp}, parallel.pp={p.pp}: the RL loop (`specco train` / `specco demo`) "
+                          "supports data parallelism only; context parallelism applies to the co-training step "
+                          "(`torchrun ... -m specco cotrain-cp parallel.cp=N`)")
+    if p.dp != world:
+        how = (f"launch it with `torchrun --nproc-per-node {p.dp} -m specco train ...`" if world == 1 else
+               f"set parallel.dp={world}")
+        raise ConfigError(f"parallel.dp={p.dp} but {world} process(es) were launched (WORLD_SIZE): {how}")
+    return Mesh.build(p.dp, 1, p.backend) if world > 1 else None
 
 
 def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
-    """The whole job. Returns the summary that is also written to out_dir/summary.json."""
-    check_single_process(cfg)
+    """The whole job. Returns the summary that is also written to out_dir/summary.json (rank 0; other
+    data-parallel ranks return {})."""
+    mesh = parallel_setup(cfg)
+    rank = mesh.rank if mesh is not None else 0
+    progress = progress and rank == 0
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
-    device = pick_device(cfg.device)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
+    device = mesh.device if mesh is not None and mesh.device.type == "cuda" else pick_device(cfg.device)
     if device.type == "cuda":  # fp32 policies train with TF32 matmuls (10-bit mantissa products)
         torch.set_float32_matmul_precision("high")
     t_start = time.perf_counter()
+    # SFT and warm start run on rank 0; the other ranks wait, then load what it wrote (each stage
+    # is skipped when its output exists). A shared out_dir, as on one node.
+    if rank != 0:
+        dist.barrier()
     policy, tok, sft_m = prepare_policy(cfg, out, device, progress)
     mode = cfg.task.mode if cfg.policy.source == "tiny" else "chat"
     task = get_task(cfg.task.name, mode=mode, tokenizer=tok, cot_fraction=cfg.task.cot_fraction,
@@ -205,16 +217,20 @@ def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
         sft_m["accuracy_T"] = sft_m["after"]["accuracy_T"]
         _say(f"      accuracy of the RL starting policy: {sft_m['after']}", progress)
     draft, warm_m = prepare_draft(cfg, policy, tok, task, out, progress)
-    _say(f"[3/4] RL: {cfg.train.steps} GRPO steps x arms {', '.join(cfg.arms)}", progress)
+    if rank == 0 and mesh is not None:
+        dist.barrier()  # releases the other ranks: the SFT policy and warm draft are on disk
+    _say(f"[3/4] RL: {cfg.train.steps} GRPO steps x arms {', '.join(cfg.arms)}"
+         + (f" on {mesh.dp} data-parallel ranks" if mesh is not None else ""), progress)
     arm_rows = {}
     for arm in cfg.arms:
-        arm_rows[arm] = run_arm(cfg, arm, policy, draft, task, tok, out / "arms" / arm, device,
-                                progress=progress)
-        # include rows from before a resume, for the report
-        arm_rows[arm] = read_jsonl(out / "arms" / arm / "metrics.jsonl")
+        run_arm(cfg, arm, policy, draft, task, tok, out / "arms" / arm, device, progress=progress, mesh=mesh)
+        # the rank-0 log, including rows from before a resume, for the report
+        arm_rows[arm] = read_jsonl(out / "arms" / arm / "metrics.jsonl") if rank == 0 else []
         gc.collect()  # the arm's models, optimizer and graph pools go before the next arm starts
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if rank != 0:
+        return {}
     _say("[4/4] report", progress)
     summary = write_report(cfg, out, arm_rows, sft_m, warm_m, time.perf_counter() - t_start)
     return summary

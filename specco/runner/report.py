@@ -9,8 +9,9 @@ from pathlib import Path
 class MetricsLog:
     """Append-only JSONL (one line per step) plus TensorBoard scalars under `out_dir`.
 
-    On resume the JSONL is truncated to the steps before the resumed step, so a crash between a
-    log write and a checkpoint never leaves duplicate steps.
+    `resume_step`: the number of steps the checkpoint being resumed holds. Rows are logged under the
+    1-based number of the step they finish, so on resume the JSONL keeps rows 1..resume_step and drops
+    later ones (a crash between a log write and the next checkpoint never leaves duplicate steps).
     """
 
     def __init__(self, out_dir: str | Path, resume_step: int = 0, tensorboard: bool = True):
@@ -18,13 +19,13 @@ class MetricsLog:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         rows = read_jsonl(self.path) if self.path.exists() else []
-        rows = [r for r in rows if r.get("step", -1) < resume_step]
+        rows = [r for r in rows if r.get("step", -1) <= resume_step]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         self.tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=resume_step or None)
+                self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
             except ImportError:  # tensorboard is a declared dependency; tolerate its absence anyway
                 self.tb = None
 

@@ -10,20 +10,32 @@ Arms (same seed, same data stream):
 Speculative sampling is lossless, so the three arms' rollouts have the same distribution; only
 speed (tau, tokens/s) may differ. This module plugs `rollout` and `train` together; neither
 imports the other.
+
+Data parallelism (`mesh`, parallel.dp = N under torchrun): every rank holds the same weights and its
+own engine; a step's prompts_per_step prompts are split into N contiguous slices, one per rank (whole
+GRPO groups, so advantages stay local); each rank samples with its own generator; the co-training step
+normalises by global token counts and sums gradients over the ranks, so the update is the one of the
+whole batch (tests/test_dp.py). Metrics: losses and tokens/s summed over ranks, the engine-vs-trainer
+log-prob gap their max, everything else the mean of the ranks' values. Rank 0 logs and checkpoints
+(with every rank's generator state).
 """
 from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..config import RunConfig
 from ..model.draft import Eagle3Draft
+from ..model.ttt import shift_left
 from ..model.policy import Policy
+from ..parallel.cp import global_count
+from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
 from ..rollout.generate import GenerateConfig
 from ..rollout.sampling import SamplingParams
@@ -109,10 +121,9 @@ class ArmState:
     gen: torch.Generator
     step: int = 0
     data_offset: int = 0
-    extra: dict = field(default_factory=dict)
 
 
-def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, gen_cfg) -> ArmState:
+def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, gen_cfg, rank: int = 0) -> ArmState:
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
     policy = copy.deepcopy(policy).train()
@@ -124,15 +135,46 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None
     opt = build_optimizer(policy, draft if arm == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
     sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps)
     # On the models' device: the engine draws its uniforms there (CUDA needs a CUDA generator).
-    gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(cfg.train.seed + 1)
+    # Each data-parallel rank samples its own stream (rank 0's is the single-process one).
+    gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(cfg.train.seed + 1 + 7919 * rank)
     return ArmState(arm, policy, draft, engine, opt, sched, gen)
 
 
-def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device) -> dict:
-    """One GRPO step for one arm; returns its metrics."""
+def _rank_slice(items: list, mesh: Mesh | None) -> list:
+    """This data-parallel rank's contiguous share of a step's prompts (all of them without DP)."""
+    if mesh is None or mesh.dp == 1:
+        return items
+    if len(items) % mesh.dp:
+        raise ValueError(f"rollout.prompts_per_step={len(items)} is not divisible by parallel.dp={mesh.dp}")
+    n = len(items) // mesh.dp
+    return items[mesh.dp_rank * n:(mesh.dp_rank + 1) * n]
+
+
+_SUM_KEYS = ("policy/loss", "draft/loss", "tokens_per_s")
+_MAX_KEYS = ("logprob_gap_engine_vs_trainer",)
+
+
+def _reduce_metrics(m: dict, mesh: Mesh | None) -> dict:
+    """Step metrics over the data-parallel ranks (module docstring): one all-reduce per kind."""
+    if mesh is None or mesh.dp == 1:
+        return m
+    keys = sorted(k for k, v in m.items() if isinstance(v, (int, float)))
+    dev = mesh.device
+    vals = torch.tensor([float(m[k]) for k in keys], dtype=torch.float64, device=dev)
+    summed, maxed = vals.clone(), vals.clone()
+    dist.all_reduce(summed, group=mesh.grad_group)
+    dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=mesh.grad_group)
+    for i, k in enumerate(keys):
+        m[k] = summed[i].item() if k in _SUM_KEYS else maxed[i].item() if k in _MAX_KEYS else \
+            summed[i].item() / mesh.dp
+    return m
+
+
+def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | None = None) -> dict:
+    """One GRPO step for one arm; returns its metrics. `mesh`: data parallelism (module docstring)."""
     r = cfg.rollout
     scfg = step_config(cfg, st.arm)
-    items = task.prompts(r.prompts_per_step, seed=cfg.train.seed, offset=st.data_offset)
+    items = _rank_slice(task.prompts(r.prompts_per_step, seed=cfg.train.seed, offset=st.data_offset), mesh)
     prompts = [task.prompt_ids(it, tokenizer) for it in items]
     # -- rollout ------------------------------------------------------------------------------
     t0 = time.perf_counter()
@@ -155,7 +197,10 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device) -> dict:
     # -- train --------------------------------------------------------------------------------
     t0 = time.perf_counter()
     train_draft = st.draft if st.arm == "cotrained" else None
-    m = cotrain_step(st.policy, train_draft, batch, st.opt, st.sched, scfg)
+    group = mesh.grad_group if mesh is not None and mesh.dp > 1 else None
+    n_pol = global_count(shift_left(batch.target_mask, 1), group) if group is not None else None
+    m = cotrain_step(st.policy, train_draft, batch, st.opt, st.sched, scfg, grad_group=group,
+                     policy_token_count=n_pol)
     t_train = time.perf_counter() - t0
     if st.arm == "frozen":  # metrics only, so outside the timed train step
         m.update(draft_eval(st.policy, st.draft, batch, step_config(cfg, "cotrained")))
@@ -174,19 +219,31 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device) -> dict:
               "target_forwards": out.num_target_forwards})
     for j, a in enumerate(out.accept_rate.tolist()):
         m[f"accept/pos{j + 1}"] = a
-    return m
+    return _reduce_metrics(m, mesh)
 
 
-def _ckpt_state(st: ArmState) -> dict:
-    return {"policy": st.policy.state_dict(), "draft": st.draft.state_dict() if st.draft is not None else None,
-            "opt": st.opt.state_dict(), "sched": st.sched.state_dict(), "gen": st.gen,
-            "step": st.step, "data_offset": st.data_offset, "arm": st.arm}
+def _ckpt_state(st: ArmState, mesh: Mesh | None = None) -> dict:
+    """What a checkpoint holds; under DP also every rank's generator state (call on every rank)."""
+    state = {"policy": st.policy.state_dict(), "draft": st.draft.state_dict() if st.draft is not None else None,
+             "opt": st.opt.state_dict(), "sched": st.sched.state_dict(), "gen": st.gen,
+             "step": st.step, "data_offset": st.data_offset, "arm": st.arm}
+    if mesh is not None and mesh.dp > 1:
+        gens = [None] * mesh.dp
+        dist.all_gather_object(gens, st.gen.get_state().cpu(), group=mesh.grad_group)
+        state["gen_ranks"] = gens
+    return state
 
 
-def _restore(st: ArmState, path) -> None:
+def _restore(st: ArmState, path, mesh: Mesh | None = None) -> None:
     s = load_checkpoint(path, generators={"gen": st.gen})
     if s["arm"] != st.arm:
         raise ValueError(f"checkpoint {path} is for arm {s['arm']!r}, not {st.arm!r}")
+    dp = mesh.dp if mesh is not None else 1
+    if len(s.get("gen_ranks") or [None]) != dp:
+        raise ValueError(f"checkpoint {path} was written with parallel.dp={len(s.get('gen_ranks') or [None])}, "
+                         f"this run has {dp}: resume with the same parallel.dp")
+    if dp > 1:
+        st.gen.set_state(s["gen_ranks"][mesh.dp_rank])
     st.policy.load_state_dict(s["policy"])
     if st.draft is not None:
         st.draft.load_state_dict(s["draft"])
@@ -198,33 +255,43 @@ def _restore(st: ArmState, path) -> None:
 
 def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, task, tokenizer,
             out_dir, device="cpu", resume: bool = True, progress: bool = True,
-            stop_after: int | None = None) -> list[dict]:
+            stop_after: int | None = None, mesh: Mesh | None = None, state_out: dict | None = None) -> list[dict]:
     """Run (or resume) the RL loop of one arm in `out_dir`; returns the per-step metrics.
 
     Checkpoints go to out_dir/ckpt every train.checkpoint_every steps and at the end;
     `stop_after` stops early after that many steps of this call (tests use it to simulate a crash).
+    `mesh`: data parallelism; call on every rank (rank 0 writes the log and the checkpoints).
+    `state_out`: a dict that receives the arm's final ArmState under "state" (models, optimizer).
     """
     out_dir = Path(out_dir)
-    st = make_arm(cfg, arm, policy, draft, generate_config(cfg, tokenizer.eos_id, tokenizer.pad_id))
+    rank = mesh.rank if mesh is not None else 0
+    st = make_arm(cfg, arm, policy, draft, generate_config(cfg, tokenizer.eos_id, tokenizer.pad_id),
+                  rank=mesh.dp_rank if mesh is not None else 0)
     ck = latest_checkpoint(out_dir / "ckpt") if resume else None
     if ck is not None:
-        _restore(st, ck)
-    log = MetricsLog(out_dir, resume_step=st.step)
+        _restore(st, ck, mesh)
+    log = MetricsLog(out_dir, resume_step=st.step) if rank == 0 else None
     rows = []
     done = 0
-    bar = tqdm(total=cfg.train.steps, initial=st.step, desc=f"RL [{arm}]", disable=not progress,
+    bar = tqdm(total=cfg.train.steps, initial=st.step, desc=f"RL [{arm}]", disable=not progress or rank != 0,
                leave=False)
     while st.step < cfg.train.steps and (stop_after is None or done < stop_after):
-        m = rl_step(st, cfg, task, tokenizer, device)
-        log.log(st.step, m)
+        m = rl_step(st, cfg, task, tokenizer, device, mesh)
+        if log is not None:
+            log.log(st.step, m)
         rows.append({"step": st.step, **m})
         done += 1
         bar.update(1)
         bar.set_postfix(reward=f"{m['reward']:.2f}", tau=f"{m['tau']:.2f}")
         if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
-            save_checkpoint(out_dir / "ckpt", st.step, _ckpt_state(st))
+            state = _ckpt_state(st, mesh)  # a collective under DP: every rank
+            if rank == 0:
+                save_checkpoint(out_dir / "ckpt", st.step, state)
+            if mesh is not None and mesh.dp > 1:
+                dist.barrier(group=mesh.grad_group)  # no rank runs ahead of a half-written checkpoint
     bar.close()
-    log.close()
-    st.extra["final_policy"] = st.policy
-    st.extra["final_draft"] = st.draft
+    if log is not None:
+        log.close()
+    if state_out is not None:
+        state_out["state"] = st
     return rows
