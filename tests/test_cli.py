@@ -62,6 +62,10 @@ def test_rl_loop_refuses_inconsistent_parallel_settings(tmp_path, monkeypatch):
         run_demo(load_config(None, ["parallel.dp=2", f"out_dir={tmp_path}"]), progress=False)
     with pytest.raises(ConfigError, match="cotrain-cp"):
         run_demo(load_config(None, ["parallel.cp=2", f"out_dir={tmp_path}"]), progress=False)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ConfigError, match="divisible by parallel.dp=3"):
+        run_demo(load_config(None, ["parallel.dp=3", "rollout.prompts_per_step=4", f"out_dir={tmp_path}"]),
+                 progress=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="set parallel.dp=2"):
         run_demo(load_config(None, [f"out_dir={tmp_path}"]), progress=False)

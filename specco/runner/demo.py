@@ -184,7 +184,13 @@ def parallel_setup(cfg: RunConfig) -> Mesh | None:
         how = (f"launch it with `torchrun --nproc-per-node {p.dp} -m specco train ...`" if world == 1 else
                f"set parallel.dp={world}")
         raise ConfigError(f"parallel.dp={p.dp} but {world} process(es) were launched (WORLD_SIZE): {how}")
-    return Mesh.build(p.dp, 1, p.backend) if world > 1 else None
+    if cfg.rollout.prompts_per_step % p.dp:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by "
+                          f"parallel.dp={p.dp}: each rank rolls out whole prompt groups")
+    if world == 1:
+        return None
+    backend = p.backend if p.backend != "auto" else ("nccl" if pick_device(cfg.device).type == "cuda" else "gloo")
+    return Mesh.build(p.dp, 1, backend)
 
 
 def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
