@@ -212,27 +212,39 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     if 0 < cfg.micro_batch_rows < batch.tokens.shape[0]:
         return _microbatched_step(policy, draft, batch, opt, sched, cfg, train_policy, shift, attn,
                                   policy_token_count, grad_group)
-    metrics: dict = {}
+    use_draft = draft is not None and (cfg.draft_weight > 0 or not train_policy)
+    total, l_pol, mp, l_d, md = _forward_losses(policy, draft, batch, cfg, train_policy, use_draft, shift, attn,
+                                                policy_token_count, count_group=grad_group)
+    metrics: dict = {**mp, **md}
+    if l_pol is not None:
+        metrics["policy/loss"] = l_pol.detach()
+    if l_d is not None:
+        metrics["draft/loss"] = l_d.detach()
+    opt.zero_grad(set_to_none=True)
+    if total.requires_grad:
+        total.backward()
+    return _clip_and_step(opt, sched, cfg, train_policy, metrics, grad_group)
+
+
+def _forward_losses(policy, draft, batch: TrainBatch, cfg: StepConfig, train_policy: bool, use_draft: bool,
+                    shift, attn, policy_token_count, count_group=None, row_start: int = 0, denominator=None):
+    """One (micro-)batch's forward and weighted loss, under the step's precision.
+    Returns (total, L_policy or None, its metrics, L_draft or None, its metrics)."""
     tap_ids = draft.cfg.aux_layer_ids if draft is not None else None
+    l_pol = l_d = None
+    mp: dict = {}
+    md: dict = {}
     with amp_context(cfg, batch.tokens):
         with torch.set_grad_enabled(train_policy):
             out = policy(batch.tokens, batch.positions, tap_layers=tap_ids)
         total = out.logits.new_zeros((), dtype=torch.float32)
         if train_policy:
-            l_pol, m = policy_loss(out.logits, batch, cfg, shift, policy_token_count)
+            l_pol, mp = policy_loss(out.logits, batch, cfg, shift, policy_token_count)
             total = total + l_pol
-            metrics.update(m)
-            metrics["policy/loss"] = l_pol.detach()
-        if draft is not None and (cfg.draft_weight > 0 or not train_policy):
-            l_draft, m = draft_loss(draft, out, batch, cfg, shift, attn, grad_group)
-            weight = cfg.draft_weight if train_policy else 1.0
-            total = total + weight * l_draft
-            metrics.update(m)
-            metrics["draft/loss"] = l_draft.detach()
-    opt.zero_grad(set_to_none=True)
-    if total.requires_grad:
-        total.backward()
-    return _clip_and_step(opt, sched, cfg, train_policy, metrics, grad_group)
+        if use_draft:
+            l_d, md = draft_loss(draft, out, batch, cfg, shift, attn, count_group, row_start, denominator)
+            total = total + (cfg.draft_weight if train_policy else 1.0) * l_d
+    return total, l_pol, mp, l_d, md
 
 
 def _rows(batch: TrainBatch, a: int, b: int) -> TrainBatch:
@@ -257,7 +269,6 @@ def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_
     pol_count = policy_token_count if policy_token_count is not None else \
         shift(batch.target_mask, 1).float().sum().clamp_min(1.0)
     denom = draft_denominator(batch.target_mask, cfg, shift, grad_group) if use_draft else None
-    tap_ids = draft.cfg.aux_layer_ids if draft is not None else None
     sums: dict = {}
     weights: dict = {}
 
@@ -269,24 +280,19 @@ def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_
     opt.zero_grad(set_to_none=True)
     for a in range(0, B, m):
         sub = _rows(batch, a, min(B, a + m))
-        with amp_context(cfg, sub.tokens):
-            with torch.set_grad_enabled(train_policy):
-                out = policy(sub.tokens, sub.positions, tap_layers=tap_ids)
-            total = out.logits.new_zeros((), dtype=torch.float32)
-            if train_policy:
-                l_pol, mp = policy_loss(out.logits, sub, cfg, shift, pol_count)
-                total = total + l_pol
-                add("policy/loss", l_pol.detach())
-                add("policy/clip_frac", mp["policy/clip_frac"], shift(sub.target_mask, 1).float().sum())
-            start = (-a) % n  # the first row of this micro-batch with a global index divisible by n
-            if use_draft and start < sub.tokens.shape[0]:
-                l_d, md = draft_loss(draft, out, sub, cfg, shift, attn, row_start=start, denominator=denom)
-                total = total + (cfg.draft_weight if train_policy else 1.0) * l_d
-                add("draft/loss", l_d.detach())
-                tok = md.pop("draft/tokens")
-                add("draft/tokens", tok)
-                for k, v in md.items():
-                    add(k, v, tok)
+        start = (-a) % n  # the first row of this micro-batch with a global index divisible by n
+        total, l_pol, mp, l_d, md = _forward_losses(policy, draft, sub, cfg, train_policy,
+                                                    use_draft and start < sub.tokens.shape[0], shift, attn,
+                                                    pol_count, row_start=start, denominator=denom)
+        if l_pol is not None:
+            add("policy/loss", l_pol.detach())
+            add("policy/clip_frac", mp["policy/clip_frac"], shift(sub.target_mask, 1).float().sum())
+        if l_d is not None:
+            add("draft/loss", l_d.detach())
+            tok = md.pop("draft/tokens")
+            add("draft/tokens", tok)
+            for k, v in md.items():
+                add(k, v, tok)
         if total.requires_grad:
             total.backward()
     metrics = {k: v / torch.as_tensor(weights[k]).clamp_min(1e-12) if k in weights else v
