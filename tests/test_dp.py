@@ -2,8 +2,9 @@
 
 Each rank holds half of the rows of a batch; `cotrain_step` with grad_group = WORLD, the global
 policy-token count, micro-batches of 3 rows (uneven: 4 rows per rank) and draft row stride 2 must
-give the single-process whole-batch step: losses (summed over ranks), every gradient after the
-all-reduce, and the parameters after the optimizer step. fp64: rtol 1e-9 (summation order only).
+give the single-process whole-batch step: losses (summed over ranks), the draft's metrics (global),
+every gradient after the all-reduce, and the parameters after the optimizer step. fp64: rtol 1e-9
+(summation order only).
 """
 import pytest
 import torch
@@ -49,6 +50,9 @@ def _worker(rank, world):
         total = torch.tensor([m[key]], dtype=torch.float64)
         dist.all_reduce(total)
         assert abs(total.item() - m_ref[key]) <= 1e-9 * abs(m_ref[key]), (key, total.item(), m_ref[key])
+    for key in m_ref:  # the draft's metrics come from statistics summed over micro-batches and ranks
+        if key.startswith("draft/") and key != "draft/loss":
+            assert abs(m[key] - m_ref[key]) <= 1e-9 * max(1.0, abs(m_ref[key])), (key, m[key], m_ref[key])
     for n in g_ref:
         torch.testing.assert_close(g[n], g_ref[n], rtol=1e-9, atol=1e-12, msg=lambda s: f"grad {n}: {s}")
         torch.testing.assert_close(p[n], p_ref[n], rtol=1e-9, atol=1e-12, msg=lambda s: f"param {n}: {s}")

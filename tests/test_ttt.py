@@ -182,7 +182,8 @@ def test_draft_row_stride_equals_loss_on_the_selected_rows():
 @pytest.mark.parametrize("stride,micro", [(1, 3), (2, 3), (4, 2), (3, 5)])
 def test_microbatched_step_equals_full_batch(stride, micro):
     """micro_batch_rows: the accumulated update equals the whole-batch step (fp64): every gradient,
-    the loss metrics exactly, per-token metrics as token-weighted means."""
+    the loss metrics and every draft metric (all passes, from summed statistics) exactly, the policy
+    clip fraction as a token-weighted mean."""
     torch.manual_seed(5)
     batch = _batch(B=8)
     batch.target_mask[3, :] = 0  # a row with nothing to train on
@@ -198,7 +199,8 @@ def test_microbatched_step_equals_full_batch(stride, micro):
     (m0, gp0, gd0), (m1, gp1, gd1) = res
     for a, b in zip(gp0 + gd0, gp1 + gd1):
         assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
-    for k in ("draft/loss", "draft/tokens", "draft/ce_pass1", "draft/top1_pass1", "policy/clip_frac", "policy/grad_norm", "draft/grad_norm"):
+    draft_keys = [f"draft/{m}_pass{d}" for m in ("ce", "top1") for d in (1, 2, 3)] + ["draft/sim_accept_len"]
+    for k in ("draft/loss", "draft/tokens", *draft_keys, "policy/clip_frac", "policy/grad_norm", "draft/grad_norm"):
         assert abs(m0[k] - m1[k]) <= 1e-9 * max(1.0, abs(m0[k])), (k, m0[k], m1[k])
     # token_logprobs works in fp32 even for fp64 models, so the policy loss summed over a different
     # partition of the tokens differs at fp32 rounding (seen: 1.5e-8 relative)

@@ -22,8 +22,8 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..model.ttt import shift_left, ttt_forward
 from ..ops.attention import ttt_attention
-from .losses import (clipped_surrogate, draft_loss_parts, metrics_to_floats, normalize_draft_loss, pass_target_masks,
-                     pass_weights, token_logprobs)
+from .losses import (clipped_surrogate, draft_loss_parts, draft_metrics, metrics_to_floats, normalize_draft_loss,
+                     pass_target_masks, pass_weights, token_logprobs)
 
 
 @dataclass
@@ -139,12 +139,13 @@ def draft_denominator(target_mask: torch.Tensor, cfg: StepConfig, shift: Callabl
 
 def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig,
                shift: Callable = shift_left, attn: Callable = ttt_attention, count_group=None,
-               row_start: int = 0, denominator: torch.Tensor | None = None):
+               row_start: int = 0, denominator: torch.Tensor | None = None, return_stats: bool = False):
     """L_draft and its metrics from a policy output with taps: K TTT passes, soft CE, normalised.
 
     With cfg.draft_row_stride = n > 1 only rows row_start, row_start + n, ... are used (the policy
     forward that made `out` ran on all rows anyway; only the draft's own work shrinks).
-    `denominator`: the whole batch's, when `batch` is one micro-batch of it."""
+    `denominator`: the whole batch's, when `batch` is one micro-batch of it; `return_stats`: also
+    the summed statistics behind the metrics (losses.draft_metrics)."""
     B, S = batch.tokens.shape
     positions = batch.positions
     if positions is None:
@@ -156,7 +157,7 @@ def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig,
     outs = ttt_forward(draft, aux, embed, positions, cfg.ttt_passes, shift=shift, attn=attn)
     parts = draft_loss_parts(draft, outs, logits, mask, cfg.loss_chunk, shift)
     return normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), count_group,
-                                denominator)
+                                denominator, return_stats)
 
 
 def policy_loss(logits, batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left,
@@ -228,8 +229,9 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
 
 def _forward_losses(policy, draft, batch: TrainBatch, cfg: StepConfig, train_policy: bool, use_draft: bool,
                     shift, attn, policy_token_count, count_group=None, row_start: int = 0, denominator=None):
-    """One (micro-)batch's forward and weighted loss, under the step's precision.
-    Returns (total, L_policy or None, its metrics, L_draft or None, its metrics)."""
+    """One (micro-)batch's forward and weighted loss, under the step's precision. Returns (total,
+    L_policy or None, its metrics, L_draft or None, its metrics); with a `denominator` (a micro-batch)
+    the draft's metrics are its summed statistics under "stats" (losses.draft_metrics)."""
     tap_ids = draft.cfg.aux_layer_ids if draft is not None else None
     l_pol = l_d = None
     mp: dict = {}
@@ -242,7 +244,9 @@ def _forward_losses(policy, draft, batch: TrainBatch, cfg: StepConfig, train_pol
             l_pol, mp = policy_loss(out.logits, batch, cfg, shift, policy_token_count)
             total = total + l_pol
         if use_draft:
-            l_d, md = draft_loss(draft, out, batch, cfg, shift, attn, count_group, row_start, denominator)
+            res = draft_loss(draft, out, batch, cfg, shift, attn, count_group, row_start, denominator,
+                             return_stats=denominator is not None)
+            l_d, md = res[0], ({"stats": res[2]} if denominator is not None else res[1])
             total = total + (cfg.draft_weight if train_policy else 1.0) * l_d
     return total, l_pol, mp, l_d, md
 
@@ -260,10 +264,11 @@ def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_
     """cotrain_step over micro-batches of cfg.micro_batch_rows rows: one forward + backward each,
     the losses divided by the whole batch's counts, then one clip + optimizer step. Loss metrics
     are exact sums; per-token metrics (CE per pass, top-1, clip fraction, simulated tau) are
-    means over micro-batches weighted by their trained-token counts. With `grad_group` (data
+    means over micro-batches weighted by their trained-token counts, except the draft's, which come
+    from its statistics summed over the micro-batches (exact, every pass). With `grad_group` (data
     parallel) the denominators are global: the caller passes the global policy_token_count, the
-    draft's is summed here, and the gradients are summed over the group before the clip; the
-    metrics describe this rank's rows."""
+    draft's is summed here, and the gradients are summed over the group before the clip; the draft's
+    metrics are then global too, the policy's describe this rank's rows."""
     B, m, n = batch.tokens.shape[0], cfg.micro_batch_rows, cfg.draft_row_stride
     use_draft = draft is not None and (cfg.draft_weight > 0 or not train_policy)
     pol_count = policy_token_count if policy_token_count is not None else \
@@ -271,6 +276,7 @@ def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_
     denom = draft_denominator(batch.target_mask, cfg, shift, grad_group) if use_draft else None
     sums: dict = {}
     weights: dict = {}
+    stats = None  # the draft's summed statistics (losses.draft_metrics)
 
     def add(key, value, weight=None):  # weight None: an exact sum; else a weighted mean
         sums[key] = sums.get(key, 0.0) + (value if weight is None else value * weight)
@@ -289,12 +295,15 @@ def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_
             add("policy/clip_frac", mp["policy/clip_frac"], shift(sub.target_mask, 1).float().sum())
         if l_d is not None:
             add("draft/loss", l_d.detach())
-            tok = md.pop("draft/tokens")
-            add("draft/tokens", tok)
-            for k, v in md.items():
-                add(k, v, tok)
+            stats = md["stats"] if stats is None else stats + md["stats"]
         if total.requires_grad:
             total.backward()
     metrics = {k: v / torch.as_tensor(weights[k]).clamp_min(1e-12) if k in weights else v
                for k, v in sums.items()}
+    if use_draft:
+        if stats is None:  # no micro-batch held a draft row (cannot happen: row 0 always trains)
+            raise RuntimeError("micro-batched step: the draft trained on no row")
+        if grad_group is not None:
+            dist.all_reduce(stats, group=grad_group)
+        metrics.update(draft_metrics(stats))
     return _clip_and_step(opt, sched, cfg, train_policy, metrics, grad_group)

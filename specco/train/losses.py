@@ -93,9 +93,23 @@ def draft_loss_parts(draft: Eagle3Draft, pass_outputs: list[torch.Tensor],
     return parts
 
 
+def draft_metrics(stats: torch.Tensor) -> dict:
+    """The draft's metrics from its summed statistics `stats` (4K,) = [N_d, chain hits_d, top-1 hits_d,
+    CE sums_d] for d = 1..K (normalize_draft_loss builds them; micro-batches and ranks add them up, so
+    their metrics are exact): per-pass CE mean and top-1 agreement, the simulated greedy acceptance
+    length 1 + sum_d P(passes 1..d all agree), and the pass-1 target count. 0-dim tensors (no sync)."""
+    n, chain_n, agree_n, ce_n = stats.split(stats.numel() // 4)
+    K = n.numel()
+    metrics = {f"draft/ce_pass{d + 1}": ce_n[d] / n[d].clamp_min(1) for d in range(K)}
+    metrics.update({f"draft/top1_pass{d + 1}": agree_n[d] / n[d].clamp_min(1) for d in range(K)})
+    metrics["draft/sim_accept_len"] = 1.0 + (chain_n / n.clamp_min(1.0)).sum()
+    metrics["draft/tokens"] = n[0]
+    return metrics
+
+
 def normalize_draft_loss(parts: DraftLossParts, pass_weights: list[float],
                          count_group=None, denominator: torch.Tensor | None = None,
-                         ) -> tuple[torch.Tensor, dict]:
+                         return_stats: bool = False):
     """L_draft = sum_d a_d sum_i mask*CE / sum_d a_d N_d.
 
     N_d is the number of valid pass-d targets in the whole global batch: local counts are summed
@@ -104,7 +118,8 @@ def normalize_draft_loss(parts: DraftLossParts, pass_weights: list[float],
     Returns the local loss contribution and metrics (per-pass CE means, top-1 agreement and the
     simulated greedy acceptance length they imply). `denominator` replaces sum_d a_d N_d when the
     batch is processed in micro-batches (the whole batch's value, see cotrain.draft_denominator);
-    the metrics then describe this micro-batch only.
+    the metrics then describe this micro-batch only, and `return_stats` also returns the summed
+    statistics (`draft_metrics`) so the caller can add them up over micro-batches exactly.
     """
     K = len(parts.ce_sum)
     counts = torch.stack([c.detach().to(parts.ce_sum[0].dtype) for c in parts.count])  # (K,)
@@ -119,17 +134,13 @@ def normalize_draft_loss(parts: DraftLossParts, pass_weights: list[float],
                          *torch.stack([c.detach() for c in parts.ce_sum])])
     if count_group is not None:
         dist.all_reduce(stats, group=count_group)
-    n, chain_n, agree_n, ce_n = stats.split(K)
+    n = stats[:K]
     w = torch.tensor(pass_weights[:K], dtype=parts.ce_sum[0].dtype, device=n.device)
     denom = (w * n).sum().clamp_min(1.0) if denominator is None else denominator.to(w.dtype)
     loss = sum(w[d] * parts.ce_sum[d] for d in range(K)) / denom
-    rate = chain_n / n.clamp_min(1.0)
     # Metrics stay 0-dim tensors: a .item() here would stall the host mid-step (see metrics_to_floats).
-    metrics = {f"draft/ce_pass{d + 1}": ce_n[d] / n[d].clamp_min(1) for d in range(K)}
-    metrics.update({f"draft/top1_pass{d + 1}": agree_n[d] / n[d].clamp_min(1) for d in range(K)})
-    metrics["draft/sim_accept_len"] = 1.0 + rate.sum()
-    metrics["draft/tokens"] = n[0]
-    return loss, metrics
+    metrics = draft_metrics(stats)
+    return (loss, metrics, stats) if return_stats else (loss, metrics)
 
 
 def metrics_to_floats(metrics: dict) -> dict:
