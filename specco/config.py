@@ -127,6 +127,7 @@ class TrainSpec:
     # under torch.autocast(bfloat16) with fp32 weights, gradients and optimizer state; "none" = off.
     amp: str = "none"
     checkpoint_every: int = 10
+    keep_checkpoints: int = 2  # newest checkpoints kept per arm (each holds the AdamW state too)
 
     def __post_init__(self):
         _check(self.steps >= 0 and self.sft_steps >= 0 and self.warm_start_steps >= 0,
@@ -137,6 +138,8 @@ class TrainSpec:
         _check(self.clip_eps > 0, f"train.clip_eps={self.clip_eps}: must be > 0")
         _check(self.loss_chunk >= 1, "train.loss_chunk must be >= 1")
         _check(self.sft_batch >= 1, f"train.sft_batch={self.sft_batch}: must be >= 1")
+        _check(self.keep_checkpoints >= 1, f"train.keep_checkpoints={self.keep_checkpoints}: keep at least 1 "
+               "(the run resumes from the newest)")
         _check(self.amp in ("none", "bf16"), f"train.amp={self.amp!r}: use 'none' or 'bf16' (fp16 would need "
                "loss scaling)")
         _check(self.warm_start_batch >= 1,

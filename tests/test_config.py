@@ -28,6 +28,7 @@ def test_toml_file(tmp_path):
     ("rollout.group_size=1", "group_size=1"),
     ("rollout.top_p=0", "top_p"),
     ("rollout.compact_below=1", "compact_below"),
+    ("train.keep_checkpoints=0", "keep at least 1"),
     ("train.steps=abc", "expected int"),
     ("policy.hidden_size=102", "divisible"),
     ("arms=none,bogus", "bogus"),

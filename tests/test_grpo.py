@@ -165,6 +165,15 @@ def test_bf16_recompute_matches_the_step_so_the_ratio_starts_at_one():
     assert abs(m["policy/loss"] - expect.item()) <= 1e-6
 
 
+def test_keep_checkpoints(tmp_path):
+    tok, policy = _setup()
+    for keep in (1, 2):
+        cfg = _cfg(tmp_path, "train.steps=4", f"train.keep_checkpoints={keep}")  # checkpoints at steps 2, 4
+        run_arm(cfg, "none", policy, None, DigitTask(), tok, tmp_path / f"k{keep}", progress=False)
+        kept = sorted(p.name for p in (tmp_path / f"k{keep}" / "ckpt").iterdir())
+        assert kept == ["step_000002", "step_000004"][-keep:], kept
+
+
 def test_arms_rollouts_identically_distributed(tmp_path):
     """Same seed, one RL step each with many samples: the reward distribution of plain and
     speculative rollouts agree within sampling noise (4 standard errors)."""

@@ -286,7 +286,7 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None,
         if st.step % cfg.train.checkpoint_every == 0 or st.step == cfg.train.steps:
             state = _ckpt_state(st, mesh)  # a collective under DP: every rank
             if rank == 0:
-                save_checkpoint(out_dir / "ckpt", st.step, state)
+                save_checkpoint(out_dir / "ckpt", st.step, state, keep=cfg.train.keep_checkpoints)
             if mesh is not None and mesh.dp > 1:
                 dist.barrier(group=mesh.grad_group)  # no rank runs ahead of a half-written checkpoint
     bar.close()
