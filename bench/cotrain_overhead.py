@@ -16,6 +16,7 @@ of them completion tokens, random token ids (timings do not depend on values).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -122,12 +123,12 @@ def main():
         n_dr = sum(p.numel() for p in draft.parameters()) / 1e6
         for amp in a.amp.split(","):
             amp_dtype = AMP_DTYPES[amp]
-            t_pol = timeit(lambda: cotrain_step(policy, None, batch, opt0, None,
-                                                StepConfig(draft_weight=0.0, amp_dtype=amp_dtype)), dev, a.iters)
+            t_pol = timeit(functools.partial(cotrain_step, policy, None, batch, opt0, None,
+                                             StepConfig(draft_weight=0.0, amp_dtype=amp_dtype)), dev, a.iters)
             ratios = {}
             for n in strides:
                 cfg = StepConfig(draft_weight=1.0, ttt_passes=a.K, draft_row_stride=n, amp_dtype=amp_dtype)
-                t = timeit(lambda: cotrain_step(policy, draft, batch, opt1, None, cfg), dev, a.iters)
+                t = timeit(functools.partial(cotrain_step, policy, draft, batch, opt1, None, cfg), dev, a.iters)
                 ratios[n] = t / t_pol
             if a.profile:
                 profile_step(policy, draft, batch, opt0, opt1, StepConfig(draft_weight=1.0, ttt_passes=a.K,

@@ -127,7 +127,7 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     print("wrote", out)
-    print(f"\nkernel check max rel err: " + ", ".join(
+    print("\nkernel check max rel err: " + ", ".join(
         f"{k}={v.get('max_rel_err', float('nan')):.1e}" for k, v in res["kernel_check"].items()))
     print(f"{'S':>6} {'K':>2} {'TTT ms':>8} {'Kx causal ms':>12} {'ratio':>6}   "
           f"({res['trunk_kernel']} trunk, {res['branch_kernel']} branch)")
