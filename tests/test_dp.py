@@ -107,3 +107,28 @@ def _rl_worker(rank, world, tmp):
 @pytest.mark.slow
 def test_dp_rl_loop_resumes_bit_exactly_and_keeps_ranks_in_sync(tmp_path):
     spawn_local(_rl_worker, 2, str(tmp_path))
+
+
+def _eval_worker(rank, world):
+    """The frozen arm's draft metrics under DP (`rl.draft_eval` with count_group): the loss summed over
+    ranks and every draft metric equal the single-process evaluation of the whole batch (fp64)."""
+    from specco.runner.rl import draft_eval
+    full = _batch()
+    policy, draft = _models()
+    cfg = StepConfig(ttt_passes=3, loss_chunk=5, draft_row_stride=2)
+    ref = draft_eval(policy, draft, full, cfg)
+    h = B // world
+    take = lambda t: t[rank * h:(rank + 1) * h]  # noqa: E731
+    local = TrainBatch(tokens=take(full.tokens), target_mask=take(full.target_mask))
+    m = draft_eval(policy, draft, local, cfg, count_group=dist.group.WORLD)
+    total = torch.tensor([m["draft/loss"]], dtype=torch.float64)
+    dist.all_reduce(total)
+    assert abs(total.item() - ref["draft/loss"]) <= 1e-9 * abs(ref["draft/loss"])
+    for key in ref:
+        if key != "draft/loss":
+            assert abs(m[key] - ref[key]) <= 1e-9 * max(1.0, abs(ref[key])), (key, m[key], ref[key])
+
+
+@pytest.mark.slow
+def test_dp_frozen_arm_draft_metrics_are_global():
+    spawn_local(_eval_worker, 2)

@@ -102,10 +102,13 @@ def recompute_logprobs(policy: Policy, tokens: torch.Tensor, cfg: StepConfig) ->
 
 
 @torch.no_grad()
-def draft_eval(policy: Policy, draft: Eagle3Draft, batch: TrainBatch, cfg: StepConfig) -> dict:
-    """Draft TTT metrics (loss per pass, top-1, simulated tau) without training it (frozen arm)."""
+def draft_eval(policy: Policy, draft: Eagle3Draft, batch: TrainBatch, cfg: StepConfig, count_group=None) -> dict:
+    """Draft TTT metrics (loss per pass, top-1, simulated tau) without training it (frozen arm).
+    `count_group` (data parallel): global counts, so the metrics are global and the loss is this
+    rank's share of the global mean (summed over ranks like the co-trained arm's)."""
     with amp_context(cfg, batch.tokens):
-        loss, m = draft_loss(draft, policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids), batch, cfg)
+        loss, m = draft_loss(draft, policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids), batch, cfg,
+                             count_group=count_group)
     m["draft/loss"] = loss
     return metrics_to_floats(m)
 
@@ -203,7 +206,7 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
                      policy_token_count=n_pol)
     t_train = time.perf_counter() - t0
     if st.arm == "frozen":  # metrics only, so outside the timed train step
-        m.update(draft_eval(st.policy, st.draft, batch, step_config(cfg, "cotrained")))
+        m.update(draft_eval(st.policy, st.draft, batch, step_config(cfg, "cotrained"), group))
     # -- refit --------------------------------------------------------------------------------
     t0 = time.perf_counter()
     st.engine.refit(st.policy.state_dict(),
