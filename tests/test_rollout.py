@@ -145,13 +145,6 @@ def test_sampled_groups_differ_and_are_valid():
     assert len({tuple(r.tolist()) for r in groups[0]}) > 1  # independent samples per group
 
 
-def test_kv_cache_repeat_rows():
-    c = KVCache(torch.randn(2, 3, 1, 5, 4), torch.randn(2, 3, 1, 5, 4))
-    r = c.repeat_rows(2)
-    assert r.k.shape == (2, 6, 1, 5, 4)
-    assert torch.equal(r.k[:, 2], c.k[:, 1]) and torch.equal(r.v[:, 3], c.v[:, 1])
-
-
 # -- engine --------------------------------------------------------------------------------------
 def test_engine_refit_loads_and_fails_loudly():
     policy, draft = structured_pair(layer_scale=100.0)

@@ -84,10 +84,6 @@ class KVCache:
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def repeat_rows(self, n: int) -> "KVCache":
-        """Each row repeated n times (row b -> rows b*n .. b*n+n-1): a prompt prefilled once, shared by a group."""
-        return KVCache(self.k.repeat_interleave(n, dim=1), self.v.repeat_interleave(n, dim=1))
-
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """positions: (B, T); k, v: (B, Hkv, T, D). Scatter into the cache at those positions."""
         B, Hkv, T, D = k.shape

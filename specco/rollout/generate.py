@@ -158,7 +158,7 @@ class DecodeRunner:
     graphs read the models' parameters in place, so in-place weight updates (RolloutEngine.refit)
     are seen by the next replay; replacing parameter tensors is not (the engine checks for that).
 
-    Tests and the benchmark drive it step by step: `prefill`, `round`, `all_finished`, `result`;
+    Tests and the benchmark drive it step by step: `prefill`, `round`, `result`;
     `graphs.run(name)` replays a single captured step ('prefill'; 'decode' or 'propose', 'verify',
     'catch_up').
     """
@@ -360,9 +360,6 @@ class DecodeRunner:
         for name in self.order:
             self.graphs.run(name)
         self.num_target_forwards += 1
-
-    def all_finished(self) -> bool:
-        return bool(self.st.finished.all())  # the one host sync per round
 
     @torch.no_grad()
     def run(self):
