@@ -23,8 +23,7 @@ from torch import nn
 
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
-from .generate import (DecodeRunner, GenerateConfig, GenerateOutput, RunnerShape, pad_prompts,
-                       execution_modes, seeded_generator)
+from .generate import DecodeRunner, GenerateConfig, GenerateOutput, pad_prompts, runner_shape, seeded_generator
 
 
 class RefitError(RuntimeError):
@@ -103,9 +102,7 @@ class RolloutEngine:
         if storage != self._storage:  # parameters were replaced, not updated in place
             self._runners.clear()
             self._storage = storage
-        _, bucketed = execution_modes(cfg, self.device)
-        k = cfg.num_draft_tokens if self.draft is not None else 0
-        key = (cfg, RunnerShape.bucket(ids.shape[0], ids.shape[1], group_size, cfg, k, bucketed))
+        key = (cfg, runner_shape(cfg, self.device, self.draft is not None, ids.shape[0], ids.shape[1], group_size))
         runner = self._runners.get(key)
         if runner is None:
             runner = self._runners[key] = DecodeRunner(self.policy, cfg, self.draft)

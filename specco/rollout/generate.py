@@ -142,6 +142,14 @@ def execution_modes(cfg: GenerateConfig, device: torch.device) -> tuple[bool, bo
     return use_graphs, use_graphs if cfg.bucket_shapes is None else cfg.bucket_shapes
 
 
+def runner_shape(cfg: GenerateConfig, device: torch.device, with_draft: bool, num_prompts: int,
+                 prompt_len: int, group_size: int) -> RunnerShape:
+    """The shape (bucket) a DecodeRunner uses for this call: what RolloutEngine keys its runners by."""
+    _, bucketed = execution_modes(cfg, device)
+    k = cfg.num_draft_tokens if with_draft else 0
+    return RunnerShape.bucket(num_prompts, prompt_len, group_size, cfg, k, bucketed)
+
+
 def seeded_generator(device) -> torch.Generator:
     """A fresh generator on `device` seeded from the global torch RNG (reproducible under
     torch.manual_seed): what a generate call without an explicit generator samples with."""
@@ -168,7 +176,7 @@ class DecodeRunner:
         self.policy, self.cfg, self.draft = policy, cfg, draft
         self.device = next(policy.parameters()).device
         self.generator = generator
-        self.use_graphs, self.bucketed = execution_modes(cfg, self.device)
+        self.use_graphs, _ = execution_modes(cfg, self.device)  # (bucketing: runner_shape)
         self.k = cfg.num_draft_tokens if draft is not None else 0
         self.shape: RunnerShape | None = None
         self.st: DecodeState | None = None
@@ -176,8 +184,7 @@ class DecodeRunner:
         self.num_target_forwards = 0
 
     def shape_for(self, num_prompts: int, prompt_len: int, group_size: int) -> RunnerShape:
-        return RunnerShape.bucket(num_prompts, prompt_len, group_size, self.cfg, self.k,
-                                  self.bucketed)
+        return runner_shape(self.cfg, self.device, self.draft is not None, num_prompts, prompt_len, group_size)
 
     # -- prefill ---------------------------------------------------------------------------
     @torch.no_grad()
