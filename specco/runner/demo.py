@@ -5,7 +5,6 @@ was interrupted resumes where it stopped (the RL arms resume from their own chec
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -27,7 +26,7 @@ from ..rollout.engine import RolloutEngine
 from ..train.cotrain import StepConfig
 from ..train.sft import evaluate, sft, tiny_policy_config
 from .report import markdown_table, plot_arms, read_jsonl
-from .rl import generate_config, run_arm, step_config
+from .rl import at_temperature, generate_config, run_arm, step_config
 from .warmstart import measure_tau, new_draft, sample_pool, warm_start
 
 # Pretrained policies' SFT reads task stream `seed + PRETRAINED_SFT_STREAM`, disjoint from the RL
@@ -120,7 +119,7 @@ def engine_accuracy(cfg: RunConfig, policy, tok, task, eval_seed: int = 1) -> di
     res = {"n": len(items)}
     run_gcfg = generate_config(cfg, tok.eos_id, tok.pad_id)
     for name, temp in (("greedy", 0.0), ("T", cfg.rollout.temperature)):
-        gcfg = dataclasses.replace(run_gcfg, sampling=dataclasses.replace(run_gcfg.sampling, temperature=temp))
+        gcfg = at_temperature(run_gcfg, temp)
         out = RolloutEngine(policy, None, gcfg).generate(
             prompts, generator=torch.Generator(device=dev).manual_seed(cfg.train.seed))
         texts = [tok.decode(out.tokens[i, :int(out.lengths[i])]) for i in range(len(items))]
@@ -159,7 +158,7 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
     last = hist[-min(10, len(hist)):] if hist else []
     sim = sum(h["draft/sim_accept_len"] for h in last) / max(1, len(last))
     real = {f"T={T}": measure_tau(policy, draft, task, tok, min(64, cfg.train.warm_start_prompts),
-                                  dataclasses.replace(gcfg, sampling=dataclasses.replace(gcfg.sampling, temperature=T)),
+                                  at_temperature(gcfg, T),
                                   seed=cfg.train.seed + 2000)
             for T in (0.0, cfg.rollout.temperature)}
     metrics = {"warm_time_s": time.perf_counter() - t, "sim_tau_start": hist[0]["draft/sim_accept_len"] if hist else None,

@@ -22,6 +22,7 @@ log-prob gap their max, everything else the mean of the ranks' values. Rank 0 lo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,11 @@ def generate_config(cfg: RunConfig, eos_id: int, pad_id: int) -> GenerateConfig:
                           sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
                           num_draft_tokens=r.k, eos_token_id=eos_id, pad_token_id=pad_id,
                           compact_below=r.compact_below)
+
+
+def at_temperature(gen_cfg: GenerateConfig, temperature: float) -> GenerateConfig:
+    """`gen_cfg` with only the sampling temperature changed (evaluations at T = 0 and the run's T)."""
+    return dataclasses.replace(gen_cfg, sampling=dataclasses.replace(gen_cfg.sampling, temperature=temperature))
 
 
 def step_config(cfg: RunConfig, arm: str) -> StepConfig:
