@@ -214,9 +214,9 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
         return _microbatched_step(policy, draft, batch, opt, sched, cfg, train_policy, shift, attn,
                                   policy_token_count, grad_group)
     use_draft = draft is not None and (cfg.draft_weight > 0 or not train_policy)
-    total, l_pol, mp, l_d, md = _forward_losses(policy, draft, batch, cfg, train_policy, use_draft, shift, attn,
-                                                policy_token_count, count_group=grad_group)
-    metrics: dict = {**mp, **md}
+    total, l_pol, mp, l_d, stats = _forward_losses(policy, draft, batch, cfg, train_policy, use_draft, shift,
+                                                   attn, policy_token_count, count_group=grad_group)
+    metrics: dict = {**mp, **(draft_metrics(stats) if stats is not None else {})}
     if l_pol is not None:
         metrics["policy/loss"] = l_pol.detach()
     if l_d is not None:
@@ -230,12 +230,11 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
 def _forward_losses(policy, draft, batch: TrainBatch, cfg: StepConfig, train_policy: bool, use_draft: bool,
                     shift, attn, policy_token_count, count_group=None, row_start: int = 0, denominator=None):
     """One (micro-)batch's forward and weighted loss, under the step's precision. Returns (total,
-    L_policy or None, its metrics, L_draft or None, its metrics); with a `denominator` (a micro-batch)
-    the draft's metrics are its summed statistics under "stats" (losses.draft_metrics)."""
+    L_policy or None, its metrics, L_draft or None, the draft's summed statistics or None: its
+    metrics are `losses.draft_metrics` of them, after adding them up over micro-batches if any)."""
     tap_ids = draft.cfg.aux_layer_ids if draft is not None else None
-    l_pol = l_d = None
+    l_pol = l_d = stats = None
     mp: dict = {}
-    md: dict = {}
     with amp_context(cfg, batch.tokens):
         with torch.set_grad_enabled(train_policy):
             out = policy(batch.tokens, batch.positions, tap_layers=tap_ids)
@@ -244,11 +243,10 @@ def _forward_losses(policy, draft, batch: TrainBatch, cfg: StepConfig, train_pol
             l_pol, mp = policy_loss(out.logits, batch, cfg, shift, policy_token_count)
             total = total + l_pol
         if use_draft:
-            res = draft_loss(draft, out, batch, cfg, shift, attn, count_group, row_start, denominator,
-                             return_stats=denominator is not None)
-            l_d, md = res[0], ({"stats": res[2]} if denominator is not None else res[1])
+            l_d, _, stats = draft_loss(draft, out, batch, cfg, shift, attn, count_group, row_start, denominator,
+                                       return_stats=True)
             total = total + (cfg.draft_weight if train_policy else 1.0) * l_d
-    return total, l_pol, mp, l_d, md
+    return total, l_pol, mp, l_d, stats
 
 
 def _rows(batch: TrainBatch, a: int, b: int) -> TrainBatch:
@@ -287,15 +285,15 @@ def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_
     for a in range(0, B, m):
         sub = _rows(batch, a, min(B, a + m))
         start = (-a) % n  # the first row of this micro-batch with a global index divisible by n
-        total, l_pol, mp, l_d, md = _forward_losses(policy, draft, sub, cfg, train_policy,
-                                                    use_draft and start < sub.tokens.shape[0], shift, attn,
-                                                    pol_count, row_start=start, denominator=denom)
+        total, l_pol, mp, l_d, sub_stats = _forward_losses(policy, draft, sub, cfg, train_policy,
+                                                           use_draft and start < sub.tokens.shape[0], shift, attn,
+                                                           pol_count, row_start=start, denominator=denom)
         if l_pol is not None:
             add("policy/loss", l_pol.detach())
             add("policy/clip_frac", mp["policy/clip_frac"], shift(sub.target_mask, 1).float().sum())
         if l_d is not None:
             add("draft/loss", l_d.detach())
-            stats = md["stats"] if stats is None else stats + md["stats"]
+            stats = sub_stats if stats is None else stats + sub_stats
         if total.requires_grad:
             total.backward()
     metrics = {k: v / torch.as_tensor(weights[k]).clamp_min(1e-12) if k in weights else v
