@@ -22,7 +22,8 @@ attended locally and merged with the ring result (`branch_merge_fwd`, one fused 
 Backward (the §3 identity): each block's backward, evaluated with the JOINT (out, lse) and dout,
 is exactly that block's share of the gradient. K/V travel the ring again; the dK/dV of a visiting
 shard accumulate in an fp32 buffer that travels with it (one hop behind), each rank adding its share
-in place, and arrives home after a full cycle. No rank ever holds more than its own shard plus one visiting shard of K/V.
+in place, and arrives home after a full cycle. No rank ever holds more than its own shard plus one
+visiting shard of K/V.
 
 Packing: attention never crosses a sequence border — blocks are per sequence (a Python loop: fine
 for correctness on CPU; the long single-sequence case, one block per step, is the performance case).

@@ -1,7 +1,8 @@
 """Losses of the co-training step: the draft's TTT soft cross-entropy and the GRPO policy loss.
 
 One home per formula: `soft_cross_entropy`, `normalize_draft_loss` (L_draft), `grpo_advantages`,
-`clipped_surrogate`. Their metrics are 0-dim tensors; `metrics_to_floats` converts them. Process groups are arguments (None = single process).
+`clipped_surrogate`, and `draft_metrics` for the draft's metrics. Metrics are 0-dim tensors;
+`metrics_to_floats` converts them. Process groups are arguments (None = single process).
 """
 from __future__ import annotations
 
