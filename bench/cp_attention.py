@@ -176,8 +176,8 @@ def _sdpa_fwd_bwd(T, H, D, device, dtype, cudnn):
     return run
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_problem_args(ap: argparse.ArgumentParser) -> None:
+    """The ring problem's arguments, shared with bench/cp_kernels.py: sizes, ring degrees, heads, branch."""
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--seqs", default="8192,16384,32768")
     ap.add_argument("--cps", default="2,4,8")
@@ -185,6 +185,11 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--branch", type=int, default=2, help="P branch keys per anchor (pass P+1); 0 = trunk only")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_problem_args(ap)
     ap.add_argument("--dtype", default=None, help="default bf16 on cuda, fp32 on cpu")
     ap.add_argument("--impl", default=None, help="force an adapter kernel: flash / cudnn / cpu_flash / torch")
     ap.add_argument("--iters", type=int, default=10)

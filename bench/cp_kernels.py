@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import timeit  # noqa: E402
-from cp_attention import RankReplay, _graphed_time, _sdpa_fwd_bwd, make_inputs  # noqa: E402
+from cp_attention import RankReplay, _graphed_time, _sdpa_fwd_bwd, add_problem_args, make_inputs  # noqa: E402
 from specco.ops import sdpa_adapter as ad  # noqa: E402
 from specco.parallel import ring_attention  # noqa: E402
 
@@ -198,14 +198,8 @@ def profile(dev, seqs, cps, H, Hkv, D, P, dtype, variant, reps=5):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda")
+    add_problem_args(ap)
     ap.add_argument("--parts", default="check,variants,profile")
-    ap.add_argument("--seqs", default="8192,16384,32768")
-    ap.add_argument("--cps", default="2,4,8")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--branch", type=int, default=2)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile-variant", default="all (+fused merge)", choices=sorted(VARIANTS))
     ap.add_argument("--out", default=None)
