@@ -214,13 +214,14 @@ def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
     mode = cfg.task.mode if cfg.policy.source == "tiny" else "chat"
     task = get_task(cfg.task.name, mode=mode, tokenizer=tok, cot_fraction=cfg.task.cot_fraction,
                     **task_overrides(cfg))
-    if cfg.policy.source == "tiny":
-        ev = evaluate(policy, tok, task, n=cfg.task.eval_size, temperature=cfg.rollout.temperature)
-        sft_m["accuracy_T"] = ev["accuracy"]
-    else:  # after the format SFT (if any); the "before" figures are in sft_m["before"]
-        sft_m["after"] = engine_accuracy(cfg, policy, tok, task)
-        sft_m["accuracy_T"] = sft_m["after"]["accuracy_T"]
-        _say(f"      accuracy of the RL starting policy: {sft_m['after']}", progress)
+    if rank == 0:  # the report's accuracy figures; other data-parallel ranks skip the evaluation
+        if cfg.policy.source == "tiny":
+            ev = evaluate(policy, tok, task, n=cfg.task.eval_size, temperature=cfg.rollout.temperature)
+            sft_m["accuracy_T"] = ev["accuracy"]
+        else:  # after the format SFT (if any); the "before" figures are in sft_m["before"]
+            sft_m["after"] = engine_accuracy(cfg, policy, tok, task)
+            sft_m["accuracy_T"] = sft_m["after"]["accuracy_T"]
+            _say(f"      accuracy of the RL starting policy: {sft_m['after']}", progress)
     draft, warm_m = prepare_draft(cfg, policy, tok, task, out, progress)
     if rank == 0 and mesh is not None:
         dist.barrier()  # releases the other ranks: the SFT policy and warm draft are on disk
