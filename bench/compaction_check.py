@@ -30,7 +30,7 @@ def _gen(policy, draft, prompts, cfg, G, seed):
     r = DecodeRunner(policy, cfg, draft)
     r.prefill(prompts, G, generator=torch.Generator(device="cuda").manual_seed(seed))
     r.run()
-    return r.result(), len(r._levels)
+    return r.result(), len(r.levels)
 
 
 def main():

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import inspect
 import json
 import statistics
@@ -59,7 +60,12 @@ from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.rollout.engine import RolloutEngine  # noqa: E402
+from specco.rollout.control import SpecController  # noqa: E402
 from specco.rollout.generate import DecodeRunner, GenerateConfig, generate  # noqa: E402
+from specco.rollout.forward import RopeTable, policy_forward  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import timeit  # noqa: E402
+from anchor import anchor_step_time, copy_bandwidth  # noqa: E402
 from specco.rollout.sampling import SamplingParams  # noqa: E402
 
 MODELS = {
@@ -159,12 +165,15 @@ def check_graphs(policy, draft, args, vocab):
 
 
 @torch.no_grad()
-def graph_floor(policy, batch, cache_len, device, iters):
-    """Bare CUDA-graph replay of one decode forward (logits included), static cache."""
+def graph_floor(policy, batch, cache_len, pos_at, device, iters):
+    """Diagnostic: bare CUDA-graph replay of the engine's decode forward alone (logits included, no
+    sampling or bookkeeping) at KV position `pos_at`."""
     cache = policy.new_cache(batch, cache_len)
+    rope = RopeTable.build(policy.cfg.head_dim, policy.cfg.rope_theta, cache_len, device,
+                           policy.embed_tokens.weight.dtype)
     tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
-    pos = torch.full((batch, 1), cache_len // 2, dtype=torch.long, device=device)
-    fn = lambda: policy(tok, pos, cache)  # noqa: E731
+    pos = torch.full((batch, 1), pos_at, dtype=torch.long, device=device)
+    fn = lambda: policy_forward(policy, tok, pos, cache, rope)  # noqa: E731
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -185,28 +194,61 @@ def isolated(runner, name, device, iters):
     """
     saved = [t.clone() for t in runner.st.small_tensors()]
     runner.st.finished.fill_(True)
-    t = timed(lambda: runner.graphs.run(name), device, iters)
+    level = runner.level
+    t = timed(lambda: level.graphs[level.k].run(name), device, iters)
     for dst, src in zip(runner.st.small_tensors(), saved):
         dst.copy_(src)
     return t
 
 
+def floors(policy, batch, pos, tokens, bw, peak_flops=700e12):
+    """Physical floors of one forward of `tokens` new tokens per row at KV position `pos`:
+    (weight + live-KV bytes) / measured copy bandwidth, and matmul FLOPs / peak (dense bf16 ~700
+    TFLOP/s sustained on the H200). Returns seconds (bytes floor, FLOPs floor)."""
+    c = policy.cfg
+    params = {p.data_ptr(): p for p in policy.parameters()}.values()  # tied weights once
+    el = next(iter(params)).element_size()
+    weight_bytes = sum(p.numel() for p in params) * el - c.vocab_size * c.hidden_size * el * (
+        0 if c.tie_word_embeddings else 1)  # the embedding table is gathered, not read, when untied
+    kv_bytes = batch * c.num_layers * 2 * c.num_kv_heads * c.head_dim * (pos + tokens) * el
+    matmul_params = sum(p.numel() for n, p in policy.named_parameters() if p.dim() == 2 and "embed" not in n)
+    if c.tie_word_embeddings:
+        matmul_params += c.vocab_size * c.hidden_size  # the head
+    attn_flops = 4 * batch * tokens * c.num_layers * c.num_heads * c.head_dim * (pos + tokens)
+    flops = 2 * matmul_params * batch * tokens + attn_flops
+    return (weight_bytes + kv_bytes) / bw, flops / peak_flops
+
+
 @torch.no_grad()
-def bench_batch(policy, draft, args, batch, device):
+def bench_batch(policy, draft, args, batch, device, bw):
     k, iters = args.k, args.iters
-    T = (args.iters + 4) * (k + 1) + 2  # rows must stay live for all timed rounds
+    T = max(args.max_new, (args.iters + 4) * (k + 1) + 2)  # rows must stay live for all timed rounds
     sampling = SamplingParams(temperature=args.temperature)
-    cfg = GenerateConfig(max_new_tokens=T, sampling=sampling, num_draft_tokens=k)
+    cfg = GenerateConfig(max_new_tokens=T, sampling=sampling, num_draft_tokens=k, spec_control=False)
     prompts = prompts_for(args, batch, draft.cfg.draft_vocab_size if draft else policy.cfg.vocab_size)
-    res = {"batch": batch}
+    res = {"batch": batch, "kv_position": args.prompt_len, "max_new_tokens": T}
 
     plain = DecodeRunner(policy, cfg, None, torch.Generator(device).manual_seed(0))
     plain.prefill(prompts)
     t_step = timed(plain.round, device, iters)
-    res.update(t_step_ms=t_step * 1e3, plain_tok_s=batch / t_step)
+    res.update(t_step_ms=t_step * 1e3, plain_tok_s=batch / t_step, cache_len=plain.shape.cache_len)
     if device == "cuda":
-        t_floor = graph_floor(policy, batch, plain.st.t_cache.max_len, device, iters)
-        res.update(t_floor_ms=t_floor * 1e3, step_over_floor=t_step / t_floor)
+        pos = args.prompt_len
+        dtype = policy.embed_tokens.weight.dtype
+        t_anchor = anchor_step_time(policy.cfg, batch, pos, 1, dtype, max(args.temperature, 1e-3), True, timeit)
+        t_anchor_eager = anchor_step_time(policy.cfg, batch, pos, 1, dtype, max(args.temperature, 1e-3), False,
+                                          timeit)
+        f_bytes, f_flops = floors(policy, batch, pos, 1, bw)
+        t_diag = graph_floor(policy, batch, plain.st.t_cache.max_len, pos, device, iters)
+        res.update(t_anchor_ms=t_anchor * 1e3, t_anchor_graphed_eager_ms=t_anchor_eager * 1e3,
+                   step_over_anchor=t_step / t_anchor, floor_ms=max(f_bytes, f_flops) * 1e3,
+                   step_over_floor=t_step / max(f_bytes, f_flops), t_forward_graph_ms=t_diag * 1e3)
+        if draft is not None:
+            t_anchor_verify = anchor_step_time(policy.cfg, batch, pos, k + 1, dtype,
+                                               max(args.temperature, 1e-3), True, timeit)
+            v_bytes, v_flops = floors(policy, batch, pos, k + 1, bw)
+            res.update(t_anchor_verify_ms=t_anchor_verify * 1e3, anchor_verify_over_step=t_anchor_verify / t_anchor,
+                       verify_floor_bytes_ms=v_bytes * 1e3, verify_floor_flops_ms=v_flops * 1e3)
     del plain
 
     if draft is not None:
@@ -223,29 +265,32 @@ def bench_batch(policy, draft, args, batch, device):
         t_catch = isolated(spec, "catch_up", device, iters)
         t_draft = (t_propose + t_catch) / k
         spec_tps = (e1 - e0) / (t_round * iters)
+        ideal = tau * t_step / (t_verify + k * t_draft)
         res.update(tau=tau, accept_rate=(spec.st.n_accepted.double() / f1).tolist(),
                    t_round_ms=t_round * 1e3, t_verify_ms=t_verify * 1e3,
                    t_propose_ms=t_propose * 1e3, t_catch_up_ms=t_catch * 1e3,
                    t_draft_ms=t_draft * 1e3, verify_over_step=t_verify / t_step,
-                   spec_tok_s=spec_tps, speedup=spec_tps / res["plain_tok_s"],
-                   ideal_speedup=tau * t_step / (t_verify + k * t_draft))
+                   spec_tok_s=spec_tps, speedup=spec_tps / res["plain_tok_s"], ideal_speedup=ideal,
+                   speedup_over_ideal=spec_tps / res["plain_tok_s"] / ideal)
+        if device == "cuda":
+            res["verify_over_floor"] = t_verify / max(res["verify_floor_bytes_ms"], res["verify_floor_flops_ms"]) * 1e3
+        del spec
+        if device == "cuda":  # speculation control: the k the engine picks, and what it gets
+            ctl_cfg = dataclasses.replace(cfg, spec_control=True)
+            ctl = SpecController(k)
+            run = DecodeRunner(policy, ctl_cfg, draft, torch.Generator(device).manual_seed(1), ctl)
+            run.prefill(prompts)  # a first call teaches the controller this pair's acceptance
+            for _ in range(4):
+                run.round()
+            run.result()
+            run.prefill(prompts)
+            e0 = int(run.st.n_emitted)
+            t_ctl = timed(run.round, device, iters, warmup=0)
+            tps = (int(run.st.n_emitted) - e0) / (t_ctl * iters)
+            ch = run.level.choice
+            res.update(control_k=ch.k, control_predicted_speedup=ch.predicted_speedup,
+                       control_speedup=tps / res["plain_tok_s"], control_costs_ms=ch.costs_ms)
     return res
-
-
-@torch.no_grad()
-def attention_kernel(policy, device):
-    """Which SDPA kernel family a cached decode forward can use: 'efficient' if it runs with only
-    the memory-efficient kernel allowed (else it fell back to the math path)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    cache = policy.new_cache(4, 160)
-    tok = torch.zeros(4, 1, dtype=torch.long, device=device)
-    pos = torch.full((4, 1), 70, dtype=torch.long, device=device)
-    try:
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
-            policy(tok, pos, cache)
-        return "efficient"
-    except RuntimeError:
-        return "math (efficient kernel refused the call)"
 
 
 def rl_prompts(args, call, vocab):
@@ -275,7 +320,7 @@ def bench_rl(policy, draft, args, device):
     for arm, d in (("plain", None), ("spec", draft)):
         engine = make_engine(policy, d, cfg, not args.no_graph_cache)
         gen = torch.Generator(device).manual_seed(0)
-        times, toks, taus = [], 0, []
+        times, toks, taus, ks = [], 0, [], []
         for call in range(args.rl_warmup + args.rl_calls):
             prompts = rl_prompts(args, call, vocab)
             if device == "cuda":
@@ -287,13 +332,15 @@ def bench_rl(policy, draft, args, device):
             if call >= args.rl_warmup:
                 toks += n_tok
                 taus.append(out.tau)
+                ks.append([(c.rows, c.k, round(c.predicted_speedup, 3)) for c in out.choices])
         timed_s = times[args.rl_warmup:]
         res[arm] = dict(first_call_ms=times[0] * 1e3, median_call_ms=statistics.median(timed_s) * 1e3,
                         mean_call_ms=statistics.mean(timed_s) * 1e3, tok_s=toks / sum(timed_s),
-                        tau=statistics.mean(taus), calls_ms=[t * 1e3 for t in times])
+                        tau=statistics.mean(taus), calls_ms=[t * 1e3 for t in times], k_chosen=ks)
         print(f"rl-like {arm:5s}: first call {res[arm]['first_call_ms']:8.1f} ms, median "
               f"{res[arm]['median_call_ms']:7.2f} ms/call, {res[arm]['tok_s']:9.0f} tok/s, "
-              f"tau {res[arm]['tau']:.2f}", flush=True)
+              f"tau {res[arm]['tau']:.2f}  (rows, k, predicted) per level, last call: "
+              f"{ks[-1] if ks else None}", flush=True)
     res["speedup"] = res["plain"]["median_call_ms"] / res["spec"]["median_call_ms"]
     return res
 
@@ -348,13 +395,11 @@ def summarize(paths):
             print(f"{name:34s} {'rl':8s} {'speedup':14s} {r['speedup']:.2f}x (spec vs plain, median call)")
         for r in d.get("results", []):
             line = f"step {r['t_step_ms']:.3f} ms"
-            if "t_floor_ms" in r:
-                line += f"  floor {r['t_floor_ms']:.3f} ms ({r['step_over_floor']:.2f})"
+            if "t_anchor_ms" in r:
+                line += f"  anchor {r['t_anchor_ms']:.3f} ms ({r['step_over_anchor']:.2f})  floor ({r['step_over_floor']:.2f})"
             if "speedup" in r:
                 line += f"  spec {r['speedup']:.2f}x tau {r['tau']:.2f} verify/step {r['verify_over_step']:.2f}"
             print(f"{name:34s} {d['meta'].get('model', ''):8s} B={r['batch']:<12d} {line}")
-        if d["meta"].get("attention_kernel"):
-            print(f"{name:34s} {'':8s} {'attention':14s} {d['meta']['attention_kernel']}")
 
 
 def main():
@@ -372,7 +417,9 @@ def main():
                     "runs' 3.4" % {"RL": RL_DRAFT_SCALE})
     ap.add_argument("--policy-layer-scale", type=float, default=0.0)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=128, help="also the KV position of the timed steps")
+    ap.add_argument("--max-new", type=int, default=0,
+                    help="max_new_tokens of the timed generation (sets S_max; default: just what timing needs)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                     help="default: bfloat16 on cuda (float32 + TF32 with --rl-like), float32 on cpu")
@@ -415,7 +462,6 @@ def main():
     meta.update(dtype=str(dtype), torch=torch.__version__,
                 gpu=torch.cuda.get_device_name() if device == "cuda" else None,
                 graphs=device == "cuda", impl=str(Path(_IMPL).resolve()) if _IMPL else "checkout",
-                attention_kernel=attention_kernel(policy, device) if device == "cuda" else None,
                 note="synthetic agreeing draft (see docstring); tau is by construction"
                 if args.draft == "self" else "")
     result = {"meta": meta}
@@ -426,16 +472,22 @@ def main():
         name = f"rollout_rl_{device}.json"
     else:
         rows = []
+        bw = copy_bandwidth() if device == "cuda" else None
+        meta["copy_bandwidth_TBps"] = bw / 1e12 if bw else None
         for b in [int(x) for x in args.batch_sizes.split(",")]:
-            r = bench_batch(policy, draft, args, b, device)
+            r = bench_batch(policy, draft, args, b, device, bw)
             rows.append(r)
             line = (f"B={b:3d} step {r['t_step_ms']:7.3f} ms  plain {r['plain_tok_s']:9.1f} tok/s")
-            if "t_floor_ms" in r:
-                line += f"  floor {r['t_floor_ms']:.3f} ms (step/floor {r['step_over_floor']:.2f})"
+            if "t_anchor_ms" in r:
+                line += (f"  anchor {r['t_anchor_ms']:.3f} ms (step/anchor {r['step_over_anchor']:.2f})  floor "
+                         f"{r['floor_ms']:.3f} ms (step/floor {r['step_over_floor']:.2f})")
             if "tau" in r:
                 line += (f"  | spec {r['spec_tok_s']:9.1f} tok/s  tau {r['tau']:.2f}  verify "
                          f"{r['t_verify_ms']:.3f} ms  draft {r['t_draft_ms']:.3f} ms  speedup "
-                         f"{r['speedup']:.2f} (ideal {r['ideal_speedup']:.2f})")
+                         f"{r['speedup']:.2f} (ideal {r['ideal_speedup']:.2f}, verify/step {r['verify_over_step']:.2f})")
+            if "control_k" in r:
+                line += (f"  | control k={r['control_k']} predicted {r['control_predicted_speedup']:.2f} "
+                         f"measured {r['control_speedup']:.2f}")
             print(line, flush=True)
         result["results"] = rows
         name = f"rollout_{device}.json"

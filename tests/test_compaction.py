@@ -93,7 +93,7 @@ def test_compaction_changes_no_output(kind, sampling):
     ref, _ = _run(policy, draft, prompts, off, G, seed=5)
     got, runner = _run(policy, draft, prompts, on, G, seed=5)
     assert (ref.lengths < T).sum() >= 24 and (ref.lengths == T).any(), "rows should finish at many rounds"
-    assert runner._levels, "compaction never happened: the test would prove nothing"
+    assert runner.levels, "compaction never happened: the test would prove nothing"
     _assert_same(got, ref)
     # The runner is reused: a second call (new prompts, same shape bucket) goes through the kept
     # compacted states and must again match a generation without compaction.
@@ -121,7 +121,7 @@ def test_compaction_nests():
         size = compaction.compact_size(live, runner.st.finished.numel(), on.compact_below)
         if size is not None:
             runner._compact(size)
-        depth = max(depth, len(runner._chain))
+        depth = max(depth, len(runner.chain))
         runner.round()
     got = runner.result()
     ref, _ = _run(policy, None, prompts, off, G, seed=3)
@@ -156,5 +156,5 @@ def test_compaction_with_bucket_padding_rows():
     off = GenerateConfig(**{**base.__dict__, "eos_token_id": eos, "compact_below": 0.0, "bucket_shapes": False})
     got, runner = _run(policy, draft, prompts, on, 4, seed=11)
     ref, _ = _run(policy, draft, prompts, off, 4, seed=11)
-    assert runner.shape.prompts == 16 and runner._levels
+    assert runner.shape.prompts == 16 and runner.levels
     _assert_same(got, ref)

@@ -7,6 +7,8 @@ up to kernel choice; observed differences are ~1e-6.
 import pytest
 import torch
 
+from specco.rollout.forward import RopeTable, policy_forward
+
 transformers = pytest.importorskip("transformers")
 
 from specco.model.hf_io import load_policy, save_policy  # noqa: E402
@@ -58,10 +60,13 @@ def test_cached_decode_matches_full_forward(tmp_path):
     with torch.no_grad():
         full = m(ids).logits
         cache = m.new_cache(2, 32)
+        rope = RopeTable.build(m.cfg.head_dim, m.cfg.rope_theta, 32, "cpu", torch.float32)
         pos = torch.arange(12).expand(2, 12)
-        a = m(ids[:, :7], pos[:, :7], cache).logits
-        b = m(ids[:, 7:], pos[:, 7:], cache).logits
-    assert torch.allclose(torch.cat([a, b], 1), full, atol=1e-5)
+        a = policy_forward(m, ids[:, :7], pos[:, :7], cache, rope, prefill=True)[0]  # the prompt
+        b = policy_forward(m, ids[:, 7:10], pos[:, 7:10], cache, rope)[0]  # a verify-like block
+        c = torch.cat([policy_forward(m, ids[:, t:t + 1], pos[:, t:t + 1], cache, rope)[0]
+                       for t in (10, 11)], 1)  # token by token
+    assert torch.allclose(torch.cat([a, b, c], 1), full, atol=1e-5)
 
 
 def test_taps_are_detached_and_ordered():

@@ -3,7 +3,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specco.model.layers import KVCache, cached_attention
 from specco.rollout.engine import RefitError, RolloutEngine
 from specco.rollout.generate import GenerateConfig, generate
 from specco.rollout.sampling import (SamplingParams, processed_logprobs, processed_probs,
@@ -122,7 +121,8 @@ def test_group_prefill_once_and_greedy_groups_identical(speculative):
     policy, draft = structured_pair(layer_scale=100.0)
     prompts, G = _prompts(32), 3
     batch_sizes = []
-    hook = policy.register_forward_hook(lambda m, args, out: batch_sizes.append(out.hidden.shape[0]))
+    # the head runs once per target forward: on the prompts' last positions in the prefill, then per row
+    hook = policy.lm_head.register_forward_hook(lambda m, args, out: batch_sizes.append(out.shape[0]))
     cfg = GenerateConfig(max_new_tokens=10, sampling=GREEDY, num_draft_tokens=2)
     out = generate(policy, prompts, cfg, draft=draft if speculative else None, group_size=G)
     hook.remove()
@@ -285,35 +285,6 @@ def test_cuda_graphed_engine_after_refit_equals_eager(speculative):
     ref = generate(new_policy, prompts, GenerateConfig(max_new_tokens=12, sampling=GREEDY,
                                                        use_graphs=False), group_size=2)
     assert torch.equal(got.tokens, ref.tokens)
-
-
-# -- cached attention ----------------------------------------------------------------------------
-def _masked_gqa_reference(q, positions, cache, layer):
-    """The defining semantics: SDPA with GQA and a boolean mask key_pos <= query position."""
-    k, v = cache.k[layer], cache.v[layer]
-    mask = torch.arange(cache.max_len)[None, None, None, :] <= positions[:, None, :, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                          enable_gqa=k.shape[1] != q.shape[1])
-
-
-@pytest.mark.parametrize("B,H,Hkv,T,S", [(3, 8, 2, 1, 37), (2, 4, 4, 5, 20), (2, 6, 2, 7, 50)])
-def test_cached_attention_matches_masked_gqa(B, H, Hkv, T, S):
-    g = torch.Generator().manual_seed(0)
-    D, L = 16, 3
-    cache = KVCache(torch.randn(L, B, Hkv, S, D, generator=g), torch.randn(L, B, Hkv, S, D, generator=g))
-    q = torch.randn(B, T, H, D, generator=g).transpose(1, 2)  # strided, like Attention.qkv's
-    positions = torch.randint(0, S - T, (B, 1), generator=g) + torch.arange(T)
-    for layer in range(L):  # layers 1.. reuse layer 0's bias (one forward)
-        torch.testing.assert_close(cached_attention(q, positions, cache, layer),
-                                   _masked_gqa_reference(q, positions, cache, layer),
-                                   atol=1e-5, rtol=1e-5)
-    assert cache._bias_memo[2] == L - 1
-    # a new forward (layer 0 again) or an in-place change of positions rebuilds the bias
-    positions.add_(1)
-    for layer in (1, 0):
-        torch.testing.assert_close(cached_attention(q, positions, cache, layer),
-                                   _masked_gqa_reference(q, positions, cache, layer),
-                                   atol=1e-5, rtol=1e-5)
 
 
 def test_engine_rejects_mismatched_draft():

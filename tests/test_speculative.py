@@ -17,6 +17,7 @@ from scipy.stats import chisquare
 
 import specco.rollout.acceptance as acceptance
 from specco.rollout.acceptance import Verdict, verify_sampling
+from specco.rollout.forward import RopeTable, draft_step, policy_forward
 from specco.rollout.generate import DecodeRunner, GenerateConfig, generate
 from specco.rollout.sampling import SamplingParams, processed_probs, sample_from_probs
 from test_rollout_helpers import one_thread, random_draft, structured_pair, tiny_policy  # noqa: F401
@@ -202,16 +203,19 @@ def test_caches_equal_fresh_recompute(params, group_size):
         assert n == seq.numel() - 1 and int(st.last_tok[b]) == int(seq[-1])
         # target: a fresh cached prefill of x_0..x_{n-1}
         t_cache = policy.new_cache(1, st.t_cache.max_len)
-        ref = policy(seq[None, :n], None, t_cache, tap_layers=draft.cfg.aux_layer_ids)
+        rope = RopeTable.build(policy.cfg.head_dim, policy.cfg.rope_theta, st.t_cache.max_len, "cpu",
+                               torch.float32)
+        _, _, taps = policy_forward(policy, seq[None, :n], torch.arange(n)[None], t_cache, rope,
+                                    tap_layers=draft.cfg.aux_layer_ids, prefill=True)
         torch.testing.assert_close(st.t_cache.k[:, b, :, :n], t_cache.k[:, 0, :, :n],
                                    atol=1e-5, rtol=0)
         torch.testing.assert_close(st.t_cache.v[:, b, :, :n], t_cache.v[:, 0, :, :n],
                                    atol=1e-5, rtol=0)
         # draft: pass 1 over anchors 0..n-1 with the full forward's taps and emb(x_1..x_n)
         d_cache = draft.new_cache(1, st.d_cache.max_len)
-        logits, hidden = draft.step(draft.project_taps(ref.taps.aux),
+        logits, hidden = draft_step(draft, draft.project_taps(taps.aux),
                                     policy.embed_tokens(seq[None, 1:]),
-                                    torch.arange(n)[None], d_cache)
+                                    torch.arange(n)[None], d_cache, rope, prefill=True)
         torch.testing.assert_close(st.d_cache.k[0, b, :, :n], d_cache.k[0, 0, :, :n],
                                    atol=1e-5, rtol=0)
         torch.testing.assert_close(st.d_cache.v[0, b, :, :n], d_cache.v[0, 0, :, :n],

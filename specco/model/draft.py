@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .config import DraftConfig
-from .layers import Attention, KVCache, RMSNorm, SwiGLU, rope_cos_sin
+from .layers import Attention, KVCache, RMSNorm, SwiGLU
 
 
 def build_vocab_maps(token_counts: torch.Tensor, draft_vocab_size: int):
@@ -102,7 +102,7 @@ class Eagle3Draft(nn.Module):
         out = draft_logits.new_full((*draft_logits.shape[:-1], self.cfg.target_vocab_size), fill)
         return out.index_copy(-1, self.draft_to_target, draft_logits)
 
-    # -- inference (chained drafting with a position-indexed KV cache) ---------------------
+    # -- inference: the cached step is rollout/forward.py's `draft_step` over these parameters --
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> KVCache:
         p = self.fc.weight
         c = self.cfg
@@ -113,26 +113,14 @@ class Eagle3Draft(nn.Module):
         """aux taps (B, S, k*h) -> pass-1 hidden input (B, S, h)."""
         return self.fc(aux.to(self.fc.weight.dtype))
 
-    def step(self, hidden: torch.Tensor, emb: torch.Tensor, positions: torch.Tensor,
-             cache: KVCache):
-        """One draft forward for tokens at RoPE `positions` (B, T), writing K/V into `cache`.
-
-        hidden: (B, T, h) = fc(taps) for pass 1, or the previous pass's output for pass d >= 2.
-        emb: (B, T, h) policy embedding of the token each slot predicts from.
-        Returns (draft logits (B, T, Vd), hidden out before the final norm (B, T, h)).
-        """
-        layer = self.midlayer
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, hidden.dtype)
-        attn = layer.self_attn(layer.attn_input(hidden, emb), cos, sin, positions, cache, 0)
-        out = layer.finish(hidden, attn)
-        return self.lm_head(self.norm(out)), out
-
     # -- checkpoint ------------------------------------------------------------------------
     def save(self, path: str | os.PathLike):
         from safetensors.torch import save_file
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        # clone: the fused projections' state-dict entries are views sharing one tensor (layers.fuse_linears),
+        # which safetensors refuses to write
+        sd = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
         tmp = path / "model.safetensors.tmp"
         save_file(sd, str(tmp), metadata={"format": "pt"})
         os.replace(tmp, path / "model.safetensors")

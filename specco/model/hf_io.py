@@ -33,7 +33,7 @@ def save_policy(model: Policy, path: str | os.PathLike) -> None:
     for k, v in model.state_dict().items():
         if k == "lm_head.weight" and model.cfg.tie_word_embeddings:
             continue
-        sd[_to_hf_key(k)] = v.detach().contiguous().cpu()
+        sd[_to_hf_key(k)] = v.detach().cpu().clone()  # clone: fused-projection views share storage
     tmp = path / "model.safetensors.tmp"
     save_file(sd, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, path / "model.safetensors")

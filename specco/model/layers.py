@@ -1,7 +1,9 @@
 """Building blocks shared by the policy and the draft: RMSNorm, RoPE, SwiGLU, attention, KV cache.
 
 Plain single-device modules: nothing here knows about torch.distributed. The attention core is a
-swappable callable (`Attention.core`) so context parallelism can replace it from outside.
+swappable callable (`Attention.core`) so context parallelism can replace it from outside. These are
+the training forwards; the rollout engine's cached decode path (rollout/forward.py) reads the same
+parameters through fused kernels whose torch twins are the formulas here.
 """
 from __future__ import annotations
 
@@ -10,6 +12,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# The formulas live beside their fused decode kernels (ops/decode_kernels.py), one home each.
+from ..ops.decode_kernels import rms_norm_reference as rms_norm
+from ..ops.decode_kernels import rope_reference
 
 
 class RMSNorm(nn.Module):
@@ -21,10 +27,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
@@ -43,20 +46,52 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (B, H, S, D); cos/sin: (B, S, D). Rotates pairs (x_j, x_{j+D/2})."""
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, D) broadcast over heads
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return rope_reference(x, cos[:, None], sin[:, None])  # cos/sin (B, 1, S, D) broadcast over heads
+
+
+def fuse_linears(module: nn.Module, fused: str, parts: list[tuple[str, int]]):
+    """Let `module.<fused>` (one Linear whose output rows are the `parts`, in order) load and save as
+    the separate Linears `parts` name — the Hugging Face layout (`q_proj`, `k_proj`, `v_proj`;
+    `gate_proj`, `up_proj`).
+
+    Why fused: one GEMM instead of three (two) per layer, which at decode — where each GEMM is a
+    latency-bound launch — is most of the saving; it is the same function (each output row is the same
+    dot product). `state_dict()` returns the parts as row-slice *views* of the fused tensor, so an
+    in-place `copy_` into them (the rollout engine's refit) writes the fused weight; loading a state
+    dict with the parts concatenates them. A state dict holding the fused key itself also loads.
+    """
+    sizes = [n for _, n in parts]
+
+    def save_hook(mod, state, prefix, local_metadata):
+        for suffix in ("weight", "bias"):
+            key = f"{prefix}{fused}.{suffix}"
+            if key in state:
+                for (name, _), piece in zip(parts, state.pop(key).split(sizes, dim=0)):
+                    state[f"{prefix}{name}.{suffix}"] = piece
+
+    def load_hook(mod, state, prefix, local_metadata, strict, missing, unexpected, errors):
+        for suffix in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{suffix}" for name, _ in parts]
+            if all(k in state for k in keys):
+                state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(k) for k in keys], dim=0)
+
+    module.register_state_dict_post_hook(save_hook)
+    module.register_load_state_dict_pre_hook(load_hook)
 
 
 class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up as one fused projection (`fuse_linears`)."""
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)  # rows [gate | up]
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        fuse_linears(self, "gate_up_proj", [("gate_proj", inter), ("up_proj", inter)])
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 @dataclass
@@ -66,13 +101,11 @@ class KVCache:
     k, v: (L, B, Hkv, S_max, D). Entry [l, b, :, p] holds layer l's key/value of the token at
     position p of row b. Attention of a query at position p reads keys at positions <= p only, so
     entries past a row's current length may be stale (rejected speculative tokens): rejection is a
-    length change, never a copy. Writes go through `index_copy_` on positions so shapes stay static
-    (needed for CUDA-graph capture).
+    length change, never a copy. The rollout engine's decode path (rollout/forward.py) writes and
+    reads it with static shapes, so its steps can be captured in CUDA graphs.
     """
     k: torch.Tensor
     v: torch.Tensor
-    # Private memo of the attention bias of the forward in progress (see `visibility_bias`).
-    _bias_memo: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def empty(cls, num_layers, batch, num_kv_heads, max_len, head_dim, device, dtype):
@@ -83,48 +116,6 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
-
-    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """positions: (B, T); k, v: (B, Hkv, T, D). Scatter into the cache at those positions."""
-        B, Hkv, T, D = k.shape
-        idx = positions[:, None, :, None].expand(B, Hkv, T, D)  # (B, Hkv, T, D)
-        self.k[layer].scatter_(2, idx, k.to(self.k.dtype))
-        self.v[layer].scatter_(2, idx, v.to(self.v.dtype))
-
-    def visibility_bias(self, positions: torch.Tensor, group: int, layer: int,
-                        dtype: torch.dtype) -> torch.Tensor:
-        """Additive attention bias (B, 1, group*T, S_max): 0 where key j <= the query's position,
-        -inf elsewhere; query row g*T + t has position positions[b, t] (layout of `cached_attention`).
-
-        Built once per forward and reused by its later layers. Every layer of one forward sees the
-        same `positions` object with layers in ascending order, so the memo is reused only when
-        `positions` is the same object at the same version (no in-place change since), `layer` is
-        larger than the memo's, and CUDA-graph capture state, group and dtype match. A new forward
-        restarts at a layer <= the last one seen and so rebuilds it; in particular a forward captured
-        into a CUDA graph computes its own bias inside the graph and never reads one made outside.
-        Building it per layer instead costs ~4 tiny kernels x L layers per decode step (~0.3 ms in a
-        graphed 24-layer step), about the price of the whole attention.
-        """
-        capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
-        version = -1 if positions.is_inference() else positions._version
-        key = (version, group, dtype, capturing)
-        memo = self._bias_memo
-        if memo is not None and memo[0] is positions and memo[1] == key and layer > memo[2]:
-            self._bias_memo = (positions, key, layer, memo[3])
-            return memo[3]
-        B, T = positions.shape
-        S = self.max_len
-        key_pos = torch.arange(S, device=positions.device)
-        visible = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, S)
-        # Allocate the key dim padded to a multiple of 16 and slice: the memory-efficient SDPA
-        # kernel wants 16-byte-aligned bias rows and would otherwise pad (copy) it in every layer.
-        S_pad = -(-S // 16) * 16
-        bias = torch.full((B, 1, group * T, S_pad), float("-inf"), dtype=dtype,
-                          device=positions.device)[..., :S]
-        # row g*T + t of the grouped queries has the position of query t: tile over g
-        bias.masked_fill_(visible.repeat(1, group, 1)[:, None], 0.0)  # (B, 1, G*T, S)
-        self._bias_memo = (positions, key, layer, bias)
-        return bias
 
 
 def causal_sdpa(q, k, v, scale=None, *, expand_gqa: bool | None = None):
@@ -145,55 +136,33 @@ def causal_sdpa(q, k, v, scale=None, *, expand_gqa: bool | None = None):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=G > 1)
 
 
-def cached_attention(q, positions, cache: KVCache, layer: int, scale=None):
-    """Attention of new queries at `positions` (B, T) over the whole position-indexed cache.
-
-    Key j is visible to a query at position p iff j <= p. Reading the full S_max keeps shapes
-    static for graph capture; stale entries past p are masked out.
-
-    GQA without a GQA kernel: the G = H/Hkv query heads that share kv head h are folded into the
-    query-length dim, q (B, H, T, D) -> (B, Hkv, G*T, D) (head h*G + g -> row g*T + t), so this is
-    a plain multi-head call with an additive bias. SDPA with `enable_gqa` plus a mask has no fused
-    kernel on CUDA (flash takes no mask, memory-efficient no GQA) and fell back to the math path,
-    which copies the cache G times per layer; the folded call runs the memory-efficient kernel and
-    reads each cached K/V once. Same function: scores, softmax and weights per (head, query) are
-    unchanged, only the batching differs.
-    """
-    B, H, T, D = q.shape
-    k, v = cache.k[layer], cache.v[layer]  # (B, Hkv, S_max, D)
-    Hkv = k.shape[1]
-    G = H // Hkv
-    bias = cache.visibility_bias(positions, G, layer, q.dtype)  # (B, 1, G*T, S_max)
-    q_grouped = q.reshape(B, Hkv, G * T, D)  # (B, Hkv, G*T, D)
-    o = F.scaled_dot_product_attention(q_grouped, k.to(q.dtype), v.to(q.dtype), attn_mask=bias,
-                                       scale=scale)
-    return o.reshape(B, H, T, D)
-
-
 class Attention(nn.Module):
     """Multi-head attention with GQA, optional q/k RMSNorm (Qwen3) and optional qkv bias (Qwen2).
 
     `in_dim` may differ from `num_heads*head_dim` (the EAGLE-3 draft feeds concat(emb, hidden)).
+    q, k and v are one fused projection `qkv_proj` (rows [q | k | v]) that loads and saves as HF's
+    `q_proj` / `k_proj` / `v_proj` (`fuse_linears`). This is the training forward; cached generation
+    is rollout/forward.py over the same parameters.
     """
 
     def __init__(self, in_dim, out_dim, num_heads, num_kv_heads, head_dim, qk_norm=False,
                  bias=False, eps=1e-6):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_proj = nn.Linear(in_dim, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(in_dim, num_kv_heads * head_dim, bias=bias)
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = nn.Linear(in_dim, q_size + 2 * kv_size, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, out_dim, bias=False)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.core = causal_sdpa  # replaced from outside by context parallelism
+        fuse_linears(self, "qkv_proj", [("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)])
 
     def qkv(self, x, cos, sin):
         """x: (B, S, in_dim) -> q (B, H, S, D), k/v (B, Hkv, S, D), RoPE applied to q and k."""
         B, S, _ = x.shape
-        q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim)
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(B, S, H, D), k.view(B, S, Hkv, D), v.view(B, S, Hkv, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, S, D)
@@ -204,9 +173,6 @@ class Attention(nn.Module):
         B, H, S, D = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, S, H * D))
 
-    def forward(self, x, cos, sin, positions=None, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, cos, sin):
         q, k, v = self.qkv(x, cos, sin)
-        if cache is None:
-            return self.out(self.core(q, k, v))
-        cache.write(layer, positions, k, v)
-        return self.out(cached_attention(q, positions, cache, layer))
+        return self.out(self.core(q, k, v))

@@ -23,6 +23,7 @@ from torch import nn
 
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
+from .control import SpecController
 from .generate import DecodeRunner, GenerateConfig, GenerateOutput, pad_prompts, runner_shape, seeded_generator
 
 
@@ -63,6 +64,9 @@ class RolloutEngine:
         self.cache_runners = cache_runners
         self._runners: OrderedDict[tuple, DecodeRunner] = OrderedDict()
         self._storage: tuple | None = None
+        # One acceptance estimate for every runner of the engine: speculation control follows the
+        # live acceptance of the run across calls and batch sizes (control.py).
+        self.controller = SpecController(self.cfg.num_draft_tokens) if draft is not None else None
         if draft is not None:
             draft.eval()
             self._check_draft_fits(policy, draft)
@@ -96,8 +100,10 @@ class RolloutEngine:
 
     def _runner(self, cfg: GenerateConfig, ids: torch.Tensor, group_size: int) -> DecodeRunner:
         """The cached runner for this config and shape bucket (built on a miss)."""
+        controller = self.controller if (self.controller is not None
+                                         and self.controller.k_max == cfg.num_draft_tokens) else None
         if self.cache_runners <= 0:
-            return DecodeRunner(self.policy, cfg, self.draft)
+            return DecodeRunner(self.policy, cfg, self.draft, controller=controller)
         storage = self._storage_fingerprint()
         if storage != self._storage:  # parameters were replaced, not updated in place
             self._runners.clear()
@@ -105,7 +111,7 @@ class RolloutEngine:
         key = (cfg, runner_shape(cfg, self.device, self.draft is not None, ids.shape[0], ids.shape[1], group_size))
         runner = self._runners.get(key)
         if runner is None:
-            runner = self._runners[key] = DecodeRunner(self.policy, cfg, self.draft)
+            runner = self._runners[key] = DecodeRunner(self.policy, cfg, self.draft, controller=controller)
             while len(self._runners) > self.cache_runners:
                 self._runners.popitem(last=False)  # least recently used
         self._runners.move_to_end(key)

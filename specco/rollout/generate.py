@@ -37,17 +37,24 @@ import torch
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from . import compaction
+from .control import Choice, SpecController
+from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
+from .levels import Level, PlainSteps, new_state
 from .sampling import SamplingParams, pick_tokens
-from .speculative import SpeculativeSteps, gather_rows, draft_prefill
-from .state import DecodeState, commit, fill_groups, group_leaders
+from .speculative import SpeculativeSteps, draft_prefill, gather_rows
+from .state import fill_groups, group_leaders
 
 
 @dataclass(frozen=True)
 class GenerateConfig:
     max_new_tokens: int = 128
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_draft_tokens: int = 4  # k, draft tokens proposed per round (speculative only)
+    num_draft_tokens: int = 4  # k_max, draft tokens proposed per round at most (speculative only)
+    # Speculation control (control.py): choose k in 0..k_max per call and per compaction level from
+    # costs the runner measures on its graphs and the live acceptance. None: on iff CUDA graphs are
+    # (eager CPU timings are too noisy to act on, and the CPU demo reports τ at fixed k).
+    spec_control: bool | None = None
     eos_token_id: int | None = None  # None: rows stop only at max_new_tokens
     pad_token_id: int = 0  # fills tokens past each row's length
     use_graphs: bool | None = None  # None: CUDA graphs on CUDA, eager on CPU
@@ -71,9 +78,11 @@ class GenerateOutput:
     lengths: torch.Tensor  # (N,) int64 emitted tokens per row (EOS included)
     logprobs: torch.Tensor  # (N, T) fp32 target log-prob of each emitted token (0 after length)
     tau: float  # mean tokens emitted per target forward per live row, decode rounds (1.0 plain)
-    accept_rate: torch.Tensor  # (k,) fp64: P(draft token j accepted) per live row-round; (0,) plain
+    accept_rate: torch.Tensor  # (k,) fp64: P(draft token j accepted) over live row-rounds proposing it
     num_target_forwards: int  # batched target forwards, prefill included
     group_size: int = 1
+    choices: tuple = ()  # speculation control: one control.Choice per level entered (root first)
+    accept_counts: tuple | None = None  # (n_accepted, n_tried) per position (k,), int64: control.py
 
 
 def pad_prompts(prompts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,15 +101,6 @@ def pad_prompts(prompts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-@dataclass
-class _Level:
-    """One decode state of a runner with its step functions: the root (all rows) or a compacted one."""
-    st: DecodeState
-    graphs: StepGraphs
-    spec: SpeculativeSteps | None
-    root_rows: torch.Tensor | None  # (N',) int64: which root row each row holds (None for the root)
 
 
 @dataclass(frozen=True)
@@ -166,22 +166,44 @@ class DecodeRunner:
     graphs read the models' parameters in place, so in-place weight updates (RolloutEngine.refit)
     are seen by the next replay; replacing parameter tensors is not (the engine checks for that).
 
+    Levels (levels.py): the root holds every row; compaction adds smaller levels, kept across calls.
+    Each level has step sets for k = 0 (plain) and, with a draft, k = 1..k_max; `level.k` is the one
+    its rounds run — k_max unless speculation control (control.py) chose another.
+
     Tests and the benchmark drive it step by step: `prefill`, `round`, `result`;
-    `graphs.run(name)` replays a single captured step ('prefill'; 'decode' or 'propose', 'verify',
-    'catch_up').
+    `level.graphs[k].run(name)` replays a single captured step, `prefill_graph.run('prefill')` the
+    prefill.
     """
 
     def __init__(self, policy: Policy, cfg: GenerateConfig, draft: Eagle3Draft | None = None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, controller: SpecController | None = None):
         self.policy, self.cfg, self.draft = policy, cfg, draft
         self.device = next(policy.parameters()).device
         self.generator = generator
         self.use_graphs, _ = execution_modes(cfg, self.device)  # (bucketing: runner_shape)
-        self.k = cfg.num_draft_tokens if draft is not None else 0
+        self.k = cfg.num_draft_tokens if draft is not None else 0  # k_max
+        control = self.use_graphs if cfg.spec_control is None else cfg.spec_control
+        if control and draft is not None and not self.use_graphs:
+            raise ValueError("spec_control=True needs CUDA graphs (it times the captured steps); "
+                             "leave it None or False on CPU")
+        self.controller = (controller or SpecController(self.k)) if control and draft is not None else None
         self.shape: RunnerShape | None = None
-        self.st: DecodeState | None = None
         self.io: PromptBuffers | None = None
+        self.root: Level | None = None
+        self.level: Level | None = None  # the level rounds run on now
+        self.prefill_graph: StepGraphs | None = None
+        self.ropes: tuple[RopeTable, RopeTable | None] | None = None
+        self.pool = None
+        self.levels: dict[int, Level] = {}  # compacted levels by row count, kept across calls
+        self.chain: list[tuple[Level, torch.Tensor]] = []  # active compactions: (level, parent rows)
+        self.choices: list[Choice] = []
+        self.num_rows = self.group_size = 0
         self.num_target_forwards = 0
+
+    @property
+    def st(self):
+        """The decode state rounds run on now."""
+        return self.level.st
 
     def shape_for(self, num_prompts: int, prompt_len: int, group_size: int) -> RunnerShape:
         return runner_shape(self.cfg, self.device, self.draft is not None, num_prompts, prompt_len, group_size)
@@ -224,64 +246,84 @@ class DecodeRunner:
         if io.u0 is not None:  # the same draws as an unpadded batch: N uniforms, then per round
             torch.rand(self.num_rows, generator=self.generator, device=self.device,
                        out=io.u0[: self.num_rows])
-        self.graphs.run("prefill")
+        self.prefill_graph.run("prefill")
         self.num_target_forwards = 1
+        self.choices = []
+        self._choose(self.root, allow_speculation=True)
 
     def _allocate(self, shape: RunnerShape):
-        """Static buffers for `shape`, then the step functions (and their graphs)."""
+        """Static buffers for `shape`, the root level and the prefill step (and their graphs)."""
         dev = self.device
-        self.shape, self.st, self.io, self.graphs, self.spec = shape, None, None, None, None
-        self._levels: dict[int, _Level] = {}  # compacted states by row count, kept across calls
-        self._chain: list[tuple[_Level, torch.Tensor]] = []  # active compactions: (level, parent rows)
+        self.shape, self.levels, self.chain = shape, {}, []
         N = shape.prompts * shape.group_size
         sampled = not self.cfg.sampling.greedy
         self.io = PromptBuffers(ids=torch.zeros(shape.prompts, shape.prompt_len, dtype=torch.long, device=dev),
                                 lens=torch.ones(shape.prompts, dtype=torch.long, device=dev),
                                 real=torch.zeros(shape.prompts, dtype=torch.bool, device=dev),
                                 u0=torch.zeros(N, dtype=torch.float32, device=dev) if sampled else None)
-        self.st = self._new_state(N)
-        self.graphs, self.spec, self.order = self._build_steps(self.st, with_prefill=True)
-        self._root = _Level(self.st, self.graphs, self.spec, None)
+        pc = self.policy.cfg
+        rope = RopeTable.build(pc.head_dim, pc.rope_theta, shape.cache_len, dev, self.policy.embed_tokens.weight.dtype)
+        d_rope = None
+        if self.draft is not None:
+            dc = self.draft.cfg
+            d_rope = rope if (dc.head_dim, dc.rope_theta) == (pc.head_dim, pc.rope_theta) and \
+                self.draft.fc.weight.dtype == rope.cos.dtype else \
+                RopeTable.build(dc.head_dim, dc.rope_theta, shape.cache_len, dev, self.draft.fc.weight.dtype)
+        self.ropes = (rope, d_rope)
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.root = self.level = self._new_level(N, None)
+        self.prefill_graph = StepGraphs({"prefill": self._prefill_step}, self.use_graphs)
+        if self.use_graphs:
+            # Captured before any prompt is loaded: the buffers hold zeros (valid ids, lengths 1,
+            # uniforms 0) and every prompt is marked padding, so the warm-up's prefill leaves all
+            # rows finished.
+            def freeze():
+                self.io.real.fill_(False)
+                self.root.st.finished.fill_(True)
+            self.prefill_graph.capture(self.root.st.small_tensors(), ["prefill"], freeze, pool=self.pool)
 
-    def _new_state(self, N: int) -> DecodeState:
-        """Zeroed decode buffers for N rows at this runner's shape (cache length, k, sampling)."""
-        cfg, policy, draft, dev, k = self.cfg, self.policy, self.draft, self.device, self.k
-        T, W, cache_len = cfg.max_new_tokens, k + 1, self.shape.cache_len
-        sampled = not cfg.sampling.greedy
-        zeros = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=dev)  # noqa: E731
-        st = DecodeState(
-            n=zeros(N), last_tok=zeros(N),
-            out_tokens=zeros(N, T + W), out_logp=zeros(N, T + W, dt=torch.float32),
-            out_len=zeros(N), finished=torch.ones(N, dtype=torch.bool, device=dev),
-            n_emitted=zeros(), n_row_forwards=zeros(), n_accepted=zeros(k),
-            t_cache=policy.new_cache(N, cache_len))
-        n_uniforms = 1
-        if draft is not None:
-            d_dtype = draft.fc.weight.dtype
-            n_aux = len(draft.cfg.aux_layer_ids)
-            st.d_cache = draft.new_cache(N, cache_len)
-            st.d_logits0 = zeros(N, draft.cfg.draft_vocab_size, dt=d_dtype)
-            st.d_hidden0 = zeros(N, draft.cfg.hidden_size, dt=d_dtype)
-            st.draft_tok = zeros(N, k)
-            st.taps = zeros(N, W, n_aux * policy.cfg.hidden_size, dt=st.t_cache.k.dtype)
-            st.num_accepted, st.block = zeros(N), zeros(N, W)
-            if sampled:
-                st.q_draft = zeros(N, k, policy.cfg.vocab_size, dt=torch.float32)
-            n_uniforms = SpeculativeSteps.num_uniforms(k)
-        if sampled:
-            st.u = zeros(N, n_uniforms, dt=torch.float32)
-        return st
+    def _new_level(self, rows: int, root_rows: torch.Tensor | None) -> Level:
+        """A level of `rows` rows: zeroed state, step sets for k = 0..k_max, graphs captured on GPU
+        (every row finished while capturing, so the warm-up steps advance nothing)."""
+        cfg, (rope, d_rope) = self.cfg, self.ropes
+        st = new_state(self.policy, self.draft, cfg.sampling, cfg.max_new_tokens, self.k, rows,
+                       self.shape.cache_len, self.device)
+        steps = {0: PlainSteps(self.policy, st, cfg.sampling, cfg.max_new_tokens, cfg.eos_token_id, rope)}
+        # Without speculation control only k_max runs: no other step set is built or captured.
+        for k in (range(1, self.k + 1) if self.controller is not None else [self.k] if self.k else []):
+            steps[k] = SpeculativeSteps(self.policy, self.draft, st, cfg.sampling, k, cfg.max_new_tokens,
+                                        cfg.eos_token_id, rope, d_rope)
+        if self.k and self.controller is None:
+            del steps[0]  # a draft runner without control decodes speculatively throughout
+        level = Level(st, steps, self.use_graphs, root_rows)
+        if self.use_graphs:
+            level.capture(lambda: st.finished.fill_(True), self.pool)
+        return level
+
+    def _choose(self, level: Level, allow_speculation: bool):
+        """Speculation control: pick the level's k (k_max without a controller)."""
+        if self.controller is None:
+            return
+        if not level.costs:
+            level.measure()
+        live = (self.root.st.n_accepted, self.root.st.n_tried) if level is self.root else \
+            (self.st.n_accepted, self.st.n_tried)
+        level.choice = self.controller.choose(level.costs, level.rows, allow_speculation, live)
+        level.k = level.choice.k
+        self.choices.append(level.choice)
 
     def _prefill_step(self):
         """Target prefill over the prompts (once per prompt: the G samples of a group share its
         cache rows), first token per sample, state reset, draft prompt catch-up. In place."""
-        cfg, policy, draft, st, io = self.cfg, self.policy, self.draft, self.st, self.io
+        cfg, policy, draft, st, io = self.cfg, self.policy, self.draft, self.root.st, self.io
         G, S = self.shape.group_size, self.shape.prompt_len
+        rope, d_rope = self.ropes
         tap_layers = tuple(draft.cfg.aux_layer_ids) if draft is not None else None
-        out = policy(io.ids, None, group_leaders(st.t_cache, G), tap_layers=tap_layers,
-                     compute_logits=False)
+        pos = torch.arange(S, device=self.device).expand(io.ids.shape[0], S)  # right-padded: 0..S-1
+        _, hidden, taps = policy_forward(policy, io.ids, pos, group_leaders(st.t_cache, G), rope,
+                                         tap_layers=tap_layers, prefill=True, compute_logits=False)
         fill_groups(st.t_cache, G, S)
-        logits = policy.lm_head(gather_rows(out.hidden, io.lens - 1))  # (B0, V): last positions
+        logits = policy.lm_head(gather_rows(hidden, io.lens - 1))  # (B0, V): last positions
         logits = logits.repeat_interleave(G, dim=0)  # (N, V)
         first, logp_all = pick_tokens(logits, cfg.sampling, io.u0)
         if logp_all is None:
@@ -299,73 +341,32 @@ class DecodeRunner:
         if cfg.eos_token_id is not None:
             finished |= first == cfg.eos_token_id
         st.finished.copy_(finished)
-        for t in (st.n_emitted, st.n_row_forwards, st.n_accepted):
+        for t in (st.n_emitted, st.n_row_forwards, st.n_accepted, st.n_proposed, st.n_tried):
             t.zero_()
         if draft is not None:
-            d_logits0, d_hidden0 = draft_prefill(policy, draft, io.ids, io.lens, out.taps.aux,
-                                                 first, G, st.d_cache)
+            d_logits0, d_hidden0 = draft_prefill(policy, draft, io.ids, io.lens, taps.aux, first, G,
+                                                 st.d_cache, d_rope)
             st.d_logits0.copy_(d_logits0)
             st.d_hidden0.copy_(d_hidden0)
 
-    def _build_steps(self, st: DecodeState, with_prefill: bool):
-        """The round's step functions over `st` (+ the prefill for the root state), captured as
-        graphs on GPU. Returns (graphs, speculative steps or None, the round's step order)."""
-        cfg, spec = self.cfg, None
-        if self.draft is None:
-            rounds = ["decode"]
-            fns = {"decode": lambda: self._decode_step(st)}
-        else:
-            spec = SpeculativeSteps(self.policy, self.draft, st, cfg.sampling, self.k,
-                                    cfg.max_new_tokens, cfg.eos_token_id)
-            rounds = ["propose", "verify", "catch_up"]
-            fns = {"propose": spec.propose, "verify": spec.verify, "catch_up": spec.catch_up}
-        if with_prefill:
-            fns["prefill"] = self._prefill_step
-        graphs = StepGraphs(fns, self.use_graphs)
-        if self.use_graphs:
-            # Captured before any prompt is loaded: the buffers hold zeros (valid ids, lengths 1,
-            # uniforms 0) and every prompt is marked padding (a compacted state: every row finished),
-            # so the warm-up's prefill leaves all rows finished and its decode steps advance nothing.
-            def freeze():
-                if with_prefill:
-                    self.io.real.fill_(False)
-                st.finished.fill_(True)
-            graphs.capture(st.small_tensors(), (["prefill"] if with_prefill else []) + rounds, freeze)
-        return graphs, spec, rounds
-
     # -- decode ----------------------------------------------------------------------------
-    def _decode_step(self, st: DecodeState):
-        """Plain decode: one target forward at position n, sample, commit, advance live rows."""
-        cfg = self.cfg
-        logits = self.policy(st.last_tok[:, None], st.n[:, None], st.t_cache).logits[:, 0]  # (N, V)
-        u = st.u[:, 0] if st.u is not None else None
-        tok, logp_all = pick_tokens(logits, cfg.sampling, u)
-        if logp_all is None:
-            logp_all = logits.float().log_softmax(-1)
-        logp = logp_all.gather(-1, tok[:, None])  # (N, 1)
-        commit(st, tok[:, None], torch.ones_like(tok), logp, cfg.max_new_tokens, cfg.eos_token_id)
-        live = ~st.finished
-        st.n.add_(live.long())
-        st.last_tok.copy_(torch.where(live, tok, st.last_tok))
-
     def _fill_uniforms(self):
         # One host-side RNG launch per round, outside the graphs. Only the real rows draw (the
         # same stream as an unpadded batch); padding rows keep the valid uniform 0. After a
         # compaction the draw is still for every original row, then gathered: the same stream.
-        root = self._root.st
+        root = self.root.st
         if root.u is not None:
             u = root.u[: self.num_rows]
             torch.rand(u.shape, generator=self.generator, device=self.device, out=u)
-            if self._chain:
-                level = self._chain[-1][0]
+            if self.chain:
+                level = self.chain[-1][0]
                 torch.index_select(root.u, 0, level.root_rows, out=level.st.u)
 
     @torch.no_grad()
     def round(self):
-        """One decode round: a plain step, or propose -> verify -> catch up."""
+        """One decode round of the current level: a plain step, or propose -> verify -> catch up."""
         self._fill_uniforms()
-        for name in self.order:
-            self.graphs.run(name)
+        self.level.round()
         self.num_target_forwards += 1
 
     @torch.no_grad()
@@ -381,27 +382,29 @@ class DecodeRunner:
             self.round()
 
     def _compact(self, size: int):
-        """Move the live rows into a `size`-row state (compaction.py) and make it the current one."""
-        level = self._levels.get(size)
+        """Move the live rows into a `size`-row level (compaction.py) and make it the current one."""
+        level = self.levels.get(size)
         if level is None:  # built (and captured) once per size, reused by later calls
-            st = self._new_state(size)
-            graphs, spec, _ = self._build_steps(st, with_prefill=False)
-            level = self._levels[size] = _Level(st, graphs, spec, torch.empty(size, dtype=torch.long,
-                                                                                device=self.device))
+            level = self.levels[size] = self._new_level(size, torch.empty(size, dtype=torch.long,
+                                                                          device=self.device))
         rows = compaction.pick_rows(self.st.finished, size)
         compaction.gather_state(self.st, level.st, rows)
-        parent_root_rows = self._chain[-1][0].root_rows if self._chain else None
+        parent_root_rows = self.chain[-1][0].root_rows if self.chain else None
         level.root_rows.copy_(rows if parent_root_rows is None else parent_root_rows[rows])
-        self._chain.append((level, rows))
-        self.st, self.graphs, self.spec = level.st, level.graphs, level.spec
+        speculating = self.level.k > 0
+        self.chain.append((level, rows))
+        self.level = level
+        self._choose(level, allow_speculation=speculating)  # plain stays plain: control.py
+        if not speculating:
+            level.k = 0
 
     def _uncompact(self):
         """Write every compacted state's outputs back, innermost first; the root is current again."""
-        while self._chain:
-            level, rows = self._chain.pop()
-            parent = self._chain[-1][0].st if self._chain else self._root.st
+        while self.chain:
+            level, rows = self.chain.pop()
+            parent = self.chain[-1][0].st if self.chain else self.root.st
             compaction.scatter_outputs(level.st, parent, rows)
-        self.st, self.graphs, self.spec = self._root.st, self._root.graphs, self._root.spec
+        self.level = self.root
 
     def result(self) -> GenerateOutput:
         self._uncompact()
@@ -412,13 +415,17 @@ class DecodeRunner:
         logprobs = torch.where(valid, st.out_logp[:N, :T], 0.0)
         fwd = int(st.n_row_forwards)
         tau = int(st.n_emitted) / fwd if fwd else 1.0
-        rate = st.n_accepted.double().cpu() / max(fwd, 1)
-        return GenerateOutput(tokens, out_len.clone(), logprobs, tau, rate,
-                              self.num_target_forwards, self.group_size)
+        rate = st.n_accepted.double().cpu() / st.n_proposed.double().cpu().clamp(min=1)
+        counts = (st.n_accepted.cpu(), st.n_tried.cpu())
+        if self.controller is not None:
+            self.controller.update(*counts)
+        return GenerateOutput(tokens, out_len.clone(), logprobs, tau, rate, self.num_target_forwards,
+                              self.group_size, tuple(self.choices), counts)
 
 
 def generate(policy: Policy, prompts: Sequence, cfg: GenerateConfig, draft: Eagle3Draft | None = None,
-             group_size: int = 1, generator: torch.Generator | None = None) -> GenerateOutput:
+             group_size: int = 1, generator: torch.Generator | None = None,
+             controller: SpecController | None = None) -> GenerateOutput:
     """Generate up to cfg.max_new_tokens tokens for each prompt, `group_size` samples per prompt.
 
     prompts: a sequence of token-id sequences (lists or 1-D tensors), any lengths >= 1.
@@ -426,7 +433,7 @@ def generate(policy: Policy, prompts: Sequence, cfg: GenerateConfig, draft: Eagl
     outputs equal plain greedy decoding; sampled outputs have the target's distribution.
     Output row b*G + g is sample g of prompt b; each prompt is prefilled once and its cache shared.
     """
-    runner = DecodeRunner(policy, cfg, draft, generator)
+    runner = DecodeRunner(policy, cfg, draft, generator, controller)
     runner.prefill(prompts, group_size)
     runner.run()
     return runner.result()

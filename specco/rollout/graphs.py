@@ -34,11 +34,12 @@ class StepGraphs:
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
 
     def capture(self, state_tensors: list[torch.Tensor], order: list[str],
-                freeze: Callable[[], None], warmup: int = 2):
+                freeze: Callable[[], None], warmup: int = 2, pool=None):
         """Capture `order` (the functions in the order one round runs them) as CUDA graphs.
 
         state_tensors: the small state that the steps mutate; restored after warm-up + capture.
         freeze: called after the snapshot, makes the warm-up steps leave positions unchanged.
+        pool: a CUDA-graph memory pool to share with other graphs of the runner (default: a new one).
         """
         if not self.use_graphs or self.graphs:
             return
@@ -51,7 +52,7 @@ class StepGraphs:
                 for name in order:
                     self.fns[name]()
         torch.cuda.current_stream().wait_stream(side)
-        pool = torch.cuda.graph_pool_handle()
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
         for name in order:  # captured in run order so they can share one pool
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):

@@ -29,6 +29,7 @@ from ..model.draft import Eagle3Draft
 from ..model.layers import KVCache
 from ..model.policy import Policy
 from . import acceptance
+from .forward import RopeTable, draft_step, policy_forward
 from .sampling import SamplingParams, processed_logprobs, processed_probs, sample_from_probs
 from .state import DecodeState, commit, fill_groups, group_leaders
 
@@ -40,16 +41,25 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 class SpeculativeSteps:
-    """The three in-place round steps over a DecodeState. Uniform layout of st.u (sampling only):
-    [:, 0:k] draft samples x̂_1..x̂_k, [:, k:2k] acceptance tests, [:, 2k] residual/bonus sample."""
+    """The three in-place round steps over a DecodeState, for k draft tokens per round.
+
+    The state's buffers are sized for the runner's largest k (`st.draft_tok.shape[1]`); a smaller k
+    (speculation control, control.py) uses their leading columns, so one state serves every k and
+    the choice can change between rounds. Uniform layout of st.u (sampling only), whatever k:
+    [:, 0:k] draft samples x̂_1..x̂_k, [:, k:2k] acceptance tests, [:, 2k] residual/bonus sample
+    (the runner draws num_uniforms(k_max) per row and round, so the random stream does not depend on k).
+    """
 
     def __init__(self, policy: Policy, draft: Eagle3Draft, st: DecodeState, params: SamplingParams,
-                 k: int, max_new_tokens: int, eos_token_id: int | None):
+                 k: int, max_new_tokens: int, eos_token_id: int | None, rope: RopeTable,
+                 draft_rope: RopeTable):
         self.policy, self.draft, self.st, self.params = policy, draft, st, params
         self.k, self.max_new_tokens, self.eos_token_id = k, max_new_tokens, eos_token_id
-        dev = st.n.device
-        self.offsets = torch.arange(k + 1, device=dev)  # (k+1,) positions n..n+k
+        self.rope, self.draft_rope = rope, draft_rope
+        self.offsets = torch.arange(k + 1, device=st.n.device)  # (k+1,) positions n..n+k
         self.aux = tuple(draft.cfg.aux_layer_ids)
+        self.order = ["propose", "verify", "catch_up"]
+        self.fns = {"propose": self.propose, "verify": self.verify, "catch_up": self.catch_up}
 
     @staticmethod
     def num_uniforms(k: int) -> int:
@@ -71,50 +81,55 @@ class SpeculativeSteps:
         for j in range(1, self.k):  # pass d = j+1 at anchor n-1, RoPE position n+j-1
             emb = self.policy.embed_tokens(tok)[:, None]  # (B, 1, h)
             pos = (st.n + (j - 1))[:, None]  # (B, 1)
-            logits, hidden = self.draft.step(hidden[:, None], emb, pos, st.d_cache)
+            logits, hidden = draft_step(self.draft, hidden[:, None], emb, pos, st.d_cache, self.draft_rope)
             logits, hidden = logits[:, 0], hidden[:, 0]  # (B, Vd), (B, h)
             tok = self._draft_token(logits, j)
             st.draft_tok[:, j].copy_(tok)
 
     def verify(self):
         st, k = self.st, self.k
-        inp = torch.cat([st.last_tok[:, None], st.draft_tok], dim=1)  # (B, k+1)
+        draft_tok = st.draft_tok[:, :k]
+        inp = torch.cat([st.last_tok[:, None], draft_tok], dim=1)  # (B, k+1)
         pos = st.n[:, None] + self.offsets  # (B, k+1)
-        out = self.policy(inp, pos, st.t_cache, tap_layers=self.aux)
+        logits, _, taps = policy_forward(self.policy, inp, pos, st.t_cache, self.rope, tap_layers=self.aux)
         if self.params.greedy:
-            verdict = acceptance.verify_greedy(out.logits, st.draft_tok)
-            logp_all = out.logits.float().log_softmax(-1)  # greedy reports raw log-probs (generate.py)
+            verdict = acceptance.verify_greedy(logits, draft_tok)
+            logp_all = logits.float().log_softmax(-1)  # greedy reports raw log-probs (generate.py)
         else:
-            logp_all = processed_logprobs(out.logits, self.params)  # (B, k+1, V)
-            verdict = acceptance.verify_sampling(logp_all.exp(), st.q_draft, st.draft_tok,
+            logp_all = processed_logprobs(logits, self.params)  # (B, k+1, V)
+            verdict = acceptance.verify_sampling(logp_all.exp(), st.q_draft[:, :k], draft_tok,
                                                  st.u[:, k:2 * k], st.u[:, 2 * k])
         logp = logp_all.gather(-1, verdict.tokens[..., None]).squeeze(-1)  # (B, k+1)
         a = verdict.num_accepted
         _, active = commit(st, verdict.tokens, a + 1, logp, self.max_new_tokens, self.eos_token_id)
         # per draft position j+1: accepted in this round (a > j), counted over rows live at its start
-        st.n_accepted.add_(((self.offsets[None, :k] < a[:, None]) & active[:, None]).sum(0))
+        j = self.offsets[None, :k]  # (1, k)
+        st.n_accepted[:k].add_(((j < a[:, None]) & active[:, None]).sum(0))
+        st.n_proposed[:k].add_(active.sum())
+        st.n_tried[:k].add_(((j <= a[:, None]) & active[:, None]).sum(0))  # tokens 1..j accepted
         st.num_accepted.copy_(a)
-        st.block.copy_(verdict.tokens)
-        st.taps.copy_(out.taps.aux)
+        st.block[:, : k + 1].copy_(verdict.tokens)
+        st.taps[:, : k + 1].copy_(taps.aux)
 
     def catch_up(self):
-        st = self.st
-        hidden = self.draft.project_taps(st.taps)  # (B, k+1, h): fc(taps_{n+j})
-        emb = self.policy.embed_tokens(st.block)  # (B, k+1, h): emb(x_{n+j+1}) for j <= a
+        st, k = self.st, self.k
+        hidden = self.draft.project_taps(st.taps[:, : k + 1])  # (B, k+1, h): fc(taps_{n+j})
+        block = st.block[:, : k + 1]
+        emb = self.policy.embed_tokens(block)  # (B, k+1, h): emb(x_{n+j+1}) for j <= a
         pos = st.n[:, None] + self.offsets  # (B, k+1)
-        logits, out = self.draft.step(hidden, emb, pos, st.d_cache)
+        logits, out = draft_step(self.draft, hidden, emb, pos, st.d_cache, self.draft_rope)
         a = st.num_accepted
         st.d_logits0.copy_(gather_rows(logits, a))
         st.d_hidden0.copy_(gather_rows(out, a))
         # Rows still live advance by a+1; rows finished now or before stay frozen (static shapes).
         live = ~st.finished
         st.n.add_(torch.where(live, a + 1, 0))
-        st.last_tok.copy_(torch.where(live, st.block.gather(1, a[:, None]).squeeze(1), st.last_tok))
+        st.last_tok.copy_(torch.where(live, block.gather(1, a[:, None]).squeeze(1), st.last_tok))
 
 
 def draft_prefill(policy: Policy, draft: Eagle3Draft, prompt_ids: torch.Tensor,
                   prompt_lens: torch.Tensor, taps_aux: torch.Tensor, first_tok: torch.Tensor,
-                  group_size: int, cache: KVCache):
+                  group_size: int, cache: KVCache, rope: RopeTable):
     """Bring the draft to the round invariant right after the target prefill (static shapes, in
     place: part of the prefill step, which is graphed when the decode steps are).
 
@@ -128,11 +143,11 @@ def draft_prefill(policy: Policy, draft: Eagle3Draft, prompt_ids: torch.Tensor,
     B0, S = prompt_ids.shape
     if S > 1:  # anchor i = 0..S-2: fc(taps_i), emb(x_{i+1}); padded entries are overwritten later
         pos = torch.arange(S - 1, device=prompt_ids.device).expand(B0, S - 1)
-        draft.step(draft.project_taps(taps_aux[:, :-1]), policy.embed_tokens(prompt_ids[:, 1:]),
-                   pos, group_leaders(cache, group_size))
+        draft_step(draft, draft.project_taps(taps_aux[:, :-1]), policy.embed_tokens(prompt_ids[:, 1:]),
+                   pos, group_leaders(cache, group_size), rope, prefill=True)
         fill_groups(cache, group_size, S - 1)
     last = (prompt_lens - 1).repeat_interleave(group_size)  # (N,) anchor L_b - 1
     last_tap = gather_rows(taps_aux, prompt_lens - 1).repeat_interleave(group_size, dim=0)  # (N, k*h)
-    logits, out = draft.step(draft.project_taps(last_tap[:, None]),
-                             policy.embed_tokens(first_tok)[:, None], last[:, None], cache)
+    logits, out = draft_step(draft, draft.project_taps(last_tap[:, None]),
+                             policy.embed_tokens(first_tok)[:, None], last[:, None], cache, rope)
     return logits[:, 0], out[:, 0]

@@ -32,7 +32,9 @@ class DecodeState:
     finished: torch.Tensor  # (B,) bool
     n_emitted: torch.Tensor  # () int64 tokens emitted by decode rounds (prefill excluded)
     n_row_forwards: torch.Tensor  # () int64 active rows summed over decode rounds
-    n_accepted: torch.Tensor  # (k,) int64 rounds whose draft token j+1 was accepted (active rows)
+    n_accepted: torch.Tensor  # (k,) int64 row-rounds whose draft token j+1 was accepted
+    n_proposed: torch.Tensor  # (k,) int64 row-rounds that proposed a token j+1 (k >= j+1)
+    n_tried: torch.Tensor  # (k,) int64 row-rounds that proposed token j+1 with tokens 1..j accepted
     t_cache: KVCache
     # -- speculative only (None for plain decode) --
     d_cache: KVCache | None = None

@@ -29,11 +29,11 @@ class _CheckpointedForward:
     def __init__(self, layer: nn.Module):
         self.layer = layer
 
-    def __call__(self, x, cos, sin, positions=None, cache=None, layer=0):  # DecoderLayer.forward's signature
+    def __call__(self, x, cos, sin):  # DecoderLayer.forward's signature
         plain = type(self.layer).forward
-        if cache is not None or not torch.is_grad_enabled():
-            return plain(self.layer, x, cos, sin, positions, cache, layer)
-        return checkpoint(plain, self.layer, x, cos, sin, positions, None, layer, use_reentrant=False)
+        if not torch.is_grad_enabled():
+            return plain(self.layer, x, cos, sin)
+        return checkpoint(plain, self.layer, x, cos, sin, use_reentrant=False)
 
 
 def _layers(model: nn.Module):

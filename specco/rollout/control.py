@@ -1,0 +1,98 @@
+"""Speculation control: how many draft tokens k to propose per round, chosen per call and per level.
+
+Whether speculation pays depends on the batch and on acceptance. With k draft tokens a round emits
+on average
+
+    E[τ_k] = 1 + Σ_{j=1..k} Π_{i<=j} α_i          α_i = P(token i accepted | tokens 1..i-1 accepted)
+
+tokens per row and costs t_round(k) = t_propose(k) + t_verify(k) + t_catch_up(k); plain decoding
+emits 1 token per t_step. The choice maximising tokens per second is
+
+    k* = argmax_{k in 0..k_max}  E[τ_k] / t_round(k)          (t_round(0) = t_step, E[τ_0] = 1)
+
+and the predicted speedup over plain decoding is E[τ_k*] · t_step / t_round(k*). The costs are
+measured by the runner itself on each level's captured graphs (one level per batch size: the root and
+every compacted size, generate.py); the α_i are the live per-position acceptance of the current run,
+pooled over calls with exponential forgetting so the choice follows a drifting policy/draft pair.
+
+Losslessness does not depend on the choice: every k verifies with the same acceptance rule, and the
+round draws the same uniforms whatever k is, so outputs keep the target's distribution and, for a
+fixed k, are exactly those of plain speculative decoding with that k.
+
+Rule for levels: a generation that decodes plainly at some batch size has no draft state for its
+newest tokens (the draft's cache and its pass-1 output are kept up to date only by speculative
+rounds), so once a level chooses k = 0 every smaller level of the same call stays plain. Speculative
+levels may lower k or switch to plain freely.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class Choice:
+    """What the controller chose for one level (logged as rollout/k_chosen etc.)."""
+    rows: int
+    k: int
+    predicted_speedup: float  # E[τ_k] · t_step / t_round(k) with the acceptance known at the time
+    costs_ms: dict[int, float]  # measured t_round(k) per candidate k, ms
+
+
+@dataclass
+class SpecController:
+    """Per-position acceptance estimates and the k rule above.
+
+    prior: α_i before any evidence (every position); memory: how much of the pooled counts survives
+    each update (1 keeps everything, 0 only the newest call); min_tries: rows a position needs before
+    its estimate replaces the prior; margin: speculation must beat plain by this factor (noise guard,
+    so a near-tie never makes rollouts slower than plain).
+    """
+    k_max: int
+    prior: float = 0.6
+    memory: float = 0.5
+    min_tries: float = 64.0
+    margin: float = 1.03
+    tried: torch.Tensor = field(init=False)
+    accepted: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.tried = torch.zeros(self.k_max, dtype=torch.float64)
+        self.accepted = torch.zeros(self.k_max, dtype=torch.float64)
+
+    def alphas(self, live: tuple | None = None) -> torch.Tensor:
+        """(k_max,) conditional acceptance per position from the pooled counts plus `live` (the
+        current call's (n_accepted, n_tried) so far); positions with too few tries use the prior,
+        and such a position never exceeds the estimate of the one before it."""
+        acc, tried = self.accepted, self.tried
+        if live is not None:
+            acc = acc + live[0].double().cpu()[: self.k_max]
+            tried = tried + live[1].double().cpu()[: self.k_max]
+        est = torch.where(tried >= self.min_tries, acc / tried.clamp(min=1), torch.full_like(tried, self.prior))
+        for j in range(1, self.k_max):
+            if tried[j] < self.min_tries:
+                est[j] = min(est[j], est[j - 1])
+        return est
+
+    def expected_tokens(self, k: int, live: tuple | None = None) -> float:
+        """E[τ_k] = 1 + Σ_{j<=k} Π_{i<=j} α_i."""
+        return 1.0 + float(torch.cumprod(self.alphas(live)[:k], 0).sum()) if k > 0 else 1.0
+
+    def update(self, accepted: torch.Tensor, tried: torch.Tensor) -> None:
+        """Fold in one generation's counts (n_accepted, n_tried per position; state.py)."""
+        self.accepted = self.memory * self.accepted + accepted.double().cpu()[: self.k_max]
+        self.tried = self.memory * self.tried + tried.double().cpu()[: self.k_max]
+
+    def choose(self, costs: dict[int, float], rows: int, allow_speculation: bool = True,
+               live: tuple | None = None) -> Choice:
+        """The k of largest predicted throughput among the measured candidates (`costs`: k -> s/round);
+        live: the current call's acceptance counts so far (see `alphas`)."""
+        t_step = costs[0]
+        ms = {k: t * 1e3 for k, t in costs.items()}
+        speedups = {k: self.expected_tokens(k, live) * t_step / t for k, t in costs.items() if k > 0}
+        if allow_speculation and speedups:
+            k = max(speedups, key=speedups.get)
+            if speedups[k] > self.margin:
+                return Choice(rows, k, speedups[k], ms)
+        return Choice(rows, 0, 1.0, ms)

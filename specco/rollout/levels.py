@@ -1,0 +1,127 @@
+"""A runner's levels: one decode state per batch size, with its step sets and their graphs.
+
+A `Level` owns, for one batch size (the root: every row; a compacted size: the live rows, see
+compaction.py), its `DecodeState`, its step sets — `PlainSteps` (k = 0) and, with a draft,
+`SpeculativeSteps` for every k = 1..k_max — their captured CUDA graphs, and the per-round cost of
+each k measured on those graphs (control.py picks k from them). All step sets of a level share the
+state: speculative rounds of any k keep the same invariant (speculative.py), so k can change
+between rounds. The runner (generate.py) only allocates levels and drives rounds.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..model.draft import Eagle3Draft
+from ..model.policy import Policy
+from .control import Choice
+from .forward import RopeTable, policy_forward
+from .graphs import StepGraphs
+from .sampling import SamplingParams, pick_tokens
+from .speculative import SpeculativeSteps
+from .state import DecodeState, commit
+
+
+class PlainSteps:
+    """Plain decoding: one target forward at position n per round, sample, commit, advance."""
+
+    def __init__(self, policy: Policy, st: DecodeState, params: SamplingParams, max_new_tokens: int,
+                 eos_token_id: int | None, rope: RopeTable):
+        self.policy, self.st, self.params, self.rope = policy, st, params, rope
+        self.max_new_tokens, self.eos_token_id = max_new_tokens, eos_token_id
+        self.order = ["decode"]
+        self.fns = {"decode": self.decode}
+
+    def decode(self):
+        st = self.st
+        logits, _, _ = policy_forward(self.policy, st.last_tok[:, None], st.n[:, None], st.t_cache, self.rope)
+        logits = logits[:, 0]  # (N, V)
+        tok, logp_all = pick_tokens(logits, self.params, st.u[:, 0] if st.u is not None else None)
+        if logp_all is None:
+            logp_all = logits.float().log_softmax(-1)
+        logp = logp_all.gather(-1, tok[:, None])  # (N, 1)
+        commit(st, tok[:, None], torch.ones_like(tok), logp, self.max_new_tokens, self.eos_token_id)
+        live = ~st.finished
+        st.n.add_(live.long())
+        st.last_tok.copy_(torch.where(live, tok, st.last_tok))
+
+
+def new_state(policy: Policy, draft: Eagle3Draft | None, params: SamplingParams, max_new_tokens: int,
+              k_max: int, rows: int, cache_len: int, device) -> DecodeState:
+    """Zeroed decode buffers for `rows` rows (cache length, k_max draft tokens, sampling or greedy)."""
+    T, W = max_new_tokens, k_max + 1
+    sampled = not params.greedy
+    zeros = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
+    st = DecodeState(
+        n=zeros(rows), last_tok=zeros(rows),
+        out_tokens=zeros(rows, T + W), out_logp=zeros(rows, T + W, dt=torch.float32),
+        out_len=zeros(rows), finished=torch.ones(rows, dtype=torch.bool, device=device),
+        n_emitted=zeros(), n_row_forwards=zeros(), n_accepted=zeros(k_max), n_proposed=zeros(k_max),
+        n_tried=zeros(k_max), t_cache=policy.new_cache(rows, cache_len))
+    n_uniforms = 1
+    if draft is not None:
+        d_dtype = draft.fc.weight.dtype
+        n_aux = len(draft.cfg.aux_layer_ids)
+        st.d_cache = draft.new_cache(rows, cache_len)
+        st.d_logits0 = zeros(rows, draft.cfg.draft_vocab_size, dt=d_dtype)
+        st.d_hidden0 = zeros(rows, draft.cfg.hidden_size, dt=d_dtype)
+        st.draft_tok = zeros(rows, k_max)
+        st.taps = zeros(rows, W, n_aux * policy.cfg.hidden_size, dt=st.t_cache.k.dtype)
+        st.num_accepted, st.block = zeros(rows), zeros(rows, W)
+        if sampled:
+            st.q_draft = zeros(rows, k_max, policy.cfg.vocab_size, dt=torch.float32)
+        n_uniforms = SpeculativeSteps.num_uniforms(k_max)
+    if sampled:
+        st.u = zeros(rows, n_uniforms, dt=torch.float32)
+    return st
+
+
+class Level:
+    """One decode state with its step sets (k = 0 plain; k = 1..k_max speculative), graphs and costs.
+
+    root_rows: (rows,) which root row each row holds (None for the root). `k` is the step set the
+    next round runs; `choice` says why (control.py), None until chosen.
+    """
+
+    def __init__(self, st: DecodeState, steps: dict[int, PlainSteps | SpeculativeSteps], use_graphs: bool,
+                 root_rows: torch.Tensor | None):
+        self.st, self.steps, self.root_rows = st, steps, root_rows
+        self.graphs = {k: StepGraphs(s.fns, use_graphs) for k, s in steps.items()}
+        self.k = max(steps)
+        self.costs: dict[int, float] = {}  # k -> seconds per round, measured on the graphs
+        self.choice: Choice | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.st.n.numel()
+
+    def capture(self, freeze: Callable[[], None], pool) -> None:
+        """Capture every step set's round as CUDA graphs sharing `pool` (they never run at once and
+        exchange data only through the state's static buffers, so their temporaries may overlap)."""
+        for k, steps in self.steps.items():
+            self.graphs[k].capture(self.st.small_tensors(), steps.order, freeze, pool=pool)
+
+    def round(self) -> None:
+        for name in self.steps[self.k].order:
+            self.graphs[self.k].run(name)
+
+    @torch.no_grad()
+    def measure(self, iters: int = 5) -> dict[int, float]:
+        """Seconds per round of every k, timed on the captured graphs with the rows frozen (the work
+        is static-shaped, so identical) at the state's current positions; the state is restored."""
+        saved = [t.clone() for t in self.st.small_tensors()]
+        self.st.finished.fill_(True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for k, steps in self.steps.items():
+            run = lambda: [self.graphs[k].run(name) for name in steps.order]  # noqa: E731
+            run()
+            start.record()
+            for _ in range(iters):
+                run()
+            end.record()
+            end.synchronize()
+            self.costs[k] = start.elapsed_time(end) / 1e3 / iters
+        for t, s in zip(self.st.small_tensors(), saved):
+            t.copy_(s)
+        return self.costs

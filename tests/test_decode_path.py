@@ -1,0 +1,204 @@
+"""The rollout engine's decode path: its kernels against their torch twins, the cached forwards
+against the training forwards, the fused projections' HF layout, and speculation control's rule.
+
+Tolerances. Kernel vs twin on fp32 inputs: 1e-5 absolute on O(1) values — fp32 accumulation in a
+different order (split-K over the keys, online softmax) is ~1e-6; a wrong mask or a missed key is
+O(0.1). Against fp64 references: the same. bf16 kernels vs their twin: the twin's rounding points
+are reproduced, so ≤ 1 bf16 ulp (2^-8 relative) where only the accumulation order differs.
+Without CUDA the Triton kernels run under the interpreter (conftest.py).
+"""
+import pytest
+import torch
+
+from specco.model.config import DraftConfig, PolicyConfig
+from specco.model.draft import Eagle3Draft
+from specco.model.policy import Policy
+from specco.ops.decode_attention import decode_attention, decode_attention_reference, split_plan
+from specco.ops.decode_kernels import add_rms_norm, rope_qkv_write, silu_mul
+from specco.rollout.control import SpecController
+from specco.rollout.forward import RopeTable, draft_step, policy_forward
+
+triton = pytest.importorskip("triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _dense_reference(q, k, v, pos):
+    """fp64 softmax attention with an explicit mask j <= pos, GQA by repeating K/V. q (B,T,H,D)."""
+    B, T, H, D = q.shape
+    G = H // k.shape[1]
+    k, v = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)  # (B, H, S, D)
+    s = torch.einsum("bthd,bhsd->bths", q.double(), k) * D ** -0.5
+    mask = torch.arange(k.shape[2])[None, None, None, :] <= pos[:, :, None, None].cpu()
+    s = s.masked_fill(~mask.to(s.device), float("-inf"))
+    return torch.einsum("bths,bhsd->bthd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("B,T,H,Hkv,D,S", [(2, 1, 4, 2, 16, 100), (3, 5, 14, 2, 64, 300),
+                                           (1, 3, 8, 8, 32, 70), (2, 1, 6, 2, 80, 130), (1, 1, 2, 1, 16, 700)])
+def test_decode_attention_kernel_matches_reference(B, T, H, Hkv, D, S):
+    g = torch.Generator().manual_seed(B * 100 + S)
+    q = torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    # positions anywhere, including the first and the last key of the cache
+    start = torch.randint(0, S - T + 1, (B, 1), generator=g)
+    start[0] = 0
+    start[-1] = S - T
+    pos = start + torch.arange(T)
+    q, k, v, pos = (x.to(DEV) for x in (q, k, v, pos))
+    ref = _dense_reference(q, k, v, pos)
+    for impl in ("triton", "torch"):
+        out = decode_attention(q, k, v, pos, impl=impl)
+        assert out.shape == q.shape
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    # a strided query view (e.g. the transpose of a (B, H, T, D) tensor) reads the same
+    out = decode_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, pos, impl="triton")
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+
+
+def test_decode_attention_ignores_keys_past_the_position():
+    """Garbage (NaN) past each row's position must not leak in: the kernel skips the dead prefix."""
+    g = torch.Generator().manual_seed(0)
+    B, T, H, Hkv, D, S = 2, 2, 4, 2, 16, 400
+    q = torch.randn(B, T, H, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    pos = torch.tensor([[10, 11], [200, 201]])
+    ref = _dense_reference(q, k, v, pos)
+    for b in range(B):
+        k[b, :, pos[b, -1] + 1:] = float("nan")
+        v[b, :, pos[b, -1] + 1:] = float("nan")
+    out = decode_attention(*(x.to(DEV) for x in (q, k, v, pos)), impl="triton")
+    torch.testing.assert_close(out.double().cpu(), ref, atol=1e-5, rtol=0)
+
+
+def test_split_plan_covers_the_cache():
+    for B, Hkv, S in [(1, 2, 1200), (32, 2, 1200), (128, 2, 4200), (1, 8, 64), (3, 1, 17)]:
+        chunk, ns = split_plan(B, Hkv, S)
+        assert chunk % 64 == 0 and (ns - 1) * chunk < S <= ns * chunk
+
+
+# bf16 only on CUDA: Triton's CPU interpreter emulates bf16 (numpy has none) and does not round the
+# way the GPU does, so it would test the interpreter rather than the kernel.
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
+def test_add_rms_norm_and_silu_mul_match_twins(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, r = torch.randn(5, 96, generator=g).to(DEV, dtype), torch.randn(5, 96, generator=g).to(DEV, dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(DEV, dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    for res in (None, r):
+        h_t, y_t = add_rms_norm(x, res, w, 1e-6, impl="triton")
+        h_r, y_r = add_rms_norm(x, res, w, 1e-6, impl="torch")
+        torch.testing.assert_close(h_t, h_r, **tol)
+        torch.testing.assert_close(y_t, y_r, **tol)
+    out = torch.zeros(5, 192, device=DEV, dtype=dtype)
+    add_rms_norm(x, None, w, 1e-6, out=out[:, 96:], impl="triton")  # a strided destination
+    torch.testing.assert_close(out[:, 96:], add_rms_norm(x, None, w, 1e-6, impl="torch")[1], **tol)
+    assert (out[:, :96] == 0).all()
+    gu = torch.randn(7, 2 * 40, generator=g).to(DEV, dtype)
+    torch.testing.assert_close(silu_mul(gu, impl="triton"), silu_mul(gu, impl="torch"), **tol)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_qkv_write_matches_twin(qk_norm):
+    g = torch.Generator().manual_seed(2)
+    B, T, H, Hkv, D, S = 3, 4, 6, 2, 16, 40
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g).to(DEV)
+    rope = RopeTable.build(D, 10000.0, S, DEV, torch.float32)
+    pos = (torch.randint(0, S - T, (B, 1), generator=g) + torch.arange(T)).to(DEV)
+    qn = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV) if qk_norm else None
+    kn = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV) if qk_norm else None
+    outs = []
+    for impl in ("triton", "torch"):
+        cache = torch.full((2, 2 * B, Hkv, S, D), 7.0, device=DEV)  # a strided per-layer row view
+        kc, vc = cache[0, ::2], cache[1, ::2]
+        q = rope_qkv_write(qkv, H, Hkv, D, rope.cos, rope.sin, pos, kc, vc, qn, kn, 1e-6, impl=impl)
+        outs.append((q, cache))
+    torch.testing.assert_close(outs[0][0], outs[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-5)
+    written = outs[0][1][0, ::2].sum(-1) != 7.0 * D  # (B, Hkv, S): where keys landed
+    assert written.sum() == B * Hkv * T and (outs[0][1][:, 1::2] == 7.0).all()
+
+
+def _pair(qk_norm=False, bias=False, seed=0):
+    torch.manual_seed(seed)
+    pc = PolicyConfig(vocab_size=61, hidden_size=32, intermediate_size=40, num_layers=4, num_heads=4,
+                      num_kv_heads=2, qk_norm=qk_norm, attention_bias=bias)
+    policy = Policy(pc).double().eval()
+    draft = Eagle3Draft(DraftConfig.for_policy(pc, 50)).double().eval()
+    return policy, draft
+
+
+@pytest.mark.parametrize("qk_norm,bias", [(False, False), (True, False), (False, True)])
+@torch.no_grad()
+def test_policy_forward_equals_training_forward(qk_norm, bias):
+    """Prefill, a k+1 block and single tokens through the cache give the training forward's logits,
+    hidden states and taps (fp64, so only the kernels' accumulation order differs: 1e-10)."""
+    policy, _ = _pair(qk_norm, bias)
+    ids = torch.randint(0, 61, (3, 14))
+    aux = (1, 2)
+    full = policy(ids, tap_layers=aux)
+    cache = policy.new_cache(3, 20, dtype=torch.float64)
+    rope = RopeTable.build(policy.cfg.head_dim, policy.cfg.rope_theta, 20, "cpu", torch.float64)
+    pos = torch.arange(14).expand(3, 14)
+    pieces = [policy_forward(policy, ids[:, :6], pos[:, :6], cache, rope, aux, prefill=True),
+              policy_forward(policy, ids[:, 6:11], pos[:, 6:11], cache, rope, aux)]
+    pieces += [policy_forward(policy, ids[:, t:t + 1], pos[:, t:t + 1], cache, rope, aux) for t in (11, 12, 13)]
+    torch.testing.assert_close(torch.cat([p[0] for p in pieces], 1), full.logits, atol=1e-10, rtol=0)
+    torch.testing.assert_close(torch.cat([p[1] for p in pieces], 1), full.hidden, atol=1e-10, rtol=0)
+    torch.testing.assert_close(torch.cat([p[2].aux for p in pieces], 1), full.taps.aux, atol=1e-10, rtol=0)
+    torch.testing.assert_close(torch.cat([p[2].embed for p in pieces], 1), full.taps.embed, atol=0, rtol=0)
+
+
+@torch.no_grad()
+def test_draft_step_equals_ttt_pass_one():
+    """The cached draft step over anchors 0..S-1 is the training forward's pass 1 (model/ttt.py)."""
+    from specco.model.ttt import ttt_forward
+    policy, draft = _pair()
+    ids = torch.randint(0, 61, (2, 9))
+    out = policy(ids, tap_layers=draft.cfg.aux_layer_ids)
+    hidden = draft.project_taps(out.taps.aux)
+    embed = policy.embed_tokens(ids)
+    emb = torch.cat([embed[:, 1:], torch.zeros_like(embed[:, :1])], 1)  # emb(x_{i+1}), as TTT pass 1
+    cache = draft.new_cache(2, 12, dtype=torch.float64)
+    rope = RopeTable.build(draft.cfg.head_dim, draft.cfg.rope_theta, 12, "cpu", torch.float64)
+    pos = torch.arange(9).expand(2, 9)
+    a = draft_step(draft, hidden[:, :5], emb[:, :5], pos[:, :5], cache, rope, prefill=True)
+    b = draft_step(draft, hidden[:, 5:], emb[:, 5:], pos[:, 5:], cache, rope)
+    (ref_out,) = ttt_forward(draft, out.taps.aux, embed, pos, num_passes=1)
+    torch.testing.assert_close(torch.cat([a[1], b[1]], 1), ref_out, atol=1e-10, rtol=0)
+    torch.testing.assert_close(torch.cat([a[0], b[0]], 1), draft.lm_head(draft.norm(ref_out)), atol=1e-10, rtol=0)
+
+
+def test_fused_projections_load_and_save_in_hf_layout():
+    policy, draft = _pair(bias=True)
+    sd = policy.state_dict()
+    assert "layers.0.self_attn.q_proj.weight" in sd and "layers.0.self_attn.v_proj.bias" in sd
+    assert "layers.0.mlp.gate_proj.weight" in sd and not any("qkv_proj" in k or "gate_up" in k for k in sd)
+    other, _ = _pair(bias=True, seed=1)
+    other.load_state_dict(sd, strict=True)  # HF-named parts concatenate into the fused weights
+    for (k, a), b in zip(policy.state_dict().items(), other.state_dict().values()):
+        assert torch.equal(a, b), k
+    # the parts are views: an in-place copy (the engine's refit) writes the fused parameter
+    new = torch.randn_like(sd["layers.1.self_attn.k_proj.weight"])
+    other.state_dict()["layers.1.self_attn.k_proj.weight"].copy_(new)
+    q_size = policy.cfg.num_heads * policy.cfg.head_dim
+    torch.testing.assert_close(other.layers["1"].self_attn.qkv_proj.weight[q_size: q_size + new.shape[0]], new)
+    assert set(draft.state_dict()) >= {"midlayer.self_attn.q_proj.weight", "midlayer.mlp.up_proj.weight"}
+
+
+def test_controller_rule():
+    c = SpecController(k_max=4, prior=0.6, min_tries=10)
+    costs = {0: 1.0, 1: 1.3, 2: 1.4, 3: 1.5, 4: 1.6}
+    # prior 0.6: E[τ_2] = 1 + .6 + .36 = 1.96 -> speedup 1.96 / 1.4 = 1.4 beats k = 1 (1.23)
+    assert c.choose(costs, 8).k == 3 or c.choose(costs, 8).k == 2
+    best = max(range(1, 5), key=lambda k: c.expected_tokens(k) / costs[k])
+    assert c.choose(costs, 8).k == best
+    # nothing is accepted: plain decoding wins, whatever the costs of speculation
+    c.update(torch.zeros(4, dtype=torch.long), torch.tensor([100, 0, 0, 0]))
+    assert c.choose(costs, 8).k == 0 and c.choose(costs, 8).predicted_speedup == 1.0
+    # everything accepted and speculation costs little: k_max
+    c = SpecController(k_max=4, min_tries=10)
+    c.update(torch.full((4,), 100), torch.full((4,), 100))
+    assert c.expected_tokens(4) == 5.0 and c.choose(costs, 8).k == 4
+    # a near tie is decided for plain decoding (the noise margin)
+    assert c.choose({0: 1.0, 1: 2.0 / 1.02}, 8).k == 0
+    assert c.choose(costs, 8, allow_speculation=False).k == 0
