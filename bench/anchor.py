@@ -51,7 +51,7 @@ class AnchorDecoder(nn.Module):
         """tok (B, T) at positions pos..pos+T-1 -> logits (B, T, V); writes the cache in place."""
         B, T = tok.shape
         x = self.embed(tok)
-        cos, sin = self.cos[pos:pos + T].to(x.dtype), self.sin[pos:pos + T].to(x.dtype)  # (T, D)
+        cos, sin = (t[pos:pos + T, None].to(x.dtype) for t in (self.cos, self.sin))  # (T, 1, D): over heads
         S = pos + T
         mask = torch.ones(T, S, dtype=torch.bool, device=tok.device).tril(pos)  # query t sees keys <= pos+t
         for i, L in enumerate(self.layers):
@@ -59,9 +59,17 @@ class AnchorDecoder(nn.Module):
             q, k = (torch.cat([-t[..., L.D // 2:], t[..., :L.D // 2]], -1) * sin + t * cos for t in (q, k))
             k_cache[i, :, :, pos:S] = k.transpose(1, 2)
             v_cache[i, :, :, pos:S] = v.transpose(1, 2)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[i, :, :, :S], v_cache[i, :, :, :S],
-                                               attn_mask=mask, enable_gqa=True)
-            x = x + L.o(o.transpose(1, 2).reshape(B, T, -1))
+            if T == 1:  # every live key is visible: no mask. GQA folded into the query dim, (B, Hkv,
+                # G, D), so SDPA reads each kv head once with a fused kernel (`enable_gqa` went to the
+                # math path on the H200 at B >= 32 and cost 3-18x)
+                qf = q.view(B, L.Hkv, L.H // L.Hkv, L.D)
+                o = F.scaled_dot_product_attention(qf, k_cache[i, :, :, :S], v_cache[i, :, :, :S])
+                o = o.reshape(B, 1, L.H * L.D)
+            else:  # the naive masked verify: T queries, a (T, S) mask, GQA by SDPA
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache[i, :, :, :S], v_cache[i, :, :, :S],
+                                                   attn_mask=mask, enable_gqa=True)
+                o = o.transpose(1, 2).reshape(B, T, -1)
+            x = x + L.o(o)
             g, u = L.gate_up(L.ln2(x)).chunk(2, -1)
             x = x + L.down(F.silu(g) * u)
         return self.head(self.norm(x))
@@ -69,8 +77,10 @@ class AnchorDecoder(nn.Module):
 
 def sample(logits, u, temperature: float):
     """Inverse-CDF sampling of softmax(logits / T) with uniforms u (B,) — the engine's rule."""
-    cdf = (logits.float() / temperature).softmax(-1).cumsum(-1)
-    return torch.searchsorted(cdf, (u * cdf[..., -1])[..., None]).clamp(max=cdf.shape[-1] - 1)
+    V = logits.shape[-1]
+    cdf = (logits.reshape(-1, V).float() / temperature).softmax(-1).cumsum(-1)  # (B*T, V)
+    tok = torch.searchsorted(cdf, (u.reshape(-1) * cdf[:, -1])[:, None]).clamp(max=V - 1)
+    return tok.view(*logits.shape[:-1], 1)
 
 
 @torch.no_grad()
@@ -88,10 +98,12 @@ def anchor_step_time(cfg, batch: int, pos: int, T: int, dtype, temperature: floa
         u = torch.rand(batch, T)
         out = torch.zeros(batch, T, 1, dtype=torch.long)
 
-    def step(tok, u):
-        return sample(model(tok, pos, k_cache, v_cache), u, temperature)
+    # The forward is compiled; the sampling runs eagerly inside the same CUDA graph (inductor 2.11
+    # failed to compile the cumsum-based sampler fused with the head for B·T > 1 on the H200).
+    forward = torch.compile(model, fullgraph=True, dynamic=False) if compile else model
 
-    fn = torch.compile(step, fullgraph=True, dynamic=False) if compile else step
+    def fn(tok, u):
+        return sample(forward(tok, pos, k_cache, v_cache), u, temperature)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -42,7 +42,7 @@ def main():
             policy, draft, prompts, eos, _ = compaction_case(kind, SamplingParams(temperature=temp))
             policy = policy.cuda()
             draft = draft.cuda() if draft is not None else None
-            cfg = GenerateConfig(max_new_tokens=64, sampling=SamplingParams(temperature=temp), num_draft_tokens=3,
+            cfg = GenerateConfig(max_new_tokens=64, sampling=SamplingParams(temperature=temp), num_draft_tokens=3, spec_control=False,
                                  pad_token_id=-1, eos_token_id=eos)
             on, n_levels = _gen(policy, draft, prompts, dataclasses.replace(cfg, compact_below=0.6, use_graphs=True),
                                 4, 7)

@@ -202,3 +202,22 @@ def test_controller_rule():
     # a near tie is decided for plain decoding (the noise margin)
     assert c.choose({0: 1.0, 1: 2.0 / 1.02}, 8).k == 0
     assert c.choose(costs, 8, allow_speculation=False).k == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_fused_sampling_matches_twin(temperature):
+    """The fused row sampler picks the twin's token for every uniform away from a cdf boundary and
+    reports the twin's log-prob (fp32 accumulation order: 1e-5)."""
+    from specco.rollout.sampling import SamplingParams, pick_tokens_logp
+    g = torch.Generator().manual_seed(int(temperature * 10))
+    N, V = 6, 5000  # several blocks of the kernel
+    logits = (3 * torch.randn(N, V, generator=g)).to(DEV)
+    logits[0, 17] = logits[0, 4000] = logits[0].max() + 1  # a tie: the first index wins
+    u = torch.rand(N, generator=g).to(DEV)
+    params = SamplingParams(temperature=temperature)
+    tok_t, lp_t = pick_tokens_logp(logits, params, None if params.greedy else u, impl="triton")
+    tok_r, lp_r = pick_tokens_logp(logits, params, None if params.greedy else u, impl="torch")
+    assert torch.equal(tok_t, tok_r)
+    torch.testing.assert_close(lp_t, lp_r, atol=1e-5, rtol=0)
+    if params.greedy:
+        assert int(tok_t[0]) == 17

@@ -94,14 +94,14 @@ if triton is not None:
                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         """Partial (out, lse) of the G·T query rows of (row b, kv head hkv) over one key chunk."""
-        split, bh = tl.program_id(0), tl.program_id(1)
+        split, bh = tl.program_id(0), tl.program_id(1).to(tl.int64)  # int64: b x batch stride can pass 2^31
         b, hkv = bh // HKV, bh % HKV
         offs_m = tl.arange(0, BLOCK_M)  # query row m = g*T + t
         g, t = offs_m // T, offs_m % T
         row_ok = offs_m < G * T
         pos = tl.load(POS + b * sp_b + t, mask=row_ok, other=-1)  # (BLOCK_M,)
         start = split * chunk
-        end = tl.minimum(start + chunk, tl.max(pos, axis=0) + 1)  # keys past the live prefix: skipped
+        end = tl.minimum(start + chunk, tl.max(pos, axis=0) + 1).to(tl.int32)  # keys past the live prefix: skipped
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
         q = tl.load(Q + b * sq_b + t[:, None] * sq_t + (hkv * G + g)[:, None] * sq_h + offs_d[None, :],
@@ -146,7 +146,7 @@ if triton is not None:
                        BLOCK_S: tl.constexpr):
         """out = Σ_s exp(lse_s - lse) out_s with lse = logsumexp_s lse_s, over the live splits of one
         query row (program (b·hkv, m)); written in q's layout (B, T, H, D)."""
-        bh, m = tl.program_id(0), tl.program_id(1)
+        bh, m = tl.program_id(0).to(tl.int64), tl.program_id(1)
         b, hkv = bh // HKV, bh % HKV
         g, t = m // T, m % T
         pos = tl.load(POS + b * sp_b + t)

@@ -58,7 +58,7 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(X, R, W, HS, Y, N, eps, sx, sr, shs, sy, HAS_RES: tl.constexpr,
                              BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # int64 offsets: rows x stride can pass 2^31 (long prefills)
         offs = tl.arange(0, BLOCK)
         ok = offs < N
         x = tl.load(X + row * sx + offs, mask=ok, other=0.0)
@@ -105,7 +105,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 if triton is not None:
     @triton.jit
     def _silu_mul_kernel(GU, OUT, I, s_gu, s_out, BLOCK: tl.constexpr):
-        row, blk = tl.program_id(0), tl.program_id(1)
+        row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         ok = offs < I
         g = tl.load(GU + row * s_gu + offs, mask=ok, other=0.0).to(tl.float32)
@@ -135,9 +135,9 @@ if triton is not None:
                                s_qkv, s_cos, s_pos, sq_bt, sq_h, skc_b, skc_h, skc_s, svc_b, svc_h, svc_s,
                                D: tl.constexpr, HALF: tl.constexpr, QK_NORM: tl.constexpr):
         """Program (b·T + t, head): head < H is a query head, < H + Hkv a key head, else a value head."""
-        bt, head = tl.program_id(0), tl.program_id(1)
+        bt, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
         b = bt // T
-        pos = tl.load(POS + bt * s_pos)
+        pos = tl.load(POS + bt * s_pos).to(tl.int64)
         offs = tl.arange(0, HALF)
         ok = offs < D // 2
         base = QKV + bt * s_qkv + head * D

@@ -44,13 +44,18 @@ class Choice:
 class SpecController:
     """Per-position acceptance estimates and the k rule above.
 
-    prior: α_i before any evidence (every position); memory: how much of the pooled counts survives
-    each update (1 keeps everything, 0 only the newest call); min_tries: rows a position needs before
-    its estimate replaces the prior; margin: speculation must beat plain by this factor (noise guard,
-    so a near-tie never makes rollouts slower than plain).
+    prior: α_i before enough evidence. It is optimistic (1.0) on purpose: a controller that starts
+    pessimistic picks plain decoding and, since plain rounds test no draft token, never learns
+    otherwise. With the optimistic prior an unknown pair is tried at the k that would pay if all were
+    accepted; the evidence then decides. memory: how much of the pooled counts survives each update
+    (1 keeps everything, 0 only the newest call) — it also makes a controller that settled on plain
+    decoding fall back to the prior after a few calls and probe again, so a draft that improves
+    (co-training) is noticed; min_tries: row-rounds a position needs before its estimate replaces
+    the prior; margin: speculation must beat plain by this factor (noise guard, so a near-tie never
+    makes rollouts slower than plain).
     """
     k_max: int
-    prior: float = 0.6
+    prior: float = 1.0
     memory: float = 0.5
     min_tries: float = 64.0
     margin: float = 1.03

@@ -41,7 +41,7 @@ from .control import Choice, SpecController
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
 from .levels import Level, PlainSteps, new_state
-from .sampling import SamplingParams, pick_tokens
+from .sampling import SamplingParams, pick_tokens_logp
 from .speculative import SpeculativeSteps, draft_prefill, gather_rows
 from .state import fill_groups, group_leaders
 
@@ -325,15 +325,13 @@ class DecodeRunner:
         fill_groups(st.t_cache, G, S)
         logits = policy.lm_head(gather_rows(hidden, io.lens - 1))  # (B0, V): last positions
         logits = logits.repeat_interleave(G, dim=0)  # (N, V)
-        first, logp_all = pick_tokens(logits, cfg.sampling, io.u0)
-        if logp_all is None:
-            logp_all = logits.float().log_softmax(-1)
+        first, first_logp = pick_tokens_logp(logits, cfg.sampling, io.u0)
         st.n.copy_(io.lens.repeat_interleave(G))
         st.last_tok.copy_(first)
         st.out_tokens.zero_()
         st.out_tokens[:, 0] = first
         st.out_logp.zero_()
-        st.out_logp[:, 0] = logp_all.gather(-1, first[:, None]).squeeze(-1)
+        st.out_logp[:, 0] = first_logp
         st.out_len.fill_(1)
         finished = ~io.real.repeat_interleave(G)  # padding rows never run
         if cfg.max_new_tokens <= 1:

@@ -18,7 +18,7 @@ from ..model.policy import Policy
 from .control import Choice
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
-from .sampling import SamplingParams, pick_tokens
+from .sampling import SamplingParams, pick_tokens_logp
 from .speculative import SpeculativeSteps
 from .state import DecodeState, commit
 
@@ -36,12 +36,8 @@ class PlainSteps:
     def decode(self):
         st = self.st
         logits, _, _ = policy_forward(self.policy, st.last_tok[:, None], st.n[:, None], st.t_cache, self.rope)
-        logits = logits[:, 0]  # (N, V)
-        tok, logp_all = pick_tokens(logits, self.params, st.u[:, 0] if st.u is not None else None)
-        if logp_all is None:
-            logp_all = logits.float().log_softmax(-1)
-        logp = logp_all.gather(-1, tok[:, None])  # (N, 1)
-        commit(st, tok[:, None], torch.ones_like(tok), logp, self.max_new_tokens, self.eos_token_id)
+        tok, logp = pick_tokens_logp(logits[:, 0], self.params, st.u[:, 0] if st.u is not None else None)
+        commit(st, tok[:, None], torch.ones_like(tok), logp[:, None], self.max_new_tokens, self.eos_token_id)
         live = ~st.finished
         st.n.add_(live.long())
         st.last_tok.copy_(torch.where(live, tok, st.last_tok))

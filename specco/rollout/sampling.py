@@ -108,3 +108,23 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | 
         return logits.argmax(-1), None
     logp = processed_logprobs(logits, params)
     return sample_from_probs(logp.exp(), u), logp
+
+
+def pick_tokens_logp(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None,
+                     impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pick_tokens` plus the picked tokens' log-probs: logits (N, V) -> (tokens (N,), log p (N,) fp32)
+    with p the processed distribution (raw log_softmax when greedy, generate.py's convention).
+
+    On CUDA, for plain temperature sampling or greedy (no top-k/top-p), one fused Triton pass per row
+    (ops/sampling_kernel.py) instead of the vocabulary-sized fp32 chain below, which is its twin.
+    impl: None (fused where it applies), "triton" or "torch".
+    """
+    fused = impl == "triton" or (impl is None and logits.is_cuda and params.top_k == 0 and params.top_p == 1.0)
+    if fused:
+        from ..ops.sampling_kernel import fused_sample, triton
+        if triton is not None:
+            return fused_sample(logits if logits.stride(-1) == 1 else logits.contiguous(), params.temperature, u)
+    tok, logp_all = pick_tokens(logits, params, u)
+    if logp_all is None:
+        logp_all = logits.float().log_softmax(-1)
+    return tok, logp_all.gather(-1, tok[:, None]).squeeze(-1)
