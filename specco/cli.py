@@ -53,7 +53,7 @@ def cmd_train(a):
 def cmd_generate(a):
     import torch
 
-    from .data.tokenizer import load_tokenizer
+    from .data.tokenizer import load_tokenizer, stop_token_ids, truncate_at_stop
     from .model.draft import Eagle3Draft
     from .model.hf_io import load_policy
     from .rollout.engine import RolloutEngine
@@ -63,16 +63,20 @@ def cmd_generate(a):
     policy = load_policy(a.policy, device=device)
     tok = load_tokenizer(a.policy)
     draft = Eagle3Draft.load(a.draft, device=device) if a.draft else None
+    # The engine stops on one id (the primary stop token); any other generation_config stop id
+    # ends the text below, so the printed text is what transformers' generate would print.
+    stops = stop_token_ids(a.policy, tok)
     cfg = GenerateConfig(max_new_tokens=a.max_new_tokens, num_draft_tokens=a.k,
                          sampling=SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p),
-                         eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+                         eos_token_id=stops[0], pad_token_id=tok.pad_id)
     engine = RolloutEngine(policy, draft, cfg)
-    prompts = [tok.encode(p, add_bos=tok.bos_id is not None) for p in a.prompt]
+    prompts = [tok.prompt_ids(p, chat=a.chat, system=a.system) for p in a.prompt]
     t = time.perf_counter()
     out = engine.generate(prompts, generator=torch.Generator().manual_seed(a.seed))
     dt = time.perf_counter() - t
     for p, row, n in zip(a.prompt, out.tokens, out.lengths):
-        print(f"{p}{tok.decode(row[:int(n)])}")
+        text = tok.decode(truncate_at_stop(row[:int(n)], stops))
+        print(text if a.chat else f"{p}{text}")  # chat: the reply alone (the prompt is templated)
     n_tok = int(out.lengths.sum())
     print(f"\n{n_tok} tokens in {dt:.2f} s ({n_tok / dt:.1f} tokens/s); tau = {out.tau:.2f} "
           f"({'speculative, k=' + str(a.k) if draft is not None else 'no draft'})", file=sys.stderr)
@@ -112,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", required=True, help="HF checkpoint dir (config.json, model.safetensors, tokenizer.json)")
     p.add_argument("--draft", default=None, help="specco draft dir (draft_config.json + model.safetensors)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each prompt "
+                   "(a user message; transformers' template code when installed, else jinja2)")
+    p.add_argument("--system", default=None, help="system message for --chat (default: none, so the "
+                   "template's own default applies)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per target forward")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
