@@ -331,3 +331,23 @@ def test_draft_init_config_key(tmp_path):
     with pytest.raises(ConfigError, match="vocab_size 100 != policy vocab_size 120"):
         initial_draft(other, tokens, load_config(None, [f"draft.init={out}"]).draft)
     assert initial_draft(policy, tokens, load_config(None).draft).cfg.draft_vocab_size == 100  # new draft
+
+
+def test_generate_with_exported_draft(tmp_path, capsys):
+    """`specco generate --draft` reads an exported (or published) layout: same greedy text as with
+    specco's own draft directory."""
+    from specco.data.tokenizer import build_char_tokenizer
+    from specco.model.hf_io import save_policy
+    from specco.model.policy import Policy
+    torch.manual_seed(0)
+    save_policy(Policy(POLICY), tmp_path / "pol")
+    build_char_tokenizer().save(tmp_path / "pol")  # 100 ids, the policy's vocabulary
+    draft = _draft()
+    draft.save(tmp_path / "native")
+    export_draft(draft, tmp_path / "vllm", "vllm", POLICY)
+    texts = []
+    for d in ("native", "vllm"):
+        main(["generate", "--policy", str(tmp_path / "pol"), "--draft", str(tmp_path / d), "--prompt", "3+4=",
+              "--max-new-tokens", "6", "--k", "2", "--device", "cpu"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith("3+4=")

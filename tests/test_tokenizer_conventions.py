@@ -48,15 +48,14 @@ def _dirs(tmp_path):
 
 def test_default_special_tokens_follow_the_checkpoint(tmp_path):
     expected = {  # what each checkpoint's own tokenizer adds (and transformers agrees, below)
-        "bos_post_processor": ([1], []), "add_eos_token": ([1], []), "add_bos_token_false": ([1], []),
+        "char": ([1], []), "bos_post_processor": ([1], []), "add_eos_token": ([1], []), "add_bos_token_false": ([1], []),
         "no_post_processor": ([], [])}
     for name, d in _dirs(tmp_path).items():
         tok = load_tokenizer(d)
         bare = tok.encode("hello world")
-        if name in expected:
-            head, tail = expected[name]
-            assert tok.encode("hello world", add_special_tokens=True) == head + bare + tail, name
-            assert tok.prompt_ids("hello world") == head + bare + tail
+        head, tail = expected[name]
+        assert tok.encode("hello world", add_special_tokens=True) == head + bare + tail, name
+        assert tok.prompt_ids("hello world") == head + bare + tail
 
 
 def test_encode_matches_transformers(tmp_path):

@@ -26,6 +26,7 @@ Conventions of a pretrained checkpoint, kept as its own tokenizer keeps them:
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import string
@@ -124,13 +125,9 @@ class Tokenizer:
                              "or chat_template.jinja); use a plain prompt or the task's compact mode")
         msgs = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": user}]
-        if self._hf is None and self._hf_dir is not None:
-            try:
-                from transformers import AutoTokenizer  # heavy import, only for pretrained policies
-            except ImportError:
-                self._hf_dir = None  # not installed: jinja2 from now on
-            else:
-                self._hf = AutoTokenizer.from_pretrained(str(self._hf_dir))
+        if self._hf is None and self._hf_dir is not None and importlib.util.find_spec("transformers"):
+            from transformers import AutoTokenizer  # heavy import, only for pretrained policies
+            self._hf = AutoTokenizer.from_pretrained(str(self._hf_dir))
         if self._hf is not None:
             return self._hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         specials = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
