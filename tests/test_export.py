@@ -351,3 +351,20 @@ def test_generate_with_exported_draft(tmp_path, capsys):
               "--max-new-tokens", "6", "--k", "2", "--device", "cpu"])
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].startswith("3+4=")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_engines_see_the_fields_through_transformers(tmp_path, engine):
+    """Both engines read the draft config with transformers' AutoConfig (`hf_config`): the fields
+    their loaders use must survive it, with RoPE as transformers 5 stores it."""
+    transformers = pytest.importorskip("transformers")
+    out = export_draft(_draft(), tmp_path / engine, engine, POLICY)
+    c = transformers.AutoConfig.from_pretrained(str(out))
+    assert type(c).__name__ == "LlamaConfig" and c.architectures == ["LlamaForCausalLMEagle3"]
+    assert (c.draft_vocab_size, c.target_hidden_size, c.vocab_size, c.head_dim) == (40, 32, 100, 8)
+    assert c.rope_parameters == {"rope_type": "default", "rope_theta": 5e5}
+    assert c.norm_before_residual is False and c.tie_word_embeddings is False
+    if engine == "vllm":
+        assert list(c.eagle_aux_hidden_state_layer_ids) == [2, 4, 5]
+    else:
+        assert c.eagle_config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
