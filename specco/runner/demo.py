@@ -27,7 +27,7 @@ from ..train.cotrain import StepConfig
 from ..train.sft import evaluate, sft, tiny_policy_config
 from .report import markdown_table, plot_arms, read_jsonl
 from .rl import at_temperature, generate_config, run_arm, step_config
-from .warmstart import measure_tau, new_draft, sample_pool, warm_start
+from .warmstart import initial_draft, measure_tau, sample_pool, warm_start
 
 # Pretrained policies' SFT reads task stream `seed + PRETRAINED_SFT_STREAM`, disjoint from the RL
 # prompts (stream `seed`), the warm-start pool (+1000), the tau probe (+2000) and evaluation (1):
@@ -146,8 +146,7 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
     t = time.perf_counter()
     tokens, mask = sample_pool(policy, task, tok, n_prompts=cfg.train.warm_start_prompts, group=4, gen_cfg=gcfg,
                                seed=cfg.train.seed + 1000)
-    draft = new_draft(policy, tokens, cfg.draft.draft_vocab_size, cfg.draft.aux_layer_ids,
-                      cfg.draft.init_head_from_policy)
+    draft = initial_draft(policy, tokens, cfg.draft)  # new, or imported from draft.init
     _say(f"[2/4] draft warm start: {cfg.train.warm_start_steps} offline steps x "
          f"{cfg.train.warm_start_batch} rows on {tokens.shape[0]} policy samples, draft vocab "
          f"{draft.cfg.draft_vocab_size}/{draft.cfg.target_vocab_size}", progress)

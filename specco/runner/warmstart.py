@@ -12,7 +12,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..model.config import DraftConfig
+from ..model.config import ConfigError, DraftConfig
 from ..model.draft import Eagle3Draft, build_vocab_maps
 from ..model.policy import Policy
 from ..rollout.engine import RolloutEngine
@@ -68,6 +68,21 @@ def new_draft(policy: Policy, tokens: torch.Tensor, draft_vocab_size: int = 0,
     draft.set_vocab_maps(d2t.to(draft.d2t.device), t2d.to(draft.t2d.device))
     if init_head:
         draft.init_head_from_policy(policy.lm_head.weight.detach())
+    return draft
+
+
+def initial_draft(policy: Policy, tokens: torch.Tensor, spec) -> Eagle3Draft:
+    """The draft the warm start begins from: `spec.init` (config `draft.init=DIR`) imported and checked
+    against the policy, else `new_draft`. `spec` is the run config's DraftSpec."""
+    if not spec.init:
+        return new_draft(policy, tokens, spec.draft_vocab_size, spec.aux_layer_ids, spec.init_head_from_policy)
+    from ..export import load_draft
+    draft = load_draft(spec.init, policy.cfg, device=next(policy.parameters()).device)
+    for key, want, got in (("draft_vocab_size", spec.draft_vocab_size, draft.cfg.draft_vocab_size),
+                           ("aux_layer_ids", tuple(spec.aux_layer_ids), draft.cfg.aux_layer_ids)):
+        if want and want != got:
+            raise ConfigError(f"draft.{key}={want!r} but draft.init={spec.init} has {got!r}; leave "
+                              f"draft.{key} unset (the imported draft decides it)")
     return draft
 
 
