@@ -33,7 +33,8 @@ def test_clipped_surrogate_hand_computed():
     lp_new = torch.tensor([[0.5, -0.5, 0.1, 0.0]])
     adv = torch.tensor([[1.0, -1.0, -2.0, 3.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    loss, m = clipped_surrogate(lp_new, lp_old, adv, mask, clip_eps=0.2)
+    loss, stats = clipped_surrogate(lp_new, lp_old, adv, mask, clip_eps=0.2)
+    m = stats.metrics()
     r3 = math.exp(0.1)
     expect = -(1.2 * 1 + min(math.exp(-0.5) * -1, 0.8 * -1) + min(r3 * -2, min(r3, 1.2) * -2)) / 3
     assert abs(loss.item() - expect) < 1e-6

@@ -26,8 +26,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = SwiGLU(h, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, positions=None, cache=None, layer=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer)
+    def forward(self, x, cos, sin, positions=None, cache=None, layer=0, attn_core=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, cache, layer, attn_core)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -81,12 +81,15 @@ class Policy(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, tap_layers: tuple[int, ...] | None = None,
-                hidden_in: torch.Tensor | None = None, compute_logits: bool = True) -> PolicyOutput:
+                hidden_in: torch.Tensor | None = None, compute_logits: bool = True,
+                attn_core=None) -> PolicyOutput:
         """input_ids: (B, S) token ids (or `hidden_in` (B, S, h) on a stage without embedding).
 
         positions: (B, S) absolute positions (default 0..S-1). With `cache`, keys/values are written
         at `positions` and queries attend to cached keys at positions <= their own.
         tap_layers: aux layer ids whose outputs are recorded (detached) for the draft.
+        attn_core: the attention of a full-sequence forward, `core(q, k, v)` (None: causal SDPA per row);
+        context parallelism and packed rows pass a ring / per-sequence attention here.
         """
         x = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden_in
         B, S, _ = x.shape
@@ -97,7 +100,7 @@ class Policy(nn.Module):
         aux = []
         for key, layer in self.layers.items():
             i = int(key)
-            x = layer(x, cos, sin, positions, cache, i)
+            x = layer(x, cos, sin, positions, cache, i, attn_core)
             if tap_layers is not None and i in tap_layers:
                 aux.append(x.detach())
         taps = None

@@ -4,13 +4,12 @@
     torchrun --nproc-per-node 2 -m specco.parallel.launch_cotrain parallel.cp=2 --steps 3 --seq-lens 300,41,7
 
 The CLI will call `run_cotrain_step_cp(cfg, ...)`; everything it does is the recipe of cp.py:
-per batch, build the ZigzagLayout, shard the packed batch, apply_cp on the policy, and pass the
-CP shift / ring attention / global counts to `cotrain_step`. Metrics are printed on rank 0.
+per batch, build the ZigzagLayout, shard the packed batch, and pass the CP shift, ring attention
+and policy attention core to `cotrain_step` (`cp.step_fns`). Metrics are printed on rank 0.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import time
@@ -24,7 +23,7 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.cotrain import AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step
-from .cp import apply_cp, cp_attn, cp_shift, global_count, shard_batch
+from .cp import shard_batch, step_fns
 from .mesh import Mesh
 from .zigzag import ZigzagLayout
 
@@ -94,11 +93,8 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
         packed, cu = synthetic_packed_batch(seq_lens, _SYNTH_VOCAB, seed=1000 * step + mesh.dp_rank, device=device)
         layout = ZigzagLayout(cu, mesh.cp, mesh.cp_rank)
         batch = shard_batch(packed, layout)
-        apply_cp(policy, mesh.cp_group, layout)
-        shift = functools.partial(cp_shift, group=mesh.cp_group, layout=layout)
-        n_tok = global_count(shift(batch.target_mask, 1), mesh.grad_group)
-        m = cotrain_step(policy, draft, batch, opt, None, step_cfg, grad_group=mesh.grad_group, shift=shift,
-                         attn=cp_attn(mesh.cp_group, layout), policy_token_count=n_tok)
+        m = cotrain_step(policy, draft, batch, opt, None, step_cfg, grad_group=mesh.grad_group,
+                         **step_fns(mesh.cp_group, layout))
         # The two losses are each rank's contribution to the global mean: report their sum.
         losses = torch.tensor([m.get("policy/loss", 0.0), m.get("draft/loss", 0.0)], dtype=torch.float64,
                               device=device)

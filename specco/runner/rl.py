@@ -35,7 +35,6 @@ from ..config import RunConfig
 from ..model.draft import Eagle3Draft
 from ..model.ttt import shift_left
 from ..model.policy import Policy
-from ..parallel.cp import global_count
 from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
 from ..rollout.generate import GenerateConfig
@@ -43,8 +42,8 @@ from ..rollout.sampling import SamplingParams
 from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from ..train.cotrain import (AMP_DTYPES, StepConfig, TrainBatch, amp_context, build_optimizer, build_scheduler,
-                             cotrain_step, draft_loss)
-from ..train.losses import grpo_advantages, metrics_to_floats, token_logprobs
+                             cotrain_step, draft_loss, step_counts)
+from ..train.losses import all_reduce_sums, grpo_advantages, metrics_to_floats, token_logprobs
 from .report import MetricsLog
 
 ARMS = ("none", "frozen", "cotrained")
@@ -100,11 +99,12 @@ def build_batch(prompts: list[list[int]], out, pad_id: int, device) -> TrainBatc
 
 @torch.no_grad()
 def recompute_logprobs(policy: Policy, tokens: torch.Tensor, cfg: StepConfig) -> torch.Tensor:
-    """log p_old(token j) by the training policy, indexed by token (column 0 is 0). Under the train
-    step's own precision (cfg.amp_dtype), so the PPO ratio starts at exactly 1."""
+    """log p(token i+1) at position i by the training policy (indexed like the logits, batch.py; the
+    last column is 0). Under the train step's own precision (cfg.amp_dtype), so the PPO ratio starts at
+    exactly 1."""
     with amp_context(cfg, tokens):
-        lp = token_logprobs(policy(tokens).logits[:, :-1], tokens[:, 1:], cfg.temperature)
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        return token_logprobs(policy(tokens).logits, shift_left(tokens, 1), cfg.temperature) * \
+            (torch.arange(tokens.shape[1], device=tokens.device) < tokens.shape[1] - 1)
 
 
 @torch.no_grad()
@@ -112,11 +112,12 @@ def draft_eval(policy: Policy, draft: Eagle3Draft, batch: TrainBatch, cfg: StepC
     """Draft TTT metrics (loss per pass, top-1, simulated tau) without training it (frozen arm).
     `count_group` (data parallel): global counts, so the metrics are global and the loss is this
     rank's share of the global mean (summed over ranks like the co-trained arm's)."""
+    counts = step_counts(batch, cfg, group=count_group)
     with amp_context(cfg, batch.tokens):
-        loss, m = draft_loss(draft, policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids), batch, cfg,
-                             count_group=count_group)
-    m["draft/loss"] = loss
-    return metrics_to_floats(m)
+        loss, stats = draft_loss(draft, policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids), batch, cfg,
+                                 counts.draft)
+    (stats,) = all_reduce_sums([stats], count_group)
+    return metrics_to_floats({**stats.metrics(), "draft/loss": loss})
 
 
 @dataclass
@@ -199,17 +200,15 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
     batch.logp_old = recompute_logprobs(st.policy, batch.tokens, scfg)
     t_lp = time.perf_counter() - t0
     eng_lp = torch.zeros_like(batch.logp_old)
-    for i in range(out.tokens.shape[0]):
+    for i in range(out.tokens.shape[0]):  # token p + j (completion token j) is predicted at p + j - 1
         p, n = len(prompts[i // r.group_size]), int(out.lengths[i])
-        eng_lp[i, p:p + n] = out.logprobs[i, :n].to(eng_lp)
-    lp_gap = ((eng_lp - batch.logp_old).abs() * batch.target_mask).max().item()
+        eng_lp[i, p - 1:p - 1 + n] = out.logprobs[i, :n].to(eng_lp)
+    lp_gap = ((eng_lp - batch.logp_old).abs() * shift_left(batch.target_mask, 1)).max().item()
     # -- train --------------------------------------------------------------------------------
     t0 = time.perf_counter()
     train_draft = st.draft if st.arm == "cotrained" else None
     group = mesh.grad_group if mesh is not None and mesh.dp > 1 else None
-    n_pol = global_count(shift_left(batch.target_mask, 1), group) if group is not None else None
-    m = cotrain_step(st.policy, train_draft, batch, st.opt, st.sched, scfg, grad_group=group,
-                     policy_token_count=n_pol)
+    m = cotrain_step(st.policy, train_draft, batch, st.opt, st.sched, scfg, grad_group=group)
     t_train = time.perf_counter() - t0
     if st.arm == "frozen":  # metrics only, so outside the timed train step
         m.update(draft_eval(st.policy, st.draft, batch, step_config(cfg, "cotrained"), group))
