@@ -57,15 +57,16 @@ def cmd_generate(a):
     from .model.draft import Eagle3Draft
     from .model.hf_io import load_policy
     from .rollout.engine import RolloutEngine
-    from .rollout.generate import GenerateConfig
-    from .rollout.sampling import SamplingParams
+    from .config import load_config
+    from .runner.derive import generate_config
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     policy = load_policy(a.policy, device=device)
     tok = load_tokenizer(a.policy)
     draft = Eagle3Draft.load(a.draft, device=device) if a.draft else None
-    cfg = GenerateConfig(max_new_tokens=a.max_new_tokens, num_draft_tokens=a.k,
-                         sampling=SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p),
-                         eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    # The options are rollout keys of the run config: the one GenerateConfig builder, the one validation.
+    run = load_config(None, [f"rollout.k={a.k}", f"rollout.temperature={a.temperature}", f"rollout.top_k={a.top_k}",
+                             f"rollout.top_p={a.top_p}", f"rollout.max_new_tokens={a.max_new_tokens}"])
+    cfg = generate_config(run, tok.eos_id, tok.pad_id)
     engine = RolloutEngine(policy, draft, cfg)
     prompts = [tok.encode(p, add_bos=tok.bos_id is not None) for p in a.prompt]
     t = time.perf_counter()

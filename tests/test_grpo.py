@@ -146,7 +146,7 @@ def test_bf16_recompute_matches_the_step_so_the_ratio_starts_at_one():
     """logp_old from `recompute_logprobs` under the step's autocast equals the step's own log-probs
     before the update, so the surrogate is exactly -sum(A·mask)/sum(mask); an fp32 recompute differs
     from the bf16 one by bf16 rounding (which would put the ratio off 1 by ~1e-2)."""
-    from specco.runner.rl import recompute_logprobs
+    from specco.runner.rollouts import recompute_logprobs
     from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
     tok, policy = _setup()
     g = torch.Generator().manual_seed(4)

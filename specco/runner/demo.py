@@ -26,7 +26,8 @@ from ..rollout.engine import RolloutEngine
 from ..train.cotrain import StepConfig
 from ..train.sft import evaluate, sft, tiny_policy_config
 from .report import markdown_table, plot_arms, read_jsonl
-from .rl import at_temperature, generate_config, run_arm, step_config
+from .derive import at_temperature, check_parallel, generate_config, step_config
+from .rl import run_arm
 from .warmstart import measure_tau, new_draft, sample_pool, warm_start
 
 # Pretrained policies' SFT reads task stream `seed + PRETRAINED_SFT_STREAM`, disjoint from the RL
@@ -68,7 +69,7 @@ def prepare_policy(cfg: RunConfig, out: Path, device, progress=True):
         t = time.perf_counter()
         m = sft(policy, tok, task, cfg.train.sft_steps, lr=cfg.train.sft_lr, seed=cfg.train.seed,
                 progress=progress)
-        metrics = {"sft_time_s": time.perf_counter() - t, "sft_final_loss": m.get("final_loss")}
+        metrics = {"sft_time_s": time.perf_counter() - t, "sft_final_loss": m["loss_last"]}
     else:
         if src == "smollm2":
             from ..data.smollm2 import prepare_smollm2
@@ -170,26 +171,15 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
 
 
 def parallel_setup(cfg: RunConfig) -> Mesh | None:
-    """The RL loop's data parallelism: None for one process; under torchrun, a dp-only mesh with
-    parallel.dp = WORLD_SIZE. Anything else is refused with what to change, instead of silently
-    running one independent copy per rank (each writing the same out_dir)."""
-    p = cfg.parallel
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if p.cp != 1 or p.pp != 1:
-        raise ConfigError(f"parallel.cp={p.cp}, parallel.pp={p.pp}: the RL loop (`specco train` / `specco demo`) "
-                          "supports data parallelism only; context parallelism applies to the co-training step "
-                          "(`torchrun ... -m specco cotrain-cp parallel.cp=N`)")
-    if p.dp != world:
-        how = (f"launch it with `torchrun --nproc-per-node {p.dp} -m specco train ...`" if world == 1 else
-               f"set parallel.dp={world}")
-        raise ConfigError(f"parallel.dp={p.dp} but {world} process(es) were launched (WORLD_SIZE): {how}")
-    if cfg.rollout.prompts_per_step % p.dp:
-        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by "
-                          f"parallel.dp={p.dp}: each rank rolls out whole prompt groups")
-    if world == 1:
+    """The RL loop's mesh: None for one process; under torchrun, the dp x cp mesh with
+    parallel.dp x parallel.cp = WORLD_SIZE. Anything else is refused with what to change
+    (derive.check_parallel), instead of silently running one independent copy per rank."""
+    _, dp, cp = check_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), "train")
+    if dp * cp == 1:
         return None
+    p = cfg.parallel
     backend = p.backend if p.backend != "auto" else ("nccl" if pick_device(cfg.device).type == "cuda" else "gloo")
-    return Mesh.build(p.dp, 1, backend)
+    return Mesh.build(dp, cp, backend)
 
 
 def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
