@@ -81,7 +81,7 @@ def cmd_generate(a):
 
 def cmd_cotrain_cp(a):
     from .config import load_config
-    from .parallel.launch_cotrain import run_cotrain_step_cp
+    from .runner.cotrain_cp import run_cotrain_step_cp
     cfg = load_config(a.config, a.overrides)
     run_cotrain_step_cp(cfg, steps=a.steps, seq_lens=tuple(int(x) for x in a.seq_lens.split(",")))
 

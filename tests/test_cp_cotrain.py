@@ -131,7 +131,7 @@ def test_shift_refactor_keeps_single_process_policy_loss():
 
 def _launch_worker(rank, world):
     from specco.config import load_config
-    from specco.parallel.launch_cotrain import run_cotrain_step_cp
+    from specco.runner.cotrain_cp import run_cotrain_step_cp
     from specco.parallel.mesh import Mesh
     cfg = load_config(None, ["parallel.dp=2", "parallel.cp=2", "policy.hidden_size=32", "policy.num_layers=2",
                              "policy.intermediate_size=32", "draft.ttt_passes=2"])

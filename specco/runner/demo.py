@@ -5,6 +5,7 @@ was interrupted resumes where it stopped (the RL arms resume from their own chec
 """
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import os
@@ -17,7 +18,6 @@ import torch.distributed as dist
 from ..config import RunConfig, config_to_dict
 from ..data.tasks import get_task
 from ..data.tokenizer import build_char_tokenizer, load_tokenizer
-from ..model.config import ConfigError
 from ..model.draft import Eagle3Draft
 from ..model.hf_io import load_policy, save_policy
 from ..model.policy import Policy
@@ -182,6 +182,21 @@ def parallel_setup(cfg: RunConfig) -> Mesh | None:
     return Mesh.build(dp, cp, backend)
 
 
+def _from_rank0(objs: tuple, mesh: Mesh | None, device) -> tuple:
+    """Rank 0's `objs` (models, tokenizer) on every rank, sent through the process group (a collective).
+    Models travel on the host and land on each rank's own device."""
+    if mesh is None:
+        return objs
+    box = [None]
+    if mesh.rank == 0:
+        # a host copy (Module.to moves in place; rank 0 keeps its models where they are)
+        box = [tuple(copy.deepcopy(o).cpu() if isinstance(o, torch.nn.Module) else o for o in objs)]
+    dist.broadcast_object_list(box, group=mesh.grad_group, group_src=0)
+    if mesh.rank == 0:
+        return objs
+    return tuple(o.to(device) if isinstance(o, torch.nn.Module) else o for o in box[0])
+
+
 def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
     """The whole job. Returns the summary that is also written to out_dir/summary.json (rank 0; other
     data-parallel ranks return {})."""
@@ -196,11 +211,14 @@ def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
     if device.type == "cuda":  # fp32 policies train with TF32 matmuls (10-bit mantissa products)
         torch.set_float32_matmul_precision("high")
     t_start = time.perf_counter()
-    # SFT and warm start run on rank 0; the other ranks wait, then load what it wrote (each stage
-    # is skipped when its output exists). A shared out_dir, as on one node.
-    if rank != 0:
-        dist.barrier()
-    policy, tok, sft_m = prepare_policy(cfg, out, device, progress)
+    # SFT and warm start run on rank 0 (each stage is skipped when its output exists in rank 0's out_dir);
+    # the other ranks receive the policy, tokenizer and draft through the process group, so no path
+    # needs to be shared between nodes (README: only rank 0 reads and writes out_dir).
+    policy = tok = draft = None
+    sft_m = warm_m = {}
+    if rank == 0:
+        policy, tok, sft_m = prepare_policy(cfg, out, device, progress)
+    policy, tok = _from_rank0((policy, tok), mesh, device)
     mode = cfg.task.mode if cfg.policy.source == "tiny" else "chat"
     task = get_task(cfg.task.name, mode=mode, tokenizer=tok, cot_fraction=cfg.task.cot_fraction,
                     **task_overrides(cfg))
@@ -212,11 +230,10 @@ def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
             sft_m["after"] = engine_accuracy(cfg, policy, tok, task)
             sft_m["accuracy_T"] = sft_m["after"]["accuracy_T"]
             _say(f"      accuracy of the RL starting policy: {sft_m['after']}", progress)
-    draft, warm_m = prepare_draft(cfg, policy, tok, task, out, progress)
-    if rank == 0 and mesh is not None:
-        dist.barrier()  # releases the other ranks: the SFT policy and warm draft are on disk
+        draft, warm_m = prepare_draft(cfg, policy, tok, task, out, progress)
+    (draft,) = _from_rank0((draft,), mesh, device)
     _say(f"[3/4] RL: {cfg.train.steps} GRPO steps x arms {', '.join(cfg.arms)}"
-         + (f" on {mesh.dp} data-parallel ranks" if mesh is not None else ""), progress)
+         + (f" on {mesh.dp} data-parallel x {mesh.cp} context-parallel ranks" if mesh is not None else ""), progress)
     arm_rows = {}
     for arm in cfg.arms:
         run_arm(cfg, arm, policy, draft, task, tok, out / "arms" / arm, device, progress=progress, mesh=mesh)
