@@ -97,6 +97,10 @@ def test_one_update_is_on_policy_without_recompute(tmp_path):
                    progress=False)
     r = rows[0]
     assert "logprob_gap_engine_vs_trainer" not in r and r["ppo/updates"] == 1
+    from specco.runner.report import read_jsonl  # metrics.jsonl holds the numbers at full float precision
+    logged = read_jsonl(tmp_path / "n" / "metrics.jsonl")[0]
+    for k in ("policy/loss", "policy/grad_norm", "reward", "policy/clip_frac"):
+        assert logged[k] == r[k], (k, logged[k], r[k])
     assert r["policy/ratio_mean"] == 1.0 and r["policy/clip_frac"] == 0.0 and r["policy/ratio_dev"] == 0.0
 
 

@@ -189,3 +189,28 @@ def test_parallel_imports_no_train_or_runner():
             if isinstance(node, ast.ImportFrom):
                 mod = "." * node.level + (node.module or "")
                 assert not mod.startswith(("..train", "..runner", "specco.train", "specco.runner")), (f.name, mod)
+
+
+def _norm_worker(rank, world):
+    """optimizer_step's policy_norm_group: a parameter group split over 2 ranks (as over pipeline stages)
+    clips by the norm of the whole group — the same scaled gradients as one rank holding all of it."""
+    from specco.train.cotrain import clip_grad_norm
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(5, 3, generator=g, dtype=torch.float64) for _ in range(4)]
+    full = [torch.nn.Parameter(torch.zeros(5, 3, dtype=torch.float64)) for _ in range(4)]
+    for p, gr in zip(full, grads):
+        p.grad = gr.clone()
+    ref = clip_grad_norm(full, 1.0)
+    mine = [torch.nn.Parameter(torch.zeros(5, 3, dtype=torch.float64)) for _ in range(2)]
+    for p, gr in zip(mine, grads[2 * rank:2 * rank + 2]):
+        p.grad = gr.clone()
+    total = clip_grad_norm(mine, 1.0, norm_group=dist.group.WORLD)
+    torch.testing.assert_close(total, ref, rtol=1e-12, atol=0)
+    assert ref > 1.0  # the clip is active
+    for p, q in zip(mine, full[2 * rank:2 * rank + 2]):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.slow
+def test_grad_clip_norm_over_the_ranks_holding_the_group():
+    spawn_local(_norm_worker, 2)
