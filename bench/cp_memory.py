@@ -49,7 +49,7 @@ from specco.ops.attention import ttt_attention  # noqa: E402
 from specco.parallel.cp import cp_attn, cp_shift  # noqa: E402
 from specco.parallel.mesh import spawn_local  # noqa: E402
 from specco.parallel.zigzag import ZigzagLayout  # noqa: E402
-from specco.train.losses import draft_loss_parts, normalize_draft_loss, pass_weights  # noqa: E402
+from specco.train.losses import draft_denominator, draft_loss_parts, normalize_draft_loss, pass_weights  # noqa: E402
 
 MB = 1e6
 
@@ -133,7 +133,11 @@ def _worker(rank, world, a, mode, out_path):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             outs = ttt_forward(draft, ins["aux"], ins["embed"], pos, a.passes, shift=shift, attn=attn)
             parts = draft_loss_parts(draft, outs, ins["logits"], ins["mask"], a.chunk, shift)
-            loss, _ = normalize_draft_loss(parts, pass_weights(a.passes, 0.8), count_group)
+            w = pass_weights(a.passes, 0.8)
+            n = torch.stack([c.detach().double() for c in parts.count])  # (K,) global counts: one home
+            if count_group is not None:
+                dist.all_reduce(n, group=count_group)
+            loss = normalize_draft_loss(parts, w, draft_denominator(n, w))
         saved_mb = sum(saved.values()) / MB
         loss.backward()
         del outs, parts, loss, ins

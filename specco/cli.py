@@ -58,8 +58,8 @@ def cmd_generate(a):
     from .export import load_draft
     from .model.hf_io import load_policy
     from .rollout.engine import RolloutEngine
-    from .rollout.generate import GenerateConfig
-    from .rollout.sampling import SamplingParams
+    from .config import load_config
+    from .runner.derive import generate_config
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     policy = load_policy(a.policy, device=device)
     tok = load_tokenizer(a.policy)
@@ -67,9 +67,10 @@ def cmd_generate(a):
     # The engine stops on one id (the primary stop token); any other generation_config stop id
     # ends the text below, so the printed text is what transformers' generate would print.
     stops = stop_token_ids(a.policy, tok)
-    cfg = GenerateConfig(max_new_tokens=a.max_new_tokens, num_draft_tokens=a.k,
-                         sampling=SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p),
-                         eos_token_id=stops[0], pad_token_id=tok.pad_id)
+    # The options are rollout keys of the run config: the one GenerateConfig builder, the one validation.
+    run = load_config(None, [f"rollout.k={a.k}", f"rollout.temperature={a.temperature}", f"rollout.top_k={a.top_k}",
+                             f"rollout.top_p={a.top_p}", f"rollout.max_new_tokens={a.max_new_tokens}"])
+    cfg = generate_config(run, stops[0], tok.pad_id)
     engine = RolloutEngine(policy, draft, cfg)
     prompts = [tok.prompt_ids(p, chat=a.chat, system=a.system) for p in a.prompt]
     t = time.perf_counter()
@@ -95,7 +96,7 @@ def cmd_export(a):
 
 def cmd_cotrain_cp(a):
     from .config import load_config
-    from .parallel.launch_cotrain import run_cotrain_step_cp
+    from .runner.cotrain_cp import run_cotrain_step_cp
     cfg = load_config(a.config, a.overrides)
     run_cotrain_step_cp(cfg, steps=a.steps, seq_lens=tuple(int(x) for x in a.seq_lens.split(",")))
 

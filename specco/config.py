@@ -44,7 +44,6 @@ class PolicySpec:
 
 @dataclass(frozen=True)
 class DraftSpec:
-    enabled: bool = True
     # 0 -> automatic: the full target vocabulary when it has <= 8192 tokens (the tiny char model),
     # else the 4096 tokens most frequent in the warm-start pool (SmolLM2's 49,152-token head would
     # make the draft's fp32 teacher/student logits -- B x S x V per TTT pass -- dominate memory and
@@ -113,7 +112,16 @@ class TrainSpec:
     draft_lr: float = 2e-4
     draft_weight: float = 1.0  # lambda in L_policy + lambda * L_draft
     clip_eps: float = 0.2
+    # > 0: a KL penalty kl_coef * KL_k3(policy || reference) per trained token, the reference being the
+    # arm's frozen starting policy (the SFT policy), as GRPO does. 0: no reference policy is kept.
     kl_coef: float = 0.0
+    # PPO: every rollout batch is split into `minibatches` (whole prompt groups, interleaved: minibatch j
+    # holds the groups g with g % minibatches == j) and trained for `ppo_epochs` passes, one optimizer
+    # step per minibatch and pass. With more than one update the old log-probs are recomputed once
+    # before the first update and the PPO ratio / clip fraction become meaningful; with exactly one the
+    # recompute is skipped (the ratio is exactly 1 on-policy).
+    ppo_epochs: int = 1
+    minibatches: int = 1
     policy_grad_clip: float = 1.0
     draft_grad_clip: float = 1.0
     warmup_steps: int = 0
@@ -142,6 +150,9 @@ class TrainSpec:
                "train.lr, train.draft_lr and train.warm_start_lr must be > 0")
         _check(self.draft_weight >= 0, f"train.draft_weight={self.draft_weight}: must be >= 0")
         _check(self.clip_eps > 0, f"train.clip_eps={self.clip_eps}: must be > 0")
+        _check(self.kl_coef >= 0, f"train.kl_coef={self.kl_coef}: must be >= 0 (0 = no KL penalty)")
+        _check(self.ppo_epochs >= 1, f"train.ppo_epochs={self.ppo_epochs}: must be >= 1")
+        _check(self.minibatches >= 1, f"train.minibatches={self.minibatches}: must be >= 1")
         _check(self.loss_chunk >= 1, "train.loss_chunk must be >= 1")
         _check(self.sft_batch >= 1, f"train.sft_batch={self.sft_batch}: must be >= 1")
         _check(self.keep_checkpoints >= 1, f"train.keep_checkpoints={self.keep_checkpoints}: keep at least 1 "

@@ -43,7 +43,7 @@ def _step(ckpt: bool):
     if ckpt:
         apply_activation_checkpointing(policy)
     opt = build_optimizer(policy, draft, 1e-3, 1e-2)
-    m = cotrain_step(policy, draft, _batch(), opt, None, StepConfig(ttt_passes=3, loss_chunk=7))
+    m = cotrain_step(policy, draft, _batch(), opt, None, StepConfig(ttt_passes=3, loss_chunk=7, draft_row_stride=1))
     named = [(f"{t}.{n}", p) for t, mod in (("policy", policy), ("draft", draft)) for n, p in mod.named_parameters()]
     return m, {n: p.grad.clone() for n, p in named}, {n: p.detach().clone() for n, p in named}
 

@@ -40,7 +40,7 @@ def _step(amp, attn=None):
     policy, draft = _models()
     opt = build_optimizer(policy, draft, 1e-3, 1e-3)
     kw = {} if attn is None else {"attn": attn}
-    m = cotrain_step(policy, draft, _batch(), opt, None, StepConfig(ttt_passes=3, amp_dtype=amp), **kw)
+    m = cotrain_step(policy, draft, _batch(), opt, None, StepConfig(ttt_passes=3, amp_dtype=amp, draft_row_stride=1), **kw)
     grads = {name: torch.cat([p.grad.flatten() for p in mod.parameters()]) for name, mod in
              (("policy", policy), ("draft", draft))}
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
@@ -94,7 +94,7 @@ def test_autocast_inputs_casts_to_one_dtype_and_disables_autocast():
 
 def _cp_amp_worker(rank, world, amp, out_path):
     from specco.config import load_config
-    from specco.parallel.launch_cotrain import run_cotrain_step_cp
+    from specco.runner.cotrain_cp import run_cotrain_step_cp
     from specco.parallel.mesh import Mesh
     cfg = load_config(None, [f"parallel.cp={world}", "policy.hidden_size=64", "policy.num_layers=2",
                              "policy.num_heads=4", "policy.num_kv_heads=2", "policy.intermediate_size=96",

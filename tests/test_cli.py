@@ -21,6 +21,7 @@ def test_demo_then_generate(tmp_path, capsys):
         assert (out / f).exists(), f
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["arms"]) == {"none", "frozen", "cotrained"}
+    assert isinstance(summary["sft"]["sft_final_loss"], float)  # the report's SFT loss is filled in
     for arm in ("none", "frozen", "cotrained"):
         rows = [json.loads(x) for x in (out / "arms" / arm / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2]
@@ -53,15 +54,17 @@ def test_help_lists_commands(capsys):
 
 
 def test_rl_loop_refuses_inconsistent_parallel_settings(tmp_path, monkeypatch):
-    """`specco train` supports data parallelism under torchrun only, with parallel.dp = WORLD_SIZE;
-    anything else is a clear error (not N independent copies writing one out_dir)."""
+    """`specco train` runs under torchrun with parallel.dp x parallel.cp = WORLD_SIZE and no pipeline
+    parallelism; anything else is a clear error (not N independent copies writing one out_dir)."""
     from specco.config import load_config
     from specco.model.config import ConfigError
     from specco.runner.demo import run_demo
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
         run_demo(load_config(None, ["parallel.dp=2", f"out_dir={tmp_path}"]), progress=False)
-    with pytest.raises(ConfigError, match="cotrain-cp"):
-        run_demo(load_config(None, ["parallel.cp=2", f"out_dir={tmp_path}"]), progress=False)
+    with pytest.raises(ConfigError, match="torchrun --nproc-per-node 4"):
+        run_demo(load_config(None, ["parallel.cp=2", "parallel.dp=2", f"out_dir={tmp_path}"]), progress=False)
+    with pytest.raises(ConfigError, match="parallel.pp=2: pipeline parallelism is not implemented"):
+        run_demo(load_config(None, ["parallel.pp=2", f"out_dir={tmp_path}"]), progress=False)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="divisible by parallel.dp=3"):
         run_demo(load_config(None, ["parallel.dp=3", "rollout.prompts_per_step=4", f"out_dir={tmp_path}"]),

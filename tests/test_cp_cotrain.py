@@ -2,8 +2,8 @@
 
 Reference: `cotrain_step` on one process over a right-padded (B, S_max) batch — plain causal SDPA in the
 policy, `ttt_attention` and `shift_left` in the draft. CP: the same sequences packed into one THD stream,
-zigzag-sharded with `shard_batch`, policy attention swapped by `apply_cp`, TTT with `cp_shift` and
-`ring_ttt_attention`, global token counts, gradients summed over the group by cotrain_step's
+zigzag-sharded with `shard_batch`, the policy's attention core, `cp_shift` and `ring_ttt_attention`
+passed in (`cp.step_fns`), global token counts, gradients summed over the group by cotrain_step's
 `grad_group`. Compared: policy loss and draft loss (sums of the ranks' contributions), draft metrics
 (already global), the gradient of every policy and draft parameter after the CP sum, the grad norms,
 and the parameters after the optimizer step. GQA policy, K = 3 TTT passes, a sequence shorter than 2·cp;
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from specco.model.config import DraftConfig, PolicyConfig
 from specco.model.draft import Eagle3Draft, build_vocab_maps
 from specco.model.policy import Policy
-from specco.parallel.cp import apply_cp, cp_attn, cp_shift, global_count, shard_batch
+from specco.parallel.cp import shard_batch, step_fns
 from specco.parallel.mesh import spawn_local
 from specco.parallel.zigzag import ZigzagLayout
 from specco.train.activation_checkpointing import apply_activation_checkpointing
@@ -71,7 +71,7 @@ def _pack(batch):
 
 def _step(policy, draft, batch, **kw):
     opt = build_optimizer(policy, draft, 1e-3, 1e-2)
-    cfg = StepConfig(ttt_passes=3, loss_chunk=5, policy_grad_clip=1.0, draft_grad_clip=1.0)
+    cfg = StepConfig(ttt_passes=3, loss_chunk=5, policy_grad_clip=1.0, draft_grad_clip=1.0, draft_row_stride=1)
     m = cotrain_step(policy, draft, batch, opt, None, cfg, **kw)
     grads = {f"{tag}.{n}": p.grad.clone() for tag, mod in (("policy", policy), ("draft", draft))
              for n, p in mod.named_parameters()}
@@ -89,13 +89,9 @@ def _worker(rank, world, ckpt=False):
     lay = ZigzagLayout(cu, world, rank)
     local = shard_batch(packed, lay)
     policy, draft = _models()
-    apply_cp(policy, group, lay)
     if ckpt:  # the ring runs again inside the backward's recompute: sends/receives must still pair up
         apply_activation_checkpointing(policy)
-    shift = functools.partial(cp_shift, group=group, layout=lay)
-    count = global_count(shift(local.target_mask, 1), group)
-    m, g, p = _step(policy, draft, local, grad_group=group, shift=shift, attn=cp_attn(group, lay),
-                    policy_token_count=count)
+    m, g, p = _step(policy, draft, local, grad_group=group, **step_fns(group, lay))
 
     for key in ("policy/loss", "draft/loss"):  # each rank holds its local contribution to the global mean
         total = torch.tensor([m[key]], dtype=torch.float64)
@@ -128,13 +124,14 @@ def test_shift_refactor_keeps_single_process_policy_loss():
     with torch.no_grad():
         logits = policy(batch.tokens).logits
         lp = token_logprobs(logits[:, :-1], batch.tokens[:, 1:])
-        ref, _ = clipped_surrogate(lp, batch.logp_old[:, 1:], batch.advantages, batch.target_mask[:, 1:], 0.2)
+        # logp_old is indexed like the logits (batch.py): entry j-1 is token j's
+        ref, _ = clipped_surrogate(lp, batch.logp_old[:, :-1], batch.advantages, batch.target_mask[:, 1:], 0.2)
     assert abs(m["policy/loss"] - ref.item()) <= 1e-12 * abs(ref.item())
 
 
 def _launch_worker(rank, world):
     from specco.config import load_config
-    from specco.parallel.launch_cotrain import run_cotrain_step_cp
+    from specco.runner.cotrain_cp import run_cotrain_step_cp
     from specco.parallel.mesh import Mesh
     cfg = load_config(None, ["parallel.dp=2", "parallel.cp=2", "policy.hidden_size=32", "policy.num_layers=2",
                              "policy.intermediate_size=32", "draft.ttt_passes=2"])

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from specco.parallel.cp import global_count
 from specco.parallel.mesh import spawn_local
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
 from test_cp_cotrain import V, _models
@@ -44,8 +43,7 @@ def _worker(rank, world):
     take = lambda t: t[rank * h:(rank + 1) * h]  # noqa: E731
     local = TrainBatch(tokens=take(full.tokens), target_mask=take(full.target_mask),
                        advantages=take(full.advantages), logp_old=take(full.logp_old))
-    count = global_count(local.target_mask[:, 1:], dist.group.WORLD)
-    m, g, p = _run(local, 3, grad_group=dist.group.WORLD, policy_token_count=count)
+    m, g, p = _run(local, 3, grad_group=dist.group.WORLD)
     for key in ("policy/loss", "draft/loss"):
         total = torch.tensor([m[key]], dtype=torch.float64)
         dist.all_reduce(total)

@@ -10,6 +10,8 @@ import re
 
 import pytest
 import torch
+
+from specco.rollout.forward import RopeTable, draft_step
 from safetensors.torch import load_file, save_file
 
 from specco.cli import main
@@ -42,9 +44,10 @@ def _logits(draft, seed=1):
     aux = torch.randn(2, 5, 3 * h, generator=g)
     emb = torch.randn(2, 5, h, generator=g)
     pos = torch.arange(5).expand(2, 5)
+    rope = RopeTable.build(draft.cfg.head_dim, draft.cfg.rope_theta, 8, "cpu", torch.float32)
     with torch.no_grad():
-        logits, out = draft.step(draft.project_taps(aux), emb, pos, draft.new_cache(2, 8))
-        logits2, _ = draft.step(out[:, -1:], emb[:, -1:], pos[:, -1:] + 1, draft.new_cache(2, 8))
+        logits, out = draft_step(draft, draft.project_taps(aux), emb, pos, draft.new_cache(2, 8), rope, prefill=True)
+        logits2, _ = draft_step(draft, out[:, -1:], emb[:, -1:], pos[:, -1:] + 1, draft.new_cache(2, 8), rope)
     return draft.to_target_logits(logits), logits2
 
 

@@ -33,7 +33,8 @@ def test_clipped_surrogate_hand_computed():
     lp_new = torch.tensor([[0.5, -0.5, 0.1, 0.0]])
     adv = torch.tensor([[1.0, -1.0, -2.0, 3.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    loss, m = clipped_surrogate(lp_new, lp_old, adv, mask, clip_eps=0.2)
+    loss, stats = clipped_surrogate(lp_new, lp_old, adv, mask, clip_eps=0.2)
+    m = stats.metrics()
     r3 = math.exp(0.1)
     expect = -(1.2 * 1 + min(math.exp(-0.5) * -1, 0.8 * -1) + min(r3 * -2, min(r3, 1.2) * -2)) / 3
     assert abs(loss.item() - expect) < 1e-6
@@ -145,7 +146,7 @@ def test_bf16_recompute_matches_the_step_so_the_ratio_starts_at_one():
     """logp_old from `recompute_logprobs` under the step's autocast equals the step's own log-probs
     before the update, so the surrogate is exactly -sum(A·mask)/sum(mask); an fp32 recompute differs
     from the bf16 one by bf16 rounding (which would put the ratio off 1 by ~1e-2)."""
-    from specco.runner.rl import recompute_logprobs
+    from specco.runner.rollouts import recompute_logprobs
     from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
     tok, policy = _setup()
     g = torch.Generator().manual_seed(4)

@@ -16,7 +16,7 @@ from specco.model.layers import rope_cos_sin
 from specco.model.policy import Policy
 from specco.model.ttt import shift_left, ttt_forward
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
-from specco.train.losses import draft_loss_parts, normalize_draft_loss, pass_weights
+from specco.train.losses import DraftStats, draft_loss_parts, normalize_draft_loss, pass_weights
 
 
 def _models(dtype=torch.float64, heads=(4, 2), draft_vocab=40, seed=0, gain=8.0):
@@ -79,7 +79,8 @@ def test_ttt_loss_and_grads_match_naive(K, heads, dtype, rtol):
         out = policy(tokens, tap_layers=draft.cfg.aux_layer_ids)
     w = pass_weights(K, 0.8)
     outs = ttt_forward(draft, out.taps.aux, out.taps.embed, torch.arange(S).expand(B, S), K)
-    loss, metrics = normalize_draft_loss(draft_loss_parts(draft, outs, out.logits, mask, chunk=5), w)
+    parts = draft_loss_parts(draft, outs, out.logits, mask, chunk=5)
+    loss, metrics = normalize_draft_loss(parts, w), DraftStats.of(parts).metrics()
     grads = torch.autograd.grad(loss, list(draft.parameters()))
     ref = naive_ttt_loss(draft, out.taps.aux, out.taps.embed, out.logits, mask, K, w)
     ref_grads = torch.autograd.grad(ref, list(draft.parameters()))
@@ -98,7 +99,7 @@ def test_chunked_equals_unchunked():
     outs = ttt_forward(draft, out.taps.aux, out.taps.embed, torch.arange(17).expand(2, 17), 3)
     res = []
     for chunk in (1, 4, 17, 1000):
-        loss, _ = normalize_draft_loss(draft_loss_parts(draft, outs, out.logits, mask, chunk), [1, .8, .64])
+        loss = normalize_draft_loss(draft_loss_parts(draft, outs, out.logits, mask, chunk), [1, .8, .64])
         res.append((loss.item(), torch.autograd.grad(loss, draft.fc.weight, retain_graph=True)[0]))
     for l, g in res[1:]:
         assert abs(l - res[0][0]) < 1e-12 and torch.allclose(g, res[0][1], atol=1e-12)
@@ -118,7 +119,7 @@ def test_policy_grads_identical_for_any_lambda():
     for lam in (0.0, 1.0, 7.5):
         policy, draft = _models(torch.float64)
         opt = build_optimizer(policy, draft, 1e-3, 1e-2)
-        cfg = StepConfig(draft_weight=lam, ttt_passes=3, policy_grad_clip=1e9, draft_grad_clip=1e9)
+        cfg = StepConfig(draft_weight=lam, ttt_passes=3, policy_grad_clip=1e9, draft_grad_clip=1e9, draft_row_stride=1)
         # Capture the policy grads before the optimizer step by zero LR on the policy group.
         opt.param_groups[0]["lr"] = 0.0
         cotrain_step(policy, draft, batch, opt, None, cfg)
@@ -134,7 +135,7 @@ def test_offline_warm_start_freezes_policy_and_learns():
     policy, draft = _models(torch.float32, draft_vocab=61, gain=1.0)
     before = [p.clone() for p in policy.parameters()]
     opt = build_optimizer(None, draft, 0.0, 1e-2)
-    cfg = StepConfig(ttt_passes=2)
+    cfg = StepConfig(ttt_passes=2, draft_row_stride=1)
     tokens = torch.randint(0, 61, (8, 16))
     batch = TrainBatch(tokens=tokens, target_mask=torch.ones(8, 16))
     # The soft CE is bounded below by the teacher's entropy H (random policy: H ~ log V), so what
@@ -162,11 +163,13 @@ def test_draft_row_stride_equals_loss_on_the_selected_rows():
     out = policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids)
     sub = TrainBatch(tokens=batch.tokens[::4], target_mask=batch.target_mask[::4])
     out_sub = policy(sub.tokens, tap_layers=draft.cfg.aux_layer_ids)
+    one_row = StepConfig(ttt_passes=3, draft_row_stride=1)
     l_a, m_a = draft_loss(draft, out, batch, StepConfig(ttt_passes=3, draft_row_stride=4))
     g_a = torch.autograd.grad(l_a, list(draft.parameters()), allow_unused=True)
-    l_b, m_b = draft_loss(draft, out_sub, sub, StepConfig(ttt_passes=3))
+    l_b, m_b = draft_loss(draft, out_sub, sub, one_row)
     g_b = torch.autograd.grad(l_b, list(draft.parameters()), allow_unused=True)
-    _, m_full = draft_loss(draft, out, batch, StepConfig(ttt_passes=3))
+    _, m_full = draft_loss(draft, out, batch, one_row)
+    m_a, m_b, m_full = m_a.metrics(), m_b.metrics(), m_full.metrics()
     assert m_a["draft/tokens"] == m_b["draft/tokens"] == m_full["draft/tokens"] / 4
     assert abs(l_a.item() - l_b.item()) < 1e-12  # same rows, same fp64 math
     for a, b in zip(g_a, g_b):
@@ -174,8 +177,7 @@ def test_draft_row_stride_equals_loss_on_the_selected_rows():
     # a stride beyond the batch keeps row 0
     l_c, _ = draft_loss(draft, out_sub, sub, StepConfig(ttt_passes=3, draft_row_stride=99))
     one = TrainBatch(tokens=sub.tokens[:1], target_mask=sub.target_mask[:1])
-    l_d, _ = draft_loss(draft, policy(one.tokens, tap_layers=draft.cfg.aux_layer_ids), one,
-                        StepConfig(ttt_passes=3))
+    l_d, _ = draft_loss(draft, policy(one.tokens, tap_layers=draft.cfg.aux_layer_ids), one, one_row)
     assert abs(l_c.item() - l_d.item()) < 1e-12
 
 

@@ -1,9 +1,10 @@
 """Building blocks shared by the policy and the draft: RMSNorm, RoPE, SwiGLU, attention, KV cache.
 
-Plain single-device modules: nothing here knows about torch.distributed. The attention core is a
-swappable callable (`Attention.core`) so context parallelism can replace it from outside. These are
-the training forwards; the rollout engine's cached decode path (rollout/forward.py) reads the same
-parameters through fused kernels whose torch twins are the formulas here.
+Plain single-device modules: nothing here knows about torch.distributed. The attention core of a
+full-sequence forward is an argument (`core`, default `causal_sdpa`), so context parallelism passes a
+ring attention in without patching modules. These are the training forwards; the rollout engine's
+cached decode path (rollout/forward.py) reads the same parameters through fused kernels whose torch
+twins are the formulas here.
 """
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ class KVCache:
 def causal_sdpa(q, k, v, scale=None, *, expand_gqa: bool | None = None):
     """Default attention core for full-sequence (training) forwards: causal SDPA, GQA aware.
 
-    q: (B, H, S, D); k, v: (B, Hkv, S, D). Context parallelism swaps this callable for a ring.
+    q: (B, H, S, D); k, v: (B, Hkv, S, D). Context parallelism passes a ring attention instead.
     expand_gqa (None: only for fp32 on CUDA): repeat K/V to H heads instead of `enable_gqa`. In fp32
     on CUDA the one fused kernel, memory-efficient SDPA, has no GQA, so `enable_gqa` falls back to the
     math path, which materialises the (S, S) scores of every head (4 GiB per layer at 8K tokens and
@@ -154,7 +155,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, out_dim, bias=False)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.core = causal_sdpa  # replaced from outside by context parallelism
         fuse_linears(self, "qkv_proj", [("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)])
 
     def qkv(self, x, cos, sin):
@@ -173,6 +173,7 @@ class Attention(nn.Module):
         B, H, S, D = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(B, S, H * D))
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, core=None):
+        """`core(q, k, v) -> out`: the attention of a full-sequence forward (None: causal_sdpa)."""
         q, k, v = self.qkv(x, cos, sin)
-        return self.out(self.core(q, k, v))
+        return self.out((core or causal_sdpa)(q, k, v))

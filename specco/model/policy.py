@@ -26,8 +26,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = SwiGLU(h, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, attn_core=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_core)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -81,11 +81,12 @@ class Policy(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 tap_layers: tuple[int, ...] | None = None, hidden_in: torch.Tensor | None = None,
-                compute_logits: bool = True) -> PolicyOutput:
+                compute_logits: bool = True, attn_core=None) -> PolicyOutput:
         """The training forward. input_ids: (B, S) token ids (or `hidden_in` (B, S, h) on a stage
-        without embedding). positions: (B, S) absolute RoPE positions (default 0..S-1); attention is
-        causal over the S tokens (the core decides how: SDPA, or the ring under CP).
+        without embedding). positions: (B, S) absolute RoPE positions (default 0..S-1).
         tap_layers: aux layer ids whose outputs are recorded (detached) for the draft.
+        attn_core: the attention over the S tokens, `core(q, k, v)` (None: causal SDPA per row);
+        context parallelism and packed rows pass a ring / per-sequence attention here.
         Cached generation is rollout/forward.py (`policy_forward`), over the same parameters.
         """
         x = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden_in
@@ -97,7 +98,7 @@ class Policy(nn.Module):
         aux = []
         for key, layer in self.layers.items():
             i = int(key)
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, attn_core)
             if tap_layers is not None and i in tap_layers:
                 aux.append(x.detach())
         taps = None

@@ -1,16 +1,17 @@
 """Context parallelism applied from outside (STYLE §1): the recipe, the CP-aware shift, the batch shard.
 
-    layout = ZigzagLayout(cu_seqlens, cp, cp_rank)          # per batch
-    apply_cp(policy, cp_group, layout)                      # ring attention in every Attention.core
+    layout = ZigzagLayout(cu_seqlens, cp, cp_rank)          # per packed batch
     batch = shard_batch(packed_batch, layout)               # tokens, masks, logps, positions -> local
     cotrain_step(policy, draft, batch, ..., grad_group=dp×cp group,
-                 shift=partial(cp_shift, group=cp_group, layout=layout),
-                 attn=partial(ring_ttt_attention, group=cp_group, layout=layout),
-                 policy_token_count=global_count(shift(batch.target_mask, 1), grad_group))
+                 **step_fns(cp_group, layout))              # shift, TTT attention, policy attention core
 
-The model files stay distributed-free: the policy gets a different attention callable, TTT gets a
-different shift and attention, the losses get global counts. Gradients are summed over DP×CP by
-cotrain_step's `grad_group`; losses are normalised by global counts, so the sum is the global mean.
+The model files stay distributed-free and nothing is patched onto them: the policy's forward gets an
+attention core (`attn_core`), TTT gets a shift and an attention, the losses get global counts (the
+step computes them over its grad_group). Gradients are summed over DP×CP by cotrain_step's
+`grad_group`; losses are normalised by global counts, so the sum is the global mean.
+
+With cp = 1 (group None) the same functions run a *packed* batch on one device: attention and shifts
+then stay inside each sequence of the pack, which plain causal SDPA and `shift_left` would not.
 """
 from __future__ import annotations
 
@@ -18,39 +19,29 @@ import functools
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from ..model.layers import Attention, causal_sdpa
+from ..batch import TrainBatch
 from .ring_attention import ring_causal_attention, ring_ttt_attention
 from .zigzag import ZigzagLayout
 
-__all__ = ["apply_cp", "remove_cp", "cp_shift", "cp_attn", "global_count", "shard_batch"]
+__all__ = ["step_fns", "cp_core", "cp_shift", "cp_attn", "global_count", "shard_batch"]
 
 
-def apply_cp(model: nn.Module, group, layout: ZigzagLayout) -> nn.Module:
-    """Swap every Attention.core of `model` for zigzag ring attention bound to (group, layout).
-
-    The layout describes one batch, so call this once per batch (it is cheap: it rebinds callables).
-    Only full-sequence forwards use `core`; cached decoding keeps its own path.
-    """
-    core = functools.partial(ring_causal_attention, group=group, layout=layout)
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.core = core
-    return model
-
-
-def remove_cp(model: nn.Module) -> nn.Module:
-    """Restore the single-device causal SDPA core (e.g. before rollouts on one device)."""
-    for m in model.modules():
-        if isinstance(m, Attention):
-            m.core = causal_sdpa
-    return model
+def cp_core(group, layout: ZigzagLayout):
+    """The policy's attention core under CP (`Policy.forward(attn_core=...)`): zigzag ring attention."""
+    return functools.partial(ring_causal_attention, group=group, layout=layout)
 
 
 def cp_attn(group, layout: ZigzagLayout):
     """The `attn` argument of ttt_forward / cotrain_step under CP."""
     return functools.partial(ring_ttt_attention, group=group, layout=layout)
+
+
+def step_fns(group, layout: ZigzagLayout) -> dict:
+    """The keyword arguments of `cotrain_step` (and of the policy forward's `attn_core`) for a packed batch
+    with `layout` on `group` (the CP group; None when layout.cp == 1)."""
+    return {"shift": functools.partial(cp_shift, group=group, layout=layout), "attn": cp_attn(group, layout),
+            "attn_core": cp_core(group, layout)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -139,13 +130,15 @@ def global_count(x: torch.Tensor, group=None) -> torch.Tensor:
     return n[0]
 
 
-def shard_batch(batch, layout: ZigzagLayout):
+def shard_batch(batch: TrainBatch, layout: ZigzagLayout) -> TrainBatch:
     """A packed global TrainBatch (B rows sharing `layout`'s borders, usually B = 1) -> this rank's shard.
 
     Per-token fields are zigzag-sharded (padding zero, so target_mask is 0 there); per-sample
-    advantages (B,) are kept; positions become the zigzag global positions (for RoPE).
+    advantages (B,) are kept; positions become the zigzag global positions (for RoPE); cu_seqlens
+    stays the global borders (the layout holds the local ones).
     """
-    from ..train.cotrain import TrainBatch  # train is the consumer; keep the import local and lazy
+    if batch.cu_seqlens is not None and tuple(batch.cu_seqlens) != layout.cu_seqlens:
+        raise ValueError(f"batch borders {batch.cu_seqlens} differ from the layout's {layout.cu_seqlens}")
 
     def sh(x):
         return None if x is None else layout.shard(x, dim=1)
@@ -156,4 +149,5 @@ def shard_batch(batch, layout: ZigzagLayout):
         adv = sh(adv)
     return TrainBatch(tokens=sh(batch.tokens), target_mask=sh(batch.target_mask), advantages=adv,
                       logp_old=sh(batch.logp_old), logp_ref=sh(batch.logp_ref),
-                      positions=layout.positions(batch.tokens.device).expand(B, -1))
+                      positions=layout.positions(batch.tokens.device).expand(B, -1),
+                      draft_mask=sh(batch.draft_mask), cu_seqlens=layout.cu_seqlens)

@@ -1,12 +1,19 @@
-"""The dp × cp process-group mesh, built once (STYLE §3: groups are arguments, this is where they come from).
+"""The named (pp, dp, cp) device mesh, built once (STYLE §3: groups are arguments, this is where they come from).
 
-Rank layout: global rank = dp_rank · cp + cp_rank, i.e. the ranks of one CP group are contiguous —
-on GPU nodes they share NVLink, which the ring's per-step K/V traffic wants; DP traffic (one gradient
-all-reduce per step) tolerates the slower links.
+`torch.distributed.device_mesh.init_device_mesh` lays the ranks out row-major over (pp, dp, cp):
 
-    cp groups:  {d·cp + j : j < cp}   for each d      (ring attention, CP shift)
-    dp groups:  {d·cp + j : d < dp}   for each j
-    grad group: all dp·cp ranks       (gradient sums and loss counts: CP ranks hold disjoint tokens)
+    global rank = (pp_rank · dp + dp_rank) · cp + cp_rank
+
+so the ranks of one CP group are contiguous — on GPU nodes they share NVLink, which the ring's per-step
+K/V traffic wants; DP traffic (one gradient all-reduce per step) tolerates the slower links; pipeline
+stages are the outermost dimension (they may sit on different nodes: only activations cross them).
+
+    cp_group    ranks with the same (pp, dp)        ring attention, CP shift, sharing a DP group's rollouts
+    dp_group    ranks with the same (pp, cp)        metrics of the DP replicas
+    pp_group    ranks with the same (dp, cp)        the pipeline schedule's point-to-point traffic
+    grad_group  all dp × cp ranks of one stage      gradient sums and loss counts (CP ranks hold disjoint tokens)
+    tap_group   the same ranks as pp_group, its OWN communicator: the tap channel (DESIGN §5) must never
+                share ordering with the schedule's traffic. None when pp = 1 (no channel).
 
 Also `spawn_local`: run a function on N local gloo processes (tests, CPU benches), each with the
 process group initialised through a file store (no ports to collide).
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["Mesh", "init_distributed", "spawn_local"]
 
@@ -38,23 +46,31 @@ def init_distributed(backend: str = "auto") -> str:
     return backend
 
 
-@dataclass
+@dataclass(frozen=True)
 class Mesh:
+    pp: int
     dp: int
     cp: int
     rank: int
     backend: str
+    device_mesh: DeviceMesh
     cp_group: object
     dp_group: object
+    pp_group: object
     grad_group: object
+    tap_group: object | None
 
     @property
-    def cp_rank(self) -> int:
-        return self.rank % self.cp
+    def pp_rank(self) -> int:
+        return self.device_mesh.get_local_rank("pp")
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.cp
+        return self.device_mesh.get_local_rank("dp")
+
+    @property
+    def cp_rank(self) -> int:
+        return self.device_mesh.get_local_rank("cp")
 
     @property
     def device(self) -> torch.device:
@@ -63,23 +79,34 @@ class Mesh:
         return torch.device("cpu")
 
     @classmethod
-    def build(cls, dp: int, cp: int, backend: str = "auto") -> "Mesh":
-        """Create every group (all ranks must call this, in the same order — new_group is collective)."""
+    def build(cls, dp: int = 1, cp: int = 1, backend: str = "auto", pp: int = 1) -> "Mesh":
+        """Create the mesh and every group (collective: all ranks call it, once). Sizes that do not
+        multiply to the job's WORLD_SIZE are an error naming the launch that would fit."""
+        for name, n in (("pp", pp), ("dp", dp), ("cp", cp)):
+            if n < 1:
+                raise ValueError(f"parallel.{name}={n}: must be >= 1")
         backend = init_distributed(backend)
         world, rank = dist.get_world_size(), dist.get_rank()
-        if dp * cp != world:
-            raise ValueError(f"parallel.dp × parallel.cp = {dp} × {cp} = {dp * cp} but the job has "
-                             f"{world} processes; launch with --nproc-per-node {dp * cp} (× nodes)")
-        cp_group = dp_group = None
-        for d in range(dp):
-            g = dist.new_group([d * cp + j for j in range(cp)])
-            if rank // cp == d:
-                cp_group = g
-        for j in range(cp):
-            g = dist.new_group([d * cp + j for d in range(dp)])
-            if rank % cp == j:
-                dp_group = g
-        return cls(dp, cp, rank, backend, cp_group, dp_group, dist.group.WORLD)
+        if pp * dp * cp != world:
+            raise ValueError(f"parallel.pp × parallel.dp × parallel.cp = {pp} × {dp} × {cp} = {pp * dp * cp} but the "
+                             f"job has {world} processes; launch {pp * dp * cp} in all (torchrun --nproc-per-node "
+                             f"× --nnodes), or change the sizes")
+        dm = init_device_mesh("cuda" if backend == "nccl" else "cpu", (pp, dp, cp), mesh_dim_names=("pp", "dp", "cp"))
+        grid = dm.mesh  # (pp, dp, cp) global ranks
+        grad_group = dist.group.WORLD if pp == 1 else None
+        tap_group = None
+        if pp > 1:  # new_group is collective: every rank creates every group, in the same order
+            for s in range(pp):
+                g = dist.new_group(grid[s].flatten().tolist())
+                if dm.get_local_rank("pp") == s:
+                    grad_group = g
+            for d in range(dp):
+                for c in range(cp):
+                    g = dist.new_group(grid[:, d, c].tolist())
+                    if (dm.get_local_rank("dp"), dm.get_local_rank("cp")) == (d, c):
+                        tap_group = g
+        return cls(pp, dp, cp, rank, backend, dm, dm["cp"].get_group(), dm["dp"].get_group(), dm["pp"].get_group(),
+                   grad_group, tap_group)
 
 
 def _spawn_entry(rank, world, store_path, fn, args):

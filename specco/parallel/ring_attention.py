@@ -244,6 +244,7 @@ def ring_ttt_attention(q, k_trunk, v_trunk, k_branch=None, v_branch=None, group=
 
 
 def ring_causal_attention(q, k, v, group=None, layout=None, scale: float | None = None):
-    """CP causal attention with the signature of `Attention.core` once group/layout are bound
-    (cp.apply_cp does that): q (B, H, T_local, D), k/v (B, Hkv, T_local, D) -> out (B, H, T_local, D)."""
+    """CP causal attention with the signature of an attention core once group/layout are bound
+    (cp.cp_core does that; `Policy.forward(attn_core=...)`): q (B, H, T_local, D), k/v (B, Hkv, T_local, D)
+    -> out (B, H, T_local, D)."""
     return ring_ttt_attention(q, k, v, None, None, group, layout, scale=scale)

@@ -5,6 +5,7 @@ was interrupted resumes where it stopped (the RL arms resume from their own chec
 """
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import os
@@ -17,7 +18,6 @@ import torch.distributed as dist
 from ..config import RunConfig, config_to_dict
 from ..data.tasks import get_task
 from ..data.tokenizer import build_char_tokenizer, load_tokenizer
-from ..model.config import ConfigError
 from ..model.draft import Eagle3Draft
 from ..model.hf_io import load_policy, save_policy
 from ..model.policy import Policy
@@ -26,7 +26,8 @@ from ..rollout.engine import RolloutEngine
 from ..train.cotrain import StepConfig
 from ..train.sft import evaluate, sft, tiny_policy_config
 from .report import markdown_table, plot_arms, read_jsonl
-from .rl import at_temperature, generate_config, run_arm, step_config
+from .derive import at_temperature, check_parallel, generate_config, step_config
+from .rl import run_arm
 from .warmstart import initial_draft, measure_tau, sample_pool, warm_start
 
 # Pretrained policies' SFT reads task stream `seed + PRETRAINED_SFT_STREAM`, disjoint from the RL
@@ -68,7 +69,7 @@ def prepare_policy(cfg: RunConfig, out: Path, device, progress=True):
         t = time.perf_counter()
         m = sft(policy, tok, task, cfg.train.sft_steps, lr=cfg.train.sft_lr, seed=cfg.train.seed,
                 progress=progress)
-        metrics = {"sft_time_s": time.perf_counter() - t, "sft_final_loss": m.get("final_loss")}
+        metrics = {"sft_time_s": time.perf_counter() - t, "sft_final_loss": m["loss_last"]}
     else:
         if src == "smollm2":
             from ..data.smollm2 import prepare_smollm2
@@ -169,26 +170,30 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
 
 
 def parallel_setup(cfg: RunConfig) -> Mesh | None:
-    """The RL loop's data parallelism: None for one process; under torchrun, a dp-only mesh with
-    parallel.dp = WORLD_SIZE. Anything else is refused with what to change, instead of silently
-    running one independent copy per rank (each writing the same out_dir)."""
-    p = cfg.parallel
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if p.cp != 1 or p.pp != 1:
-        raise ConfigError(f"parallel.cp={p.cp}, parallel.pp={p.pp}: the RL loop (`specco train` / `specco demo`) "
-                          "supports data parallelism only; context parallelism applies to the co-training step "
-                          "(`torchrun ... -m specco cotrain-cp parallel.cp=N`)")
-    if p.dp != world:
-        how = (f"launch it with `torchrun --nproc-per-node {p.dp} -m specco train ...`" if world == 1 else
-               f"set parallel.dp={world}")
-        raise ConfigError(f"parallel.dp={p.dp} but {world} process(es) were launched (WORLD_SIZE): {how}")
-    if cfg.rollout.prompts_per_step % p.dp:
-        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible by "
-                          f"parallel.dp={p.dp}: each rank rolls out whole prompt groups")
-    if world == 1:
+    """The RL loop's mesh: None for one process; under torchrun, the dp x cp mesh with
+    parallel.dp x parallel.cp = WORLD_SIZE. Anything else is refused with what to change
+    (derive.check_parallel), instead of silently running one independent copy per rank."""
+    _, dp, cp = check_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), "train")
+    if dp * cp == 1:
         return None
+    p = cfg.parallel
     backend = p.backend if p.backend != "auto" else ("nccl" if pick_device(cfg.device).type == "cuda" else "gloo")
-    return Mesh.build(p.dp, 1, backend)
+    return Mesh.build(dp, cp, backend)
+
+
+def _from_rank0(objs: tuple, mesh: Mesh | None, device) -> tuple:
+    """Rank 0's `objs` (models, tokenizer) on every rank, sent through the process group (a collective).
+    Models travel on the host and land on each rank's own device."""
+    if mesh is None:
+        return objs
+    box = [None]
+    if mesh.rank == 0:
+        # a host copy (Module.to moves in place; rank 0 keeps its models where they are)
+        box = [tuple(copy.deepcopy(o).cpu() if isinstance(o, torch.nn.Module) else o for o in objs)]
+    dist.broadcast_object_list(box, group=mesh.grad_group, group_src=0)
+    if mesh.rank == 0:
+        return objs
+    return tuple(o.to(device) if isinstance(o, torch.nn.Module) else o for o in box[0])
 
 
 def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
@@ -205,11 +210,14 @@ def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
     if device.type == "cuda":  # fp32 policies train with TF32 matmuls (10-bit mantissa products)
         torch.set_float32_matmul_precision("high")
     t_start = time.perf_counter()
-    # SFT and warm start run on rank 0; the other ranks wait, then load what it wrote (each stage
-    # is skipped when its output exists). A shared out_dir, as on one node.
-    if rank != 0:
-        dist.barrier()
-    policy, tok, sft_m = prepare_policy(cfg, out, device, progress)
+    # SFT and warm start run on rank 0 (each stage is skipped when its output exists in rank 0's out_dir);
+    # the other ranks receive the policy, tokenizer and draft through the process group, so no path
+    # needs to be shared between nodes (README: only rank 0 reads and writes out_dir).
+    policy = tok = draft = None
+    sft_m = warm_m = {}
+    if rank == 0:
+        policy, tok, sft_m = prepare_policy(cfg, out, device, progress)
+    policy, tok = _from_rank0((policy, tok), mesh, device)
     mode = cfg.task.mode if cfg.policy.source == "tiny" else "chat"
     task = get_task(cfg.task.name, mode=mode, tokenizer=tok, cot_fraction=cfg.task.cot_fraction,
                     **task_overrides(cfg))
@@ -221,11 +229,10 @@ def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
             sft_m["after"] = engine_accuracy(cfg, policy, tok, task)
             sft_m["accuracy_T"] = sft_m["after"]["accuracy_T"]
             _say(f"      accuracy of the RL starting policy: {sft_m['after']}", progress)
-    draft, warm_m = prepare_draft(cfg, policy, tok, task, out, progress)
-    if rank == 0 and mesh is not None:
-        dist.barrier()  # releases the other ranks: the SFT policy and warm draft are on disk
+        draft, warm_m = prepare_draft(cfg, policy, tok, task, out, progress)
+    (draft,) = _from_rank0((draft,), mesh, device)
     _say(f"[3/4] RL: {cfg.train.steps} GRPO steps x arms {', '.join(cfg.arms)}"
-         + (f" on {mesh.dp} data-parallel ranks" if mesh is not None else ""), progress)
+         + (f" on {mesh.dp} data-parallel x {mesh.cp} context-parallel ranks" if mesh is not None else ""), progress)
     arm_rows = {}
     for arm in cfg.arms:
         run_arm(cfg, arm, policy, draft, task, tok, out / "arms" / arm, device, progress=progress, mesh=mesh)

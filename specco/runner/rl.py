@@ -1,7 +1,8 @@
 """The GRPO loop with speculative rollouts and online draft co-training (DESIGN §1).
 
-Each step:  rollout (speculative with the engine's draft) -> rewards -> group advantages
-            -> log-prob recompute -> co-training step -> refit policy (+ draft) into the engine.
+Each step:  rollout (speculative with the engine's draft; once per data-parallel group) -> rewards
+            -> group advantages -> [log-prob recompute] -> PPO updates (co-training steps)
+            -> refit policy (+ draft) into the engine.
 
 Arms (same seed, same data stream):
   none       plain decoding, policy-only training
@@ -11,18 +12,26 @@ Speculative sampling is lossless, so the three arms' rollouts have the same dist
 speed (tau, tokens/s) may differ. This module plugs `rollout` and `train` together; neither
 imports the other.
 
-Data parallelism (`mesh`, parallel.dp = N under torchrun): every rank holds the same weights and its
-own engine; a step's prompts_per_step prompts are split into N contiguous slices, one per rank (whole
-GRPO groups, so advantages stay local); each rank samples with its own generator; the co-training step
-normalises by global token counts and sums gradients over the ranks, so the update is the one of the
-whole batch (tests/test_dp.py). Metrics: losses and tokens/s summed over ranks, the engine-vs-trainer
-log-prob gap their max, everything else the mean of the ranks' values. Rank 0 logs and checkpoints
-(with every rank's generator state).
+PPO (train.ppo_epochs x train.minibatches optimizer steps per rollout batch, as verl and NeMo-RL do):
+with one update the step is on-policy (ratio exactly 1, no recompute); with more, the sampling
+policy's log-probs are recomputed once before the first update (the trainer's numerics, not the
+engine's: the gap is logged) and ratio / clip fraction are logged as means over the updates. The LR
+schedule counts RL steps. train.kl_coef > 0 keeps the arm's starting policy frozen as the reference.
+
+Parallelism (`mesh` under torchrun, parallel.dp x parallel.cp = WORLD_SIZE): every rank holds the same
+weights. A step's prompts_per_step prompts are split into dp contiguous slices (whole GRPO groups, so
+advantages stay local); the CP group of each slice generates it once (its cp rank 0, with the DP rank's
+own sampler) and shares the rollouts over the CP group; with cp > 1 each minibatch is packed into one
+THD row and zigzag-sharded over the CP group. The co-training step normalises by global counts and
+sums gradients over all dp x cp ranks, so the update is the one of the whole batch (tests/test_dp.py,
+tests/test_rl_cp.py). Metrics: losses summed over all ranks (each holds its share), tokens/s summed and
+the engine-vs-trainer log-prob gap maxed over DP ranks, everything else the mean over DP ranks. Rank 0
+logs and checkpoints (with every DP rank's sampler state); on resume rank 0 reads the checkpoint and
+sends it to the others through the process group.
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,92 +40,39 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
+from ..batch import TrainBatch
 from ..config import RunConfig
 from ..model.draft import Eagle3Draft
-from ..model.ttt import shift_left
 from ..model.policy import Policy
-from ..parallel.cp import global_count
 from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
-from ..rollout.generate import GenerateConfig
-from ..rollout.sampling import SamplingParams
 from ..train.activation_checkpointing import apply_activation_checkpointing
-from ..train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from ..train.cotrain import (AMP_DTYPES, StepConfig, TrainBatch, amp_context, build_optimizer, build_scheduler,
-                             cotrain_step, draft_loss)
-from ..train.losses import grpo_advantages, metrics_to_floats, token_logprobs
+from ..train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from ..train.cotrain import (StepConfig, amp_context, build_optimizer, build_scheduler, cotrain_step, draft_loss,
+                             step_counts)
+from ..train.losses import all_reduce_sums, metrics_to_floats
+from .derive import generate_config, step_config
 from .report import MetricsLog
+from .rollouts import Rollouts, collect_rollouts, engine_logprob_gap, minibatches
 
 ARMS = ("none", "frozen", "cotrained")
 
 
-def generate_config(cfg: RunConfig, eos_id: int, pad_id: int) -> GenerateConfig:
-    r = cfg.rollout
-    return GenerateConfig(max_new_tokens=r.max_new_tokens,
-                          sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
-                          num_draft_tokens=r.k, eos_token_id=eos_id, pad_token_id=pad_id,
-                          compact_below=r.compact_below)
-
-
-def at_temperature(gen_cfg: GenerateConfig, temperature: float) -> GenerateConfig:
-    """`gen_cfg` with only the sampling temperature changed (evaluations at T = 0 and the run's T)."""
-    return dataclasses.replace(gen_cfg, sampling=dataclasses.replace(gen_cfg.sampling, temperature=temperature))
-
-
-def step_config(cfg: RunConfig, arm: str) -> StepConfig:
-    t, d = cfg.train, cfg.draft
-    return StepConfig(draft_weight=t.draft_weight if arm == "cotrained" else 0.0,
-                      ttt_passes=d.ttt_passes, pass_decay=d.pass_decay, clip_eps=t.clip_eps,
-                      kl_coef=t.kl_coef, temperature=max(cfg.rollout.temperature, 1e-6),
-                      policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
-                      loss_chunk=t.loss_chunk, draft_row_stride=t.draft_row_stride,
-                      micro_batch_rows=t.micro_batch_rows, amp_dtype=AMP_DTYPES[t.amp])
-
-
-def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int):
-    """(prompt, completion) id lists -> right-padded tokens (B, S) and completion mask (B, S)."""
-    S = max(len(p) + len(c) for p, c in pairs)
-    tokens = torch.full((len(pairs), S), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(pairs), S)
-    for b, (p, c) in enumerate(pairs):
-        tokens[b, :len(p) + len(c)] = torch.tensor(p + c)
-        mask[b, len(p):len(p) + len(c)] = 1.0
-    return tokens, mask
-
-
-def rollout_pairs(prompts: list[list[int]], out) -> list[tuple[list[int], list[int]]]:
-    """(prompt, completion) per output row; row b*G+g holds sample g of prompt b."""
-    G = out.group_size
-    return [(prompts[r // G], out.tokens[r, :int(out.lengths[r])].tolist())
-            for r in range(out.tokens.shape[0])]
-
-
-def build_batch(prompts: list[list[int]], out, pad_id: int, device) -> TrainBatch:
-    """Sequences prompt + completion (right-padded); target_mask marks completion tokens (EOS
-    included); logp_old is filled by the recompute."""
-    tokens, mask = pad_pairs(rollout_pairs(prompts, out), pad_id)
-    return TrainBatch(tokens=tokens.to(device), target_mask=mask.to(device))
-
-
 @torch.no_grad()
-def recompute_logprobs(policy: Policy, tokens: torch.Tensor, cfg: StepConfig) -> torch.Tensor:
-    """log p_old(token j) by the training policy, indexed by token (column 0 is 0). Under the train
-    step's own precision (cfg.amp_dtype), so the PPO ratio starts at exactly 1."""
-    with amp_context(cfg, tokens):
-        lp = token_logprobs(policy(tokens).logits[:, :-1], tokens[:, 1:], cfg.temperature)
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
-
-
-@torch.no_grad()
-def draft_eval(policy: Policy, draft: Eagle3Draft, batch: TrainBatch, cfg: StepConfig, count_group=None) -> dict:
+def draft_eval(policy: Policy, draft: Eagle3Draft, b: TrainBatch, cfg: StepConfig, count_group=None,
+               fns: dict | None = None) -> dict:
     """Draft TTT metrics (loss per pass, top-1, simulated tau) without training it (frozen arm).
-    `count_group` (data parallel): global counts, so the metrics are global and the loss is this
-    rank's share of the global mean (summed over ranks like the co-trained arm's)."""
-    with amp_context(cfg, batch.tokens):
-        loss, m = draft_loss(draft, policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids), batch, cfg,
-                             count_group=count_group)
-    m["draft/loss"] = loss
-    return metrics_to_floats(m)
+    `count_group` (DP x CP): global counts, so the metrics are global and the loss is this
+    rank's share of the global mean (summed over ranks like the co-trained arm's). `fns`: the layout's
+    step arguments (Minibatch.fns; None: padded rows)."""
+    fns = fns or {}
+    shift_kw = {k: fns[k] for k in ("shift", "attn") if k in fns}
+    counts = step_counts(b, cfg, fns["shift"], count_group) if "shift" in fns else step_counts(b, cfg, group=count_group)
+    with amp_context(cfg, b.tokens):
+        out = policy(b.tokens, b.positions, tap_layers=draft.cfg.aux_layer_ids, attn_core=fns.get("attn_core"))
+        loss, stats = draft_loss(draft, out, b, cfg, counts.draft, **shift_kw)
+    (stats,) = all_reduce_sums([stats], count_group)
+    return metrics_to_floats({**stats.metrics(), "draft/loss": loss})
 
 
 @dataclass
@@ -128,13 +84,16 @@ class ArmState:
     opt: torch.optim.Optimizer
     sched: object
     gen: torch.Generator
+    ref: Policy | None = None  # frozen reference policy (train.kl_coef > 0): the arm's starting policy
     step: int = 0
     data_offset: int = 0
 
 
 def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, gen_cfg, rank: int = 0) -> ArmState:
+    """An arm's models, engine, optimizer and sampler; `rank` is the data-parallel rank (its own sampler)."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
+    ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.train.kl_coef > 0 else None
     policy = copy.deepcopy(policy).train()
     draft = copy.deepcopy(draft) if (draft is not None and arm != "none") else None
     eng_draft = copy.deepcopy(draft) if draft is not None else None
@@ -146,113 +105,125 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None
     # On the models' device: the engine draws its uniforms there (CUDA needs a CUDA generator).
     # Each data-parallel rank samples its own stream (rank 0's is the single-process one).
     gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(cfg.train.seed + 1 + 7919 * rank)
-    return ArmState(arm, policy, draft, engine, opt, sched, gen)
+    return ArmState(arm, policy, draft, engine, opt, sched, gen, ref)
 
 
-def _rank_slice(items: list, mesh: Mesh | None) -> list:
-    """This data-parallel rank's contiguous share of a step's prompts (all of them without DP)."""
-    if mesh is None or mesh.dp == 1:
-        return items
-    if len(items) % mesh.dp:
-        raise ValueError(f"rollout.prompts_per_step={len(items)} is not divisible by parallel.dp={mesh.dp}")
-    n = len(items) // mesh.dp
-    return items[mesh.dp_rank * n:(mesh.dp_rank + 1) * n]
+def _distributed(mesh: Mesh | None) -> bool:
+    return mesh is not None and mesh.dp * mesh.cp > 1
 
 
-_SUM_KEYS = ("policy/loss", "draft/loss", "tokens_per_s")
+_SUM_ALL_KEYS = ("policy/loss", "draft/loss")  # each rank's share of the global mean
+_SUM_DP_KEYS = ("tokens_per_s",)
 _MAX_KEYS = ("logprob_gap_engine_vs_trainer",)
 
 
 def _reduce_metrics(m: dict, mesh: Mesh | None) -> dict:
-    """Step metrics over the data-parallel ranks (module docstring): one all-reduce per kind."""
-    if mesh is None or mesh.dp == 1:
+    """Step metrics over the ranks (module docstring): one all-reduce per kind."""
+    if not _distributed(mesh):
         return m
     keys = sorted(k for k, v in m.items() if isinstance(v, (int, float)))
-    dev = mesh.device
-    vals = torch.tensor([float(m[k]) for k in keys], dtype=torch.float64, device=dev)
-    summed, maxed = vals.clone(), vals.clone()
-    dist.all_reduce(summed, group=mesh.grad_group)
-    dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=mesh.grad_group)
+    vals = torch.tensor([float(m[k]) for k in keys], dtype=torch.float64, device=mesh.device)
+    sum_all, sum_dp, max_dp = vals.clone(), vals.clone(), vals.clone()
+    dist.all_reduce(sum_all, group=mesh.grad_group)
+    dist.all_reduce(sum_dp, group=mesh.dp_group)
+    dist.all_reduce(max_dp, op=dist.ReduceOp.MAX, group=mesh.dp_group)
     for i, k in enumerate(keys):
-        m[k] = summed[i].item() if k in _SUM_KEYS else maxed[i].item() if k in _MAX_KEYS else \
-            summed[i].item() / mesh.dp
+        m[k] = (sum_all[i].item() if k in _SUM_ALL_KEYS else sum_dp[i].item() if k in _SUM_DP_KEYS else
+                max_dp[i].item() if k in _MAX_KEYS else sum_dp[i].item() / mesh.dp)
     return m
 
 
-def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | None = None) -> dict:
-    """One GRPO step for one arm; returns its metrics. `mesh`: data parallelism (module docstring)."""
-    r = cfg.rollout
+def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device, mesh: Mesh | None = None
+                      ) -> dict:
+    """The PPO updates of one RL step on this rank's rollouts `ro`; returns this rank's metrics (before
+    the reduction over ranks). Importable on its own: tests feed it the rollouts a distributed run saw."""
+    t = cfg.train
     scfg = step_config(cfg, st.arm)
-    items = _rank_slice(task.prompts(r.prompts_per_step, seed=cfg.train.seed, offset=st.data_offset), mesh)
-    prompts = [task.prompt_ids(it, tokenizer) for it in items]
-    # -- rollout ------------------------------------------------------------------------------
+    mbs = minibatches(ro, t.minibatches, scfg, pad_id, device, mesh)
+    updates = t.ppo_epochs * t.minibatches
+    m: dict = {}
     t0 = time.perf_counter()
-    out = st.engine.generate(prompts, group_size=r.group_size, generator=st.gen)
-    t_roll = time.perf_counter() - t0
-    texts = [tokenizer.decode(out.tokens[i, :int(out.lengths[i])]) for i in range(out.tokens.shape[0])]
-    rewards = torch.tensor([task.score(t, items[i // r.group_size]) for i, t in enumerate(texts)])
-    adv = grpo_advantages(rewards, r.group_size)
-    batch = build_batch(prompts, out, tokenizer.pad_id, device)
-    batch.advantages = adv.to(device)
-    # -- log-prob recompute (the trainer's own numerics; the engine's are logged as a check) ----
-    t0 = time.perf_counter()
-    batch.logp_old = recompute_logprobs(st.policy, batch.tokens, scfg)
-    t_lp = time.perf_counter() - t0
-    eng_lp = torch.zeros_like(batch.logp_old)
-    for i in range(out.tokens.shape[0]):
-        p, n = len(prompts[i // r.group_size]), int(out.lengths[i])
-        eng_lp[i, p:p + n] = out.logprobs[i, :n].to(eng_lp)
-    lp_gap = ((eng_lp - batch.logp_old).abs() * batch.target_mask).max().item()
-    # -- train --------------------------------------------------------------------------------
+    if updates > 1:  # the policy moves between updates: freeze the sampling policy's log-probs first
+        for mb in mbs:
+            mb.batch.logp_old = mb.logprobs(st.policy, scfg)
+        if not mbs[0].fns:  # padded rows: compare with the engine's log-probs
+            m["logprob_gap_engine_vs_trainer"] = max(engine_logprob_gap(ro, mb) for mb in mbs)
+    if st.ref is not None:
+        for mb in mbs:
+            mb.batch.logp_ref = mb.logprobs(st.ref, scfg)
+    m["time/logprob"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     train_draft = st.draft if st.arm == "cotrained" else None
-    group = mesh.grad_group if mesh is not None and mesh.dp > 1 else None
-    n_pol = global_count(shift_left(batch.target_mask, 1), group) if group is not None else None
-    m = cotrain_step(st.policy, train_draft, batch, st.opt, st.sched, scfg, grad_group=group,
-                     policy_token_count=n_pol)
-    t_train = time.perf_counter() - t0
+    group = mesh.grad_group if _distributed(mesh) else None
+    hist = [cotrain_step(st.policy, train_draft, mb.batch, st.opt, None, scfg, grad_group=group, **mb.fns)
+            for _ in range(t.ppo_epochs) for mb in mbs]
+    st.sched.step()  # the LR schedule counts RL steps, however many updates each has
+    m["time/train"] = time.perf_counter() - t0
+    for k in hist[0]:  # means over the updates (one update: its own values)
+        m[k] = sum(h[k] for h in hist) / len(hist)
+    m["ppo/updates"] = updates
     if st.arm == "frozen":  # metrics only, so outside the timed train step
-        m.update(draft_eval(st.policy, st.draft, batch, step_config(cfg, "cotrained"), group))
-    # -- refit --------------------------------------------------------------------------------
+        whole = minibatches(ro, 1, scfg, pad_id, device, mesh)[0]
+        m.update(draft_eval(st.policy, st.draft, whole.batch, scfg, group, whole.fns))
+    return m
+
+
+def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | None = None,
+            record: list | None = None) -> dict:
+    """One GRPO step for one arm; returns its metrics (reduced over ranks). `mesh`: module docstring.
+    `record`: a list that receives this rank's Rollouts (tests replay them on one process)."""
+    ro = collect_rollouts(st.engine, st.gen, cfg, task, tokenizer, st.data_offset, mesh)
+    if record is not None:
+        record.append(ro)
+    m = {**ro.metrics, **train_on_rollouts(st, cfg, ro, tokenizer.pad_id, device, mesh)}
     t0 = time.perf_counter()
-    st.engine.refit(st.policy.state_dict(),
-                    st.draft.state_dict() if st.arm == "cotrained" else None)
-    t_refit = time.perf_counter() - t0
-    n_tok = int(out.lengths.sum())
+    st.engine.refit(st.policy.state_dict(), st.draft.state_dict() if st.arm == "cotrained" else None)
+    m["time/refit"] = time.perf_counter() - t0
     st.step += 1
-    st.data_offset += r.prompts_per_step
-    m.update({"reward": rewards.mean().item(), "accuracy": (rewards == 1.0).float().mean().item(),
-              "tau": out.tau, "completion_len": n_tok / len(texts),
-              "tokens_per_s": n_tok / t_roll, "time/rollout": t_roll, "time/logprob": t_lp,
-              "time/train": t_train, "time/refit": t_refit, "logprob_gap_engine_vs_trainer": lp_gap,
-              "target_forwards": out.num_target_forwards})
-    for j, a in enumerate(out.accept_rate.tolist()):
-        m[f"accept/pos{j + 1}"] = a
+    st.data_offset += cfg.rollout.prompts_per_step
     return _reduce_metrics(m, mesh)
 
 
 def _ckpt_state(st: ArmState, mesh: Mesh | None = None) -> dict:
-    """What a checkpoint holds; under DP also every rank's generator state (call on every rank)."""
+    """What a checkpoint holds; in a distributed run also every DP rank's sampler state (the one its CP
+    rank 0 generates with). A collective there: call on every rank."""
     state = {"policy": st.policy.state_dict(), "draft": st.draft.state_dict() if st.draft is not None else None,
              "opt": st.opt.state_dict(), "sched": st.sched.state_dict(), "gen": st.gen,
              "step": st.step, "data_offset": st.data_offset, "arm": st.arm}
-    if mesh is not None and mesh.dp > 1:
-        gens = [None] * mesh.dp
+    if _distributed(mesh):
+        gens = [None] * (mesh.dp * mesh.cp)
         dist.all_gather_object(gens, st.gen.get_state().cpu(), group=mesh.grad_group)
-        state["gen_ranks"] = gens
+        state["gen_ranks"] = gens[::mesh.cp]  # rank = dp_rank * cp + cp_rank: the cp rank 0 of each DP group
     return state
 
 
-def _restore(st: ArmState, path, mesh: Mesh | None = None) -> None:
-    s = load_checkpoint(path, generators={"gen": st.gen})
+def _load_latest(root: Path, st: ArmState, mesh: Mesh | None) -> dict | None:
+    """The newest checkpoint under `root`, or None. Distributed: rank 0 reads it and sends it to every
+    rank through the process group (the other ranks need no access to rank 0's file system)."""
+    if not _distributed(mesh):
+        ck = latest_checkpoint(root)
+        return load_checkpoint(ck, generators={"gen": st.gen}) if ck is not None else None
+    box = [None]
+    if mesh.rank == 0:
+        ck = latest_checkpoint(root)
+        box = [load_checkpoint(ck, restore_rng=False) if ck is not None else None]
+        box[0] = box[0] and {**box[0], "path": str(ck)}
+    dist.broadcast_object_list(box, group=mesh.grad_group, group_src=0)
+    s = box[0]
+    if s is not None:
+        set_rng_state(s["__rng__"])
+        st.gen.set_state(s["gen_ranks"][mesh.dp_rank] if "gen_ranks" in s else s["gen"])
+    return s
+
+
+def _restore(st: ArmState, s: dict, mesh: Mesh | None = None) -> None:
+    path = s.get("path", "the checkpoint")
     if s["arm"] != st.arm:
         raise ValueError(f"checkpoint {path} is for arm {s['arm']!r}, not {st.arm!r}")
-    dp = mesh.dp if mesh is not None else 1
+    dp = mesh.dp if _distributed(mesh) else 1
     if len(s.get("gen_ranks") or [None]) != dp:
         raise ValueError(f"checkpoint {path} was written with parallel.dp={len(s.get('gen_ranks') or [None])}, "
                          f"this run has {dp}: resume with the same parallel.dp")
-    if dp > 1:
-        st.gen.set_state(s["gen_ranks"][mesh.dp_rank])
     st.policy.load_state_dict(s["policy"])
     if st.draft is not None:
         st.draft.load_state_dict(s["draft"])
@@ -264,28 +235,30 @@ def _restore(st: ArmState, path, mesh: Mesh | None = None) -> None:
 
 def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, task, tokenizer,
             out_dir, device="cpu", resume: bool = True, progress: bool = True,
-            stop_after: int | None = None, mesh: Mesh | None = None, state_out: dict | None = None) -> list[dict]:
+            stop_after: int | None = None, mesh: Mesh | None = None, state_out: dict | None = None,
+            record: list | None = None) -> list[dict]:
     """Run (or resume) the RL loop of one arm in `out_dir`; returns the per-step metrics.
 
     Checkpoints go to out_dir/ckpt every train.checkpoint_every steps and at the end;
     `stop_after` stops early after that many steps of this call (tests use it to simulate a crash).
     `mesh`: data parallelism; call on every rank (rank 0 writes the log and the checkpoints).
     `state_out`: a dict that receives the arm's final ArmState under "state" (models, optimizer).
+    `record`: a list that receives this rank's Rollouts of every step (tests).
     """
     out_dir = Path(out_dir)
     rank = mesh.rank if mesh is not None else 0
     st = make_arm(cfg, arm, policy, draft, generate_config(cfg, tokenizer.eos_id, tokenizer.pad_id),
                   rank=mesh.dp_rank if mesh is not None else 0)
-    ck = latest_checkpoint(out_dir / "ckpt") if resume else None
-    if ck is not None:
-        _restore(st, ck, mesh)
+    s = _load_latest(out_dir / "ckpt", st, mesh) if resume else None
+    if s is not None:
+        _restore(st, s, mesh)
     log = MetricsLog(out_dir, resume_step=st.step) if rank == 0 else None
     rows = []
     done = 0
     bar = tqdm(total=cfg.train.steps, initial=st.step, desc=f"RL [{arm}]", disable=not progress or rank != 0,
                leave=False)
     while st.step < cfg.train.steps and (stop_after is None or done < stop_after):
-        m = rl_step(st, cfg, task, tokenizer, device, mesh)
+        m = rl_step(st, cfg, task, tokenizer, device, mesh, record)
         if log is not None:
             log.log(st.step, m)
         rows.append({"step": st.step, **m})
@@ -296,7 +269,7 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None,
             state = _ckpt_state(st, mesh)  # a collective under DP: every rank
             if rank == 0:
                 save_checkpoint(out_dir / "ckpt", st.step, state, keep=cfg.train.keep_checkpoints)
-            if mesh is not None and mesh.dp > 1:
+            if _distributed(mesh):
                 dist.barrier(group=mesh.grad_group)  # no rank runs ahead of a half-written checkpoint
     bar.close()
     if log is not None:

@@ -18,7 +18,7 @@ from ..model.policy import Policy
 from ..rollout.engine import RolloutEngine
 from ..rollout.generate import GenerateConfig
 from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
-from .rl import pad_pairs, rollout_pairs
+from .rollouts import pad_pairs, rollout_pairs
 
 
 def sample_pool(policy: Policy, task, tokenizer, n_prompts: int, group: int, gen_cfg: GenerateConfig,
@@ -109,7 +109,7 @@ def warm_start(policy: Policy, draft: Eagle3Draft, tokens: torch.Tensor, mask: t
 def measure_tau(policy: Policy, draft: Eagle3Draft, task, tokenizer, n_prompts: int, gen_cfg: GenerateConfig,
                 seed: int) -> dict:
     """Real tau and speed of the engine with this draft vs without, on held-out prompts, generating
-    with `gen_cfg` (the run's own rollout config, `rl.generate_config`, at the temperature to measure)."""
+    with `gen_cfg` (the run's own rollout config, `derive.generate_config`, at the temperature to measure)."""
     items = task.prompts(n_prompts, seed=seed, offset=0)
     prompts = [task.prompt_ids(it, tokenizer) for it in items]
     res = {}

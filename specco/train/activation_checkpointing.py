@@ -7,7 +7,7 @@ input; its internals (q/k/v, attention output, MLP intermediates) are recomputed
 backward — one extra layer forward per layer, no change to any value or gradient (tested in fp64,
 single process and under context parallelism).
 
-It wraps each layer's `forward` (an instance attribute, like `apply_cp` swaps attention cores):
+It wraps each layer's `forward` (an instance attribute; the model's own code stays plain):
 cached decoding and no-grad forwards (log-prob recompute, rollouts) bypass the checkpoint. Under
 context parallelism the recomputed forward runs the ring again inside the backward; every rank
 recomputes the same layers in the same order, so the ring's sends and receives still pair up.
@@ -29,11 +29,11 @@ class _CheckpointedForward:
     def __init__(self, layer: nn.Module):
         self.layer = layer
 
-    def __call__(self, x, cos, sin):  # DecoderLayer.forward's signature
+    def __call__(self, x, cos, sin, attn_core=None):  # DecoderLayer.forward's signature
         plain = type(self.layer).forward
         if not torch.is_grad_enabled():
-            return plain(self.layer, x, cos, sin)
-        return checkpoint(plain, self.layer, x, cos, sin, use_reentrant=False)
+            return plain(self.layer, x, cos, sin, attn_core)
+        return checkpoint(plain, self.layer, x, cos, sin, attn_core, use_reentrant=False)
 
 
 def _layers(model: nn.Module):

@@ -1,12 +1,21 @@
-"""The co-training step: one backward over L_policy + lambda * L_draft.
+"""The co-training step: one optimizer step on L_policy + lambda * L_draft, for every layout.
 
-    policy forward (records taps; its logits are the detached teacher)
-        -> L_policy (GRPO clipped surrogate)  +  lambda * L_draft (K TTT passes, soft CE)
-        -> one backward -> per-group all-reduce -> per-group grad-norm clip -> one optimizer step
+    counts = step_counts(batch)                 global denominators, ONE all-reduce, before any forward
+    for each micro-batch (the whole batch is one micro-batch when train.micro_batch_rows = 0):
+        policy forward (records taps; its logits are the detached teacher)
+        L_policy on the logits  -> backward                       (policy_loss)
+        lambda * L_draft        -> its own backward               (draft_loss: K TTT passes, soft CE)
+    optimizer_step: per-group gradient all-reduce, grad-norm clip, one AdamW step
+
+These are the parts a pipeline schedule needs: the policy loss runs where the logits are (the last
+stage), the draft loss and its backward per micro-batch on the draft's stage, and the optimizer step
+once. Every loss is divided by the *global* counts, so micro-batches' and ranks' losses and gradients
+add up to the whole batch's (tests: micro-batched == whole batch, DP == CP == single process, fp64).
 
 The draft never changes the policy: taps, embeddings and teacher logits are detached, so the
-policy's gradient is the same for any lambda (tested). The two parameter groups have their own
-learning rates and schedules; the draft's does not decay with the policy's.
+policy's gradient is the same for any lambda (tested), and the two backwards touch disjoint
+parameters. The two parameter groups have their own learning rates and schedules; the draft's does
+not decay with the policy's.
 """
 from __future__ import annotations
 
@@ -18,51 +27,42 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..batch import TrainBatch
+from ..config import DraftSpec, TrainSpec
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..model.ttt import shift_left, ttt_forward
 from ..ops.attention import ttt_attention
-from .losses import (clipped_surrogate, draft_loss_parts, draft_metrics, metrics_to_floats, normalize_draft_loss,
-                     pass_target_masks, pass_weights, token_logprobs)
+from .losses import (DraftStats, PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, draft_loss_parts,
+                     metrics_to_floats, normalize_draft_loss, pass_target_masks, pass_weights, token_logprobs)
+
+__all__ = ["StepConfig", "StepCounts", "TrainBatch", "cotrain_step", "step_counts", "policy_loss", "draft_loss",
+           "optimizer_step", "build_optimizer", "build_scheduler", "amp_context", "AMP_DTYPES"]
+
+# One set of defaults: the run config's (runner.derive.step_config builds a StepConfig from a RunConfig;
+# tests and benches that construct one directly get the same values).
+_T, _D = TrainSpec(), DraftSpec()
 
 
-@dataclass
-class TrainBatch:
-    """One micro-batch of sequences (prompt + completion), right-padded.
-
-    tokens (B, S); target_mask (B, S): 1 where token j is trained on (a completion token);
-    logp_old (B, S): the rollout's log-prob of token j (ignored where target_mask is 0);
-    advantages (B,) per sample, or (B, S) per token (indexed by token j, like logp_old — CP packs);
-    positions (B, S) optional global positions (CP passes zigzag positions);
-    logp_ref (B, S) optional reference-policy log-probs for the KL term.
-    """
-    tokens: torch.Tensor
-    target_mask: torch.Tensor
-    advantages: torch.Tensor | None = None
-    logp_old: torch.Tensor | None = None
-    logp_ref: torch.Tensor | None = None
-    positions: torch.Tensor | None = None
-
-
-@dataclass
+@dataclass(frozen=True)
 class StepConfig:
-    draft_weight: float = 1.0  # lambda
-    ttt_passes: int = 3
-    pass_decay: float = 0.8
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    temperature: float = 1.0
-    policy_grad_clip: float = 1.0
-    draft_grad_clip: float = 1.0
-    loss_chunk: int = 1024
+    draft_weight: float = _T.draft_weight  # lambda
+    ttt_passes: int = _D.ttt_passes
+    pass_decay: float = _D.pass_decay
+    clip_eps: float = _T.clip_eps
+    kl_coef: float = _T.kl_coef
+    temperature: float = 1.0  # the rollout's sampling temperature (log-probs are of softmax(z / T))
+    policy_grad_clip: float = _T.policy_grad_clip
+    draft_grad_clip: float = _T.draft_grad_clip
+    loss_chunk: int = _T.loss_chunk
     # The draft trains on rollout rows 0, n, 2n, ... (1 = every row; at least row 0). GRPO rows are G i.i.d.
     # samples per prompt, so a stride that divides G keeps an unbiased sample of the policy's
     # outputs while cutting the draft's share of the step ~n-fold (DESIGN §6: the overhead goal).
-    draft_row_stride: int = 1
+    draft_row_stride: int = _T.draft_row_stride
     # Rows per forward/backward (0 = the whole batch at once): gradients accumulate over
     # micro-batches with the whole batch's token counts as denominators, so the update is the
     # full-batch one (tested) while activation memory scales with the micro-batch.
-    micro_batch_rows: int = 0
+    micro_batch_rows: int = _T.micro_batch_rows
     # Mixed precision: forwards and losses under torch.autocast in this dtype (None = off); weights,
     # gradients and optimizer state stay in their own dtype (fp32 master weights). bf16 only: fp16
     # would need loss scaling.
@@ -116,6 +116,88 @@ def _group_params(opt, name):
     return [p for g in opt.param_groups if g.get("name") == name for p in g["params"]]
 
 
+# -- the global counts -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepCounts:
+    """The denominators of one optimizer step, over every rank that shares the batch (DP x CP).
+
+    policy_tokens: trained next-token targets (L_policy's denominator);
+    draft: sum_d a_d N_d over the rows the draft trains on (L_draft's, `losses.draft_denominator`).
+    """
+    policy_tokens: torch.Tensor
+    draft: torch.Tensor
+
+
+def draft_rows(batch: TrainBatch, cfg: StepConfig, row_start: int = 0) -> slice:
+    """The rows the draft trains on: row_start, row_start + n, ... with n = cfg.draft_row_stride.
+
+    GRPO rows are G i.i.d. samples per prompt, so a stride keeps an unbiased sample of the policy's
+    outputs while the draft's share of the step shrinks ~n-fold. A packed row keeps every sequence here:
+    the packer marks the draft's sequences in `batch.draft_mask` instead (same loss, same counts)."""
+    return slice(row_start, None, cfg.draft_row_stride)
+
+
+def _draft_mask(batch: TrainBatch) -> torch.Tensor:
+    return batch.target_mask if batch.draft_mask is None else batch.draft_mask
+
+
+def step_counts(batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left, group=None) -> StepCounts:
+    """Both denominators of the step on the whole `batch`, summed over `group` in one all-reduce.
+
+    CP ranks hold disjoint tokens (zero padding), so each token is counted once; the counts are exact
+    integers (fp64)."""
+    policy_n = shift(batch.target_mask, 1).sum().reshape(1)
+    pass_n = [m.sum() for m in pass_target_masks(_draft_mask(batch)[draft_rows(batch, cfg)], cfg.ttt_passes, shift)]
+    n = torch.cat([policy_n, torch.stack(pass_n)]).double()  # (1 + K,)
+    if group is not None:
+        dist.all_reduce(n, group=group)
+    return StepCounts(n[0].clamp_min(1.0), draft_denominator(n[1:], pass_weights(cfg.ttt_passes, cfg.pass_decay)))
+
+
+# -- the two losses ----------------------------------------------------------------------------------
+
+def policy_loss(logits, batch: TrainBatch, cfg: StepConfig, num_tokens=None, shift: Callable = shift_left
+                ) -> tuple[torch.Tensor, PolicyStats]:
+    """The GRPO clipped surrogate (+ k3 KL) of `batch` from the policy's logits, divided by `num_tokens`
+    (StepCounts.policy_tokens; default: the batch's own trained-token count).
+
+    Logits at i predict token i+1. The next-token alignment goes through `shift` (not
+    logits[:, :-1] vs tokens[:, 1:]) so that under CP, where i+1 may live on another rank, the
+    CP-aware shift fetches it; per-token fields (mask, per-token advantages) are indexed by token
+    like `tokens`, so they shift with it, while log-prob fields are already indexed like the logits
+    (batch.py). With shift_left this is the same math: the last position's target is masked out by
+    shift(mask, 1). logp_old None = on-policy: the ratio is exp(0) = 1 with the gradient of logp_new."""
+    logp_new = token_logprobs(logits, shift(batch.tokens, 1), cfg.temperature)
+    logp_old = logp_new.detach() if batch.logp_old is None else batch.logp_old
+    adv = batch.advantages if batch.advantages.dim() == 1 else shift(batch.advantages, 1)
+    return clipped_surrogate(logp_new, logp_old, adv, shift(batch.target_mask, 1), cfg.clip_eps, batch.logp_ref,
+                             cfg.kl_coef, num_tokens)
+
+
+def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig, denominator: torch.Tensor | None = None,
+               shift: Callable = shift_left, attn: Callable = ttt_attention, row_start: int = 0
+               ) -> tuple[torch.Tensor, DraftStats]:
+    """L_draft of one (micro-)batch from a policy output with taps (K TTT passes, soft CE) and its summed
+    statistics. `denominator`: StepCounts.draft of the whole step (None: this batch's own counts).
+
+    Only the rows `draft_rows(batch, cfg, row_start)` are used (the policy forward that made `out` ran
+    on all rows anyway; only the draft's own work shrinks)."""
+    B, S = batch.tokens.shape
+    positions = batch.positions
+    if positions is None:
+        positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
+    rows = draft_rows(batch, cfg, row_start)
+    aux, embed, logits = out.taps.aux[rows], out.taps.embed[rows], out.logits[rows]
+    mask, positions = _draft_mask(batch)[rows], positions[rows]
+    outs = ttt_forward(draft, aux, embed, positions, cfg.ttt_passes, shift=shift, attn=attn)
+    parts = draft_loss_parts(draft, outs, logits, mask, cfg.loss_chunk, shift)
+    loss = normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), denominator)
+    return loss, DraftStats.of(parts)
+
+
+# -- the optimizer step ------------------------------------------------------------------------------
+
 def reduce_grads(params, group) -> None:
     """Sum gradients over `group` (DP x CP ranks). Losses are normalised by global counts, so a sum
     (not a mean) gives the global-batch gradient."""
@@ -126,67 +208,34 @@ def reduce_grads(params, group) -> None:
             dist.all_reduce(p.grad, group=group)
 
 
-def draft_denominator(target_mask: torch.Tensor, cfg: StepConfig, shift: Callable = shift_left, group=None):
-    """sum_d a_d N_d of L_draft over the rows the draft trains on (rows 0, n, 2n, ...), summed over the
-    ranks of `group` (data parallel) when given."""
-    masks = pass_target_masks(target_mask[::cfg.draft_row_stride], cfg.ttt_passes, shift)
-    n = torch.stack([m.sum() for m in masks]).double()  # (K,) exact integer counts
-    if group is not None:
-        dist.all_reduce(n, group=group)
-    w = torch.tensor(pass_weights(cfg.ttt_passes, cfg.pass_decay), dtype=n.dtype, device=n.device)
-    return (w * n).sum().clamp_min(1.0)  # fp64; normalize_draft_loss casts it to the loss dtype
+def clip_grad_norm(params, max_norm: float, norm_group=None) -> torch.Tensor:
+    """Clip by the total gradient norm of a parameter group that may be split over `norm_group` (the
+    ranks holding *different* parts of it, e.g. pipeline stages; None: this rank holds all of it):
+    the squared norms are summed there, so every part is scaled by the same coefficient."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads)
+    if norm_group is not None:
+        sq = total.double().square().reshape(1)
+        dist.all_reduce(sq, group=norm_group)
+        total = sq[0].sqrt().to(total.dtype)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
-def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig,
-               shift: Callable = shift_left, attn: Callable = ttt_attention, count_group=None,
-               row_start: int = 0, denominator: torch.Tensor | None = None, return_stats: bool = False):
-    """L_draft and its metrics from a policy output with taps: K TTT passes, soft CE, normalised.
-
-    With cfg.draft_row_stride = n > 1 only rows row_start, row_start + n, ... are used (the policy
-    forward that made `out` ran on all rows anyway; only the draft's own work shrinks).
-    `denominator`: the whole batch's, when `batch` is one micro-batch of it; `return_stats`: also
-    the summed statistics behind the metrics (losses.draft_metrics)."""
-    B, S = batch.tokens.shape
-    positions = batch.positions
-    if positions is None:
-        positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
-    aux, embed, logits, mask = out.taps.aux, out.taps.embed, out.logits, batch.target_mask
-    n = cfg.draft_row_stride
-    if n > 1 or row_start:  # rows[::n] keeps at least row 0 (a CP rank's one packed row: all of it)
-        aux, embed, logits, mask, positions = (t[row_start::n] for t in (aux, embed, logits, mask, positions))
-    outs = ttt_forward(draft, aux, embed, positions, cfg.ttt_passes, shift=shift, attn=attn)
-    parts = draft_loss_parts(draft, outs, logits, mask, cfg.loss_chunk, shift)
-    return normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), count_group,
-                                denominator, return_stats)
-
-
-def policy_loss(logits, batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left,
-                num_tokens=None):
-    """The GRPO clipped surrogate of `batch` from the policy's logits, divided by `num_tokens`
-    (default: the batch's own trained-token count).
-
-    Logits at i predict token i+1. The next-token alignment goes through `shift` (not
-    logits[:, :-1] vs tokens[:, 1:]) so that under CP, where i+1 may live on another rank, the
-    CP-aware shift fetches it; per-token fields (logp_old, logp_ref, mask, per-token advantages)
-    are indexed by token like `tokens`, so they shift with it. With shift_left this is the same
-    math: the last position's target is masked out by shift(mask, 1)."""
-    logp_new = token_logprobs(logits, shift(batch.tokens, 1), cfg.temperature)
-    mask = shift(batch.target_mask, 1)
-    ref = shift(batch.logp_ref, 1) if batch.logp_ref is not None else None
-    adv = batch.advantages if batch.advantages.dim() == 1 else shift(batch.advantages, 1)
-    return clipped_surrogate(logp_new, shift(batch.logp_old, 1), adv, mask, cfg.clip_eps, ref,
-                             cfg.kl_coef, num_tokens)
-
-
-def _clip_and_step(opt, sched, cfg: StepConfig, train_policy: bool, metrics: dict, grad_group=None) -> dict:
-    """Per-group gradient all-reduce and clip, the optimizer and scheduler step, LRs into
-    `metrics`; returns the metrics as floats (the step's only host sync, after the update)."""
-    for name, clip in (("policy", cfg.policy_grad_clip), ("draft", cfg.draft_grad_clip)):
+def optimizer_step(opt, sched, cfg: StepConfig, train_policy: bool = True, grad_group=None,
+                   policy_norm_group=None) -> dict:
+    """Per group: gradients summed over `grad_group` (the ranks holding replicas of the same
+    parameters: DP x CP), the grad-norm clip over `policy_norm_group` for the policy (the ranks holding
+    its other parts: pipeline stages; the draft lives whole on one stage); then the optimizer and
+    scheduler step. Returns the grad norms and LRs (0-dim tensors / floats)."""
+    metrics = {}
+    for name, clip, norm_group in (("policy", cfg.policy_grad_clip, policy_norm_group),
+                                   ("draft", cfg.draft_grad_clip, None)):
         params = _group_params(opt, name)
         if not params or (name == "policy" and not train_policy):
             continue
         reduce_grads(params, grad_group)
-        metrics[f"{name}/grad_norm"] = torch.nn.utils.clip_grad_norm_(params, clip)
+        metrics[f"{name}/grad_norm"] = clip_grad_norm(params, clip, norm_group)
     if not train_policy:
         for p in _group_params(opt, "policy"):
             p.grad = None
@@ -195,113 +244,70 @@ def _clip_and_step(opt, sched, cfg: StepConfig, train_policy: bool, metrics: dic
         sched.step()
     for g in opt.param_groups:
         metrics[f"{g.get('name', 'group')}/lr"] = g["lr"]
-    return metrics_to_floats(metrics)
+    return metrics
+
+
+# -- the step ----------------------------------------------------------------------------------------
+
+def micro_batches(batch: TrainBatch, rows: int):
+    """(first row, micro-batch) pairs of `rows` rows each (0 or >= B: the whole batch, one pair)."""
+    B = batch.tokens.shape[0]
+    if rows <= 0 or rows >= B:
+        yield 0, batch
+        return
+    for a in range(0, B, rows):
+        yield a, batch.rows(a, min(B, a + rows))
 
 
 def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                  opt: torch.optim.Optimizer, sched, cfg: StepConfig, *,
-                 train_policy: bool = True, grad_group=None,
+                 train_policy: bool = True, grad_group=None, policy_norm_group=None,
                  shift: Callable = shift_left, attn: Callable = ttt_attention,
-                 policy_token_count: float | None = None) -> dict:
-    """One optimizer step; returns metrics. `train_policy=False` is the offline warm start: the
-    policy is frozen (forward under no_grad) and only the draft learns.
+                 attn_core: Callable | None = None) -> dict:
+    """One optimizer step on `batch` (this rank's share of the global batch); returns metrics as floats.
 
-    `grad_group` (DP x CP ranks) sums gradients and counts; `shift`/`attn` are the CP-aware TTT
-    shift and trunk+branch attention (single-device defaults). `policy_token_count`: the global
-    number of trained completion tokens (defaults to the local count).
+    `train_policy=False` is the offline warm start: the policy is frozen (forward under no_grad) and
+    only the draft learns. `grad_group` (DP x CP ranks) sums counts, statistics and gradients;
+    `shift`/`attn` are the TTT shift and trunk+branch attention and `attn_core` the policy's attention
+    core (None: causal SDPA over each row) — the CP ones under context parallelism. A packed batch
+    (several sequences per row) needs a packing-aware core: causal SDPA would attend across borders.
+
+    Metrics: "policy/loss" and "draft/loss" are this rank's contributions (they sum to the global
+    losses over `grad_group`); every other metric is global (from statistics summed over the group).
     """
-    if 0 < cfg.micro_batch_rows < batch.tokens.shape[0]:
-        return _microbatched_step(policy, draft, batch, opt, sched, cfg, train_policy, shift, attn,
-                                  policy_token_count, grad_group)
+    if batch.packed and attn_core is None:
+        raise ValueError(f"a packed batch ({len(batch.cu_seqlens) - 1} sequences in a row) needs a packing-aware "
+                         "attention core and shift (parallel.cp.sequence_parallel with cp=1 on one device): "
+                         "plain causal attention would cross sequence borders")
     use_draft = draft is not None and (cfg.draft_weight > 0 or not train_policy)
-    total, l_pol, mp, l_d, stats = _forward_losses(policy, draft, batch, cfg, train_policy, use_draft, shift,
-                                                   attn, policy_token_count, count_group=grad_group)
-    metrics: dict = {**mp, **(draft_metrics(stats) if stats is not None else {})}
-    if l_pol is not None:
-        metrics["policy/loss"] = l_pol.detach()
-    if l_d is not None:
-        metrics["draft/loss"] = l_d.detach()
+    weight = cfg.draft_weight if train_policy else 1.0
+    tap_ids = draft.cfg.aux_layer_ids if use_draft else None
+    counts = step_counts(batch, cfg, shift, grad_group)
+    losses = {"policy/loss": 0.0, "draft/loss": 0.0}
+    pol_stats = d_stats = None
     opt.zero_grad(set_to_none=True)
-    if total.requires_grad:
-        total.backward()
-    return _clip_and_step(opt, sched, cfg, train_policy, metrics, grad_group)
-
-
-def _forward_losses(policy, draft, batch: TrainBatch, cfg: StepConfig, train_policy: bool, use_draft: bool,
-                    shift, attn, policy_token_count, count_group=None, row_start: int = 0, denominator=None):
-    """One (micro-)batch's forward and weighted loss, under the step's precision. Returns (total,
-    L_policy or None, its metrics, L_draft or None, the draft's summed statistics or None: its
-    metrics are `losses.draft_metrics` of them, after adding them up over micro-batches if any)."""
-    tap_ids = draft.cfg.aux_layer_ids if draft is not None else None
-    l_pol = l_d = stats = None
-    mp: dict = {}
-    with amp_context(cfg, batch.tokens):
-        with torch.set_grad_enabled(train_policy):
-            out = policy(batch.tokens, batch.positions, tap_layers=tap_ids)
-        total = out.logits.new_zeros((), dtype=torch.float32)
+    for a, mb in micro_batches(batch, cfg.micro_batch_rows):
+        row_start = (-a) % cfg.draft_row_stride  # first row of this micro-batch with a global index = 0 mod n
+        # Forwards and losses under the step's precision; the backwards outside autocast (as torch advises).
+        with amp_context(cfg, mb.tokens):
+            with torch.set_grad_enabled(train_policy):
+                out = policy(mb.tokens, mb.positions, tap_layers=tap_ids, attn_core=attn_core)
+            l_d = None
+            if use_draft and row_start < mb.tokens.shape[0]:
+                l_d, s = draft_loss(draft, out, mb, cfg, counts.draft, shift, attn, row_start)
+                d_stats = s if d_stats is None else d_stats + s
+                losses["draft/loss"] += l_d.detach()
+        if l_d is not None and l_d.requires_grad:  # its own backward: the draft's graph is disjoint from the policy's
+            (weight * l_d).backward()
         if train_policy:
-            l_pol, mp = policy_loss(out.logits, batch, cfg, shift, policy_token_count)
-            total = total + l_pol
-        if use_draft:
-            l_d, _, stats = draft_loss(draft, out, batch, cfg, shift, attn, count_group, row_start, denominator,
-                                       return_stats=True)
-            total = total + (cfg.draft_weight if train_policy else 1.0) * l_d
-    return total, l_pol, mp, l_d, stats
-
-
-def _rows(batch: TrainBatch, a: int, b: int) -> TrainBatch:
-    """Rows a..b-1 of every per-row field."""
-    take = lambda t: None if t is None else t[a:b]  # noqa: E731
-    return TrainBatch(tokens=batch.tokens[a:b], target_mask=batch.target_mask[a:b],
-                      advantages=take(batch.advantages), logp_old=take(batch.logp_old),
-                      logp_ref=take(batch.logp_ref), positions=take(batch.positions))
-
-
-def _microbatched_step(policy, draft, batch, opt, sched, cfg: StepConfig, train_policy, shift, attn,
-                       policy_token_count, grad_group=None) -> dict:
-    """cotrain_step over micro-batches of cfg.micro_batch_rows rows: one forward + backward each,
-    the losses divided by the whole batch's counts, then one clip + optimizer step. Loss metrics
-    are exact sums; per-token metrics (CE per pass, top-1, clip fraction, simulated tau) are
-    means over micro-batches weighted by their trained-token counts, except the draft's, which come
-    from its statistics summed over the micro-batches (exact, every pass). With `grad_group` (data
-    parallel) the denominators are global: the caller passes the global policy_token_count, the
-    draft's is summed here, and the gradients are summed over the group before the clip; the draft's
-    metrics are then global too, the policy's describe this rank's rows."""
-    B, m, n = batch.tokens.shape[0], cfg.micro_batch_rows, cfg.draft_row_stride
-    use_draft = draft is not None and (cfg.draft_weight > 0 or not train_policy)
-    pol_count = policy_token_count if policy_token_count is not None else \
-        shift(batch.target_mask, 1).float().sum().clamp_min(1.0)
-    denom = draft_denominator(batch.target_mask, cfg, shift, grad_group) if use_draft else None
-    sums: dict = {}
-    weights: dict = {}
-    stats = None  # the draft's summed statistics (losses.draft_metrics)
-
-    def add(key, value, weight=None):  # weight None: an exact sum; else a weighted mean
-        sums[key] = sums.get(key, 0.0) + (value if weight is None else value * weight)
-        if weight is not None:
-            weights[key] = weights.get(key, 0.0) + weight
-
-    opt.zero_grad(set_to_none=True)
-    for a in range(0, B, m):
-        sub = _rows(batch, a, min(B, a + m))
-        start = (-a) % n  # the first row of this micro-batch with a global index divisible by n
-        total, l_pol, mp, l_d, sub_stats = _forward_losses(policy, draft, sub, cfg, train_policy,
-                                                           use_draft and start < sub.tokens.shape[0], shift, attn,
-                                                           pol_count, row_start=start, denominator=denom)
-        if l_pol is not None:
-            add("policy/loss", l_pol.detach())
-            add("policy/clip_frac", mp["policy/clip_frac"], shift(sub.target_mask, 1).float().sum())
-        if l_d is not None:
-            add("draft/loss", l_d.detach())
-            stats = sub_stats if stats is None else stats + sub_stats
-        if total.requires_grad:
-            total.backward()
-    metrics = {k: v / torch.as_tensor(weights[k]).clamp_min(1e-12) if k in weights else v
-               for k, v in sums.items()}
-    if use_draft:
-        if stats is None:  # no micro-batch held a draft row (cannot happen: row 0 always trains)
-            raise RuntimeError("micro-batched step: the draft trained on no row")
-        if grad_group is not None:
-            dist.all_reduce(stats, group=grad_group)
-        metrics.update(draft_metrics(stats))
-    return _clip_and_step(opt, sched, cfg, train_policy, metrics, grad_group)
+            with amp_context(cfg, mb.tokens):
+                l_pol, s = policy_loss(out.logits, mb, cfg, counts.policy_tokens, shift)
+            pol_stats = s if pol_stats is None else pol_stats + s
+            losses["policy/loss"] += l_pol.detach()
+            l_pol.backward()
+    metrics = {k: v for k, v in losses.items() if torch.is_tensor(v)}
+    stats = [s for s in (pol_stats, d_stats) if s is not None]
+    for s in all_reduce_sums(stats, grad_group):
+        metrics.update(s.metrics())
+    metrics.update(optimizer_step(opt, sched, cfg, train_policy, grad_group, policy_norm_group))
+    return metrics_to_floats(metrics)

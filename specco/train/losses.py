@@ -1,11 +1,13 @@
 """Losses of the co-training step: the draft's TTT soft cross-entropy and the GRPO policy loss.
 
-One home per formula: `soft_cross_entropy`, `normalize_draft_loss` (L_draft), `grpo_advantages`,
-`clipped_surrogate`, and `draft_metrics` for the draft's metrics. Metrics are 0-dim tensors;
-`metrics_to_floats` converts them. Process groups are arguments (None = single process).
+One home per formula: `soft_cross_entropy`, `normalize_draft_loss` (L_draft) with `draft_denominator`,
+`grpo_advantages`, `clipped_surrogate` (L_policy, with the k3 KL), and the metrics of both losses from
+their summed statistics (`DraftStats`, `PolicyStats`). Metrics are 0-dim tensors; `metrics_to_floats`
+converts them. Process groups are arguments (None = single process).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,7 +40,7 @@ def _chunk_ce(draft: Eagle3Draft, hidden: torch.Tensor, teacher: torch.Tensor, m
 
 @dataclass
 class DraftLossParts:
-    """Per-pass local sums; reduced across ranks by `normalize_draft_loss`."""
+    """Per-pass local sums of one (micro-)batch; `normalize_draft_loss` and `DraftStats.of` read them."""
     ce_sum: list[torch.Tensor]  # differentiable, one scalar per pass
     count: list[torch.Tensor]  # valid targets per pass (float scalars)
     agree: list[torch.Tensor]  # (B, S) bool: draft top-1 == teacher top-1, per pass
@@ -94,54 +96,89 @@ def draft_loss_parts(draft: Eagle3Draft, pass_outputs: list[torch.Tensor],
     return parts
 
 
-def draft_metrics(stats: torch.Tensor) -> dict:
-    """The draft's metrics from its summed statistics `stats` (4K,) = [N_d, chain hits_d, top-1 hits_d,
-    CE sums_d] for d = 1..K (normalize_draft_loss builds them; micro-batches and ranks add them up, so
-    their metrics are exact): per-pass CE mean and top-1 agreement, the simulated greedy acceptance
-    length 1 + sum_d P(passes 1..d all agree), and the pass-1 target count. 0-dim tensors (no sync)."""
-    n, chain_n, agree_n, ce_n = stats.split(stats.numel() // 4)
-    K = n.numel()
-    metrics = {f"draft/ce_pass{d + 1}": ce_n[d] / n[d].clamp_min(1) for d in range(K)}
-    metrics.update({f"draft/top1_pass{d + 1}": agree_n[d] / n[d].clamp_min(1) for d in range(K)})
-    metrics["draft/sim_accept_len"] = 1.0 + (chain_n / n.clamp_min(1.0)).sum()
-    metrics["draft/tokens"] = n[0]
-    return metrics
+class _Sums:
+    """Summed statistics (dataclass fields: tensors) that micro-batches and ranks add up exactly: the
+    metrics come from the sums, never from averaging per-part means."""
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    def __add__(self, other):
+        return type(self)(*(a + b for a, b in zip(self._tensors(), other._tensors())))
+
+
+def all_reduce_sums(stats: list, group) -> list:
+    """Sum several `_Sums` over `group` in ONE all-reduce (None: unchanged)."""
+    if group is None:
+        return stats
+    parts = [t.reshape(-1) for s in stats for t in s._tensors()]
+    flat = torch.cat([t.to(torch.float64) for t in parts])  # (n,) counts stay exact integers
+    dist.all_reduce(flat, group=group)
+    out, i = [], 0
+    for s in stats:
+        ts = []
+        for t in s._tensors():
+            ts.append(flat[i:i + t.numel()].reshape(t.shape).to(t.dtype))
+            i += t.numel()
+        out.append(type(s)(*ts))
+    return out
+
+
+@dataclass
+class DraftStats(_Sums):
+    """The draft's summed statistics per TTT pass d = 1..K, each (K,): valid targets N_d, chain hits
+    (anchors whose passes 1..d all agree with the teacher's top-1), top-1 hits, and CE sums (detached)."""
+    count: torch.Tensor
+    chain: torch.Tensor
+    top1: torch.Tensor
+    ce: torch.Tensor
+
+    @classmethod
+    def of(cls, parts: DraftLossParts) -> "DraftStats":
+        counts = torch.stack([c.detach().to(parts.ce_sum[0].dtype) for c in parts.count])  # (K,)
+        chain = torch.ones_like(parts.agree[0])
+        chain_hits, agree_hits = [], []
+        for agree, valid in zip(parts.agree, parts.valid):
+            chain = chain & agree
+            chain_hits.append((chain & valid).sum())
+            agree_hits.append((agree & valid).sum())
+        return cls(counts, torch.stack(chain_hits).to(counts), torch.stack(agree_hits).to(counts),
+                   torch.stack([c.detach() for c in parts.ce_sum]))
+
+    def metrics(self) -> dict:
+        """Per-pass CE mean and top-1 agreement, the simulated greedy acceptance length
+        1 + sum_d P(passes 1..d all agree), the pass-1 target count. 0-dim tensors (no host sync)."""
+        n = self.count.clamp_min(1.0)
+        K = n.numel()
+        metrics = {f"draft/ce_pass{d + 1}": self.ce[d] / n[d] for d in range(K)}
+        metrics.update({f"draft/top1_pass{d + 1}": self.top1[d] / n[d] for d in range(K)})
+        metrics["draft/sim_accept_len"] = 1.0 + (self.chain / n).sum()
+        metrics["draft/tokens"] = self.count[0]
+        return metrics
+
+
+def draft_denominator(counts: torch.Tensor, pass_weights: list[float]) -> torch.Tensor:
+    """sum_d a_d N_d, the denominator of L_draft (the one home of it): counts (K,) are the valid-target
+    counts N_d of the whole (global) batch. At least 1, so an empty batch gives a zero loss."""
+    w = torch.tensor(pass_weights[:counts.numel()], dtype=counts.dtype, device=counts.device)
+    return (w * counts).sum().clamp_min(1.0)
 
 
 def normalize_draft_loss(parts: DraftLossParts, pass_weights: list[float],
-                         count_group=None, denominator: torch.Tensor | None = None,
-                         return_stats: bool = False):
+                         denominator: torch.Tensor | None = None) -> torch.Tensor:
     """L_draft = sum_d a_d sum_i mask*CE / sum_d a_d N_d.
 
-    N_d is the number of valid pass-d targets in the whole global batch: local counts are summed
-    over `count_group` (the data-parallel x context-parallel ranks; CP ranks hold disjoint tokens
-    so each is counted once). Gradients are then *summed* across those ranks.
-    Returns the local loss contribution and metrics (per-pass CE means, top-1 agreement and the
-    simulated greedy acceptance length they imply). `denominator` replaces sum_d a_d N_d when the
-    batch is processed in micro-batches (the whole batch's value, see cotrain.draft_denominator);
-    the metrics then describe this micro-batch only, and `return_stats` also returns the summed
-    statistics (`draft_metrics`) so the caller can add them up over micro-batches exactly.
+    N_d counts the valid pass-d targets of the whole global batch: `denominator` is that value
+    (`draft_denominator` of the global counts, computed once per step by cotrain.step_counts; CP ranks
+    hold disjoint tokens so each is counted once), so micro-batches' and ranks' losses and gradients
+    *add up* to the global mean. None: this batch's own counts (a single-process, whole-batch call).
     """
     K = len(parts.ce_sum)
-    counts = torch.stack([c.detach().to(parts.ce_sum[0].dtype) for c in parts.count])  # (K,)
-    # Agreement sums: for pass d, anchors valid at d whose passes 1..d all agree (the chain).
-    chain = torch.ones_like(parts.agree[0])
-    chain_hits, agree_hits = [], []
-    for d in range(K):
-        chain = chain & parts.agree[d]
-        chain_hits.append((chain & parts.valid[d]).sum())
-        agree_hits.append((parts.agree[d] & parts.valid[d]).sum())
-    stats = torch.stack([*counts, *torch.stack(chain_hits).to(counts), *torch.stack(agree_hits).to(counts),
-                         *torch.stack([c.detach() for c in parts.ce_sum])])
-    if count_group is not None:
-        dist.all_reduce(stats, group=count_group)
-    n = stats[:K]
-    w = torch.tensor(pass_weights[:K], dtype=parts.ce_sum[0].dtype, device=n.device)
-    denom = (w * n).sum().clamp_min(1.0) if denominator is None else denominator.to(w.dtype)
-    loss = sum(w[d] * parts.ce_sum[d] for d in range(K)) / denom
-    # Metrics stay 0-dim tensors: a .item() here would stall the host mid-step (see metrics_to_floats).
-    metrics = draft_metrics(stats)
-    return (loss, metrics, stats) if return_stats else (loss, metrics)
+    if denominator is None:
+        dt = parts.ce_sum[0].dtype
+        denominator = draft_denominator(torch.stack([c.detach().to(dt) for c in parts.count]), pass_weights)
+    w = pass_weights[:K]
+    return sum(w[d] * parts.ce_sum[d] for d in range(K)) / denominator.to(parts.ce_sum[0].dtype)
 
 
 def metrics_to_floats(metrics: dict) -> dict:
@@ -188,29 +225,52 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+@dataclass
+class PolicyStats(_Sums):
+    """The policy loss's summed statistics over trained tokens (0-dim each): token count, clipped
+    tokens (|ratio - 1| > eps), sum of ratios, sum of |ratio - 1|, sum of the k3 KL to the reference."""
+    tokens: torch.Tensor
+    clipped: torch.Tensor
+    ratio: torch.Tensor
+    ratio_dev: torch.Tensor
+    kl: torch.Tensor
+
+    def metrics(self) -> dict:
+        n = self.tokens.clamp_min(1.0)
+        return {"policy/clip_frac": self.clipped / n, "policy/ratio_mean": self.ratio / n,
+                "policy/ratio_dev": self.ratio_dev / n, "policy/kl": self.kl / n}
+
+
 def clipped_surrogate(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor,
                       mask: torch.Tensor, clip_eps: float, logp_ref: torch.Tensor | None = None,
                       kl_coef: float = 0.0, num_tokens: torch.Tensor | float | None = None):
     """PPO/GRPO clipped objective, token-level, as a loss to minimise.
 
     ratio = exp(logp_new - logp_old);  L = -min(ratio*A, clip(ratio, 1-eps, 1+eps)*A)
-    plus kl_coef * KL_k3(new || ref) with k3 = exp(ref-new) - (ref-new) - 1 (unbiased, >= 0).
-    Summed over masked tokens and divided by `num_tokens` (the global masked-token count; defaults
-    to the local count) so that DP/CP ranks' contributions add up to a global token mean.
-    advantages: (B,) per sample or (B, S) per token.
+    plus kl_coef * KL_k3(new || ref) with k3 = exp(ref-new) - (ref-new) - 1 (unbiased, >= 0; GRPO's
+    estimator, DeepSeekMath eq. 4). Summed over masked tokens and divided by `num_tokens` (the global
+    masked-token count; defaults to the local count) so that micro-batches' and DP/CP ranks'
+    contributions add up to a global token mean. advantages: (B,) per sample or (B, S) per token.
+    Returns (loss, PolicyStats).
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logp_new)
     ratio = torch.exp(logp_new - logp_old)
     obj = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
     per_tok = -obj
-    if logp_ref is not None and kl_coef > 0:
+    mask = mask.to(per_tok.dtype)
+    kl = torch.zeros((), dtype=per_tok.dtype, device=per_tok.device)
+    if logp_ref is not None:
         delta = logp_ref - logp_new
-        per_tok = per_tok + kl_coef * (torch.exp(delta) - delta - 1)
-    mask = mask.float()
-    n = mask.sum().clamp_min(1.0) if num_tokens is None else num_tokens
-    loss = (per_tok * mask).sum() / n
+        k3 = torch.exp(delta) - delta - 1
+        if kl_coef > 0:
+            per_tok = per_tok + kl_coef * k3
+        kl = (k3.detach() * mask).sum()
+    n = mask.sum().clamp_min(1.0) if num_tokens is None else torch.as_tensor(num_tokens)
+    num = (per_tok * mask).sum()
+    loss = num / n.to(num.dtype)
     with torch.no_grad():
-        clipped = ((ratio - 1).abs() > clip_eps).float()
-        frac = (clipped * mask).sum() / mask.sum().clamp_min(1.0)
-    return loss, {"policy/clip_frac": frac}  # a tensor: see metrics_to_floats
+        r = ratio.detach()
+        stats = PolicyStats(mask.sum(), (((r - 1).abs() > clip_eps).to(mask) * mask).sum(), (r * mask).sum(),
+                            ((r - 1).abs() * mask).sum(), kl)
+    return loss, stats  # tensors: see metrics_to_floats

@@ -1,32 +1,34 @@
 """Co-training steps with context parallelism on a synthetic packed batch (a thin entry point).
 
-    torchrun --nproc-per-node 4 -m specco.parallel.launch_cotrain configs/demo.toml parallel.cp=2 parallel.dp=2
-    torchrun --nproc-per-node 2 -m specco.parallel.launch_cotrain parallel.cp=2 --steps 3 --seq-lens 300,41,7
+    torchrun --nproc-per-node 4 -m specco cotrain-cp --config configs/demo.toml parallel.cp=2 parallel.dp=2
+    torchrun --nproc-per-node 2 -m specco cotrain-cp parallel.cp=2 --steps 3 --seq-lens 300,41,7
 
 The CLI will call `run_cotrain_step_cp(cfg, ...)`; everything it does is the recipe of cp.py:
-per batch, build the ZigzagLayout, shard the packed batch, apply_cp on the policy, and pass the
-CP shift / ring attention / global counts to `cotrain_step`. Metrics are printed on rank 0.
+per batch, build the ZigzagLayout, shard the packed batch, and pass the CP shift, ring attention
+and policy attention core to `cotrain_step` (`cp.step_fns`). Metrics are printed on rank 0.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
+import os
 import time
 
 import torch
 import torch.distributed as dist
 
+from ..batch import TrainBatch
 from ..config import RunConfig, load_config
-from ..model.config import DraftConfig, PolicyConfig
+from ..model.config import ConfigError, DraftConfig, PolicyConfig
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
+from ..parallel.cp import shard_batch, step_fns
+from ..parallel.mesh import Mesh
+from ..parallel.zigzag import ZigzagLayout
 from ..train.activation_checkpointing import apply_activation_checkpointing
-from ..train.cotrain import AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step
-from .cp import apply_cp, cp_attn, cp_shift, global_count, shard_batch
-from .mesh import Mesh
-from .zigzag import ZigzagLayout
+from ..train.cotrain import build_optimizer, cotrain_step
+from .derive import check_parallel, step_config
 
 __all__ = ["run_cotrain_step_cp", "synthetic_packed_batch", "main"]
 
@@ -75,17 +77,21 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
     Every dp rank gets its own pack of `seq_lens` sequences (a different seed per dp rank and step);
     the pack is zigzag-sharded over the dp rank's CP group. Must be called on every rank.
     """
-    mesh = mesh or Mesh.build(cfg.parallel.dp, cfg.parallel.cp, cfg.parallel.backend)
+    if cfg.train.kl_coef > 0:
+        raise ConfigError(f"train.kl_coef={cfg.train.kl_coef}: the synthetic packs of cotrain-cp have no reference "
+                          "policy; the KL penalty applies to the RL loop (`specco train`)")
+    if mesh is None:
+        _, dp, cp = check_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), "cotrain-cp")
+        mesh = Mesh.build(dp, cp, cfg.parallel.backend)
     device = mesh.device
     policy, draft = _build_models(cfg, device)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(policy)
     t = cfg.train
     opt = build_optimizer(policy, draft, t.lr, t.draft_lr)
-    step_cfg = StepConfig(draft_weight=t.draft_weight, ttt_passes=cfg.draft.ttt_passes,
-                          pass_decay=cfg.draft.pass_decay, clip_eps=t.clip_eps, kl_coef=t.kl_coef,
-                          policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
-                          loss_chunk=t.loss_chunk, amp_dtype=AMP_DTYPES[t.amp])
+    # The RL loop's step config (one builder). A pack is one row: draft_row_stride and micro_batch_rows
+    # act on rows, so here the draft trains on the whole pack and the pack is one micro-batch.
+    step_cfg = step_config(cfg, "cotrained")
     history = []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -94,11 +100,8 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
         packed, cu = synthetic_packed_batch(seq_lens, _SYNTH_VOCAB, seed=1000 * step + mesh.dp_rank, device=device)
         layout = ZigzagLayout(cu, mesh.cp, mesh.cp_rank)
         batch = shard_batch(packed, layout)
-        apply_cp(policy, mesh.cp_group, layout)
-        shift = functools.partial(cp_shift, group=mesh.cp_group, layout=layout)
-        n_tok = global_count(shift(batch.target_mask, 1), mesh.grad_group)
-        m = cotrain_step(policy, draft, batch, opt, None, step_cfg, grad_group=mesh.grad_group, shift=shift,
-                         attn=cp_attn(mesh.cp_group, layout), policy_token_count=n_tok)
+        m = cotrain_step(policy, draft, batch, opt, None, step_cfg, grad_group=mesh.grad_group,
+                         **step_fns(mesh.cp_group, layout))
         # The two losses are each rank's contribution to the global mean: report their sum.
         losses = torch.tensor([m.get("policy/loss", 0.0), m.get("draft/loss", 0.0)], dtype=torch.float64,
                               device=device)
@@ -114,7 +117,7 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
         m["time/step_s"] = time.perf_counter() - t0
         history.append(m)
         if mesh.rank == 0 and log is not None:
-            log(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in m.items()}))
+            log(json.dumps(m))  # full precision: runs compare number by number
     return history
 
 

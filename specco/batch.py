@@ -1,0 +1,87 @@
+"""The training batch: a leaf module (torch only), so `train/`, `parallel/` and `runner/` can all use it
+without importing each other.
+
+Two layouts share one type:
+
+* right-padded rows (B, S), one sequence per row (`cu_seqlens` None): the single-device default;
+* packed THD rows (B, T) whose sequences sit back to back with borders `cu_seqlens` (every row the same
+  borders; usually B = 1). Attention and the TTT shifts must then stay inside each sequence, so a packed
+  batch needs a packing-aware attention core and shift (`parallel.cp` provides them for any cp, 1
+  included); `train.cotrain.cotrain_step` refuses a packed batch without one.
+
+Index conventions (the trap: two are in use). Per-token fields (`target_mask`, per-token
+`advantages`, `draft_mask`) are indexed by the token j they describe. Log-prob fields (`logp_old`,
+`logp_ref`) are indexed like the logits that produce them: entry i is the log-prob of token i+1
+predicted at position i. That way a recompute needs only a *left* shift of the tokens, which the CP
+shift provides across ranks; a token-indexed log-prob would need a right shift.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    """One batch of sequences (prompt + completion).
+
+    tokens (B, S); target_mask (B, S): 1 where token j is trained on (a completion token);
+    advantages (B,) per sample, or (B, S) per token (indexed by token j: packed rows);
+    logp_old (B, S): log-prob of token i+1 at position i under the policy that sampled the batch
+    (None: on-policy, the step's own log-probs detached, ratio exactly 1 — one update per rollout);
+    logp_ref (B, S): the same under the frozen reference policy (KL term), or None;
+    positions (B, S): RoPE positions (None: 0..S-1; packed and CP batches pass per-sequence positions);
+    draft_mask (B, S): the draft's target mask if it differs from target_mask (a packed batch marks
+    there which sequences the draft trains on, see train.cotrain.draft_rows); None: target_mask;
+    cu_seqlens: sequence borders of a packed row (None: one sequence per row).
+    """
+    tokens: torch.Tensor
+    target_mask: torch.Tensor
+    advantages: torch.Tensor | None = None
+    logp_old: torch.Tensor | None = None
+    logp_ref: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    draft_mask: torch.Tensor | None = None
+    cu_seqlens: tuple[int, ...] | None = None
+
+    @property
+    def packed(self) -> bool:
+        """Several sequences in one row (attention must not cross their borders)."""
+        return self.cu_seqlens is not None and len(self.cu_seqlens) > 2
+
+    def rows(self, a: int, b: int) -> "TrainBatch":
+        """Rows a..b-1 of every per-row field."""
+        take = lambda t: t[a:b] if torch.is_tensor(t) else t  # noqa: E731
+        return TrainBatch(**{f.name: take(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+    def to(self, device) -> "TrainBatch":
+        move = lambda t: t.to(device) if torch.is_tensor(t) else t  # noqa: E731
+        return TrainBatch(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+
+def pack(batch: TrainBatch, lengths: list[int]) -> TrainBatch:
+    """Right-padded rows with true lengths `lengths` -> one packed row (1, sum(lengths)) with cu_seqlens.
+
+    Per-sample advantages (B,) become per-token (1, T) (constant within each sequence); log-prob fields
+    keep their convention (position i of a sequence -> position cu[b] + i of the pack); positions restart
+    at 0 in every sequence. Fields that are None stay None.
+    """
+    B = batch.tokens.shape[0]
+    if len(lengths) != B:
+        raise ValueError(f"pack: {len(lengths)} lengths for {B} rows")
+    cu = [0]
+    for L in lengths:
+        cu.append(cu[-1] + int(L))
+
+    def cat(x):
+        return None if x is None else torch.cat([x[b, :L] for b, L in enumerate(lengths)])[None]  # (1, T)
+
+    adv = batch.advantages
+    if adv is not None and adv.dim() == 1:
+        adv = adv[:, None].expand(B, batch.tokens.shape[1])  # (B, S): one value per sample
+    positions = torch.cat([torch.arange(L, device=batch.tokens.device) for L in lengths])[None]  # (1, T)
+    return TrainBatch(tokens=cat(batch.tokens), target_mask=cat(batch.target_mask), advantages=cat(adv),
+                      logp_old=cat(batch.logp_old), logp_ref=cat(batch.logp_ref), positions=positions,
+                      draft_mask=cat(batch.draft_mask), cu_seqlens=tuple(cu))

@@ -1,0 +1,84 @@
+"""Every configuration derived from the run config, built here and only here (DESIGN §7).
+
+    step_config(cfg, arm)              -> train.cotrain.StepConfig      (the co-training step)
+    generate_config(cfg, eos, pad)     -> rollout.generate.GenerateConfig (the rollout engine)
+    check_parallel(cfg, world, cmd)    -> the launch's (pp, dp, cp), or a ConfigError naming what to change
+
+Both derived configs are frozen dataclasses; their values come from the run config's one set of
+defaults (`specco/config.py`), so the RL loop, the warm start, the context-parallel command and
+`specco generate` cannot drift apart.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import RunConfig
+from ..model.config import ConfigError
+from ..rollout.generate import GenerateConfig
+from ..rollout.sampling import SamplingParams
+from ..train.cotrain import AMP_DTYPES, StepConfig
+
+__all__ = ["step_config", "generate_config", "at_temperature", "check_parallel"]
+
+
+def step_config(cfg: RunConfig, arm: str = "cotrained") -> StepConfig:
+    """The co-training step's config for `arm` ('none' and 'frozen' train no draft: lambda = 0)."""
+    t, d = cfg.train, cfg.draft
+    return StepConfig(draft_weight=t.draft_weight if arm == "cotrained" else 0.0,
+                      ttt_passes=d.ttt_passes, pass_decay=d.pass_decay, clip_eps=t.clip_eps,
+                      kl_coef=t.kl_coef, temperature=max(cfg.rollout.temperature, 1e-6),
+                      policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
+                      loss_chunk=t.loss_chunk, draft_row_stride=t.draft_row_stride,
+                      micro_batch_rows=t.micro_batch_rows, amp_dtype=AMP_DTYPES[t.amp])
+
+
+def generate_config(cfg: RunConfig, eos_id: int | None, pad_id: int) -> GenerateConfig:
+    """The rollout engine's config: sampling, k, length budget and compaction from `cfg.rollout`."""
+    r = cfg.rollout
+    return GenerateConfig(max_new_tokens=r.max_new_tokens,
+                          sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+                          num_draft_tokens=r.k, eos_token_id=eos_id, pad_token_id=pad_id,
+                          compact_below=r.compact_below)
+
+
+def at_temperature(gen_cfg: GenerateConfig, temperature: float) -> GenerateConfig:
+    """`gen_cfg` with only the sampling temperature changed (evaluations at T = 0 and the run's T)."""
+    return dataclasses.replace(gen_cfg, sampling=dataclasses.replace(gen_cfg.sampling, temperature=temperature))
+
+
+# What each command runs: the mesh dimensions it supports.
+_SUPPORTED = {"train": ("dp", "cp"), "cotrain-cp": ("dp", "cp")}
+
+
+def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[int, int, int]:
+    """Validate cfg.parallel against the launch (WORLD_SIZE = `world`) for `command`; return (pp, dp, cp).
+
+    Every refusal names the key and what to change: a dimension the command does not implement
+    (pipeline parallelism: not yet), sizes whose product is not the number of processes, prompts that
+    do not split into whole GRPO groups per data-parallel rank and PPO minibatch."""
+    p = cfg.parallel
+    for dim in ("pp", "dp", "cp"):
+        if getattr(p, dim) > 1 and dim not in _SUPPORTED[command]:
+            what = "pipeline parallelism is not implemented yet" if dim == "pp" else "not supported"
+            raise ConfigError(f"parallel.{dim}={getattr(p, dim)}: {what} in `specco {command}`; "
+                              f"set parallel.{dim}=1")
+    n = p.pp * p.dp * p.cp
+    if n != world:
+        if world == 1:
+            how = f"launch it with `torchrun --nproc-per-node {n} -m specco {command} ...` (or --nnodes x --nproc-per-node = {n})"
+        elif world % p.cp == 0:
+            how = f"set parallel.dp={world // p.cp}" + (f" (with parallel.cp={p.cp})" if p.cp > 1 else "")
+        else:
+            how = f"set parallel.dp x parallel.cp = {world}"
+        raise ConfigError(f"parallel.pp x parallel.dp x parallel.cp = {p.pp} x {p.dp} x {p.cp} = {n} but "
+                          f"{world} process(es) were launched (WORLD_SIZE): {how}")
+    if command == "train":
+        r, t = cfg.rollout, cfg.train
+        if r.prompts_per_step % p.dp:
+            raise ConfigError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by "
+                              f"parallel.dp={p.dp}: each rank rolls out whole prompt groups")
+        if (r.prompts_per_step // p.dp) % t.minibatches:
+            raise ConfigError(f"rollout.prompts_per_step / parallel.dp = {r.prompts_per_step // p.dp} prompts per "
+                              f"rank must be divisible by train.minibatches={t.minibatches}: every PPO minibatch "
+                              "holds whole prompt groups")
+    return p.pp, p.dp, p.cp

@@ -1,0 +1,175 @@
+"""Rollouts -> training batches: generation once per data-parallel group, rewards and advantages, and the
+batch layout each co-training step sees (right-padded rows on one device, zigzag THD packs under CP).
+
+    ro = collect_rollouts(...)          cp rank 0 of each DP group generates; its CP ranks receive a copy
+    mbs = minibatches(ro, ...)          PPO minibatches (whole prompt groups), each laid out once:
+                                        cp = 1 -> padded rows, default attention
+                                        cp > 1 -> one packed row, zigzag-sharded, CP shift / ring attention
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..batch import TrainBatch, pack
+from ..model.policy import Policy
+from ..model.ttt import shift_left
+from ..parallel.cp import shard_batch, step_fns
+from ..parallel.mesh import Mesh
+from ..parallel.zigzag import ZigzagLayout
+from ..train.cotrain import StepConfig, amp_context
+from ..train.losses import grpo_advantages, token_logprobs
+
+__all__ = ["Rollouts", "collect_rollouts", "Minibatch", "minibatches", "recompute_logprobs", "pad_pairs",
+           "rollout_pairs", "build_batch", "rank_slice", "engine_logprob_gap"]
+
+
+def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int):
+    """(prompt, completion) id lists -> right-padded tokens (B, S) and completion mask (B, S)."""
+    S = max(len(p) + len(c) for p, c in pairs)
+    tokens = torch.full((len(pairs), S), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(pairs), S)
+    for b, (p, c) in enumerate(pairs):
+        tokens[b, :len(p) + len(c)] = torch.tensor(p + c)
+        mask[b, len(p):len(p) + len(c)] = 1.0
+    return tokens, mask
+
+
+def rollout_pairs(prompts: list[list[int]], out) -> list[tuple[list[int], list[int]]]:
+    """(prompt, completion) per output row; row b*G+g holds sample g of prompt b."""
+    G = out.group_size
+    return [(prompts[r // G], out.tokens[r, :int(out.lengths[r])].tolist())
+            for r in range(out.tokens.shape[0])]
+
+
+def build_batch(pairs, pad_id: int, device) -> TrainBatch:
+    """Sequences prompt + completion (right-padded); target_mask marks completion tokens (EOS included)."""
+    tokens, mask = pad_pairs(pairs, pad_id)
+    return TrainBatch(tokens=tokens.to(device), target_mask=mask.to(device))
+
+
+def rank_slice(items: list, mesh: Mesh | None) -> list:
+    """This data-parallel rank's contiguous share of a step's prompts (all of them without DP)."""
+    if mesh is None or mesh.dp == 1:
+        return items
+    if len(items) % mesh.dp:
+        raise ValueError(f"rollout.prompts_per_step={len(items)} is not divisible by parallel.dp={mesh.dp}")
+    n = len(items) // mesh.dp
+    return items[mesh.dp_rank * n:(mesh.dp_rank + 1) * n]
+
+
+@dataclass
+class Rollouts:
+    """One DP group's rollouts of a step (on the host: they travel to the group's CP ranks as one object).
+
+    pairs: (prompt ids, completion ids) per row, row b*G+g = sample g of prompt b; advantages (N,);
+    engine_logprobs: per row, the engine's log-prob of each completion token; metrics: the rollout's."""
+    pairs: list[tuple[list[int], list[int]]]
+    group_size: int
+    advantages: torch.Tensor
+    engine_logprobs: list[list[float]]
+    metrics: dict = field(default_factory=dict)
+
+
+def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: Mesh | None) -> Rollouts:
+    """Generate, score and compute GRPO advantages for this DP rank's prompts — once per DP group: the
+    CP group's rank 0 generates (with the DP rank's sampler), the others receive the result through the
+    CP group (no file system, no second generation), so every CP rank trains on the same sequences."""
+    r = cfg.rollout
+    shared = mesh is not None and mesh.cp > 1
+    ro = None
+    if not shared or mesh.cp_rank == 0:
+        items = rank_slice(task.prompts(r.prompts_per_step, seed=cfg.train.seed, offset=data_offset), mesh)
+        prompts = [task.prompt_ids(it, tokenizer) for it in items]
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, group_size=r.group_size, generator=gen)
+        t_roll = time.perf_counter() - t0
+        N = out.tokens.shape[0]
+        texts = [tokenizer.decode(out.tokens[i, :int(out.lengths[i])]) for i in range(N)]
+        rewards = torch.tensor([task.score(t, items[i // r.group_size]) for i, t in enumerate(texts)])
+        n_tok = int(out.lengths.sum())
+        m = {"reward": rewards.mean().item(), "accuracy": (rewards == 1.0).float().mean().item(),
+             "tau": out.tau, "completion_len": n_tok / N, "tokens_per_s": n_tok / t_roll, "time/rollout": t_roll,
+             "target_forwards": out.num_target_forwards}
+        for j, a in enumerate(out.accept_rate.tolist()):
+            m[f"accept/pos{j + 1}"] = a
+        ro = Rollouts(rollout_pairs(prompts, out), r.group_size, grpo_advantages(rewards, r.group_size),
+                      [out.logprobs[i, :int(out.lengths[i])].float().cpu().tolist() for i in range(N)], m)
+    if shared:
+        box = [ro]
+        dist.broadcast_object_list(box, group=mesh.cp_group, group_src=0)
+        ro = box[0]
+    return ro
+
+
+@torch.no_grad()
+def recompute_logprobs(policy: Policy, tokens: torch.Tensor, cfg: StepConfig, positions=None,
+                       shift=shift_left, attn_core=None) -> torch.Tensor:
+    """log p(token i+1) at position i by the training policy (indexed like the logits, batch.py). Under
+    the train step's own precision (cfg.amp_dtype) and layout (`shift`, `attn_core`: the CP ones on a
+    zigzag shard), so the PPO ratio of an unchanged policy is exactly 1."""
+    with amp_context(cfg, tokens):
+        return token_logprobs(policy(tokens, positions, attn_core=attn_core).logits, shift(tokens, 1), cfg.temperature)
+
+
+@dataclass
+class Minibatch:
+    """One PPO minibatch as this rank's co-training step sees it: the (local) batch and the step's
+    layout-specific arguments (`cotrain_step(**fns)`: shift, attn, attn_core; {} = single-device rows)."""
+    batch: TrainBatch
+    fns: dict
+    rows: list[int]  # the Rollouts rows it holds, in order
+
+    def logprobs(self, policy: Policy, cfg: StepConfig) -> torch.Tensor:
+        return recompute_logprobs(policy, self.batch.tokens, cfg, self.batch.positions, self.fns.get("shift", shift_left),
+                                  self.fns.get("attn_core"))
+
+
+def _layout(batch: TrainBatch, lengths: list[int], rows_of: list[int], cfg: StepConfig, mesh: Mesh | None
+            ) -> Minibatch:
+    """Padded rows (cp = 1) or this CP rank's zigzag shard of one packed row (cp > 1).
+
+    In the pack the draft's rows (every draft_row_stride-th sequence) are marked in draft_mask, so the
+    draft's loss, counts and metrics are those of the padded layout's row stride."""
+    if mesh is None or mesh.cp == 1:
+        return Minibatch(batch, {}, rows_of)
+    rows = torch.zeros(batch.tokens.shape[0], 1, device=batch.target_mask.device, dtype=batch.target_mask.dtype)
+    rows[::cfg.draft_row_stride] = 1
+    packed = pack(TrainBatch(**{**vars(batch), "draft_mask": batch.target_mask * rows}), lengths)
+    layout = ZigzagLayout(packed.cu_seqlens, mesh.cp, mesh.cp_rank)
+    return Minibatch(shard_batch(packed, layout), step_fns(mesh.cp_group, layout), rows_of)
+
+
+def minibatches(ro: Rollouts, n: int, cfg: StepConfig, pad_id: int, device, mesh: Mesh | None) -> list[Minibatch]:
+    """The rollouts split into `n` PPO minibatches of whole prompt groups, interleaved (minibatch j holds
+    this rank's groups g with g % n == j). Interleaving makes the split independent of data parallelism:
+    DP ranks hold contiguous slices of whole groups, and with (groups per rank) % n == 0 the union of the
+    ranks' minibatch j is the single process's minibatch j."""
+    G = ro.group_size
+    n_groups = len(ro.pairs) // G
+    if n_groups % n:
+        raise ValueError(f"{n_groups} prompt groups per rank do not split into train.minibatches={n}")
+    out = []
+    for j in range(n):
+        rows = [g * G + i for g in range(j, n_groups, n) for i in range(G)]
+        pairs = [ro.pairs[r] for r in rows]
+        batch = build_batch(pairs, pad_id, device)
+        batch.advantages = ro.advantages[rows].to(device)
+        out.append(_layout(batch, [len(p) + len(c) for p, c in pairs], rows, cfg, mesh))
+    return out
+
+
+def engine_logprob_gap(ro: Rollouts, mb: Minibatch) -> float:
+    """max |engine log-prob - trainer log-prob| over the completion tokens of a padded-rows minibatch
+    whose logp_old was recomputed (a check of the rollout engine's numerics against the trainer's)."""
+    lp = mb.batch.logp_old
+    gap = 0.0
+    for b, r in enumerate(mb.rows):
+        p, c = ro.pairs[r]
+        if c:  # completion token j sits at p + j and is predicted at p + j - 1
+            eng = torch.tensor(ro.engine_logprobs[r], dtype=lp.dtype, device=lp.device)
+            gap = max(gap, (eng - lp[b, len(p) - 1:len(p) - 1 + len(c)]).abs().max().item())
+    return gap
