@@ -80,8 +80,14 @@ class RolloutSpec:
     # Live-row compaction: once live rows are <= this fraction of the batch, decode on with just them
     # (rollout/compaction.py; outputs unchanged). 0 disables.
     compact_below: float = 0.25
+    # Speculation control (rollout/control.py): k chosen per call and compaction level in 0..k from
+    # costs measured on the engine's CUDA graphs and the live acceptance. "auto": on with CUDA graphs
+    # (GPU), off on CPU, where the demo reports τ at fixed k; "on" / "off" force it.
+    spec_control: str = "auto"
 
     def __post_init__(self):
+        _check(self.spec_control in ("auto", "on", "off"),
+               f"rollout.spec_control={self.spec_control!r}: must be 'auto', 'on' or 'off'")
         _check(self.k >= 1, f"rollout.k={self.k}: the draft must propose at least 1 token (k >= 1)")
         _check(self.temperature >= 0, f"rollout.temperature={self.temperature}: must be >= 0")
         _check(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")

@@ -53,7 +53,7 @@ class GenerateConfig:
     num_draft_tokens: int = 4  # k_max, draft tokens proposed per round at most (speculative only)
     # Speculation control (control.py): choose k in 0..k_max per call and per compaction level from
     # costs the runner measures on its graphs and the live acceptance. None: on iff CUDA graphs are
-    # (eager CPU timings are too noisy to act on, and the CPU demo reports τ at fixed k).
+    # (eager CPU timings are noisy, and the CPU demo reports τ at fixed k); True forces it anywhere.
     spec_control: bool | None = None
     eos_token_id: int | None = None  # None: rows stop only at max_new_tokens
     pad_token_id: int = 0  # fills tokens past each row's length
@@ -183,9 +183,6 @@ class DecodeRunner:
         self.use_graphs, _ = execution_modes(cfg, self.device)  # (bucketing: runner_shape)
         self.k = cfg.num_draft_tokens if draft is not None else 0  # k_max
         control = self.use_graphs if cfg.spec_control is None else cfg.spec_control
-        if control and draft is not None and not self.use_graphs:
-            raise ValueError("spec_control=True needs CUDA graphs (it times the captured steps); "
-                             "leave it None or False on CPU")
         self.controller = (controller or SpecController(self.k)) if control and draft is not None else None
         self.shape: RunnerShape | None = None
         self.io: PromptBuffers | None = None
