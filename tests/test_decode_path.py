@@ -13,7 +13,7 @@ import torch
 from specco.model.config import DraftConfig, PolicyConfig
 from specco.model.draft import Eagle3Draft
 from specco.model.policy import Policy
-from specco.ops.decode_attention import decode_attention, decode_attention_reference, split_plan
+from specco.ops.decode_attention import decode_attention, split_plan
 from specco.ops.decode_kernels import add_rms_norm, rope_qkv_write, silu_mul
 from specco.rollout.control import SpecController
 from specco.rollout.forward import RopeTable, draft_step, policy_forward
