@@ -116,3 +116,25 @@ def test_full_disk_says_so_and_leaves_no_temporary(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match="no space left"):
         save_checkpoint(tmp_path, 1, _state())
     assert os.listdir(tmp_path) == []
+
+
+def test_rl_loop_resumes_from_previous_checkpoint_when_newest_is_truncated(tmp_path, capsys):
+    """A 6-step arm killed after step 4 whose step-4 checkpoint is then truncated resumes from step 2,
+    saying so, and ends where the uninterrupted run ends."""
+    from test_grpo import DigitTask, _cfg, _setup
+
+    from specco.runner.rl import run_arm
+    tok, policy = _setup()
+    cfg = _cfg(tmp_path, "train.steps=6")
+    straight = run_arm(cfg, "none", policy, None, DigitTask(), tok, tmp_path / "a", progress=False)
+    run_arm(cfg, "none", policy, None, DigitTask(), tok, tmp_path / "b", progress=False, stop_after=4)
+    f = tmp_path / "b" / "ckpt" / "step_000004" / "tensors.safetensors"
+    f.write_bytes(f.read_bytes()[:100])
+    rest = run_arm(cfg, "none", policy, None, DigitTask(), tok, tmp_path / "b", progress=False)
+    err = capsys.readouterr().err
+    assert "previous intact checkpoint" in err and str(f) in err
+    assert [r["step"] for r in rest] == [3, 4, 5, 6]
+    assert [r["reward"] for r in rest] == [r["reward"] for r in straight[2:]]
+    a = load_checkpoint(latest_checkpoint(tmp_path / "a" / "ckpt"), restore_rng=False)
+    b = load_checkpoint(latest_checkpoint(tmp_path / "b" / "ckpt"), restore_rng=False)
+    assert all(torch.equal(a["policy"][k], b["policy"][k]) for k in a["policy"])

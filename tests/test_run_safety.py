@@ -193,3 +193,13 @@ def test_nonfinite_skip_drops_the_update(tmp_path, monkeypatch):
                    tok, tmp_path, progress=False, state_out=out)
     assert [r["nonfinite_skipped"] for r in rows] == [0, 1, 0]
     assert all(bool(p.isfinite().all()) for p in out["state"].policy.parameters())
+
+
+def test_cli_refuses_a_changed_config_with_status_2(tmp_path, capsys):
+    from specco.cli import main
+    from specco.runner.stages import record_config
+    out = tmp_path / "run"
+    record_config(out, load_config(None, [*TINY, f"out_dir={out}"]))
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--quiet", "--out", str(out), *TINY, "train.steps=3"])
+    assert e.value.code == 2 and "train.steps: 2 -> 3" in capsys.readouterr().err

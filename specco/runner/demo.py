@@ -30,6 +30,7 @@ from .derive import at_temperature, check_parallel, generate_config, step_config
 from .rl import run_arm
 from .stages import RunLock, commit_dir, load_stage, record_config, remove_stale_temporaries, seed_stage
 from ..faults import point
+from ..train.nonfinite import check_finite
 from .warmstart import initial_draft, measure_tau, sample_pool, warm_start
 
 # Pretrained policies' SFT reads task stream `seed + PRETRAINED_SFT_STREAM`, disjoint from the RL
@@ -82,6 +83,8 @@ def prepare_policy(cfg: RunConfig, out: Path, device, progress=True):
         _say(f"[1/4] loaded policy {src_dir} ({policy.cfg.num_params / 1e6:.1f}M parameters)", progress)
         metrics = format_sft(cfg, policy, tok, progress) if cfg.train.sft_steps else {}
     policy = policy.to(dtype)
+    check_finite(f"SFT ({cfg.train.sft_steps} steps)", {"sft/final_loss": metrics.get("sft_final_loss", 0.0)},
+                 modules=(policy,))
     with commit_dir(pol_dir) as tmp:
         save_policy(policy, tmp)
         point("sft_policy/model")
@@ -163,6 +166,9 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
     hist = warm_start(policy, draft, tokens, mask, cfg.train.warm_start_steps, cfg.train.warm_start_lr,
                       batch_size=cfg.train.warm_start_batch, scfg=scfg, seed=cfg.train.seed,
                       progress=progress)
+    for i, h in enumerate(hist):
+        check_finite(f"draft warm start step {i + 1}", h, ("draft/loss", "draft/grad_norm"))
+    check_finite("draft warm start", modules=(draft,))
     last = hist[-min(10, len(hist)):] if hist else []
     sim = sum(h["draft/sim_accept_len"] for h in last) / max(1, len(last))
     real = {f"T={T}": measure_tau(policy, draft, task, tok, min(64, cfg.train.warm_start_prompts),

@@ -163,6 +163,7 @@ def record_config(out: Path, cfg: RunConfig, force_new: bool = False) -> None:
                 shutil.rmtree(p)
             elif p.exists():
                 p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
     tmp = out / "config.json.tmp"
     tmp.write_text(json.dumps(new, indent=1))
     os.replace(tmp, f)
