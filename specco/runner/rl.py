@@ -47,12 +47,14 @@ from ..model.policy import Policy
 from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
 from ..train.activation_checkpointing import apply_activation_checkpointing
-from ..train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from ..train.checkpoint import load_latest, remove_stale_temporaries, save_checkpoint, set_rng_state
 from ..train.cotrain import (StepConfig, amp_context, build_optimizer, build_scheduler, cotrain_step, draft_loss,
                              step_counts)
+from ..train.nonfinite import NonFiniteError, check_finite
 from ..train.losses import all_reduce_sums, metrics_to_floats
 from .derive import generate_config, step_config
 from .report import MetricsLog
+from .stages import seed_stage
 from .rollouts import Rollouts, collect_rollouts, engine_logprob_gap, minibatches
 
 ARMS = ("none", "frozen", "cotrained")
@@ -97,7 +99,8 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None
     policy = copy.deepcopy(policy).train()
     draft = copy.deepcopy(draft) if (draft is not None and arm != "none") else None
     eng_draft = copy.deepcopy(draft) if draft is not None else None
-    engine = RolloutEngine(copy.deepcopy(policy).eval(), eng_draft, gen_cfg)
+    engine = RolloutEngine(copy.deepcopy(policy).eval(), eng_draft, gen_cfg,
+                           cache_runners=cfg.rollout.cache_runners)
     if cfg.train.activation_checkpointing:  # the trainer's copy only: the engine's never runs a backward
         apply_activation_checkpointing(policy)
     opt = build_optimizer(policy, draft if arm == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
@@ -112,6 +115,8 @@ def _distributed(mesh: Mesh | None) -> bool:
     return mesh is not None and mesh.dp * mesh.cp > 1
 
 
+# checked after every update: a non-finite one stops the run (or is skipped, train.on_nonfinite)
+_CHECKED = ("policy/loss", "draft/loss", "policy/grad_norm", "draft/grad_norm")
 _SUM_ALL_KEYS = ("policy/loss", "draft/loss")  # each rank's share of the global mean
 _SUM_DP_KEYS = ("tokens_per_s",)
 _MAX_KEYS = ("logprob_gap_engine_vs_trainer",)
@@ -155,8 +160,26 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     t0 = time.perf_counter()
     train_draft = st.draft if st.arm == "cotrained" else None
     group = mesh.grad_group if _distributed(mesh) else None
+    # on_nonfinite=skip: a copy to go back to (memory: one more copy of the weights and AdamW state)
+    snap = copy.deepcopy((st.policy.state_dict(), train_draft and train_draft.state_dict(), st.opt.state_dict())
+                         ) if t.on_nonfinite == "skip" else None
     hist = [cotrain_step(st.policy, train_draft, mb.batch, st.opt, None, scfg, grad_group=group, **mb.fns)
             for _ in range(t.ppo_epochs) for mb in mbs]
+    try:
+        for i, h in enumerate(hist):
+            check_finite(f"RL step {st.step + 1} of arm {st.arm} (update {i + 1} of {len(hist)})", h, _CHECKED)
+        check_finite(f"RL step {st.step + 1} of arm {st.arm}", modules=(st.policy, train_draft))
+        m["nonfinite_skipped"] = 0
+    except NonFiniteError as e:
+        if snap is None:
+            raise
+        # every rank sees the same reduced numbers, so every rank skips (the weights stay in sync)
+        print(f"specco: skipping the update: {e}", flush=True)
+        st.policy.load_state_dict(snap[0])
+        if train_draft is not None:
+            train_draft.load_state_dict(snap[1])
+        st.opt.load_state_dict(snap[2])
+        m["nonfinite_skipped"] = 1
     st.sched.step()  # the LR schedule counts RL steps, however many updates each has
     m["time/train"] = time.perf_counter() - t0
     for k in hist[0]:  # means over the updates (one update: its own values)
@@ -201,13 +224,12 @@ def _load_latest(root: Path, st: ArmState, mesh: Mesh | None) -> dict | None:
     """The newest checkpoint under `root`, or None. Distributed: rank 0 reads it and sends it to every
     rank through the process group (the other ranks need no access to rank 0's file system)."""
     if not _distributed(mesh):
-        ck = latest_checkpoint(root)
-        return load_checkpoint(ck, generators={"gen": st.gen}) if ck is not None else None
+        found = load_latest(root, generators={"gen": st.gen})
+        return found and {**found[1], "path": str(found[0])}
     box = [None]
     if mesh.rank == 0:
-        ck = latest_checkpoint(root)
-        box = [load_checkpoint(ck, restore_rng=False) if ck is not None else None]
-        box[0] = box[0] and {**box[0], "path": str(ck)}
+        found = load_latest(root, restore_rng=False)
+        box = [found and {**found[1], "path": str(found[0])}]
     dist.broadcast_object_list(box, group=mesh.grad_group, group_src=0)
     s = box[0]
     if s is not None:
@@ -247,8 +269,11 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None,
     """
     out_dir = Path(out_dir)
     rank = mesh.rank if mesh is not None else 0
+    seed_stage(cfg.train.seed, f"rl/{arm}")  # a fresh arm starts from its own RNG state; a resumed one restores it
     st = make_arm(cfg, arm, policy, draft, generate_config(cfg, tokenizer.eos_id, tokenizer.pad_id),
                   rank=mesh.dp_rank if mesh is not None else 0)
+    if rank == 0:  # crashed writes' leftovers (the run lock, runner/stages.py, excludes a live writer)
+        remove_stale_temporaries(out_dir / "ckpt")
     s = _load_latest(out_dir / "ckpt", st, mesh) if resume else None
     if s is not None:
         _restore(st, s, mesh)
