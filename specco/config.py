@@ -180,6 +180,9 @@ class TrainSpec:
     # A NaN/inf loss, gradient norm or weight: "stop" the run with an error naming the step and the
     # quantity, or "skip" that RL step's update (keeps a copy of the weights and AdamW state to go back to).
     on_nonfinite: str = "stop"
+    # The refit guard (runner/refit_guard.py): after every refit the engine's weights must equal the
+    # trainer's (fingerprints), and a collapse of the draft's acceptance is an error naming the step.
+    refit_guard: bool = True
 
     def __post_init__(self):
         _check_finite(self, "train")

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
+from .refit_guard import MIN_TRIES, check_acceptance
 from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.checkpoint import load_latest, remove_stale_temporaries, save_checkpoint, set_rng_state
 from ..train.cotrain import (StepConfig, amp_context, build_optimizer, build_scheduler, cotrain_step, draft_loss,
@@ -89,6 +90,7 @@ class ArmState:
     ref: Policy | None = None  # frozen reference policy (train.kl_coef > 0): the arm's starting policy
     step: int = 0
     data_offset: int = 0
+    accept_history: list = field(default_factory=list)  # first-position acceptance per step (refit guard)
 
 
 def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, gen_cfg, rank: int = 0) -> ArmState:
@@ -204,7 +206,18 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
     m["time/refit"] = time.perf_counter() - t0
     st.step += 1
     st.data_offset += cfg.rollout.prompts_per_step
-    return _reduce_metrics(m, mesh)
+    m = _reduce_metrics(m, mesh)
+    if cfg.train.refit_guard:  # runner/refit_guard.py; on reduced metrics, so every rank decides alike
+        t0 = time.perf_counter()
+        st.engine.check_weights(st.policy.state_dict(), st.draft.state_dict() if st.draft is not None else None,
+                                step=st.step)
+        proposed = int(m.get("rollout/proposed", 0))
+        if st.arm != "none" and proposed:
+            check_acceptance(st.accept_history, m["accept/pos1"], proposed, st.step)
+            if proposed >= MIN_TRIES:
+                st.accept_history.append(m["accept/pos1"])
+        m["time/refit_guard"] = time.perf_counter() - t0
+    return m
 
 
 def _ckpt_state(st: ArmState, mesh: Mesh | None = None) -> dict:
