@@ -108,7 +108,7 @@ class RolloutEngine:
         if storage != self._storage:  # parameters were replaced, not updated in place
             self._runners.clear()
             self._storage = storage
-        key = (cfg, runner_shape(cfg, self.device, self.draft is not None, ids.shape[0], ids.shape[1], group_size))
+        key = (cfg, runner_shape(cfg, self.device, self.draft, ids.shape[0], ids.shape[1], group_size))
         runner = self._runners.get(key)
         if runner is None:
             runner = self._runners[key] = DecodeRunner(self.policy, cfg, self.draft, controller=controller)
