@@ -18,7 +18,6 @@ import torch.distributed as dist
 from ..config import RunConfig, config_to_dict
 from ..data.tasks import get_task
 from ..data.tokenizer import build_char_tokenizer, load_tokenizer
-from ..model.draft import Eagle3Draft
 from ..model.hf_io import load_policy, save_policy
 from ..model.policy import Policy
 from ..parallel.mesh import Mesh
@@ -28,7 +27,7 @@ from ..train.sft import evaluate, sft, tiny_policy_config
 from .report import markdown_table, plot_arms, read_jsonl
 from .derive import at_temperature, check_parallel, generate_config, step_config
 from .rl import run_arm
-from .warmstart import initial_draft, measure_tau, sample_pool, warm_start
+from .warmstart import initial_draft, load_draft_dir, measure_tau, sample_pool, warm_start
 
 # Pretrained policies' SFT reads task stream `seed + PRETRAINED_SFT_STREAM`, disjoint from the RL
 # prompts (stream `seed`), the warm-start pool (+1000), the tau probe (+2000) and evaluation (1):
@@ -142,13 +141,13 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
     d_dir = out / "warm_draft"
     if (d_dir / "draft_config.json").exists():
         dev = next(policy.parameters()).device
-        return Eagle3Draft.load(d_dir, device=dev), json.loads((d_dir / "warm_metrics.json").read_text())
+        return load_draft_dir(d_dir, device=dev), json.loads((d_dir / "warm_metrics.json").read_text())
     gcfg = generate_config(cfg, tok.eos_id, tok.pad_id)
     t = time.perf_counter()
     tokens, mask = sample_pool(policy, task, tok, n_prompts=cfg.train.warm_start_prompts, group=4, gen_cfg=gcfg,
                                seed=cfg.train.seed + 1000)
-    draft = initial_draft(policy, tokens, cfg.draft)  # new, or imported from draft.init
-    _say(f"[2/4] draft warm start: {cfg.train.warm_start_steps} offline steps x "
+    draft = initial_draft(policy, tokens, cfg.draft, gamma=cfg.rollout.k, mask_fallback=tok.pad_id)  # new, or imported from draft.init
+    _say(f"[2/4] {cfg.draft.kind} draft warm start: {cfg.train.warm_start_steps} offline steps x "
          f"{cfg.train.warm_start_batch} rows on {tokens.shape[0]} policy samples, draft vocab "
          f"{draft.cfg.draft_vocab_size}/{draft.cfg.target_vocab_size}", progress)
     scfg: StepConfig = step_config(cfg, "cotrained")
