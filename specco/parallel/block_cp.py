@@ -33,7 +33,6 @@ import torch.distributed as dist
 from ..ops.attention import autocast_inputs, merge_lse
 from ..ops.block_attention import block_part_bwd, block_part_fwd, trunk_prefix_bwd, trunk_prefix_fwd
 from ..ops.sdpa_adapter import lse_dtype
-from ..train.block_losses import BlockPlan, local_plan
 from .comm import RingComm
 from .zigzag import ZigzagLayout
 
@@ -58,8 +57,11 @@ class BlockCP:
             dist.all_gather(parts, x.contiguous(), group=self.group)
         return lay.unshard(parts, dim=1)
 
-    def plan(self, tokens: torch.Tensor, target_mask: torch.Tensor, num_anchors: int, gamma: int) -> BlockPlan:
+    def plan(self, tokens: torch.Tensor, target_mask: torch.Tensor, num_anchors: int, gamma: int, *, local):
         """This rank's blocks: per sequence, the single-process anchors of that sequence that fall here.
+
+        `local` is the single-process plan (train.block_losses.local_plan, passed in by the step: parallel/
+        never imports train/); the result is of its type (a BlockPlan).
 
         Blocks are grouped by sequence (the ring attends each group to its own sequence's keys only); rows
         of B with fewer blocks of a sequence here are padded with invalid blocks (valid = 0, anchor = a token
@@ -73,11 +75,12 @@ class BlockCP:
         for (a, b), s, c in zip(zip(cu, cu[1:]), lay.local_cu_seqlens, lay.chunks):
             if b == a:
                 continue
-            pl = local_plan(toks[:, a:b], mask[:, a:b], num_anchors, gamma)
+            pl = local(toks[:, a:b], mask[:, a:b], num_anchors, gamma)
+            plan_cls = type(pl)
             p = pl.anchors  # (B, N) positions within the sequence
             k = p // c  # zigzag chunk of the anchor: on rank k (front) or 2cp-1-k (back)
             owner = torch.where(k < cp, k, 2 * cp - 1 - k)
-            local = s + torch.where(k < cp, 0, c) + p - k * c  # its local token index on the owner
+            loc = s + torch.where(k < cp, 0, c) + p - k * c  # its local token index on the owner
             mine = owner == r
             m = int(mine.sum(1).max())
             if m == 0:
@@ -85,7 +88,7 @@ class BlockCP:
             order = (~mine).long().argsort(dim=1, stable=True)[:, :m]  # (B, m): this rank's blocks first, in order
             keep = mine.gather(1, order)
             g3 = order[..., None].expand(-1, -1, gamma)
-            parts.append((torch.where(keep, local.gather(1, order), torch.full_like(order, s)),
+            parts.append((torch.where(keep, loc.gather(1, order), torch.full_like(order, s)),
                           pl.valid.gather(1, g3) * keep[..., None], pl.labels.gather(1, g3), pl.prev.gather(1, g3)))
             ranges.append((n, n + m, s, c))
             n += m
@@ -106,7 +109,7 @@ class BlockCP:
             return torch.stack([cp_shift(logits, j, self.group, lay).gather(1, idx) for j in range(gamma)], dim=2)
 
         attn = functools.partial(ring_block_attention, group=self.group, layout=lay, ranges=tuple(ranges))
-        return BlockPlan(anchors, valid.float() if not valid.is_floating_point() else valid, labels, prev,
+        return plan_cls(anchors, valid.float() if not valid.is_floating_point() else valid, labels, prev,
                          teacher, attn)
 
 

@@ -20,6 +20,7 @@ not decay with the policy's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -208,7 +209,8 @@ def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig, deno
 
 
 def _block_plan(block) -> Callable:
-    return local_plan if block is None else block.plan
+    """The plan function of block_losses: `local_plan`, or BlockCP's, which builds on it per sequence."""
+    return local_plan if block is None else functools.partial(block.plan, local=local_plan)
 
 
 def block_loss(draft: BlockDraft, policy: Policy, out, batch: TrainBatch, cfg: StepConfig,
