@@ -71,12 +71,12 @@ def test_policy_grads_identical_for_any_lambda(kind):
             assert torch.equal(a, b)
 
 
-def test_runner_refuses_block_kind_until_wired():
-    """draft.kind is validated by the config and refused (not ignored) by the runner until part 5 lands."""
+def test_draft_kind_validated_and_block_draft_needs_gamma():
+    """draft.kind is validated by the config; a new block drafter needs its γ (rollout.k) from the runner."""
     from specco.config import DraftSpec
     from specco.runner.warmstart import initial_draft
     with pytest.raises(ValueError):
         DraftSpec(kind="medusa")
     policy, _ = _models("dflash")
-    with pytest.raises(NotImplementedError, match="draft.kind='dflash'"):
+    with pytest.raises(ValueError, match="gamma"):
         initial_draft(policy, torch.zeros(2, 3, dtype=torch.long), DraftSpec(kind="dflash"))

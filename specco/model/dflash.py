@@ -19,8 +19,12 @@ is an argument (`attn`, default the exact `block_attention`), so context paralle
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +77,22 @@ class BlockDraftConfig:
     @property
     def first_predicting_slot(self) -> int:
         return 1 if self.kind == "dflash" else 0
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Block drafters predict over the policy's whole head (they own none), unlike EAGLE-3's reduced one."""
+        return self.target_vocab_size
+
+    def to_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BlockDraftConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(f"unknown block draft config keys {unknown}")
+        return cls(**d)
 
     @classmethod
     def for_policy(cls, pc: PolicyConfig, kind: str, gamma: int, mask_id: int, num_layers: int = 1,
@@ -134,6 +154,37 @@ class BlockDraft(nn.Module):
     @property
     def kind(self) -> str:
         return self.cfg.kind
+
+    ARCHITECTURE = "specco.BlockDraft"  # draft_config.json's "architecture": what load_draft_dir dispatches on
+
+    def save(self, path: str | os.PathLike) -> None:
+        """path/model.safetensors (the state dict's keys) + path/draft_config.json, each written atomically
+        (a temporary file, then os.replace), like Eagle3Draft.save."""
+        from safetensors.torch import save_file
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}  # clone: fused views
+        tmp = path / "model.safetensors.tmp"
+        save_file(sd, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, path / "model.safetensors")
+        tmp = path / "draft_config.json.tmp"
+        tmp.write_text(json.dumps({"architecture": self.ARCHITECTURE, **self.cfg.to_dict()}, indent=2))
+        os.replace(tmp, path / "draft_config.json")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device="cpu", dtype=torch.float32) -> "BlockDraft":
+        from safetensors.torch import load_file
+        path = Path(path)
+        f = path / "draft_config.json"
+        if not f.exists():
+            raise FileNotFoundError(f"{f} not found: not a specco draft directory")
+        d = json.loads(f.read_text())
+        arch = d.pop("architecture", None)
+        if arch != cls.ARCHITECTURE:
+            raise ConfigError(f"{f} holds a {arch!r} draft, not a {cls.ARCHITECTURE!r} one")
+        model = cls(BlockDraftConfig.from_dict(d))
+        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
+        return model.to(device=device, dtype=dtype)
 
     def block_positions(self, positions: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """positions (B, S) absolute, anchors (B, N) indices -> (B, N, W) absolute slot positions p_n + w."""

@@ -3,7 +3,8 @@
     layout = ZigzagLayout(cu_seqlens, cp, cp_rank)          # per packed batch
     batch = shard_batch(packed_batch, layout)               # tokens, masks, logps, positions -> local
     cotrain_step(policy, draft, batch, ..., grad_group=dp×cp group,
-                 **step_fns(cp_group, layout))              # shift, TTT attention, policy attention core
+                 **step_fns(cp_group, layout))              # shift, TTT attention, policy attention core,
+                                                            # block drafters' plan (block_cp.py)
 
 The model files stay distributed-free and nothing is patched onto them: the policy's forward gets an
 attention core (`attn_core`), TTT gets a shift and an attention, the losses get global counts (the
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..batch import TrainBatch
+from .block_cp import BlockCP
 from .ring_attention import ring_causal_attention, ring_ttt_attention
 from .zigzag import ZigzagLayout
 
@@ -39,9 +41,10 @@ def cp_attn(group, layout: ZigzagLayout):
 
 def step_fns(group, layout: ZigzagLayout) -> dict:
     """The keyword arguments of `cotrain_step` (and of the policy forward's `attn_core`) for a packed batch
-    with `layout` on `group` (the CP group; None when layout.cp == 1)."""
+    with `layout` on `group` (the CP group; None when layout.cp == 1). `block`: a block drafter's anchors,
+    teacher gather and ring block attention (block_cp.py), unused by an EAGLE-3 draft."""
     return {"shift": functools.partial(cp_shift, group=group, layout=layout), "attn": cp_attn(group, layout),
-            "attn_core": cp_core(group, layout)}
+            "attn_core": cp_core(group, layout), "block": BlockCP(group, layout)}
 
 
 # --------------------------------------------------------------------------------------------------

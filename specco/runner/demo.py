@@ -18,7 +18,6 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..data.tasks import get_task
 from ..data.tokenizer import build_char_tokenizer, load_tokenizer
-from ..model.draft import Eagle3Draft
 from ..model.hf_io import load_policy, save_policy
 from ..model.policy import Policy
 from ..parallel.mesh import Mesh
@@ -31,7 +30,7 @@ from .rl import run_arm
 from .stages import RunLock, commit_dir, load_stage, record_config, remove_stale_temporaries, seed_stage
 from ..faults import point
 from ..train.nonfinite import check_finite
-from .warmstart import initial_draft, measure_tau, sample_pool, warm_start
+from .warmstart import initial_draft, load_draft_dir, measure_tau, sample_pool, warm_start
 
 # Pretrained policies' SFT reads task stream `seed + PRETRAINED_SFT_STREAM`, disjoint from the RL
 # prompts (stream `seed`), the warm-start pool (+1000), the tau probe (+2000) and evaluation (1):
@@ -150,7 +149,7 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
     d_dir = out / "warm_draft"
     if d_dir.is_dir():  # committed whole (stages.commit_dir): done
         dev = next(policy.parameters()).device
-        return load_stage(d_dir, lambda: (Eagle3Draft.load(d_dir, device=dev),
+        return load_stage(d_dir, lambda: (load_draft_dir(d_dir, device=dev),
                                           json.loads((d_dir / "warm_metrics.json").read_text())))
     point("warm_draft/start")
     gcfg = generate_config(cfg, tok.eos_id, tok.pad_id)
@@ -158,8 +157,8 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
     tokens, mask = sample_pool(policy, task, tok, n_prompts=cfg.train.warm_start_prompts, group=4, gen_cfg=gcfg,
                                seed=cfg.train.seed + 1000)
     seed_stage(cfg.train.seed, "warm_draft")  # the new draft's init draws from the global RNG
-    draft = initial_draft(policy, tokens, cfg.draft)  # new, or imported from draft.init
-    _say(f"[2/4] draft warm start: {cfg.train.warm_start_steps} offline steps x "
+    draft = initial_draft(policy, tokens, cfg.draft, gamma=cfg.rollout.k, mask_fallback=tok.pad_id)  # new, or imported from draft.init
+    _say(f"[2/4] {cfg.draft.kind} draft warm start: {cfg.train.warm_start_steps} offline steps x "
          f"{cfg.train.warm_start_batch} rows on {tokens.shape[0]} policy samples, draft vocab "
          f"{draft.cfg.draft_vocab_size}/{draft.cfg.target_vocab_size}", progress)
     scfg: StepConfig = step_config(cfg, "cotrained")

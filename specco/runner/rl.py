@@ -42,15 +42,17 @@ from tqdm.auto import tqdm
 
 from ..batch import TrainBatch
 from ..config import RunConfig
+from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
+from ..model.ttt import shift_left
 from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
 from .refit_guard import MIN_TRIES, check_acceptance
 from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.checkpoint import load_latest, remove_stale_temporaries, save_checkpoint, set_rng_state
-from ..train.cotrain import (StepConfig, amp_context, build_optimizer, build_scheduler, cotrain_step, draft_loss,
-                             step_counts)
+from ..train.cotrain import (StepConfig, amp_context, block_loss, build_optimizer, build_scheduler, cotrain_step,
+                             draft_loss, step_counts)
 from ..train.nonfinite import NonFiniteError, check_finite
 from ..train.losses import all_reduce_sums, metrics_to_floats
 from .derive import generate_config, step_config
@@ -62,18 +64,24 @@ ARMS = ("none", "frozen", "cotrained")
 
 
 @torch.no_grad()
-def draft_eval(policy: Policy, draft: Eagle3Draft, b: TrainBatch, cfg: StepConfig, count_group=None,
+def draft_eval(policy: Policy, draft: Eagle3Draft | BlockDraft, b: TrainBatch, cfg: StepConfig, count_group=None,
                fns: dict | None = None) -> dict:
-    """Draft TTT metrics (loss per pass, top-1, simulated tau) without training it (frozen arm).
+    """Draft metrics without training it (frozen arm): TTT loss per pass, top-1, simulated tau for EAGLE-3;
+    per-slot acceptance / top-1, probabilistic and greedy tau, confidence error for a block drafter.
     `count_group` (DP x CP): global counts, so the metrics are global and the loss is this
     rank's share of the global mean (summed over ranks like the co-trained arm's). `fns`: the layout's
     step arguments (Minibatch.fns; None: padded rows)."""
     fns = fns or {}
     shift_kw = {k: fns[k] for k in ("shift", "attn") if k in fns}
-    counts = step_counts(b, cfg, fns["shift"], count_group) if "shift" in fns else step_counts(b, cfg, group=count_group)
+    block = isinstance(draft, BlockDraft)
+    counts = step_counts(b, cfg, fns.get("shift", shift_left), count_group, draft if block else None,
+                         fns.get("block") if block else None)
     with amp_context(cfg, b.tokens):
         out = policy(b.tokens, b.positions, tap_layers=draft.cfg.aux_layer_ids, attn_core=fns.get("attn_core"))
-        loss, stats = draft_loss(draft, out, b, cfg, counts.draft, **shift_kw)
+        if block:  # per-slot acceptance, probabilistic tau, confidence error (train/block_losses.BlockStats)
+            loss, stats = block_loss(draft, policy, out, b, cfg, counts.draft, block=fns.get("block"))
+        else:
+            loss, stats = draft_loss(draft, out, b, cfg, counts.draft, **shift_kw)
     (stats,) = all_reduce_sums([stats], count_group)
     return metrics_to_floats({**stats.metrics(), "draft/loss": loss})
 

@@ -1,4 +1,4 @@
-"""Draft warm start: train the EAGLE-3 draft offline against a frozen policy.
+"""Draft warm start: train the draft (EAGLE-3, DFlash or DSpark) offline against a frozen policy.
 
 Data are the policy's own samples on task prompts (what the draft will have to predict during RL),
 generated once by the rollout engine without a draft. The draft then trains with the co-training
@@ -7,12 +7,15 @@ step in offline mode (policy frozen). Afterwards the simulated acceptance length
 """
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from ..model.config import ConfigError, DraftConfig
+from ..model.dflash import BlockDraft, BlockDraftConfig
 from ..model.draft import Eagle3Draft, build_vocab_maps
 from ..model.policy import Policy
 from ..rollout.engine import RolloutEngine
@@ -71,13 +74,57 @@ def new_draft(policy: Policy, tokens: torch.Tensor, draft_vocab_size: int = 0,
     return draft
 
 
-def initial_draft(policy: Policy, tokens: torch.Tensor, spec) -> Eagle3Draft:
+def mask_token_id(tokens: torch.Tensor, vocab_size: int, fallback: int | None = None) -> int:
+    """A block drafter's mask token: the highest id never seen in the warm-start pool `tokens` (DESIGN §2b: a
+    reserved token that data never contain; its frozen embedding row is the mask embedding). A tiny char
+    policy's samples can cover its whole ~100-token vocabulary; then `fallback` (the tokenizer's pad id: a
+    fixed row the drafter learns to read as "mask" — only the quality of the cue depends on it being unused)."""
+    counts = torch.bincount(tokens.flatten().cpu(), minlength=vocab_size)
+    unused = (counts == 0).nonzero().flatten()
+    if unused.numel():
+        return int(unused[-1])
+    if fallback is None:
+        raise ConfigError(f"every one of the {vocab_size} token ids occurs in the warm-start samples: a block "
+                          "drafter needs a reserved (unused) token for its mask embedding")
+    return int(fallback)
+
+
+def new_block_draft(policy: Policy, tokens: torch.Tensor, kind: str, gamma: int, aux_layer_ids=(),
+                    mask_fallback: int | None = None) -> BlockDraft:
+    """A DFlash / DSpark drafter for `policy` proposing `gamma` tokens per block (rollout.k)."""
+    mask_id = mask_token_id(tokens, policy.cfg.vocab_size, mask_fallback)
+    bc = BlockDraftConfig.for_policy(policy.cfg, kind, gamma, mask_id,
+                                     aux_layer_ids=tuple(aux_layer_ids) or None)
+    p = next(policy.parameters())
+    return BlockDraft(bc).to(device=p.device)
+
+
+def load_draft_dir(path, device="cpu") -> Eagle3Draft | BlockDraft:
+    """A draft saved by `Eagle3Draft.save` or `BlockDraft.save` (draft_config.json's "architecture")."""
+    f = Path(path) / "draft_config.json"
+    arch = json.loads(f.read_text()).get("architecture") if f.exists() else None
+    cls = BlockDraft if arch == BlockDraft.ARCHITECTURE else Eagle3Draft
+    return cls.load(path, device=device)
+
+
+def initial_draft(policy: Policy, tokens: torch.Tensor, spec, gamma: int | None = None,
+                  mask_fallback: int | None = None) -> Eagle3Draft | BlockDraft:
     """The draft the warm start begins from: `spec.init` (config `draft.init=DIR`) imported and checked
-    against the policy, else `new_draft`. `spec` is the run config's DraftSpec."""
+    against the policy, else a new one of `spec.kind` (`new_draft`, `new_block_draft` with `gamma` =
+    rollout.k tokens per block; `mask_fallback`: `mask_token_id`'s). `spec` is the run config's DraftSpec."""
     if spec.kind != "eagle3":
-        # The block drafters train in cotrain_step (specco/model/dflash.py); their warm start, rollout
-        # proposal and export are not wired into the runner yet (issue 14 part 5): refuse, don't ignore.
-        raise NotImplementedError(f"draft.kind={spec.kind!r}: the RL runner runs EAGLE-3 drafts only so far")
+        if spec.draft_vocab_size:
+            raise ConfigError(f"draft.draft_vocab_size={spec.draft_vocab_size}: block drafters (draft.kind="
+                              f"{spec.kind}) use the policy's own head; leave it 0")
+        if not spec.init:
+            if gamma is None:
+                raise ValueError("a new block drafter needs gamma (rollout.k)")
+            return new_block_draft(policy, tokens, spec.kind, gamma, spec.aux_layer_ids, mask_fallback)
+        draft = BlockDraft.load(spec.init, device=next(policy.parameters()).device)
+        if draft.kind != spec.kind or (gamma is not None and draft.cfg.gamma < gamma):
+            raise ConfigError(f"draft.init={spec.init} is a {draft.kind} drafter with gamma={draft.cfg.gamma}; the "
+                              f"run asks draft.kind={spec.kind} with rollout.k={gamma}")
+        return draft
     if not spec.init:
         return new_draft(policy, tokens, spec.draft_vocab_size, spec.aux_layer_ids, spec.init_head_from_policy)
     from ..export import load_draft

@@ -17,12 +17,14 @@ the TTT loss. The DSpark weights (0.1, 0.9, 1.0) and the w_j weighting apply to 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..model.dflash import BlockDraft, slot_weights
+from ..ops.block_attention import block_attention
 from .losses import _Sums, draft_denominator, soft_cross_entropy
 
 _P = 2147483647  # 2^31 - 1: products of two residues fit in int64, so the hash below never overflows
@@ -40,7 +42,7 @@ def sample_anchors(tokens: torch.Tensor, target_mask: torch.Tensor, num_anchors:
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """N anchors per row among positions p whose next token is generated (target_mask[p+1] set).
 
-    Deterministic from the row's content (tokens and mask), with no global RNG: every rank of a group (and
+    Deterministic from the row's trained content (tokens where the mask is set), with no global RNG: every rank of a group (and
     every micro-batch split) draws the same anchors. Candidates are ordered by a hash of (row content,
     position); the first N are taken (distinct); with fewer than N candidates they are reused cyclically
     (sampling with replacement). Returns anchors (B, N) int64 (sorted per row) and valid (B, N) bool
@@ -52,7 +54,10 @@ def sample_anchors(tokens: torch.Tensor, target_mask: torch.Tensor, num_anchors:
     cand[:, :-1] = target_mask[:, 1:].bool()
     pos = torch.arange(S, device=dev)
     content = (tokens.long() % _P + 1) * (target_mask.long() + 1)  # (B, S)
-    row_seed = (_mix(content + pos * 7919) % 65521).sum(1) % _P  # (B,) order-sensitive content hash
+    # Only trained tokens enter the seed: a right-padded row and the same sequence inside a pack (or gathered
+    # from its CP shards) get the same anchors whatever the padding holds.
+    trained = target_mask.bool().long()
+    row_seed = (trained * (_mix(content + pos * 7919) % 65521)).sum(1) % _P  # (B,) order-sensitive content hash
     key = _mix(row_seed[:, None] + pos[None] * 104729 + 1)  # (B, S) in [0, 2^31)
     key = torch.where(cand, key, torch.full_like(key, _P))  # non-candidates last
     order = key.argsort(dim=1, stable=True)  # (B, S)
@@ -84,10 +89,35 @@ def block_targets(tokens, anchors, gamma):
     return at.clamp_max(S - 1), (at + 1).clamp_max(S - 1)
 
 
-def block_slot_counts(draft: BlockDraft, tokens: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+@dataclass
+class BlockPlan:
+    """Which blocks this rank trains and what they need, (B, N[, γ]) each: anchors = local token indices of
+    the anchors; valid (float, prefix-contiguous), labels x_{p+1+j} and prev x_{p+j} per prediction;
+    `teacher(logits)` gathers the teacher logits at p+j -> (B, N, γ, V); `attn` is the block attention.
+
+    One process: `local_plan`. Context parallelism / packed rows: parallel.block_cp.BlockCP.plan (anchors
+    drawn per sequence from the gathered content, each block on the rank that holds its anchor)."""
+    anchors: torch.Tensor
+    valid: torch.Tensor
+    labels: torch.Tensor
+    prev: torch.Tensor
+    teacher: Callable[[torch.Tensor], torch.Tensor]
+    attn: Callable = block_attention
+
+
+def local_plan(tokens: torch.Tensor, target_mask: torch.Tensor, num_anchors: int, gamma: int) -> BlockPlan:
+    """The plan of unpacked rows on one process: every row is one sequence, all its blocks are here."""
+    anchors, av = sample_anchors(tokens, target_mask, num_anchors)  # (B, N)
+    valid = slot_validity(target_mask, anchors, av, gamma)  # (B, N, γ)
+    at, lab = block_targets(tokens, anchors, gamma)
+    labels, prev = tokens.gather(1, lab.flatten(1)).view_as(lab), tokens.gather(1, at.flatten(1)).view_as(at)
+    return BlockPlan(anchors, valid, labels, prev, lambda logits: _gather_rows(logits, at))
+
+
+def block_slot_counts(draft: BlockDraft, tokens: torch.Tensor, target_mask: torch.Tensor,
+                      plan: Callable = local_plan) -> torch.Tensor:
     """N_j, (γ,): valid predictions per slot of these rows (the step's global denominator sums these)."""
-    anchors, av = sample_anchors(tokens, target_mask, draft.cfg.num_anchors)
-    return slot_validity(target_mask, anchors, av, draft.cfg.gamma).sum((0, 1))
+    return plan(tokens, target_mask, draft.cfg.num_anchors, draft.cfg.gamma).valid.sum((0, 1))
 
 
 def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -158,24 +188,24 @@ class BlockStats(_Sums):
 
 
 def block_draft_loss(draft: BlockDraft, aux, embed, policy_logits, tokens, target_mask, positions,
-                     head_weight, mask_emb, denominator=None, chunk: int = 256):
+                     head_weight, mask_emb, denominator=None, chunk: int = 256, plan: Callable = local_plan):
     """L_draft of a block drafter on these rows, and its BlockStats.
 
     aux (B, S, k·h), embed (B, S, h): the policy's taps (detached here); policy_logits (B, S, V) the teacher
     (detached); head_weight (V, h) the policy's live head and mask_emb (h,) its embed_tokens[mask_id], both
     read detached; positions (B, S) absolute. `denominator`: the step's Σ_j w_j N_j (None: these rows').
-    `chunk`: anchors per checkpointed chunk of vocabulary-sized work.
+    `chunk`: anchors per checkpointed chunk of vocabulary-sized work. `plan(tokens, target_mask, N, γ)` ->
+    BlockPlan: `local_plan` on one process, `BlockCP.plan` under context parallelism or for packed rows.
     """
     c = draft.cfg
     aux, embed, teacher_all = aux.detach(), embed.detach(), policy_logits.detach()
-    anchors, av = sample_anchors(tokens, target_mask, c.num_anchors)  # (B, N)
-    valid = slot_validity(target_mask, anchors, av, c.gamma)  # (B, N, γ)
-    at, lab = block_targets(tokens, anchors, c.gamma)
+    pl = plan(tokens, target_mask, c.num_anchors, c.gamma)
+    anchors, valid, labels, prev = pl.anchors, pl.valid, pl.labels, pl.prev
     anchor_emb = embed.gather(1, anchors[..., None].expand(-1, -1, embed.shape[-1]))  # (B, N, h)
-    hidden = draft(aux, anchor_emb, mask_emb.detach(), positions, draft.block_positions(positions, anchors))
+    hidden = draft(aux, anchor_emb, mask_emb.detach(), positions, draft.block_positions(positions, anchors),
+                   attn=pl.attn)
     hid = draft.predicting(hidden)  # (B, N, γ, h)
-    teacher = _gather_rows(teacher_all, at)  # (B, N, γ, V)
-    labels, prev = tokens.gather(1, lab.flatten(1)).view_as(lab), tokens.gather(1, at.flatten(1)).view_as(at)
+    teacher = pl.teacher(teacher_all)  # (B, N, γ, V)
     N = anchors.shape[1]
     sums, per = [], []
     for a in range(0, N, chunk):

@@ -20,6 +20,7 @@ not decay with the policy's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -34,7 +35,7 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..model.ttt import shift_left, ttt_forward
 from ..ops.attention import ttt_attention
-from .block_losses import BlockStats, block_draft_loss, block_slot_counts
+from .block_losses import BlockStats, block_draft_loss, block_slot_counts, local_plan
 from .losses import (DraftStats, PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, draft_loss_parts,
                      metrics_to_floats, normalize_draft_loss, pass_target_masks, pass_weights, token_logprobs)
 
@@ -145,16 +146,18 @@ def _draft_mask(batch: TrainBatch) -> torch.Tensor:
 
 
 def step_counts(batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left, group=None,
-                draft=None) -> StepCounts:
+                draft=None, block=None) -> StepCounts:
     """Both denominators of the step on the whole `batch`, summed over `group` in one all-reduce.
 
     CP ranks hold disjoint tokens (zero padding), so each token is counted once; the counts are exact
     integers (fp64). A block drafter (`draft` a BlockDraft) counts its valid predictions per slot instead
-    of per TTT pass (its anchors depend only on each row's content, so micro-batches agree)."""
+    of per TTT pass (its anchors depend only on each row's content, so micro-batches agree), through
+    `block.plan` under CP / for packed rows (each block counted on the one rank that holds its anchor)."""
     policy_n = shift(batch.target_mask, 1).sum().reshape(1)
     rows = draft_rows(batch, cfg)
     if isinstance(draft, BlockDraft):
-        draft_n, weights = block_slot_counts(draft, batch.tokens[rows], _draft_mask(batch)[rows]), slot_weights(draft.cfg)
+        draft_n = block_slot_counts(draft, batch.tokens[rows], _draft_mask(batch)[rows], _block_plan(block))
+        weights = slot_weights(draft.cfg)
     else:
         draft_n = torch.stack([m.sum() for m in pass_target_masks(_draft_mask(batch)[rows], cfg.ttt_passes, shift)])
         weights = pass_weights(cfg.ttt_passes, cfg.pass_decay)
@@ -205,10 +208,17 @@ def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig, deno
     return loss, DraftStats.of(parts)
 
 
+def _block_plan(block) -> Callable:
+    """The plan function of block_losses: `local_plan`, or BlockCP's, which builds on it per sequence."""
+    return local_plan if block is None else functools.partial(block.plan, local=local_plan)
+
+
 def block_loss(draft: BlockDraft, policy: Policy, out, batch: TrainBatch, cfg: StepConfig,
-               denominator: torch.Tensor | None = None, row_start: int = 0) -> tuple[torch.Tensor, BlockStats]:
+               denominator: torch.Tensor | None = None, row_start: int = 0, block=None
+               ) -> tuple[torch.Tensor, BlockStats]:
     """`draft_loss` for a block drafter (train/block_losses.py): the same rows, taps and detached teacher;
-    the logits use the policy's live head and the mask slots its embed_tokens[mask_id], both detached."""
+    the logits use the policy's live head and the mask slots its embed_tokens[mask_id], both detached.
+    `block`: parallel.block_cp.BlockCP under CP / for packed rows (cp.step_fns' "block"), None otherwise."""
     B, S = batch.tokens.shape
     positions = batch.positions
     if positions is None:
@@ -217,7 +227,7 @@ def block_loss(draft: BlockDraft, policy: Policy, out, batch: TrainBatch, cfg: S
     mask_emb = policy.embed_tokens.weight[draft.cfg.mask_id].detach()
     return block_draft_loss(draft, out.taps.aux[rows], out.taps.embed[rows], out.logits[rows], batch.tokens[rows],
                             _draft_mask(batch)[rows], positions[rows], policy.lm_head.weight, mask_emb, denominator,
-                            chunk=max(1, cfg.loss_chunk // draft.cfg.gamma))
+                            chunk=max(1, cfg.loss_chunk // draft.cfg.gamma), plan=_block_plan(block))
 
 
 # -- the optimizer step ------------------------------------------------------------------------------
@@ -287,13 +297,14 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                  opt: torch.optim.Optimizer, sched, cfg: StepConfig, *,
                  train_policy: bool = True, grad_group=None, policy_norm_group=None,
                  shift: Callable = shift_left, attn: Callable = ttt_attention,
-                 attn_core: Callable | None = None) -> dict:
+                 attn_core: Callable | None = None, block=None) -> dict:
     """One optimizer step on `batch` (this rank's share of the global batch); returns metrics as floats.
 
     `train_policy=False` is the offline warm start: the policy is frozen (forward under no_grad) and
     only the draft learns. `grad_group` (DP x CP ranks) sums counts, statistics and gradients;
     `shift`/`attn` are the TTT shift and trunk+branch attention and `attn_core` the policy's attention
-    core (None: causal SDPA over each row) — the CP ones under context parallelism. A packed batch
+    core (None: causal SDPA over each row) — the CP ones under context parallelism — and `block` a block
+    drafter's plan there (parallel.block_cp.BlockCP; `cp.step_fns` passes all four). A packed batch
     (several sequences per row) needs a packing-aware core: causal SDPA would attend across borders.
 
     Metrics: "policy/loss" and "draft/loss" are this rank's contributions (they sum to the global
@@ -306,11 +317,11 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     use_draft = draft is not None and (cfg.draft_weight > 0 or not train_policy)
     weight = cfg.draft_weight if train_policy else 1.0
     tap_ids = draft.cfg.aux_layer_ids if use_draft else None
-    block = isinstance(draft, BlockDraft)
-    if block and use_draft and (shift is not shift_left or batch.packed):
-        raise NotImplementedError("block drafters under context parallelism are not wired yet (issue 14 part 4), nor packed rows: "
-                                  "their anchors and trunk ring need the CP-aware block attention")
-    counts = step_counts(batch, cfg, shift, grad_group, draft if use_draft else None)
+    is_block = isinstance(draft, BlockDraft)
+    if is_block and use_draft and block is None and (shift is not shift_left or batch.packed):
+        raise ValueError("a block drafter under context parallelism or on packed rows needs `block` "
+                         "(parallel.block_cp.BlockCP, passed by cp.step_fns): its anchors and trunk ring are per sequence")
+    counts = step_counts(batch, cfg, shift, grad_group, draft if use_draft else None, block if is_block else None)
     losses = {"policy/loss": 0.0, "draft/loss": 0.0}
     pol_stats = d_stats = None
     opt.zero_grad(set_to_none=True)
@@ -322,8 +333,8 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                 out = policy(mb.tokens, mb.positions, tap_layers=tap_ids, attn_core=attn_core)
             l_d = None
             if use_draft and row_start < mb.tokens.shape[0]:
-                if block:
-                    l_d, s = block_loss(draft, policy, out, mb, cfg, counts.draft, row_start)
+                if is_block:
+                    l_d, s = block_loss(draft, policy, out, mb, cfg, counts.draft, row_start, block)
                 else:
                     l_d, s = draft_loss(draft, out, mb, cfg, counts.draft, shift, attn, row_start)
                 d_stats = s if d_stats is None else d_stats + s
