@@ -131,17 +131,17 @@ class PipeComm:
         return not self._sends
 
 
-def one_f_one_b(comm: PipeComm, num_micro: int, forward: Callable, backward: Callable, act_shape: Callable,
-                dtype, device, after_backward: Callable | None = None) -> None:
+def one_f_one_b(comm: PipeComm, num_micro: int, forward: Callable, act_shape: Callable, dtype, device,
+                after_backward: Callable | None = None) -> None:
     """Run the 1F1B schedule of this stage over `num_micro` micro-batches.
 
-    forward(m, x) -> y: micro-batch m's stage forward; x is the received activation (requires grad) or
-        None on the first stage; y the activation to send (non-last stages) or the loss (last stage).
-    backward(m, y, dy): backpropagate y (dy None: y is the loss), return the input activation's gradient
-        (None on the first stage) — the gradient to send upstream.
+    forward(m, x) -> y: micro-batch m's stage forward; x is the received activation (a leaf that requires
+        grad) or None on the first stage; y the activation to send (non-last stages) or the loss to
+        backpropagate (last stage). The schedule runs the backwards itself: y.backward(dy) and x.grad
+        upstream, so a stage's backward is exactly autograd's over its forward.
     act_shape(m): the (B, S, h) activation shape of micro-batch m (every stage holds the whole batch).
     after_backward(m): last stage only, after micro-batch m's backward and its upstream send (the draft's
-        per-micro-batch work goes here: it then overlaps the earlier stages' backwards).
+        per-micro-batch work goes here: it overlaps the earlier stages' backwards, off the critical path).
     """
     s, pp = comm.stage, comm.pp
     first, last = s == 0, s == pp - 1
@@ -159,17 +159,19 @@ def one_f_one_b(comm: PipeComm, num_micro: int, forward: Callable, backward: Cal
 
     def bwd(m):
         x, y = live.pop(m)
-        dy = None if last else comm.recv_bwd(act_shape(m), dtype, device, m)
-        dx = backward(m, y, dy)
+        if last:
+            y.backward()
+        else:
+            torch.autograd.backward(y, comm.recv_bwd(act_shape(m), dtype, device, m))
         if not first:
-            comm.send_bwd(dx, m)
+            comm.send_bwd(x.grad, m)
         if last and after_backward is not None:
             after_backward(m)
 
-    # warmup: fill the pipe (the last stage has none)
+    # warmup: fill the pipe (stage s runs pp - 1 - s forwards ahead; the last stage none)
     for m in range(warmup):
         fwd(m)
-    # steady: one forward, one backward (oldest first)
+    # steady: one forward, then the backward of the oldest live micro-batch
     for i in range(num_micro - warmup):
         fwd(warmup + i)
         bwd(i)
