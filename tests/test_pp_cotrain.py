@@ -121,3 +121,45 @@ def test_pp_equals_unsplit(pp):
 @pytest.mark.slow
 def test_pp2_dp2_equals_unsplit():
     spawn_local(_worker, 4, 2, 2, 2)
+
+
+def _cp_worker(rank, world):
+    """pp = 2 × cp = 2: the packed, zigzag-sharded batch of tests/test_cp_cotrain.py; each stage runs the
+    ring attention on its own CP group, the draft on the last stage reads its CP shard's taps."""
+    import test_cp_cotrain as T
+    from specco.parallel.cp import shard_batch, step_fns
+    from specco.parallel.zigzag import ZigzagLayout
+    mesh = Mesh.build(cp=2, pp=2, backend="gloo")
+    s, last = mesh.pp_rank, mesh.pp_rank == 1
+    batch = T._data()
+    m_ref, g_ref, p_ref = T._step(*T._models(), batch)
+    packed, cu = T._pack(batch)
+    lay = ZigzagLayout(cu, 2, mesh.cp_rank)
+    local = shard_batch(packed, lay)
+    policy, draft = T._models()
+    stage = split_stage(policy, 2, s)
+    d = draft if last else None
+    opt = build_optimizer(stage, d, 1e-3, 1e-2)
+    spec = TapSpec.for_stages(stage_layer_ranges(4, 2), draft.cfg.aux_layer_ids, 32, torch.float64, lay.num_local)
+    ch = TapChannel(spec, mesh.tap_group, slots=2, timeout_s=60)
+    cfg = StepConfig(ttt_passes=3, loss_chunk=5, policy_grad_clip=1.0, draft_grad_clip=1.0, draft_row_stride=1)
+    m = pp_cotrain_step(stage, d, local, opt, None, cfg, pipe=PipeComm(mesh.pp_group), taps=ch,
+                        tap_layers=draft.cfg.aux_layer_ids, grad_group=mesh.grad_group, **step_fns(mesh.cp_group, lay))
+    losses = torch.tensor([m["policy/loss"], m["draft/loss"]], dtype=torch.float64)
+    dist.all_reduce(losses, group=mesh.grad_group)
+    torch.testing.assert_close(losses, torch.tensor([m_ref["policy/loss"], m_ref["draft/loss"]],
+                                                    dtype=torch.float64), **T.TOL)
+    for k in ("policy/grad_norm", "draft/grad_norm"):
+        torch.testing.assert_close(torch.tensor(m[k]), torch.tensor(m_ref[k]), **T.TOL, msg=k)
+    mods = [("policy", stage)] + ([("draft", d)] if last else [])
+    names = [f"{tag}.{n}" for tag, mod in mods for n, _ in mod.named_parameters()]
+    assert names
+    for tag, mod in mods:
+        for n, p in mod.named_parameters():
+            torch.testing.assert_close(p.grad, g_ref[f"{tag}.{n}"], **T.TOL, msg=f"stage {s} grad {tag}.{n}")
+            torch.testing.assert_close(p.detach(), p_ref[f"{tag}.{n}"], **T.TOL, msg=f"stage {s} {tag}.{n}")
+
+
+@pytest.mark.slow
+def test_pp2_cp2_equals_unsplit():
+    spawn_local(_cp_worker, 4)
