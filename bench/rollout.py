@@ -3,9 +3,14 @@
 Reports per batch size: plain step time and tokens/s, speculative tokens/s, τ, t_verify, t_draft
 (= (t_propose + t_catch_up) / k: k draft forwards per round), measured speedup (spec tok/s over plain
 tok/s, both graphed on CUDA — never against an eager loop, DESIGN §6) and the ideal speedup
-τ·t_step / (t_verify + k·t_draft). On CUDA also the bare CUDA-graph floor of the model's decode
-forward (just `policy(tok, pos, cache)` captured and replayed) and step/floor, i.e. what the
-sampling/bookkeeping around the forward costs.
+τ·t_step / (t_verify + k·t_draft). On CUDA, in the same run:
+  * the ANCHOR (bench/anchor.py): an independent minimal plain-PyTorch decoder of the same shapes,
+    torch.compile'd and CUDA-graphed (and the same eager-graphed), timed at the same KV position —
+    step/anchor is the figure the engine is judged by; also its naive masked verify of k+1 tokens;
+  * the read floor: (weight + live KV bytes) / the copy bandwidth measured in the run, and for the
+    verify also FLOPs / 700 TFLOP/s;
+  * speculation control: the k the engine picks after one teaching call, predicted vs measured;
+  * diagnostic only: the engine's decode forward alone, captured bare (no sampling/bookkeeping).
 
 Before timing, on CUDA, checks that the graphed path emits exactly the eager path's greedy tokens
 (CI has no GPU, so this is where the CUDA-graph code is exercised).

@@ -42,8 +42,14 @@ class PolicySpec:
                f"policy.dtype={self.dtype!r}: use float32, bfloat16 or float16")
 
 
+DRAFT_KINDS = ("eagle3", "dflash", "dspark")
+
+
 @dataclass(frozen=True)
 class DraftSpec:
+    # "eagle3" (one layer, TTT), or a block drafter (specco/model/dflash.py): "dflash" (W = γ+1, anchor
+    # slot condition-only) or "dspark" (W = γ, Markov and confidence heads); γ is rollout.k.
+    kind: str = "eagle3"
     # 0 -> automatic: the full target vocabulary when it has <= 8192 tokens (the tiny char model),
     # else the 4096 tokens most frequent in the warm-start pool (SmolLM2's 49,152-token head would
     # make the draft's fp32 teacher/student logits -- B x S x V per TTT pass -- dominate memory and
@@ -63,6 +69,7 @@ class DraftSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
+        _check(self.kind in DRAFT_KINDS, f"draft.kind={self.kind!r}: expected one of {DRAFT_KINDS}")
         _check(self.ttt_passes >= 1, f"draft.ttt_passes={self.ttt_passes}: must be >= 1")
         _check(0 < self.pass_decay <= 1, f"draft.pass_decay={self.pass_decay}: must be in (0, 1]")
         _check(self.draft_vocab_size >= 0, "draft.draft_vocab_size must be >= 0 (0 = full vocab)")
@@ -80,8 +87,14 @@ class RolloutSpec:
     # Live-row compaction: once live rows are <= this fraction of the batch, decode on with just them
     # (rollout/compaction.py; outputs unchanged). 0 disables.
     compact_below: float = 0.25
+    # Speculation control (rollout/control.py): k chosen per call and compaction level in 0..k from
+    # costs measured on the engine's CUDA graphs and the live acceptance. "auto": on with CUDA graphs
+    # (GPU), off on CPU, where the demo reports τ at fixed k; "on" / "off" force it.
+    spec_control: str = "auto"
 
     def __post_init__(self):
+        _check(self.spec_control in ("auto", "on", "off"),
+               f"rollout.spec_control={self.spec_control!r}: must be 'auto', 'on' or 'off'")
         _check(self.k >= 1, f"rollout.k={self.k}: the draft must propose at least 1 token (k >= 1)")
         _check(self.temperature >= 0, f"rollout.temperature={self.temperature}: must be >= 0")
         _check(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")

@@ -13,7 +13,7 @@ import torch
 from specco.model.config import DraftConfig, PolicyConfig
 from specco.model.draft import Eagle3Draft
 from specco.model.policy import Policy
-from specco.ops.decode_attention import decode_attention, decode_attention_reference, split_plan
+from specco.ops.decode_attention import decode_attention, split_plan
 from specco.ops.decode_kernels import add_rms_norm, rope_qkv_write, silu_mul
 from specco.rollout.control import SpecController
 from specco.rollout.forward import RopeTable, draft_step, policy_forward
@@ -221,3 +221,56 @@ def test_fused_sampling_matches_twin(temperature):
     torch.testing.assert_close(lp_t, lp_r, atol=1e-5, rtol=0)
     if params.greedy:
         assert int(tok_t[0]) == 17
+
+
+@torch.no_grad()
+def test_speculation_control_is_lossless_and_plain_stays_plain():
+    """With control on (forced on CPU), greedy outputs equal plain greedy whatever k each level picks;
+    choices are recorded per level; a level that decodes plainly makes every smaller level plain."""
+    from test_rollout_helpers import structured_pair
+    from specco.rollout.generate import DecodeRunner, GenerateConfig, generate
+    from specco.rollout.sampling import SamplingParams
+    policy, draft = structured_pair(layer_scale=100.0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, policy.cfg.vocab_size, (n,), generator=g) for n in (3, 6, 2, 5)]
+    base = GenerateConfig(max_new_tokens=24, sampling=SamplingParams(temperature=0.0), num_draft_tokens=3,
+                          compact_below=0.9)
+    # an EOS that some rows emit early and others late, so the batch compacts during the generation
+    first = generate(policy, prompts, base, group_size=4).tokens
+    counts = torch.bincount(first[:, 1:8].flatten(), minlength=policy.cfg.vocab_size)
+    base = GenerateConfig(**{**base.__dict__, "eos_token_id": int(counts.argmax()), "pad_token_id": -1})
+    plain = generate(policy, prompts, base, group_size=4)
+    for forced in (None, 0, 2):
+        ctl = SpecController(3)
+        runner = DecodeRunner(policy, GenerateConfig(**{**base.__dict__, "spec_control": True}), draft,
+                              controller=ctl)
+        if forced is not None:  # pin the costs: the rule must pick `forced` at the root (16 rows); on
+            # smaller levels speculation is made very cheap, so only "plain stays plain" keeps k = 0
+            def pick(costs, rows, allow=True, live=None, _orig=ctl.choose, _k=forced):
+                if rows < 16:
+                    return _orig({k: (1.0 if k == 0 else 0.01) for k in costs}, rows, allow, live)
+                return _orig({k: (1.0 if k == 0 else 0.5 if k == _k else 9.0) for k in costs}, rows,
+                             _k != 0, live)
+            ctl.choose = pick
+        runner.prefill(prompts, 4)
+        runner.run()
+        out = runner.result()
+        assert torch.equal(out.tokens, plain.tokens), forced
+        assert out.choices and out.choices[0].rows == 16 and set(out.choices[0].costs_ms) == {0, 1, 2, 3}
+        assert len(out.choices) > 1, "no compaction happened: the level rule went untested"
+        if forced == 0:
+            assert all(c.k == 0 for c in out.choices) and out.tau == 1.0
+        if forced == 2:  # speculating levels may keep speculating (here: the cheap k on smaller levels)
+            assert out.choices[0].k == 2 and out.tau > 1.0 and all(c.k > 0 for c in out.choices)
+
+
+def test_fused_modules_pickle_and_copy():
+    """A policy crosses ranks by pickling (broadcast_object_list) and the engine deep-copies it: the
+    fused layout's state-dict hooks must survive both."""
+    import copy
+    import pickle
+    policy, _ = _pair(bias=True)
+    for clone in (pickle.loads(pickle.dumps(policy)), copy.deepcopy(policy)):
+        assert set(clone.state_dict()) == set(policy.state_dict())
+        for k, v in policy.state_dict().items():
+            assert torch.equal(clone.state_dict()[k], v), k

@@ -1,7 +1,6 @@
 """Rollout engine: sampling processing, log-probs, τ bookkeeping, EOS/padding, prompt groups, refit."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from specco.rollout.engine import RefitError, RolloutEngine
 from specco.rollout.generate import GenerateConfig, generate

@@ -8,7 +8,8 @@ twins are the formulas here.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -60,24 +61,30 @@ def fuse_linears(module: nn.Module, fused: str, parts: list[tuple[str, int]]):
     dot product). `state_dict()` returns the parts as row-slice *views* of the fused tensor, so an
     in-place `copy_` into them (the rollout engine's refit) writes the fused weight; loading a state
     dict with the parts concatenates them. A state dict holding the fused key itself also loads.
+    The hooks are partials of module-level functions, so the module still pickles (a policy is sent
+    to other ranks with broadcast_object_list) and deep-copies.
     """
-    sizes = [n for _, n in parts]
+    parts = tuple(parts)
+    module.register_state_dict_post_hook(functools.partial(_split_fused, fused=fused, parts=parts))
+    module.register_load_state_dict_pre_hook(functools.partial(_join_fused, fused=fused, parts=parts))
 
-    def save_hook(mod, state, prefix, local_metadata):
-        for suffix in ("weight", "bias"):
-            key = f"{prefix}{fused}.{suffix}"
-            if key in state:
-                for (name, _), piece in zip(parts, state.pop(key).split(sizes, dim=0)):
-                    state[f"{prefix}{name}.{suffix}"] = piece
 
-    def load_hook(mod, state, prefix, local_metadata, strict, missing, unexpected, errors):
-        for suffix in ("weight", "bias"):
-            keys = [f"{prefix}{name}.{suffix}" for name, _ in parts]
-            if all(k in state for k in keys):
-                state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(k) for k in keys], dim=0)
+def _split_fused(mod, state, prefix, local_metadata, *, fused, parts):
+    """state_dict post-hook of `fuse_linears`: the fused entries become the parts' row slices."""
+    for suffix in ("weight", "bias"):
+        key = f"{prefix}{fused}.{suffix}"
+        if key in state:
+            pieces = state.pop(key).split([n for _, n in parts], dim=0)
+            for (name, _), piece in zip(parts, pieces):
+                state[f"{prefix}{name}.{suffix}"] = piece
 
-    module.register_state_dict_post_hook(save_hook)
-    module.register_load_state_dict_pre_hook(load_hook)
+
+def _join_fused(mod, state, prefix, local_metadata, strict, missing, unexpected, errors, *, fused, parts):
+    """load_state_dict pre-hook of `fuse_linears`: the parts, when all present, are concatenated."""
+    for suffix in ("weight", "bias"):
+        keys = [f"{prefix}{name}.{suffix}" for name, _ in parts]
+        if all(k in state for k in keys):
+            state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(k) for k in keys], dim=0)
 
 
 class SwiGLU(nn.Module):

@@ -53,7 +53,7 @@ class GenerateConfig:
     num_draft_tokens: int = 4  # k_max, draft tokens proposed per round at most (speculative only)
     # Speculation control (control.py): choose k in 0..k_max per call and per compaction level from
     # costs the runner measures on its graphs and the live acceptance. None: on iff CUDA graphs are
-    # (eager CPU timings are too noisy to act on, and the CPU demo reports τ at fixed k).
+    # (eager CPU timings are noisy, and the CPU demo reports τ at fixed k); True forces it anywhere.
     spec_control: bool | None = None
     eos_token_id: int | None = None  # None: rows stop only at max_new_tokens
     pad_token_id: int = 0  # fills tokens past each row's length
@@ -183,9 +183,6 @@ class DecodeRunner:
         self.use_graphs, _ = execution_modes(cfg, self.device)  # (bucketing: runner_shape)
         self.k = cfg.num_draft_tokens if draft is not None else 0  # k_max
         control = self.use_graphs if cfg.spec_control is None else cfg.spec_control
-        if control and draft is not None and not self.use_graphs:
-            raise ValueError("spec_control=True needs CUDA graphs (it times the captured steps); "
-                             "leave it None or False on CPU")
         self.controller = (controller or SpecController(self.k)) if control and draft is not None else None
         self.shape: RunnerShape | None = None
         self.io: PromptBuffers | None = None
@@ -288,13 +285,11 @@ class DecodeRunner:
         cfg, (rope, d_rope) = self.cfg, self.ropes
         st = new_state(self.policy, self.draft, cfg.sampling, cfg.max_new_tokens, self.k, rows,
                        self.shape.cache_len, self.device)
-        steps = {0: PlainSteps(self.policy, st, cfg.sampling, cfg.max_new_tokens, cfg.eos_token_id, rope)}
-        # Without speculation control only k_max runs: no other step set is built or captured.
-        for k in (range(1, self.k + 1) if self.controller is not None else [self.k] if self.k else []):
-            steps[k] = SpeculativeSteps(self.policy, self.draft, st, cfg.sampling, k, cfg.max_new_tokens,
-                                        cfg.eos_token_id, rope, d_rope)
-        if self.k and self.controller is None:
-            del steps[0]  # a draft runner without control decodes speculatively throughout
+        # Without speculation control only k_max runs (0 without a draft): no other step set is built.
+        ks = range(self.k + 1) if self.controller is not None else [self.k]
+        steps = {k: PlainSteps(self.policy, st, cfg.sampling, cfg.max_new_tokens, cfg.eos_token_id, rope)
+                 if k == 0 else SpeculativeSteps(self.policy, self.draft, st, cfg.sampling, k, cfg.max_new_tokens,
+                                                 cfg.eos_token_id, rope, d_rope) for k in ks}
         level = Level(st, steps, self.use_graphs, root_rows)
         if self.use_graphs:
             level.capture(lambda: st.finished.fill_(True), self.pool)
@@ -306,8 +301,7 @@ class DecodeRunner:
             return
         if not level.costs:
             level.measure()
-        live = (self.root.st.n_accepted, self.root.st.n_tried) if level is self.root else \
-            (self.st.n_accepted, self.st.n_tried)
+        live = (level.st.n_accepted, level.st.n_tried)  # this call's counts so far (compaction copies them)
         level.choice = self.controller.choose(level.costs, level.rows, allow_speculation, live)
         level.k = level.choice.k
         self.choices.append(level.choice)

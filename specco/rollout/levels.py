@@ -104,20 +104,28 @@ class Level:
 
     @torch.no_grad()
     def measure(self, iters: int = 5) -> dict[int, float]:
-        """Seconds per round of every k, timed on the captured graphs with the rows frozen (the work
-        is static-shaped, so identical) at the state's current positions; the state is restored."""
+        """Seconds per round of every k, timed with the rows frozen (the work is static-shaped, so
+        identical) at the state's current positions; the state is restored. On CUDA the captured
+        graphs are timed with events; on CPU the eager steps with the host clock."""
+        import time
         saved = [t.clone() for t in self.st.small_tensors()]
         self.st.finished.fill_(True)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cuda = self.st.n.is_cuda
         for k, steps in self.steps.items():
             run = lambda: [self.graphs[k].run(name) for name in steps.order]  # noqa: E731
             run()
-            start.record()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
             for _ in range(iters):
                 run()
-            end.record()
-            end.synchronize()
-            self.costs[k] = start.elapsed_time(end) / 1e3 / iters
+            if cuda:
+                end.record()
+                end.synchronize()
+                self.costs[k] = start.elapsed_time(end) / 1e3 / iters
+            else:
+                self.costs[k] = (time.perf_counter() - t0) / iters
         for t, s in zip(self.st.small_tensors(), saved):
             t.copy_(s)
         return self.costs

@@ -38,7 +38,8 @@ def generate_config(cfg: RunConfig, eos_id: int | None, pad_id: int) -> Generate
     return GenerateConfig(max_new_tokens=r.max_new_tokens,
                           sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
                           num_draft_tokens=r.k, eos_token_id=eos_id, pad_token_id=pad_id,
-                          compact_below=r.compact_below)
+                          compact_below=r.compact_below,
+                          spec_control={"auto": None, "on": True, "off": False}[r.spec_control])
 
 
 def at_temperature(gen_cfg: GenerateConfig, temperature: float) -> GenerateConfig:

@@ -98,6 +98,12 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
              "target_forwards": out.num_target_forwards}
         for j, a in enumerate(out.accept_rate.tolist()):
             m[f"accept/pos{j + 1}"] = a
+        if out.choices:  # speculation control at the root level (all rows), rollout/control.py
+            root = out.choices[0]
+            m["rollout/k_chosen"] = root.k
+            m["rollout/predicted_speedup"] = root.predicted_speedup
+            # the same model with this call's observed τ in place of the predicted one
+            m["rollout/measured_speedup"] = out.tau * root.costs_ms[0] / root.costs_ms[root.k] if root.k else 1.0
         ro = Rollouts(rollout_pairs(prompts, out), r.group_size, grpo_advantages(rewards, r.group_size),
                       [out.logprobs[i, :int(out.lengths[i])].float().cpu().tolist() for i in range(N)], m)
     if staged and mesh.cp_rank == 0:  # stage 0 -> the other stages' CP rank 0, then (below) their CP groups

@@ -74,6 +74,10 @@ def new_draft(policy: Policy, tokens: torch.Tensor, draft_vocab_size: int = 0,
 def initial_draft(policy: Policy, tokens: torch.Tensor, spec) -> Eagle3Draft:
     """The draft the warm start begins from: `spec.init` (config `draft.init=DIR`) imported and checked
     against the policy, else `new_draft`. `spec` is the run config's DraftSpec."""
+    if spec.kind != "eagle3":
+        # The block drafters train in cotrain_step (specco/model/dflash.py); their warm start, rollout
+        # proposal and export are not wired into the runner yet (issue 14 part 5): refuse, don't ignore.
+        raise NotImplementedError(f"draft.kind={spec.kind!r}: the RL runner runs EAGLE-3 drafts only so far")
     if not spec.init:
         return new_draft(policy, tokens, spec.draft_vocab_size, spec.aux_layer_ids, spec.init_head_from_policy)
     from ..export import load_draft

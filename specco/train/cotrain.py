@@ -29,10 +29,12 @@ import torch.distributed as dist
 
 from ..batch import TrainBatch
 from ..config import DraftSpec, TrainSpec
+from ..model.dflash import BlockDraft, slot_weights
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..model.ttt import shift_left, ttt_forward
 from ..ops.attention import ttt_attention
+from .block_losses import BlockStats, block_draft_loss, block_slot_counts
 from .losses import (DraftStats, PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, draft_loss_parts,
                      metrics_to_floats, normalize_draft_loss, pass_target_masks, pass_weights, token_logprobs)
 
@@ -142,17 +144,24 @@ def _draft_mask(batch: TrainBatch) -> torch.Tensor:
     return batch.target_mask if batch.draft_mask is None else batch.draft_mask
 
 
-def step_counts(batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left, group=None) -> StepCounts:
+def step_counts(batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left, group=None,
+                draft=None) -> StepCounts:
     """Both denominators of the step on the whole `batch`, summed over `group` in one all-reduce.
 
     CP ranks hold disjoint tokens (zero padding), so each token is counted once; the counts are exact
-    integers (fp64)."""
+    integers (fp64). A block drafter (`draft` a BlockDraft) counts its valid predictions per slot instead
+    of per TTT pass (its anchors depend only on each row's content, so micro-batches agree)."""
     policy_n = shift(batch.target_mask, 1).sum().reshape(1)
-    pass_n = [m.sum() for m in pass_target_masks(_draft_mask(batch)[draft_rows(batch, cfg)], cfg.ttt_passes, shift)]
-    n = torch.cat([policy_n, torch.stack(pass_n)]).double()  # (1 + K,)
+    rows = draft_rows(batch, cfg)
+    if isinstance(draft, BlockDraft):
+        draft_n, weights = block_slot_counts(draft, batch.tokens[rows], _draft_mask(batch)[rows]), slot_weights(draft.cfg)
+    else:
+        draft_n = torch.stack([m.sum() for m in pass_target_masks(_draft_mask(batch)[rows], cfg.ttt_passes, shift)])
+        weights = pass_weights(cfg.ttt_passes, cfg.pass_decay)
+    n = torch.cat([policy_n.double(), draft_n.double()])  # (1 + K,) or (1 + γ,)
     if group is not None:
         dist.all_reduce(n, group=group)
-    return StepCounts(n[0].clamp_min(1.0), draft_denominator(n[1:], pass_weights(cfg.ttt_passes, cfg.pass_decay)))
+    return StepCounts(n[0].clamp_min(1.0), draft_denominator(n[1:], weights))
 
 
 # -- the two losses ----------------------------------------------------------------------------------
@@ -194,6 +203,21 @@ def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig, deno
     parts = draft_loss_parts(draft, outs, logits, mask, cfg.loss_chunk, shift)
     loss = normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), denominator)
     return loss, DraftStats.of(parts)
+
+
+def block_loss(draft: BlockDraft, policy: Policy, out, batch: TrainBatch, cfg: StepConfig,
+               denominator: torch.Tensor | None = None, row_start: int = 0) -> tuple[torch.Tensor, BlockStats]:
+    """`draft_loss` for a block drafter (train/block_losses.py): the same rows, taps and detached teacher;
+    the logits use the policy's live head and the mask slots its embed_tokens[mask_id], both detached."""
+    B, S = batch.tokens.shape
+    positions = batch.positions
+    if positions is None:
+        positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
+    rows = draft_rows(batch, cfg, row_start)
+    mask_emb = policy.embed_tokens.weight[draft.cfg.mask_id].detach()
+    return block_draft_loss(draft, out.taps.aux[rows], out.taps.embed[rows], out.logits[rows], batch.tokens[rows],
+                            _draft_mask(batch)[rows], positions[rows], policy.lm_head.weight, mask_emb, denominator,
+                            chunk=max(1, cfg.loss_chunk // draft.cfg.gamma))
 
 
 # -- the optimizer step ------------------------------------------------------------------------------
@@ -282,7 +306,11 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     use_draft = draft is not None and (cfg.draft_weight > 0 or not train_policy)
     weight = cfg.draft_weight if train_policy else 1.0
     tap_ids = draft.cfg.aux_layer_ids if use_draft else None
-    counts = step_counts(batch, cfg, shift, grad_group)
+    block = isinstance(draft, BlockDraft)
+    if block and use_draft and (shift is not shift_left or batch.packed):
+        raise NotImplementedError("block drafters under context parallelism are not wired yet (issue 14 part 4), nor packed rows: "
+                                  "their anchors and trunk ring need the CP-aware block attention")
+    counts = step_counts(batch, cfg, shift, grad_group, draft if use_draft else None)
     losses = {"policy/loss": 0.0, "draft/loss": 0.0}
     pol_stats = d_stats = None
     opt.zero_grad(set_to_none=True)
@@ -294,7 +322,10 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                 out = policy(mb.tokens, mb.positions, tap_layers=tap_ids, attn_core=attn_core)
             l_d = None
             if use_draft and row_start < mb.tokens.shape[0]:
-                l_d, s = draft_loss(draft, out, mb, cfg, counts.draft, shift, attn, row_start)
+                if block:
+                    l_d, s = block_loss(draft, policy, out, mb, cfg, counts.draft, row_start)
+                else:
+                    l_d, s = draft_loss(draft, out, mb, cfg, counts.draft, shift, attn, row_start)
                 d_stats = s if d_stats is None else d_stats + s
                 losses["draft/loss"] += l_d.detach()
         if l_d is not None and l_d.requires_grad:  # its own backward: the draft's graph is disjoint from the policy's
