@@ -14,7 +14,8 @@ One PP co-training step (1F1B over --pp stages, the draft on the last stage) tim
                read back (blocking get) by the last stage before each draft step
 
 Reported: median step seconds over --steps (after --warmup), the channel's time waiting for taps as a
-fraction of its step, and the ratios channel / (none + draft), blocking / channel, host / channel.
+fraction of its step, the ratios channel / (none + draft), blocking / channel, host / channel, and the
+time of gathering the whole policy from the stages (what the rollout engine's refit costs under PP).
 Gloo processes on the CPU here; the same script takes --backend nccl on GPUs (torchrun) later.
 
     python bench/pp_taps.py --pp 2 --hidden 256 --layers 4 --rows 8 --seq 128 --micro-rows 2
@@ -40,7 +41,7 @@ from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy, StageTaps  # noqa: E402
 from specco.parallel.mesh import Mesh, spawn_local  # noqa: E402
-from specco.parallel.pipeline import PipeComm, split_stage, stage_layer_ranges  # noqa: E402
+from specco.parallel.pipeline import PipeComm, gather_stages, split_stage, stage_layer_ranges  # noqa: E402
 from specco.parallel.taps import EMBED, TapChannel, TapSpec  # noqa: E402
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, draft_loss, micro_batches, step_counts  # noqa: E402
 from specco.train.cotrain_pp import _TeacherOut, pp_cotrain_step  # noqa: E402
@@ -157,7 +158,7 @@ def _worker(rank, world, a, store_path, out_path):
         draft = copy.deepcopy(draft0) if (last and mode != "none") else None
         opt = build_optimizer(stage, draft, 1e-4, 1e-4)
         pipe = PipeComm(mesh.pp_group)
-        taps = {"none": None, "channel": lambda: TapChannel(spec, mesh.tap_group, slots=max(2, world)),
+        taps = {"none": None, "channel": lambda: TapChannel(spec, mesh.tap_group, slots=world + a.extra_slots),
                 "blocking": lambda: BlockingTaps(spec, pipe),
                 "host": lambda: HostTaps(spec, s, world, store)}[mode]
         taps = taps() if taps else None
@@ -174,6 +175,20 @@ def _worker(rank, world, a, store_path, out_path):
                 waits.append((taps.wait_s if taps is not None else 0.0) - w0)
         times.sort()
         res[mode] = {"step_s": times[len(times) // 2], "tap_wait_s": sorted(waits)[len(waits) // 2]}
+        if mode == "channel":  # the sources' waits for credits, per step (all stages' max)
+            cw = torch.tensor([taps.credit_wait_s / (a.warmup + a.steps)])
+            dist.all_reduce(cw, op=dist.ReduceOp.MAX)
+            res[mode]["credit_wait_s"] = cw.item()
+    # the refit's cost under PP: every rank gathers the whole policy from the stages (parallel.pipeline)
+    stage = split_stage(policy, world, s)
+    gt = []
+    for it in range(a.warmup + a.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        full = gather_stages(stage, mesh.pp_group)
+        gt.append(time.perf_counter() - t0)
+    gt = sorted(gt[a.warmup:])
+    res["gather"] = {"s": gt[len(gt) // 2], "bytes": sum(v.numel() * v.element_size() for v in full.values())}
     if last:  # (a)'s other half: the draft's compute alone, on taps computed here beforehand
         draft = copy.deepcopy(draft0)
         opt = build_optimizer(None, draft, 1e-4, 1e-4)
@@ -207,6 +222,7 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-rows", type=int, default=2)
     ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--extra-slots", type=int, default=1, help="TapChannel slots = pp + this (1: no source waits)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "pp_taps_cpu.json"))
@@ -219,7 +235,7 @@ def main():
     summary = {
         "channel_over_a": ch / (none + dr), "blocking_over_channel": res["blocking"]["step_s"] / ch,
         "host_over_channel": res["host"]["step_s"] / ch, "tap_wait_frac_channel": res["channel"]["tap_wait_s"] / ch,
-        "draft_overhead_over_policy_only": ch / none - 1}
+        "draft_overhead_over_policy_only": ch / none - 1, "gather_over_channel_step": res["gather"]["s"] / ch}
     doc = {"args": vars(a), "machine": f"{platform.machine()} {os.cpu_count()} cores, gloo", "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "results": res, "summary": summary}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

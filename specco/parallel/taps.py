@@ -23,8 +23,13 @@ that credit only after copying the slot out. Taps are copied (detached): no grad
 
 The ring of one step does not outlive it (begin ... end): micro-batch indices restart every step, and no
 receive stays posted between steps, so the process group can be torn down cleanly at any step boundary.
-With a 1F1B schedule a source is at most pp - 1 micro-batches ahead of the last stage, so R >= pp slots
-never make a source wait for a credit.
+Slots and 1F1B: a source posts micro-batch m in its forward F(m), which in 1F1B comes after its backward of
+m - pp, i.e. after the last stage's backward of m - pp; the last stage runs F(k), B(k), draft(k) in turn.
+So the credit of m - R has come back when R >= pp + 1 (draft(m - pp - 1) finished before B(m - pp)
+began): sources never wait. R = pp cannot deadlock, but a post then waits for the draft's work on
+m - pp whenever that outlasts the source's own backward of m - pp (on 2 CPU cores, bench/pp_taps.py
+measured 0.1 ms per step of credit waits at R = pp); R < pp can deadlock (the warmup forwards need
+credits that only come after the pipe is full). `credit_wait_s` records the time a source waited.
 
 Failure is loud: a wait past `timeout_s` raises `TapTimeout` naming the source stage, the micro-batch,
 the step and the layers; a stamp or shape that does not match raises `TapMismatch` — the draft never
@@ -108,6 +113,7 @@ class TapChannel:
             self.staging = [buf(self.stage) for _ in range(slots)]
         self.step, self.num_micro = None, 0
         self.wait_s = 0.0  # time the last stage spent blocked in `wait` (bench: the tap wait)
+        self.credit_wait_s = 0.0  # time this source spent waiting for credits (0 with slots >= pp + 1)
 
     # tags on the channel's own group (matched per peer): header / payload of slot j, credit of slot j
     def _tags(self, j):
@@ -164,9 +170,11 @@ class TapChannel:
         assert m == self.next_m, f"stage {self.stage}: posting micro-batch {m}, expected {self.next_m}"
         j = m % self.R
         if m >= self.R:  # the slot's previous occupant (m - R) must have been consumed: its credit
+            t0 = time.perf_counter()
             self._deadline_wait([self._credits.pop(m - self.R)[0]],
                                 f"tap channel: source stage {self.stage} waiting for the last stage's credit of "
                                 f"micro-batch {m - self.R} (slot {j}; {_layers(ids)})")
+            self.credit_wait_s += time.perf_counter() - t0
         tensors = [taps.embed if i == EMBED else taps.layers.get(i) for i in ids]
         if any(t is None for t in tensors) or (taps.embed is not None and EMBED not in ids) or \
                 sorted(taps.layers) != [i for i in ids if i != EMBED]:

@@ -58,7 +58,8 @@ class PipelineArm:
             p = next(self.stage.parameters())
             spec = TapSpec.for_stages(stage_layer_ranges(cfg.num_layers, self.mesh.pp), self.tap_layers,
                                       cfg.hidden_size, p.dtype, need)
-            self.taps = TapChannel(spec, self.mesh.tap_group, slots=self.mesh.pp)
+            # pp + 1 slots: in 1F1B no source ever waits for a credit (parallel/taps.py: slots and 1F1B)
+            self.taps = TapChannel(spec, self.mesh.tap_group, slots=self.mesh.pp + 1)
         return self.taps
 
 

@@ -68,9 +68,9 @@ def pp_cotrain_step(stage: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     if use_draft and pp > 1:
         if taps is None:
             raise ValueError("a draft under parallel.pp > 1 needs the TapChannel (parallel.taps.TapChannel)")
-        if taps.R < pp:  # 1F1B runs stage 0 up to pp - 1 micro-batches ahead: fewer slots would stall it
+        if taps.R < pp:  # 1F1B's warmup runs stage 0 pp - 1 forwards ahead (parallel/taps.py: slots and 1F1B)
             raise ValueError(f"TapChannel slots={taps.R} < parallel.pp={pp}: the first stage would wait for "
-                             "credits the last stage cannot give yet (deadlock); use slots >= pp")
+                             "credits the last stage cannot give yet (deadlock); use slots >= pp + 1")
     mbs = list(micro_batches(batch, cfg.micro_batch_rows))
     counts = step_counts(batch, cfg, shift, grad_group)
     p = next(stage.parameters())
