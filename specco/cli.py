@@ -20,6 +20,10 @@ from pathlib import Path
 SMOLLM2_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2.toml"
 
 
+FORCE_NEW_HELP = ("out_dir holds a run with another config: delete its outputs and start over (without it, "
+                  "that is an error listing the differing keys)")
+
+
 def _add_overrides(p):
     p.add_argument("overrides", nargs="*", metavar="key.sub=value",
                    help="config overrides, e.g. train.steps=10 rollout.k=2 parallel.cp=2")
@@ -41,14 +45,14 @@ def cmd_demo(a):
                               "pass --config path/to/smollm2.toml")
         config = SMOLLM2_CONFIG
     cfg = load_config(config, ov)
-    run_demo(cfg, progress=not a.quiet)
+    run_demo(cfg, progress=not a.quiet, force_new=a.force_new)
 
 
 def cmd_train(a):
     from .config import load_config
     from .runner.demo import run_demo
     cfg = load_config(a.config, a.overrides)
-    run_demo(cfg, progress=not a.quiet)
+    run_demo(cfg, progress=not a.quiet, force_new=a.force_new)
 
 
 def cmd_generate(a):
@@ -74,7 +78,10 @@ def cmd_generate(a):
     engine = RolloutEngine(policy, draft, cfg)
     prompts = [tok.prompt_ids(p, chat=a.chat, system=a.system) for p in a.prompt]
     t = time.perf_counter()
-    out = engine.generate(prompts, generator=torch.Generator().manual_seed(a.seed))
+    # the sampler lives where the engine draws its uniforms: on the policy's device (a CPU generator
+    # with --device cuda was "Expected a 'cuda' device type for generator", issue 16)
+    gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(a.seed)
+    out = engine.generate(prompts, generator=gen)
     dt = time.perf_counter() - t
     for p, row, n in zip(a.prompt, out.tokens, out.lengths):
         text = tok.decode(truncate_at_stop(row[:int(n)], stops))
@@ -115,12 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "configs/smollm2.toml with --policy smollm2)")
     p.add_argument("--out", default=None, help="output directory (default runs/demo)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--force-new", action="store_true", help=FORCE_NEW_HELP)
     _add_overrides(p)
     p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("train", help="the demo's loop from a TOML config (any size)")
     p.add_argument("config", help="TOML file, e.g. configs/demo.toml")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--force-new", action="store_true", help=FORCE_NEW_HELP)
     _add_overrides(p)
     p.set_defaults(fn=cmd_train)
 
@@ -169,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     from .model.config import ConfigError
+    from .runner.stages import RunLockedError, StageError
+    from .train.checkpoint import CheckpointError
+    from .train.nonfinite import NonFiniteError
     parser = build_parser()
     # Overrides may come before or after options (`train CONFIG --quiet k=v`): argparse leaves the
     # late ones unparsed, so collect every leftover `key=value` and reject anything else.
@@ -185,7 +197,8 @@ def main(argv=None):
     except ConfigError as e:
         print(f"specco: config error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (FileNotFoundError, FileExistsError, ModuleNotFoundError) as e:
+    except (FileNotFoundError, FileExistsError, ModuleNotFoundError, CheckpointError, StageError,
+            RunLockedError, NonFiniteError) as e:
         print(f"specco: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +20,13 @@ from .model.config import ConfigError
 def _check(cond: bool, msg: str):
     if not cond:
         raise ConfigError(msg)
+
+
+def _check_finite(spec, prefix: str):
+    """No float value may be NaN or infinite (train.lr=inf trained every weight to NaN, issue 16)."""
+    for f in dataclasses.fields(spec):
+        v = getattr(spec, f.name)
+        _check(not isinstance(v, float) or math.isfinite(v), f"{prefix}.{f.name}={v}: must be a finite number")
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,8 @@ class PolicySpec:
     dtype: str = "float32"
 
     def __post_init__(self):
+        for n in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size"):
+            _check(getattr(self, n) >= 1, f"policy.{n}={getattr(self, n)}: must be >= 1")
         _check(self.hidden_size % self.num_heads == 0,
                f"policy.hidden_size={self.hidden_size} must be divisible by policy.num_heads={self.num_heads}")
         _check(self.num_heads % self.num_kv_heads == 0,
@@ -70,6 +80,11 @@ class DraftSpec:
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
         _check(self.kind in DRAFT_KINDS, f"draft.kind={self.kind!r}: expected one of {DRAFT_KINDS}")
+        _check_finite(self, "draft")
+        _check(all(i >= 0 for i in self.aux_layer_ids), f"draft.aux_layer_ids={list(self.aux_layer_ids)}: "
+               "layer ids must be >= 0")
+        _check(list(self.aux_layer_ids) == sorted(set(self.aux_layer_ids)),
+               f"draft.aux_layer_ids={list(self.aux_layer_ids)}: must be strictly ascending")
         _check(self.ttt_passes >= 1, f"draft.ttt_passes={self.ttt_passes}: must be >= 1")
         _check(0 < self.pass_decay <= 1, f"draft.pass_decay={self.pass_decay}: must be in (0, 1]")
         _check(self.draft_vocab_size >= 0, "draft.draft_vocab_size must be >= 0 (0 = full vocab)")
@@ -91,10 +106,17 @@ class RolloutSpec:
     # costs measured on the engine's CUDA graphs and the live acceptance. "auto": on with CUDA graphs
     # (GPU), off on CPU, where the demo reports τ at fixed k; "on" / "off" force it.
     spec_control: str = "auto"
+    # Decode runners (each with its own KV cache, sized by batch and length bucket) an engine keeps for
+    # reuse, least recently used dropped first. Each costs its KV cache's memory; one RL arm mostly reuses
+    # a few shapes (8 cached runners grew a 1,024-row run from 0.6 to 2.5 GB, issue 16). 0: none kept.
+    cache_runners: int = 2
 
     def __post_init__(self):
+        _check_finite(self, "rollout")
         _check(self.spec_control in ("auto", "on", "off"),
                f"rollout.spec_control={self.spec_control!r}: must be 'auto', 'on' or 'off'")
+        _check(self.cache_runners >= 0, f"rollout.cache_runners={self.cache_runners}: must be >= 0 (0 = "
+               "build a fresh decode runner every call)")
         _check(self.k >= 1, f"rollout.k={self.k}: the draft must propose at least 1 token (k >= 1)")
         _check(self.temperature >= 0, f"rollout.temperature={self.temperature}: must be >= 0")
         _check(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
@@ -155,8 +177,24 @@ class TrainSpec:
     amp: str = "none"
     checkpoint_every: int = 10
     keep_checkpoints: int = 2  # newest checkpoints kept per arm (each holds the AdamW state too)
+    # A NaN/inf loss, gradient norm or weight: "stop" the run with an error naming the step and the
+    # quantity, or "skip" that RL step's update (keeps a copy of the weights and AdamW state to go back to).
+    on_nonfinite: str = "stop"
+    # The refit guard (runner/refit_guard.py): after every refit the engine's weights must equal the
+    # trainer's (fingerprints), and a collapse of the draft's acceptance is an error naming the step.
+    refit_guard: bool = True
 
     def __post_init__(self):
+        _check_finite(self, "train")
+        _check(self.checkpoint_every >= 1, f"train.checkpoint_every={self.checkpoint_every}: must be >= 1 "
+               "(every RL run also checkpoints at its last step)")
+        for n in ("policy_grad_clip", "draft_grad_clip"):
+            _check(getattr(self, n) > 0, f"train.{n}={getattr(self, n)}: must be > 0 (the max gradient norm; a "
+                   "negative one flips the update direction)")
+        _check(self.warmup_steps >= 0 and self.draft_warmup_steps >= 0,
+               "train.warmup_steps and train.draft_warmup_steps must be >= 0")
+        _check(self.on_nonfinite in ("stop", "skip"), f"train.on_nonfinite={self.on_nonfinite!r}: use 'stop' "
+               "or 'skip'")
         _check(self.steps >= 0 and self.sft_steps >= 0 and self.warm_start_steps >= 0,
                "train.steps, train.sft_steps and train.warm_start_steps must be >= 0")
         _check(self.lr > 0 and self.draft_lr > 0 and self.warm_start_lr > 0,
@@ -210,6 +248,8 @@ class TaskSpec:
     cot_fraction: float = 0.25
 
     def __post_init__(self):
+        _check_finite(self, "task")
+        _check(self.eval_size >= 1, f"task.eval_size={self.eval_size}: must be >= 1")
         _check(self.mode in ("compact", "cot", "chat"),
                f"task.mode={self.mode!r}: choose compact, cot or chat")
         _check(0.0 <= self.cot_fraction <= 1.0,
@@ -233,6 +273,12 @@ class RunConfig:
         object.__setattr__(self, "arms", tuple(self.arms))
         bad = [a for a in self.arms if a not in ("none", "frozen", "cotrained")]
         _check(not bad, f"arms {bad} unknown: choose from none, frozen, cotrained")
+        n = self.policy.num_layers
+        out = [i for i in self.draft.aux_layer_ids if i >= n]
+        # the tiny policy's depth is known here; a pretrained one's is checked by runner.demo.validate_run,
+        # an imported draft's (draft.init) against the policy by runner.warmstart.initial_draft
+        _check(self.policy.source != "tiny" or self.draft.init or not out, f"draft.aux_layer_ids={list(self.draft.aux_layer_ids)}: "
+               f"{out} out of range for policy.num_layers={n} (ids 0..{n - 1})")
 
 
 # -- building from dicts / TOML / overrides ------------------------------------------------

@@ -70,7 +70,7 @@ def test_cli_policy_smollm2_uses_its_config(monkeypatch, tmp_path):
     """`specco demo --policy smollm2` starts from configs/smollm2.toml; overrides still win."""
     import specco.runner.demo as demo
     seen = []
-    monkeypatch.setattr(demo, "run_demo", lambda cfg, progress=True: seen.append(cfg))
+    monkeypatch.setattr(demo, "run_demo", lambda cfg, progress=True, force_new=False: seen.append(cfg))
     main(["demo", "--policy", "smollm2", "--out", str(tmp_path), "train.steps=2"])
     main(["demo", "--out", str(tmp_path)])
     smol, tiny = seen

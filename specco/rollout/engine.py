@@ -50,6 +50,23 @@ def _load_exact(model: nn.Module, state: Mapping[str, torch.Tensor], what: str) 
     return len(state)
 
 
+def weights_fingerprint(state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A cheap checksum of a state dict: per tensor (sorted by key) its sum, its L2 norm (both reduced
+    in fp64) and the dot product of neighbouring elements Σ x_i x_{i+1} (so moved elements show too) —
+    one pass over the weights, no copy of a float tensor. Two identical state dicts on one device give
+    bitwise-identical fingerprints (the same reductions over the same values and layouts); it is a
+    guard against stale weights, not a cryptographic hash."""
+    rows = []
+    for key in sorted(state):
+        flat = state[key].detach().reshape(-1)
+        if not flat.is_floating_point():  # small integer / bool buffers (vocabulary maps)
+            flat = flat.double()
+        neighbours = torch.dot(flat[:-1], flat[1:]).double() if flat.numel() > 1 else flat.sum().double()
+        rows.append(torch.stack([flat.sum(dtype=torch.float64), torch.linalg.vector_norm(flat, dtype=torch.float64),
+                                 neighbours]))
+    return torch.stack(rows).cpu()  # (n_tensors, 3)
+
+
 class RolloutEngine:
     """Generates with its policy (+ draft); `refit` loads new weights in place.
 
@@ -108,7 +125,7 @@ class RolloutEngine:
         if storage != self._storage:  # parameters were replaced, not updated in place
             self._runners.clear()
             self._storage = storage
-        key = (cfg, runner_shape(cfg, self.device, self.draft is not None, ids.shape[0], ids.shape[1], group_size))
+        key = (cfg, runner_shape(cfg, self.device, self.draft, ids.shape[0], ids.shape[1], group_size))
         runner = self._runners.get(key)
         if runner is None:
             runner = self._runners[key] = DecodeRunner(self.policy, cfg, self.draft, controller=controller)
@@ -128,6 +145,29 @@ class RolloutEngine:
         runner.prefill_padded(ids, lens, group_size, generator or seeded_generator(self.device))
         runner.run()
         return runner.result()
+
+    def check_weights(self, policy_state: Mapping[str, torch.Tensor],
+                      draft_state: Mapping[str, torch.Tensor] | None, step: int | None = None) -> None:
+        """Refit guard: raise RefitError unless the engine holds exactly these weights (fingerprints
+        equal). The failure users of every peer report most is a draft — or a policy — whose weights
+        silently stop reaching the engine after a sync while the trainer's loss keeps falling."""
+        where = f"after the refit of step {step}" if step is not None else "after refit"
+        checks = [("policy", self.policy, policy_state)]
+        if draft_state is not None:
+            if self.draft is None:
+                raise RefitError(f"{where}: the trainer has a draft but the engine has none")
+            checks.append(("draft", self.draft, draft_state))
+        for name, model, state in checks:
+            own = model.state_dict()
+            if set(own) != set(state):
+                raise RefitError(f"{where}: the engine's {name} has other tensors than the trainer's "
+                                 f"(missing {sorted(set(state) - set(own))[:5]}, extra {sorted(set(own) - set(state))[:5]})")
+            mine, theirs = weights_fingerprint(own), weights_fingerprint(state)
+            if not torch.equal(mine, theirs):
+                bad = [k for k, a, b in zip(sorted(state), mine, theirs) if not torch.equal(a, b)]
+                raise RefitError(f"{where}: the engine's {name} weights differ from the trainer's in "
+                                 f"{len(bad)} tensor(s), e.g. {bad[:5]} (fingerprints compared: sum, norm, "
+                                 "neighbour products per tensor) — the new weights did not reach the rollout engine")
 
     def refit(self, policy_state: Mapping[str, torch.Tensor] | None,
               draft_state: Mapping[str, torch.Tensor] | None = None) -> dict:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.layers import KVCache, causal_sdpa, rope_cos_sin
 from ..model.policy import Policy, Taps
@@ -52,8 +53,13 @@ class RopeTable:
         return self.cos.shape[0]
 
 
-def _attend(attn, x_normed, positions, cache_k, cache_v, rope: RopeTable, prefill: bool, eps: float):
-    """One attention block on normed inputs (B, T, in) -> o_proj output (B, T, out)."""
+def _attend(attn, x_normed, positions, cache_k, cache_v, rope: RopeTable, prefill: bool, eps: float,
+            visible: torch.Tensor | None = None):
+    """One attention block on normed inputs (B, T, in) -> o_proj output (B, T, out).
+
+    positions (B, T): RoPE positions and where the new K/V are written; visible (B, T): the last key
+    position each query sees (default: its own — causal); the block drafter's slots all see the whole
+    block (bidirectional) with visible = the block's last position."""
     B, T, _ = x_normed.shape
     H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     qkv = attn.qkv_proj(x_normed)  # (B, T, (H + 2 Hkv) D)
@@ -64,7 +70,7 @@ def _attend(attn, x_normed, positions, cache_k, cache_v, rope: RopeTable, prefil
         o = causal_sdpa(q.transpose(1, 2), cache_k[:, :, :T], cache_v[:, :, :T])  # (B, H, T, D)
         o = o.transpose(1, 2)  # (B, T, H, D)
     else:
-        o = decode_attention(q, cache_k, cache_v, positions)  # (B, T, H, D)
+        o = decode_attention(q, cache_k, cache_v, positions if visible is None else visible)  # (B, T, H, D)
     return attn.o_proj(o.reshape(B, T, H * D))
 
 
@@ -127,3 +133,52 @@ def draft_step(draft: Eagle3Draft, hidden: torch.Tensor, emb: torch.Tensor, posi
     x, xn = add_rms_norm(_rows(a), _rows(hidden), layer.post_attention_layernorm.weight, eps)
     out, normed = add_rms_norm(_mlp(layer.mlp, xn), x, draft.norm.weight, eps)
     return draft.lm_head(normed).view(B, T, -1), out.view(B, T, h)
+
+
+# -- block drafters (DFlash / DSpark, model/dflash.py) ---------------------------------------------------
+# Serving state: per draft layer, the trunk K/V — the layer's own K/V projection of hidden_norm(fc(taps))
+# — cached at the positions whose target taps exist (< n). A proposal is one forward of the block
+# [emb(x_n), mask, ..., mask] at positions n..n+W-1: its K/V are written into the same cache at those
+# positions (not yet trunk entries: the trunk is valid < n only, and the catch-up overwrites n..n+k with
+# the accepted tokens' trunk K/V), and every slot sees keys <= n+W-1 — the trunk strictly before its
+# anchor plus its whole block, bidirectionally: exactly the training attention (ops/block_attention.py).
+
+@torch.no_grad()
+def block_trunk_write(draft: BlockDraft, taps_aux: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      rope: RopeTable) -> None:
+    """Trunk K/V of target taps (B, T, k·h) at `positions` (B, T) into every draft layer's cache:
+    hidden_norm(fc(taps)) through each layer's K/V rows, k-norm, RoPE (BlockDraftLayer.trunk_kv)."""
+    B, T, _ = taps_aux.shape
+    eps = draft.cfg.rms_norm_eps
+    _, trunk = add_rms_norm(_rows(draft.fc(taps_aux.to(draft.fc.weight.dtype))), None, draft.hidden_norm.weight, eps)
+    for l, layer in enumerate(draft.layers):
+        sa = layer.self_attn
+        q_size = sa.num_heads * sa.head_dim
+        kv = torch.nn.functional.linear(trunk, sa.qkv_proj.weight[q_size:],
+                                        None if sa.qkv_proj.bias is None else sa.qkv_proj.bias[q_size:])
+        # no query heads: the fused kernel only normalises, rotates and writes the keys, and writes the values
+        rope_qkv_write(kv.view(B, T, -1), 0, sa.num_kv_heads, sa.head_dim, rope.cos, rope.sin, positions,
+                       cache.k[l], cache.v[l], sa.k_norm.weight, sa.k_norm.weight, eps)
+
+
+@torch.no_grad()
+def block_propose_hidden(draft: BlockDraft, anchor_emb: torch.Tensor, mask_emb: torch.Tensor,
+                         n: torch.Tensor, cache: KVCache, rope: RopeTable) -> torch.Tensor:
+    """Final-normed hidden states (B, W, h) of the block anchored at n (B,): slot 0 = anchor_emb (B, h),
+    the others the mask embedding (h,); the same function as BlockDraft.forward for that one block."""
+    c = draft.cfg
+    B, W, h, eps = n.shape[0], c.block_size, c.hidden_size, c.rms_norm_eps
+    dt = draft.fc.weight.dtype
+    x = mask_emb.to(dt).expand(B, W, h).clone()
+    x[:, 0] = anchor_emb.to(dt)
+    slot_pos = n[:, None] + torch.arange(W, device=n.device)  # (B, W)
+    visible = slot_pos[:, -1:].expand(B, W)  # every slot sees the trunk < n and its whole block
+    x, resid = _rows(x), None
+    for l, layer in enumerate(draft.layers):
+        hs, xn = add_rms_norm(x, resid, layer.input_layernorm.weight, eps)
+        a = _attend(layer.self_attn, xn.view(B, W, h), slot_pos, cache.k[l], cache.v[l], rope, False, eps,
+                    visible=visible)
+        hs, xn = add_rms_norm(_rows(a), hs, layer.post_attention_layernorm.weight, eps)
+        x, resid = _mlp(layer.mlp, xn), hs
+    _, hidden = add_rms_norm(x, resid, draft.norm.weight, eps)
+    return hidden.view(B, W, h)

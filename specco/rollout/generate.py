@@ -34,6 +34,7 @@ from typing import Sequence
 
 import torch
 
+from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from . import compaction
@@ -42,6 +43,7 @@ from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
 from .levels import Level, PlainSteps, new_state
 from .sampling import SamplingParams, pick_tokens_logp
+from .block_spec import BlockSpeculativeSteps, block_prefill
 from .speculative import SpeculativeSteps, draft_prefill, gather_rows
 from .state import fill_groups, group_leaders
 
@@ -142,12 +144,20 @@ def execution_modes(cfg: GenerateConfig, device: torch.device) -> tuple[bool, bo
     return use_graphs, use_graphs if cfg.bucket_shapes is None else cfg.bucket_shapes
 
 
-def runner_shape(cfg: GenerateConfig, device: torch.device, with_draft: bool, num_prompts: int,
+def lookahead(cfg: GenerateConfig, draft) -> int:
+    """How many positions past n a round may write: k (verify of k+1 tokens), or for a block drafter
+    the block's last slot n+W-1 if that is further."""
+    if draft is None:
+        return 0
+    k = cfg.num_draft_tokens
+    return max(k, draft.cfg.block_size - 1) if isinstance(draft, BlockDraft) else k
+
+
+def runner_shape(cfg: GenerateConfig, device: torch.device, draft, num_prompts: int,
                  prompt_len: int, group_size: int) -> RunnerShape:
     """The shape (bucket) a DecodeRunner uses for this call: what RolloutEngine keys its runners by."""
     _, bucketed = execution_modes(cfg, device)
-    k = cfg.num_draft_tokens if with_draft else 0
-    return RunnerShape.bucket(num_prompts, prompt_len, group_size, cfg, k, bucketed)
+    return RunnerShape.bucket(num_prompts, prompt_len, group_size, cfg, lookahead(cfg, draft), bucketed)
 
 
 def seeded_generator(device) -> torch.Generator:
@@ -203,7 +213,7 @@ class DecodeRunner:
         return self.level.st
 
     def shape_for(self, num_prompts: int, prompt_len: int, group_size: int) -> RunnerShape:
-        return runner_shape(self.cfg, self.device, self.draft is not None, num_prompts, prompt_len, group_size)
+        return runner_shape(self.cfg, self.device, self.draft, num_prompts, prompt_len, group_size)
 
     # -- prefill ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -287,9 +297,10 @@ class DecodeRunner:
                        self.shape.cache_len, self.device)
         # Without speculation control only k_max runs (0 without a draft): no other step set is built.
         ks = range(self.k + 1) if self.controller is not None else [self.k]
+        spec = BlockSpeculativeSteps if isinstance(self.draft, BlockDraft) else SpeculativeSteps
         steps = {k: PlainSteps(self.policy, st, cfg.sampling, cfg.max_new_tokens, cfg.eos_token_id, rope)
-                 if k == 0 else SpeculativeSteps(self.policy, self.draft, st, cfg.sampling, k, cfg.max_new_tokens,
-                                                 cfg.eos_token_id, rope, d_rope) for k in ks}
+                 if k == 0 else spec(self.policy, self.draft, st, cfg.sampling, k, cfg.max_new_tokens,
+                                     cfg.eos_token_id, rope, d_rope) for k in ks}
         level = Level(st, steps, self.use_graphs, root_rows)
         if self.use_graphs:
             level.capture(lambda: st.finished.fill_(True), self.pool)
@@ -335,7 +346,9 @@ class DecodeRunner:
         st.finished.copy_(finished)
         for t in (st.n_emitted, st.n_row_forwards, st.n_accepted, st.n_proposed, st.n_tried):
             t.zero_()
-        if draft is not None:
+        if isinstance(draft, BlockDraft):
+            block_prefill(draft, taps.aux, G, st.d_cache, d_rope)
+        elif draft is not None:
             d_logits0, d_hidden0 = draft_prefill(policy, draft, io.ids, io.lens, taps.aux, first, G,
                                                  st.d_cache, d_rope)
             st.d_logits0.copy_(d_logits0)
@@ -421,7 +434,8 @@ def generate(policy: Policy, prompts: Sequence, cfg: GenerateConfig, draft: Eagl
     """Generate up to cfg.max_new_tokens tokens for each prompt, `group_size` samples per prompt.
 
     prompts: a sequence of token-id sequences (lists or 1-D tensors), any lengths >= 1.
-    With `draft`, decoding is speculative (EAGLE-3, k = cfg.num_draft_tokens) and lossless: greedy
+    With `draft`, decoding is speculative (an EAGLE-3 or a block drafter — DFlash / DSpark, block_spec.py —
+    k = cfg.num_draft_tokens) and lossless: greedy
     outputs equal plain greedy decoding; sampled outputs have the target's distribution.
     Output row b*G + g is sample g of prompt b; each prompt is prefilled once and its cache shared.
     """

@@ -13,7 +13,9 @@ from typing import Callable
 
 import torch
 
+from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
+from ..model.layers import KVCache
 from ..model.policy import Policy
 from .control import Choice
 from .forward import RopeTable, policy_forward
@@ -43,7 +45,7 @@ class PlainSteps:
         st.last_tok.copy_(torch.where(live, tok, st.last_tok))
 
 
-def new_state(policy: Policy, draft: Eagle3Draft | None, params: SamplingParams, max_new_tokens: int,
+def new_state(policy: Policy, draft: Eagle3Draft | BlockDraft | None, params: SamplingParams, max_new_tokens: int,
               k_max: int, rows: int, cache_len: int, device) -> DecodeState:
     """Zeroed decode buffers for `rows` rows (cache length, k_max draft tokens, sampling or greedy)."""
     T, W = max_new_tokens, k_max + 1
@@ -59,9 +61,13 @@ def new_state(policy: Policy, draft: Eagle3Draft | None, params: SamplingParams,
     if draft is not None:
         d_dtype = draft.fc.weight.dtype
         n_aux = len(draft.cfg.aux_layer_ids)
-        st.d_cache = draft.new_cache(rows, cache_len)
-        st.d_logits0 = zeros(rows, draft.cfg.draft_vocab_size, dt=d_dtype)
-        st.d_hidden0 = zeros(rows, draft.cfg.hidden_size, dt=d_dtype)
+        if isinstance(draft, BlockDraft):  # the trunk K/V of every draft layer; no carried pass-1 output
+            c = draft.cfg
+            st.d_cache = KVCache.empty(c.num_layers, rows, c.num_kv_heads, cache_len, c.head_dim, device, d_dtype)
+        else:
+            st.d_cache = draft.new_cache(rows, cache_len)
+            st.d_logits0 = zeros(rows, draft.cfg.draft_vocab_size, dt=d_dtype)
+            st.d_hidden0 = zeros(rows, draft.cfg.hidden_size, dt=d_dtype)
         st.draft_tok = zeros(rows, k_max)
         st.taps = zeros(rows, W, n_aux * policy.cfg.hidden_size, dt=st.t_cache.k.dtype)
         st.num_accepted, st.block = zeros(rows), zeros(rows, W)

@@ -27,6 +27,7 @@ from ..parallel.cp import shard_batch, step_fns
 from ..parallel.mesh import Mesh
 from ..parallel.zigzag import ZigzagLayout
 from ..train.activation_checkpointing import apply_activation_checkpointing
+from ..train.nonfinite import check_finite
 from ..train.cotrain import build_optimizer, cotrain_step
 from .derive import check_parallel, step_config
 
@@ -77,6 +78,10 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
     Every dp rank gets its own pack of `seq_lens` sequences (a different seed per dp rank and step);
     the pack is zigzag-sharded over the dp rank's CP group. Must be called on every rank.
     """
+    short = [n for n in seq_lens if n < 2]
+    if not seq_lens or short:  # a 1-token sequence has no next token: no target, a 0/0 loss (NaN)
+        raise ConfigError(f"--seq-lens {','.join(map(str, seq_lens))}: every packed sequence needs >= 2 tokens "
+                          "(a token and the next one it predicts)")
     if cfg.train.kl_coef > 0:
         raise ConfigError(f"train.kl_coef={cfg.train.kl_coef}: the synthetic packs of cotrain-cp have no reference "
                           "policy; the KL penalty applies to the RL loop (`specco train`)")
@@ -109,6 +114,8 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
         for key, v in zip(("policy/loss", "draft/loss"), losses.tolist()):
             if key in m:
                 m[key] = v
+        check_finite(f"cotrain-cp step {step}", m, ("policy/loss", "draft/loss", "policy/grad_norm",
+                                                     "draft/grad_norm"))
         m["step"] = step
         m["tokens/local"] = layout.num_local
         if device.type == "cuda":  # this rank's figures (rank 0 prints): time incl. the metrics' syncs

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import RunConfig, config_to_dict
+from ..config import RunConfig
 from ..data.tasks import get_task
 from ..data.tokenizer import build_char_tokenizer, load_tokenizer
 from ..model.draft import Eagle3Draft
@@ -28,6 +28,9 @@ from ..train.sft import evaluate, sft, tiny_policy_config
 from .report import markdown_table, plot_arms, read_jsonl
 from .derive import at_temperature, check_parallel, generate_config, step_config
 from .rl import run_arm
+from .stages import RunLock, commit_dir, load_stage, record_config, remove_stale_temporaries, seed_stage
+from ..faults import point
+from ..train.nonfinite import check_finite
 from .warmstart import initial_draft, measure_tau, sample_pool, warm_start
 
 # Pretrained policies' SFT reads task stream `seed + PRETRAINED_SFT_STREAM`, disjoint from the RL
@@ -51,15 +54,15 @@ def prepare_policy(cfg: RunConfig, out: Path, device, progress=True):
     """The RL starting point: SFT'd tiny policy, SmolLM2, or a HF directory. Cached in out/sft_policy."""
     pol_dir = out / "sft_policy"
     src = cfg.policy.source
-    if (pol_dir / "config.json").exists():
-        return load_policy(pol_dir, device=device), load_tokenizer(pol_dir), json.loads(
-            (pol_dir / "sft_metrics.json").read_text()) if (pol_dir / "sft_metrics.json").exists() else {}
+    if pol_dir.is_dir():  # committed whole (stages.commit_dir): done
+        return load_stage(pol_dir, lambda: (load_policy(pol_dir, device=device), load_tokenizer(pol_dir),
+                                            json.loads((pol_dir / "sft_metrics.json").read_text())))
     dtype = getattr(torch, cfg.policy.dtype)
     if src == "tiny":
         tok = build_char_tokenizer()
         task = get_task(cfg.task.name, mode=cfg.task.mode, cot_fraction=cfg.task.cot_fraction,
                         **task_overrides(cfg))
-        torch.manual_seed(cfg.train.seed)
+        seed_stage(cfg.train.seed, "sft")
         pc = tiny_policy_config(tok, cfg.policy.hidden_size, cfg.policy.num_layers,
                                 cfg.policy.num_heads, cfg.policy.num_kv_heads,
                                 cfg.policy.intermediate_size)
@@ -80,9 +83,14 @@ def prepare_policy(cfg: RunConfig, out: Path, device, progress=True):
         _say(f"[1/4] loaded policy {src_dir} ({policy.cfg.num_params / 1e6:.1f}M parameters)", progress)
         metrics = format_sft(cfg, policy, tok, progress) if cfg.train.sft_steps else {}
     policy = policy.to(dtype)
-    save_policy(policy, pol_dir)
-    tok.save(pol_dir)
-    (pol_dir / "sft_metrics.json").write_text(json.dumps(metrics))
+    check_finite(f"SFT ({cfg.train.sft_steps} steps)", {"sft/final_loss": metrics.get("sft_final_loss", 0.0)},
+                 modules=(policy,))
+    with commit_dir(pol_dir) as tmp:
+        save_policy(policy, tmp)
+        point("sft_policy/model")
+        tok.save(tmp)
+        point("sft_policy/tokenizer")
+        (tmp / "sft_metrics.json").write_text(json.dumps(metrics))
     return policy, tok, metrics
 
 
@@ -140,13 +148,16 @@ def task_overrides(cfg: RunConfig) -> dict:
 def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
     """Warm-started draft (cached in out/warm_draft) and the offline sim-vs-real tau figures."""
     d_dir = out / "warm_draft"
-    if (d_dir / "draft_config.json").exists():
+    if d_dir.is_dir():  # committed whole (stages.commit_dir): done
         dev = next(policy.parameters()).device
-        return Eagle3Draft.load(d_dir, device=dev), json.loads((d_dir / "warm_metrics.json").read_text())
+        return load_stage(d_dir, lambda: (Eagle3Draft.load(d_dir, device=dev),
+                                          json.loads((d_dir / "warm_metrics.json").read_text())))
+    point("warm_draft/start")
     gcfg = generate_config(cfg, tok.eos_id, tok.pad_id)
     t = time.perf_counter()
     tokens, mask = sample_pool(policy, task, tok, n_prompts=cfg.train.warm_start_prompts, group=4, gen_cfg=gcfg,
                                seed=cfg.train.seed + 1000)
+    seed_stage(cfg.train.seed, "warm_draft")  # the new draft's init draws from the global RNG
     draft = initial_draft(policy, tokens, cfg.draft)  # new, or imported from draft.init
     _say(f"[2/4] draft warm start: {cfg.train.warm_start_steps} offline steps x "
          f"{cfg.train.warm_start_batch} rows on {tokens.shape[0]} policy samples, draft vocab "
@@ -155,6 +166,9 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
     hist = warm_start(policy, draft, tokens, mask, cfg.train.warm_start_steps, cfg.train.warm_start_lr,
                       batch_size=cfg.train.warm_start_batch, scfg=scfg, seed=cfg.train.seed,
                       progress=progress)
+    for i, h in enumerate(hist):
+        check_finite(f"draft warm start step {i + 1}", h, ("draft/loss", "draft/grad_norm"))
+    check_finite("draft warm start", modules=(draft,))
     last = hist[-min(10, len(hist)):] if hist else []
     sim = sum(h["draft/sim_accept_len"] for h in last) / max(1, len(last))
     real = {f"T={T}": measure_tau(policy, draft, task, tok, min(64, cfg.train.warm_start_prompts),
@@ -164,8 +178,10 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
     metrics = {"warm_time_s": time.perf_counter() - t, "sim_tau_start": hist[0]["draft/sim_accept_len"] if hist else None,
                "sim_tau_end": sim, "real": real, "draft_vocab_size": draft.cfg.draft_vocab_size,
                "draft_params": sum(p.numel() for p in draft.parameters())}
-    draft.save(d_dir)
-    (d_dir / "warm_metrics.json").write_text(json.dumps(metrics, indent=1))
+    with commit_dir(d_dir) as tmp:
+        draft.save(tmp)
+        point("warm_draft/draft")
+        (tmp / "warm_metrics.json").write_text(json.dumps(metrics, indent=1))
     return draft, metrics
 
 
@@ -196,16 +212,44 @@ def _from_rank0(objs: tuple, mesh: Mesh | None, device) -> tuple:
     return tuple(o.to(device) if isinstance(o, torch.nn.Module) else o for o in box[0])
 
 
-def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
+def run_demo(cfg: RunConfig, progress: bool = True, force_new: bool = False) -> dict:
     """The whole job. Returns the summary that is also written to out_dir/summary.json (rank 0; other
-    data-parallel ranks return {})."""
+    data-parallel ranks return {}). `force_new`: delete a previous run's outputs in out_dir even when it
+    had another config (otherwise an error, runner/stages.py)."""
+    validate_run(cfg)  # every config value, before any stage runs
     mesh = parallel_setup(cfg)
     rank = mesh.rank if mesh is not None else 0
-    progress = progress and rank == 0
+    lock = RunLock(Path(cfg.out_dir)) if rank == 0 else None
+    try:
+        return _run_demo(cfg, mesh, rank, progress and rank == 0, force_new)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def validate_run(cfg: RunConfig) -> None:
+    """What the config tree cannot check alone because it needs the policy: the draft's aux layers
+    against a pretrained policy's depth (the tiny policy's are checked by RunConfig itself)."""
+    from ..model.config import ConfigError
+    from ..model.hf_io import load_policy_config
+    src = cfg.policy.source
+    if src in ("tiny", "smollm2") or not cfg.draft.aux_layer_ids:
+        return
+    if not Path(src).is_dir():
+        raise ConfigError(f"policy.source={src!r}: not 'tiny', 'smollm2' or an existing HF directory")
+    n = load_policy_config(src).num_layers
+    bad = [i for i in cfg.draft.aux_layer_ids if not 0 <= i < n]
+    if bad:
+        raise ConfigError(f"draft.aux_layer_ids={list(cfg.draft.aux_layer_ids)}: {bad} out of range for "
+                          f"{src}, which has {n} layers (ids 0..{n - 1})")
+
+
+def _run_demo(cfg: RunConfig, mesh, rank: int, progress: bool, force_new: bool) -> dict:
     out = Path(cfg.out_dir)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=1))
+        record_config(out, cfg, force_new)
+        for p in remove_stale_temporaries(out):
+            _say(f"removed {p}, left by an interrupted run", progress)
     device = mesh.device if mesh is not None and mesh.device.type == "cuda" else pick_device(cfg.device)
     if device.type == "cuda":  # fp32 policies train with TF32 matmuls (10-bit mantissa products)
         torch.set_float32_matmul_precision("high")
@@ -222,6 +266,7 @@ def run_demo(cfg: RunConfig, progress: bool = True) -> dict:
     task = get_task(cfg.task.name, mode=mode, tokenizer=tok, cot_fraction=cfg.task.cot_fraction,
                     **task_overrides(cfg))
     if rank == 0:  # the report's accuracy figures; other data-parallel ranks skip the evaluation
+        seed_stage(cfg.train.seed, "eval")
         if cfg.policy.source == "tiny":
             ev = evaluate(policy, tok, task, n=cfg.task.eval_size, temperature=cfg.rollout.temperature)
             sft_m["accuracy_T"] = ev["accuracy"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 
@@ -20,7 +21,10 @@ class MetricsLog:
         self.path = self.dir / "metrics.jsonl"
         rows = read_jsonl(self.path) if self.path.exists() else []
         rows = [r for r in rows if r.get("step", -1) <= resume_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        # rewritten whole and renamed into place: a crash here keeps the old log, never a truncated one
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, self.path)
         self.tb = None
         if tensorboard:
             try:

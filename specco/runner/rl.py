@@ -24,17 +24,18 @@ advantages stay local); the CP group of each slice generates it once (its cp ran
 own sampler) and shares the rollouts over the CP group; with cp > 1 each minibatch is packed into one
 THD row and zigzag-sharded over the CP group. The co-training step normalises by global counts and
 sums gradients over all dp x cp ranks, so the update is the one of the whole batch (tests/test_dp.py,
-tests/test_rl_cp.py). With parallel.pp > 1 (rl_pp.py) each rank trains its pipeline stage (the draft on the
-last) and holds a whole copy of the policy in its rollout engine, refit from the gathered stages. Metrics: losses summed over all ranks (each holds its share), tokens/s summed and
-the engine-vs-trainer log-prob gap maxed over DP ranks, everything else the mean over DP ranks. Rank 0
-logs and checkpoints (with every DP rank's sampler state); on resume rank 0 reads the checkpoint and
-sends it to the others through the process group.
+tests/test_rl_cp.py). With parallel.pp > 1 (rl_pp.py) each rank trains its pipeline stage (the draft on
+the last) and holds a whole copy of the policy in its rollout engine, refit from the gathered stages.
+Metrics: losses summed over all ranks (each holds its share), tokens/s summed and the engine-vs-trainer
+log-prob gap maxed over DP ranks, everything else the mean over DP ranks. Rank 0 logs and checkpoints
+(with every DP rank's sampler state); on resume rank 0 reads the checkpoint and sends it to the others
+through the process group.
 """
 from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,14 +48,17 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
+from .refit_guard import MIN_TRIES, check_acceptance
 from ..train.activation_checkpointing import apply_activation_checkpointing
-from ..train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, set_rng_state
+from ..train.checkpoint import load_latest, remove_stale_temporaries, save_checkpoint, set_rng_state
 from ..train.cotrain import (StepConfig, amp_context, build_optimizer, build_scheduler, cotrain_step, draft_loss,
                              step_counts)
+from ..train.nonfinite import NonFiniteError, check_finite
 from ..train.losses import all_reduce_sums, metrics_to_floats
 from .derive import generate_config, step_config
 from .rl_pp import PipelineArm, gather_for_refit, pp_checkpoint_state, pp_restore, pp_train_updates
 from .report import MetricsLog
+from .stages import seed_stage
 from .rollouts import Rollouts, collect_rollouts, engine_logprob_gap, minibatches
 
 ARMS = ("none", "frozen", "cotrained")
@@ -90,6 +94,7 @@ class ArmState:
     pipeline: PipelineArm | None = None  # parallel.pp > 1: the stage's schedule and tap channel (rl_pp.py)
     step: int = 0
     data_offset: int = 0
+    accept_history: list = field(default_factory=list)  # first-position acceptance per step (refit guard)
 
 
 def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, gen_cfg, rank: int = 0,
@@ -102,7 +107,8 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None
     policy = copy.deepcopy(policy).train()
     draft = copy.deepcopy(draft) if (draft is not None and arm != "none") else None
     eng_draft = copy.deepcopy(draft) if draft is not None else None
-    engine = RolloutEngine(copy.deepcopy(policy).eval(), eng_draft, gen_cfg)
+    engine = RolloutEngine(copy.deepcopy(policy).eval(), eng_draft, gen_cfg,
+                           cache_runners=cfg.rollout.cache_runners)
     pipeline = None
     if mesh is not None and mesh.pp > 1:
         pipeline = PipelineArm.build(mesh, policy, draft if arm == "cotrained" else None)
@@ -123,6 +129,8 @@ def _distributed(mesh: Mesh | None) -> bool:
     return mesh is not None and mesh.pp * mesh.dp * mesh.cp > 1
 
 
+# checked after every update: a non-finite one stops the run (or is skipped, train.on_nonfinite)
+_CHECKED = ("policy/loss", "draft/loss", "policy/grad_norm", "draft/grad_norm")
 _SUM_ALL_KEYS = ("policy/loss", "draft/loss")  # each rank's share of the global mean
 _SUM_DP_KEYS = ("tokens_per_s",)
 _MAX_KEYS = ("logprob_gap_engine_vs_trainer",)
@@ -168,11 +176,29 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     t0 = time.perf_counter()
     train_draft = st.draft if st.arm == "cotrained" else None
     group = mesh.grad_group if _distributed(mesh) else None
-    if st.pipeline is not None:
+    # on_nonfinite=skip: a copy to go back to (memory: one more copy of the weights and AdamW state)
+    snap = copy.deepcopy((st.policy.state_dict(), train_draft and train_draft.state_dict(), st.opt.state_dict())
+                         ) if t.on_nonfinite == "skip" else None
+    if st.pipeline is not None:  # this rank's stage; the metrics (hence the checks below) agree on every stage
         hist = pp_train_updates(st, train_draft, mbs, scfg, t.ppo_epochs, group)
     else:
         hist = [cotrain_step(st.policy, train_draft, mb.batch, st.opt, None, scfg, grad_group=group, **mb.fns)
                 for _ in range(t.ppo_epochs) for mb in mbs]
+    try:
+        for i, h in enumerate(hist):
+            check_finite(f"RL step {st.step + 1} of arm {st.arm} (update {i + 1} of {len(hist)})", h, _CHECKED)
+        check_finite(f"RL step {st.step + 1} of arm {st.arm}", modules=(st.policy, train_draft))
+        m["nonfinite_skipped"] = 0
+    except NonFiniteError as e:
+        if snap is None:
+            raise
+        # every rank sees the same reduced numbers, so every rank skips (the weights stay in sync)
+        print(f"specco: skipping the update: {e}", flush=True)
+        st.policy.load_state_dict(snap[0])
+        if train_draft is not None:
+            train_draft.load_state_dict(snap[1])
+        st.opt.load_state_dict(snap[2])
+        m["nonfinite_skipped"] = 1
     st.sched.step()  # the LR schedule counts RL steps, however many updates each has
     m["time/train"] = time.perf_counter() - t0
     for k in hist[0]:  # means over the updates (one update: its own values)
@@ -196,13 +222,26 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
     if st.pipeline is not None:  # the engine needs the whole policy: gather the stages (and the last's draft)
         policy_sd, draft_sd = gather_for_refit(st, mesh)
         m["time/gather"] = time.perf_counter() - t0
+        # the guard compares the engine with the whole policy gathered from every stage's trainer
+        guard = (policy_sd, draft_sd if st.arm == "cotrained" else st.draft and st.draft.state_dict())
     else:
         policy_sd, draft_sd = st.policy.state_dict(), st.draft.state_dict() if st.arm == "cotrained" else None
+        guard = (st.policy.state_dict(), st.draft.state_dict() if st.draft is not None else None)
     st.engine.refit(policy_sd, draft_sd)
     m["time/refit"] = time.perf_counter() - t0
     st.step += 1
     st.data_offset += cfg.rollout.prompts_per_step
-    return _reduce_metrics(m, mesh)
+    m = _reduce_metrics(m, mesh)
+    if cfg.train.refit_guard:  # runner/refit_guard.py; on reduced metrics, so every rank decides alike
+        t0 = time.perf_counter()
+        st.engine.check_weights(*guard, step=st.step)
+        proposed = int(m.get("rollout/proposed", 0))
+        if st.arm != "none" and proposed:
+            check_acceptance(st.accept_history, m["accept/pos1"], proposed, st.step)
+            if proposed >= MIN_TRIES:
+                st.accept_history.append(m["accept/pos1"])
+        m["time/refit_guard"] = time.perf_counter() - t0
+    return m
 
 
 def _ckpt_state(st: ArmState, mesh: Mesh | None = None) -> dict:
@@ -224,13 +263,12 @@ def _load_latest(root: Path, st: ArmState, mesh: Mesh | None) -> dict | None:
     """The newest checkpoint under `root`, or None. Distributed: rank 0 reads it and sends it to every
     rank through the process group (the other ranks need no access to rank 0's file system)."""
     if not _distributed(mesh):
-        ck = latest_checkpoint(root)
-        return load_checkpoint(ck, generators={"gen": st.gen}) if ck is not None else None
+        found = load_latest(root, generators={"gen": st.gen})
+        return found and {**found[1], "path": str(found[0])}
     box = [None]
     if mesh.rank == 0:
-        ck = latest_checkpoint(root)
-        box = [load_checkpoint(ck, restore_rng=False) if ck is not None else None]
-        box[0] = box[0] and {**box[0], "path": str(ck)}
+        found = load_latest(root, restore_rng=False)
+        box = [found and {**found[1], "path": str(found[0])}]
     dist.broadcast_object_list(box, group=dist.group.WORLD, group_src=0)  # every rank, every pipeline stage
     s = box[0]
     if s is not None:
@@ -273,8 +311,11 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None,
     """
     out_dir = Path(out_dir)
     rank = mesh.rank if mesh is not None else 0
+    seed_stage(cfg.train.seed, f"rl/{arm}")  # a fresh arm starts from its own RNG state; a resumed one restores it
     st = make_arm(cfg, arm, policy, draft, generate_config(cfg, tokenizer.eos_id, tokenizer.pad_id),
                   rank=mesh.dp_rank if mesh is not None else 0, mesh=mesh)
+    if rank == 0:  # crashed writes' leftovers (the run lock, runner/stages.py, excludes a live writer)
+        remove_stale_temporaries(out_dir / "ckpt")
     s = _load_latest(out_dir / "ckpt", st, mesh) if resume else None
     if s is not None:
         _restore(st, s, mesh)

@@ -98,6 +98,8 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
              "target_forwards": out.num_target_forwards}
         for j, a in enumerate(out.accept_rate.tolist()):
             m[f"accept/pos{j + 1}"] = a
+        if out.accept_counts is not None and out.accept_counts[1].numel():
+            m["rollout/proposed"] = int(out.accept_counts[1][0])  # rounds x rows that proposed a first token
         if out.choices:  # speculation control at the root level (all rows), rollout/control.py
             root = out.choices[0]
             m["rollout/k_chosen"] = root.k

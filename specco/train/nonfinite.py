@@ -1,0 +1,46 @@
+"""Non-finite numbers stop a run where they appear, naming the step and the quantity.
+
+A NaN or infinite loss, gradient norm or weight poisons every later step (AdamW turns one NaN gradient
+into NaN weights), and metrics.jsonl drops non-finite values, so without a check a run could finish
+"successfully" with every weight NaN (issue 16: train.lr=inf). The runners call these after each
+step; train.on_nonfinite = "skip" makes the RL loop drop that step's update instead of stopping.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class NonFiniteError(RuntimeError):
+    """A loss, gradient norm or weight that is NaN or infinite; the message names where."""
+
+
+def nonfinite_metrics(metrics: dict, keys=None) -> dict:
+    """The entries of `metrics` (restricted to `keys` when given) that are non-finite numbers."""
+    return {k: v for k, v in metrics.items()
+            if (keys is None or k in keys) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and not math.isfinite(v)}
+
+
+def first_nonfinite_weight(*modules) -> str | None:
+    """The name of the first parameter holding a NaN or inf (None: all finite). One host sync."""
+    named = [(f"{i}:{n}", p) for i, m in enumerate(modules) if m is not None for n, p in m.named_parameters()]
+    if not named:
+        return None
+    ok = torch.stack([p.detach().isfinite().all() for _, p in named]).cpu()
+    bad = [n for (n, _), good in zip(named, ok.tolist()) if not good]
+    return bad[0].split(":", 1)[1] if bad else None
+
+
+def check_finite(where: str, metrics: dict | None = None, keys=None, modules=()) -> None:
+    """Raise NonFiniteError naming `where` (e.g. "RL step 3 of arm cotrained") and the quantity."""
+    bad = nonfinite_metrics(metrics or {}, keys)
+    if bad:
+        k, v = next(iter(bad.items()))
+        raise NonFiniteError(f"{where}: {k} = {v} (non-finite). Lower the learning rate or the gradient clip, "
+                             "or set train.on_nonfinite=skip to drop such steps")
+    name = first_nonfinite_weight(*modules)
+    if name is not None:
+        raise NonFiniteError(f"{where}: weight {name} holds NaN or infinite values after the update. Lower "
+                             "the learning rate or the gradient clip")

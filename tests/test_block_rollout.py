@@ -1,0 +1,128 @@
+"""Block speculation in the rollout engine (DFlash / DSpark drafters, rollout/block_spec.py).
+
+* the serving block forward equals the training forward of the same block (fp64: 1e-10);
+* greedy block speculation emits exactly plain greedy decoding (any drafter: lossless);
+* sampled block speculation has the target's exact joint distribution (chi-square, p > 1e-3), and the
+  same test rejects a deliberately wrong verifier (p < 1e-6) — so it can fail.
+"""
+import pytest
+import torch
+
+from specco.model.dflash import BlockDraft, BlockDraftConfig
+from specco.rollout import acceptance
+from specco.rollout.engine import RolloutEngine
+from specco.rollout.forward import RopeTable, block_propose_hidden, block_trunk_write
+from specco.rollout.generate import GenerateConfig, generate
+from specco.rollout.sampling import SamplingParams
+from test_rollout_helpers import tiny_policy
+from test_speculative import _chi_square_pvalue, _exact_joint, _wrong_verify_sampling
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _block_draft(policy, kind, gamma=3, layers=2, seed=1, scale=1.0):
+    torch.manual_seed(seed)
+    cfg = BlockDraftConfig.for_policy(policy.cfg, kind, gamma=gamma, mask_id=policy.cfg.vocab_size - 1,
+                                      num_layers=layers)
+    d = BlockDraft(cfg).to(policy.lm_head.weight.dtype).eval()
+    with torch.no_grad():
+        for n, p in d.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)  # not ones: a skipped norm would show
+        if kind == "dspark":
+            d.markov_w2.weight.normal_(0, 0.5)  # a live Markov bias, so its order of sampling matters
+        d.norm.weight.mul_(scale)
+    return d
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@torch.no_grad()
+def test_serving_block_equals_training_forward(kind):
+    policy = tiny_policy(seed=2).double()
+    draft = _block_draft(policy, kind).double()
+    B, S = 2, 9
+    ids = torch.randint(0, 31, (B, S))
+    taps = policy(ids, tap_layers=draft.cfg.aux_layer_ids).taps.aux
+    n = torch.tensor([4, 7])  # anchor (x_n) per row: trunk keys < n
+    W = draft.cfg.block_size
+    cache_len = 16
+    cache = type(policy.new_cache(1, 1))(torch.zeros(2, B, 2, cache_len, 8, dtype=torch.float64),
+                                         torch.zeros(2, B, 2, cache_len, 8, dtype=torch.float64))
+    rope = RopeTable.build(draft.cfg.head_dim, draft.cfg.rope_theta, cache_len, "cpu", torch.float64)
+    block_trunk_write(draft, taps, torch.arange(S).expand(B, S), cache, rope)
+    emb = policy.embed_tokens.weight
+    got = block_propose_hidden(draft, emb[ids.gather(1, n[:, None]).squeeze(1)], emb[draft.cfg.mask_id], n,
+                               cache, rope)
+    slot_pos = n[:, None, None] + torch.arange(W)  # (B, 1, W)
+    ref = draft(taps, emb[ids.gather(1, n[:, None])], emb[draft.cfg.mask_id], torch.arange(S).expand(B, S),
+                slot_pos)[:, 0]  # (B, W, h)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("k,group", [(1, 1), (3, 2)])
+def test_greedy_block_speculation_equals_plain(kind, k, group):
+    policy = tiny_policy(V=5, h=16, layers=2, seed=3)  # a small vocabulary: a random drafter agrees often
+    draft = _block_draft(policy, kind, gamma=3, scale=3.0)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 5, (n,), generator=g) for n in (3, 6, 1, 4)]
+    T = 24
+    base = generate(policy, prompts, GenerateConfig(max_new_tokens=T, sampling=GREEDY))
+    eos = int(base.tokens[1, 6])  # some rows stop early, others run to T
+    cfg = GenerateConfig(max_new_tokens=T, sampling=GREEDY, num_draft_tokens=k, eos_token_id=eos, pad_token_id=-1,
+                         compact_below=0.6)
+    plain = generate(policy, prompts, cfg, group_size=group)
+    spec = generate(policy, prompts, cfg, draft=draft, group_size=group)
+    assert torch.equal(spec.tokens, plain.tokens) and torch.equal(spec.lengths, plain.lengths)
+    torch.testing.assert_close(spec.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+    assert 0 < spec.accept_rate[0] < 1  # proposals were both accepted and rejected
+
+
+def _sampled(policy, draft, params, k, T=3, N=100_000, seed=0):
+    prompt = torch.tensor([1, 5, 2])
+    out = generate(policy, [prompt], GenerateConfig(max_new_tokens=T, sampling=params, num_draft_tokens=k),
+                   draft=draft, group_size=N, generator=torch.Generator().manual_seed(seed))
+    assert (out.lengths == T).all()
+    return prompt, out
+
+
+def _sampling_pair(kind):
+    policy = tiny_policy(V=8, h=16, layers=2, seed=3)
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(25.0)  # peaked p, and a q that differs from it
+    return policy, _block_draft(policy, kind, gamma=3, seed=4, scale=0.3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_block_speculative_sampling_is_lossless(kind):
+    policy, draft = _sampling_pair(kind)
+    params = SamplingParams(temperature=1.0)
+    prompt, out = _sampled(policy, draft, params, k=2)
+    assert 0.05 < out.accept_rate[0] < 0.95  # both branches of the rule are exercised
+    pvalue = _chi_square_pvalue(out.tokens, _exact_joint(policy, prompt, 3, params))
+    assert pvalue > 1e-3, pvalue
+
+
+@pytest.mark.slow
+def test_chi_square_rejects_wrong_verifier_with_block_drafter(monkeypatch):
+    policy, draft = _sampling_pair("dflash")
+    params = SamplingParams(temperature=1.0)
+    monkeypatch.setattr(acceptance, "verify_sampling", _wrong_verify_sampling)
+    prompt, out = _sampled(policy, draft, params, k=2)
+    pvalue = _chi_square_pvalue(out.tokens, _exact_joint(policy, prompt, 3, params))
+    assert pvalue < 1e-6, pvalue
+
+
+def test_engine_takes_a_block_drafter_and_refits_it():
+    policy = tiny_policy(V=8, h=16, layers=2, seed=3)
+    draft = _block_draft(policy, "dflash")
+    engine = RolloutEngine(policy, draft, GenerateConfig(max_new_tokens=8, sampling=GREEDY, num_draft_tokens=3))
+    prompts = [torch.tensor([1, 2, 3])]
+    a = engine.generate(prompts)
+    new = _block_draft(policy, "dflash", seed=9)
+    assert engine.refit(None, new.state_dict())["draft"] == len(new.state_dict())
+    b = engine.generate(prompts)
+    assert torch.equal(a.tokens, b.tokens)  # lossless: the draft changes speed, never the text
+    with pytest.raises(ValueError, match="gamma"):
+        RolloutEngine(policy, draft, GenerateConfig(max_new_tokens=8, num_draft_tokens=4)).generate(prompts)

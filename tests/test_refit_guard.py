@@ -1,0 +1,61 @@
+"""The refit guard: a refit that leaves the engine with stale weights, or an acceptance collapse after
+a weight sync, stops the run with an error naming the step and what was compared — and a healthy run
+is silent (the RL tests run with the guard on, its default)."""
+import pytest
+import torch
+
+from specco.rollout import engine as engine_mod
+from specco.rollout.engine import RefitError, RolloutEngine, weights_fingerprint
+from specco.runner.refit_guard import check_acceptance
+from test_rollout_helpers import random_draft, tiny_policy
+
+
+def test_fingerprint_sees_a_changed_or_permuted_tensor():
+    policy = tiny_policy()
+    sd = {k: v.clone() for k, v in policy.state_dict().items()}
+    assert torch.equal(weights_fingerprint(sd), weights_fingerprint(policy.state_dict()))
+    w = sd["layers.0.mlp.down_proj.weight"]
+    w.view(-1)[[3, 4]] = w.view(-1)[[4, 3]]  # a swap of two elements: same sum and norm
+    assert not torch.equal(weights_fingerprint(sd), weights_fingerprint(policy.state_dict()))
+
+
+def test_check_weights_names_the_stale_tensor(monkeypatch):
+    policy, draft = tiny_policy(), random_draft(tiny_policy())
+    engine = RolloutEngine(tiny_policy(seed=3), random_draft(tiny_policy(), seed=4))
+    engine.refit(policy.state_dict(), draft.state_dict())
+    engine.check_weights(policy.state_dict(), draft.state_dict(), step=1)  # healthy: silent
+    # a broken refit that drops the draft's fc weight (the silent failure peers report)
+    real = engine_mod._load_exact
+    monkeypatch.setattr(engine_mod, "_load_exact", lambda m, st, what: real(m, {k: v for k, v in st.items()
+                                                                              if k != "fc.weight"} | (
+        {"fc.weight": m.state_dict()["fc.weight"].clone()} if what == "draft" else {}), what))
+    new_draft = random_draft(tiny_policy(), seed=9)
+    engine.refit(None, new_draft.state_dict())
+    with pytest.raises(RefitError, match=r"step 7.*draft.*fc\.weight"):
+        engine.check_weights(policy.state_dict(), new_draft.state_dict(), step=7)
+
+
+def test_acceptance_collapse_rule():
+    check_acceptance([0.6, 0.55], 0.5, 500, 3)  # a normal drift: silent
+    check_acceptance([0.01, 0.02], 0.0, 500, 3)  # never accepted much: nothing collapsed
+    check_acceptance([0.6, 0.6], 0.0, 10, 3)  # too few proposals to judge
+    with pytest.raises(RefitError, match="step 3: .*collapsed to 0.000 over 500 proposals, after 0.60"):
+        check_acceptance([0.6, 0.6], 0.0, 500, 3)
+    with pytest.raises(RefitError, match="step 4: .*pinned at exactly 1.0"):
+        check_acceptance([0.6, 0.55], 1.0, 500, 4)
+
+
+def test_rl_loop_stops_on_a_broken_draft_refit(tmp_path, monkeypatch):
+    """Two co-trained RL steps where the engine's refit silently keeps its old draft: the guard raises at
+    step 1, naming it."""
+    from specco.config import load_config
+    from specco.runner.demo import run_demo
+    cfg = load_config(None, [f"out_dir={tmp_path}", "arms=cotrained", "train.steps=2", "train.sft_steps=4",
+                             "train.warm_start_steps=2", "train.warm_start_prompts=8", "rollout.prompts_per_step=4",
+                             "rollout.group_size=2", "rollout.max_new_tokens=6", "task.eval_size=4",
+                             "policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2",
+                             "policy.num_kv_heads=1", "policy.intermediate_size=64"])
+    real = RolloutEngine.refit
+    monkeypatch.setattr(RolloutEngine, "refit", lambda self, p, d=None: real(self, p, None))  # drops the draft
+    with pytest.raises(RefitError, match="after the refit of step 1: the engine's draft weights differ"):
+        run_demo(cfg, progress=False)
