@@ -54,8 +54,7 @@ def test_help_lists_commands(capsys):
 
 
 def test_rl_loop_refuses_inconsistent_parallel_settings(tmp_path, monkeypatch):
-    """`specco train` runs under torchrun with parallel.dp x parallel.cp = WORLD_SIZE and no pipeline
-    parallelism; anything else is a clear error (not N independent copies writing one out_dir)."""
+    """`specco train` runs under torchrun with parallel.pp x parallel.dp x parallel.cp = WORLD_SIZE; anything else is a clear error (not N independent copies writing one out_dir)."""
     from specco.config import load_config
     from specco.model.config import ConfigError
     from specco.runner.demo import run_demo
@@ -63,8 +62,15 @@ def test_rl_loop_refuses_inconsistent_parallel_settings(tmp_path, monkeypatch):
         run_demo(load_config(None, ["parallel.dp=2", f"out_dir={tmp_path}"]), progress=False)
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 4"):
         run_demo(load_config(None, ["parallel.cp=2", "parallel.dp=2", f"out_dir={tmp_path}"]), progress=False)
-    with pytest.raises(ConfigError, match="parallel.pp=2: pipeline parallelism is not implemented"):
+    with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
         run_demo(load_config(None, ["parallel.pp=2", f"out_dir={tmp_path}"]), progress=False)
+    from specco.runner.derive import check_parallel
+    with pytest.raises(ConfigError, match="parallel.pp=2: pipeline parallelism runs in `specco train` only"):
+        check_parallel(load_config(None, ["parallel.pp=2"]), 2, "cotrain-cp")
+    with pytest.raises(ConfigError, match="train.amp='bf16' with parallel.pp=2"):
+        check_parallel(load_config(None, ["parallel.pp=2", "train.amp=bf16"]), 2)
+    with pytest.raises(ConfigError, match="set parallel.dp=2 \\(with parallel.pp=2\\)"):
+        check_parallel(load_config(None, ["parallel.pp=2"]), 4)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="divisible by parallel.dp=3"):
         run_demo(load_config(None, ["parallel.dp=3", "rollout.prompts_per_step=4", f"out_dir={tmp_path}"]),

@@ -80,5 +80,8 @@ def test_taps_are_detached_and_ordered():
     out = m(torch.randint(0, 50, (2, 5)), tap_layers=ids)
     assert out.taps.aux.shape == (2, 5, 3 * 32) and not out.taps.aux.requires_grad
     assert not out.taps.embed.requires_grad
-    with pytest.raises(ValueError, match="not held"):
-        Policy(cfg, layer_ids=range(0, 2))(torch.randint(0, 50, (1, 3)), tap_layers=ids)
+    # A stage reports only what it holds: no embedding tap without the embedding (its input is the
+    # previous stage's residual), only its own tap layers, and no joined taps.
+    stage = Policy(cfg, layer_ids=range(2, 4), has_embed=False, has_head=False)
+    o = stage(hidden_in=torch.randn(1, 3, 32), tap_layers=ids)
+    assert o.taps is None and o.stage_taps.embed is None and sorted(o.stage_taps.layers) == [3]

@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import DraftConfig
 from .layers import Attention, KVCache, RMSNorm, SwiGLU
+from .policy import StageTaps, Taps, join_taps
 
 
 def build_vocab_maps(token_counts: torch.Tensor, draft_vocab_size: int):
@@ -108,6 +109,11 @@ class Eagle3Draft(nn.Module):
         c = self.cfg
         return KVCache.empty(1, batch, c.num_kv_heads, max_len, c.head_dim,
                              device or p.device, dtype or p.dtype)
+
+    def join_taps(self, parts: list[StageTaps]) -> Taps:
+        """This draft's input from the pipeline stages' taps (ascending layer ids), checked against its
+        config: layer ids exactly `cfg.aux_layer_ids`, every tensor (B, S, hidden_size), one embedding."""
+        return join_taps(parts, self.cfg.aux_layer_ids, self.cfg.hidden_size)
 
     def project_taps(self, aux: torch.Tensor) -> torch.Tensor:
         """aux taps (B, S, k*h) -> pass-1 hidden input (B, S, h)."""

@@ -44,10 +44,57 @@ class Taps:
 
 
 @dataclass
+class StageTaps:
+    """The taps one model or pipeline stage holds, all detached (DESIGN §5: each stage emits only its own).
+
+    embed: (B, S, h) embedding output, only on the stage with the embedding (else None);
+    layers: {layer_id: (B, S, h)} outputs of the requested tap layers this stage holds. The draft joins
+    the stages' parts into one `Taps` (`model.draft.join_taps`), which checks ids and shapes.
+    """
+    embed: torch.Tensor | None
+    layers: dict[int, torch.Tensor]
+
+
+def join_taps(parts: list[StageTaps], layer_ids: tuple[int, ...], hidden_size: int) -> Taps:
+    """The draft's `Taps` from the stages' parts: aux layers concatenated in ascending id order.
+
+    The tap contract is checked here, at the boundary (STYLE §10): exactly one part has the
+    embedding; the parts' layer ids are disjoint and together exactly `layer_ids` (the draft's
+    config, ascending); every tensor is (B, S, hidden_size), of one dtype, detached.
+    """
+    if list(layer_ids) != sorted(set(layer_ids)):
+        raise ValueError(f"tap layer ids {layer_ids} must be strictly ascending (the draft's fc reads them in order)")
+    embeds = [p.embed for p in parts if p.embed is not None]
+    if len(embeds) != 1:
+        raise ValueError(f"taps: {len(embeds)} stages reported an embedding tap; exactly one (the first) must")
+    layers: dict[int, torch.Tensor] = {}
+    for p in parts:
+        dup = sorted(set(layers) & set(p.layers))
+        if dup:
+            raise ValueError(f"tap layers {dup} reported by two stages")
+        layers.update(p.layers)
+    if sorted(layers) != list(layer_ids):
+        missing, extra = sorted(set(layer_ids) - set(layers)), sorted(set(layers) - set(layer_ids))
+        raise ValueError(f"taps hold layers {sorted(layers)}, the draft wants {list(layer_ids)}: "
+                         f"missing {missing}, unexpected {extra}")
+    ref = embeds[0]
+    if ref.dim() != 3 or ref.shape[-1] != hidden_size:
+        raise ValueError(f"embedding tap has shape {tuple(ref.shape)}; expected (B, S, {hidden_size})")
+    for i in layer_ids:
+        t = layers[i]
+        if t.shape != ref.shape or t.dtype != ref.dtype:
+            raise ValueError(f"tap layer {i}: {tuple(t.shape)} {t.dtype}, expected {tuple(ref.shape)} {ref.dtype}")
+    if ref.requires_grad or any(t.requires_grad for t in layers.values()):
+        raise ValueError("taps must be detached: no gradient may flow from the draft into the policy")
+    return Taps(ref, torch.cat([layers[i] for i in layer_ids], dim=-1), tuple(layer_ids))  # aux (B, S, k*h)
+
+
+@dataclass
 class PolicyOutput:
     logits: torch.Tensor | None  # (B, S, V) or None on a headless stage
     hidden: torch.Tensor  # (B, S, h): final-norm output if the stage has the norm, else residual
-    taps: Taps | None
+    taps: Taps | None  # the joined taps, when this model holds the embedding and every tap layer
+    stage_taps: StageTaps | None = None  # what this stage holds of them (whenever tap_layers is given)
 
 
 class Policy(nn.Module):
@@ -84,7 +131,9 @@ class Policy(nn.Module):
                 compute_logits: bool = True, attn_core=None) -> PolicyOutput:
         """The training forward. input_ids: (B, S) token ids (or `hidden_in` (B, S, h) on a stage
         without embedding). positions: (B, S) absolute RoPE positions (default 0..S-1).
-        tap_layers: aux layer ids whose outputs are recorded (detached) for the draft.
+        tap_layers: aux layer ids whose outputs are recorded (detached) for the draft. A pipeline stage
+        records the ones it holds (and the embedding only if it has it) in `stage_taps`; `taps` is their
+        join when this model holds all of them (the unsplit model), else None.
         attn_core: the attention over the S tokens, `core(q, k, v)` (None: causal SDPA per row);
         context parallelism and packed rows pass a ring / per-sequence attention here.
         Cached generation is rollout/forward.py (`policy_forward`), over the same parameters.
@@ -94,20 +143,20 @@ class Policy(nn.Module):
         if positions is None:
             positions = torch.arange(S, device=x.device).expand(B, S)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        embed_tap = x.detach() if tap_layers is not None else None
-        aux = []
+        # Only the stage that embeds reports an embedding tap: elsewhere x is the previous stage's residual.
+        embed_tap = x.detach() if (tap_layers is not None and self.embed_tokens is not None) else None
+        held = {}
         for key, layer in self.layers.items():
             i = int(key)
             x = layer(x, cos, sin, attn_core)
             if tap_layers is not None and i in tap_layers:
-                aux.append(x.detach())
-        taps = None
+                held[i] = x.detach()
+        stage_taps = taps = None
         if tap_layers is not None:
-            if len(aux) != len(tap_layers):
-                missing = sorted(set(tap_layers) - {int(k) for k in self.layers})
-                raise ValueError(f"tap layers {missing} are not held by this model/stage")
-            taps = Taps(embed_tap, torch.cat(aux, dim=-1), tuple(tap_layers))  # (B, S, k*h)
+            stage_taps = StageTaps(embed_tap, held)
+            if embed_tap is not None and len(held) == len(set(tap_layers)):
+                taps = join_taps([stage_taps], tuple(sorted(set(tap_layers))), self.cfg.hidden_size)
         if self.norm is not None:
             x = self.norm(x)
         logits = self.lm_head(x) if (self.lm_head is not None and compute_logits) else None
-        return PolicyOutput(logits, x, taps)
+        return PolicyOutput(logits, x, taps, stage_taps)

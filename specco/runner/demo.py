@@ -185,15 +185,15 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
 
 
 def parallel_setup(cfg: RunConfig) -> Mesh | None:
-    """The RL loop's mesh: None for one process; under torchrun, the dp x cp mesh with
-    parallel.dp x parallel.cp = WORLD_SIZE. Anything else is refused with what to change
+    """The RL loop's mesh: None for one process; under torchrun, the pp x dp x cp mesh with
+    parallel.pp x parallel.dp x parallel.cp = WORLD_SIZE. Anything else is refused with what to change
     (derive.check_parallel), instead of silently running one independent copy per rank."""
-    _, dp, cp = check_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), "train")
-    if dp * cp == 1:
+    pp, dp, cp = check_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), "train")
+    if pp * dp * cp == 1:
         return None
     p = cfg.parallel
     backend = p.backend if p.backend != "auto" else ("nccl" if pick_device(cfg.device).type == "cuda" else "gloo")
-    return Mesh.build(dp, cp, backend)
+    return Mesh.build(dp, cp, backend, pp=pp)
 
 
 def _from_rank0(objs: tuple, mesh: Mesh | None, device) -> tuple:
@@ -205,7 +205,7 @@ def _from_rank0(objs: tuple, mesh: Mesh | None, device) -> tuple:
     if mesh.rank == 0:
         # a host copy (Module.to moves in place; rank 0 keeps its models where they are)
         box = [tuple(copy.deepcopy(o).cpu() if isinstance(o, torch.nn.Module) else o for o in objs)]
-    dist.broadcast_object_list(box, group=mesh.grad_group, group_src=0)
+    dist.broadcast_object_list(box, group=dist.group.WORLD, group_src=0)  # every rank of every stage
     if mesh.rank == 0:
         return objs
     return tuple(o.to(device) if isinstance(o, torch.nn.Module) else o for o in box[0])

@@ -24,10 +24,12 @@ advantages stay local); the CP group of each slice generates it once (its cp ran
 own sampler) and shares the rollouts over the CP group; with cp > 1 each minibatch is packed into one
 THD row and zigzag-sharded over the CP group. The co-training step normalises by global counts and
 sums gradients over all dp x cp ranks, so the update is the one of the whole batch (tests/test_dp.py,
-tests/test_rl_cp.py). Metrics: losses summed over all ranks (each holds its share), tokens/s summed and
-the engine-vs-trainer log-prob gap maxed over DP ranks, everything else the mean over DP ranks. Rank 0
-logs and checkpoints (with every DP rank's sampler state); on resume rank 0 reads the checkpoint and
-sends it to the others through the process group.
+tests/test_rl_cp.py). With parallel.pp > 1 (rl_pp.py) each rank trains its pipeline stage (the draft on
+the last) and holds a whole copy of the policy in its rollout engine, refit from the gathered stages.
+Metrics: losses summed over all ranks (each holds its share), tokens/s summed and the engine-vs-trainer
+log-prob gap maxed over DP ranks, everything else the mean over DP ranks. Rank 0 logs and checkpoints
+(with every DP rank's sampler state); on resume rank 0 reads the checkpoint and sends it to the others
+through the process group.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ from ..train.cotrain import (StepConfig, amp_context, block_loss, build_optimize
 from ..train.nonfinite import NonFiniteError, check_finite
 from ..train.losses import all_reduce_sums, metrics_to_floats
 from .derive import generate_config, step_config
+from .rl_pp import PipelineArm, gather_for_refit, pp_checkpoint_state, pp_restore, pp_train_updates
 from .report import MetricsLog
 from .stages import seed_stage
 from .rollouts import Rollouts, collect_rollouts, engine_logprob_gap, minibatches
@@ -96,13 +99,16 @@ class ArmState:
     sched: object
     gen: torch.Generator
     ref: Policy | None = None  # frozen reference policy (train.kl_coef > 0): the arm's starting policy
+    pipeline: PipelineArm | None = None  # parallel.pp > 1: the stage's schedule and tap channel (rl_pp.py)
     step: int = 0
     data_offset: int = 0
     accept_history: list = field(default_factory=list)  # first-position acceptance per step (refit guard)
 
 
-def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, gen_cfg, rank: int = 0) -> ArmState:
-    """An arm's models, engine, optimizer and sampler; `rank` is the data-parallel rank (its own sampler)."""
+def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, gen_cfg, rank: int = 0,
+             mesh: Mesh | None = None) -> ArmState:
+    """An arm's models, engine, optimizer and sampler; `rank` is the data-parallel rank (its own sampler).
+    With mesh.pp > 1 the training copy is this rank's pipeline stage (the engine keeps the whole policy)."""
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.train.kl_coef > 0 else None
@@ -111,6 +117,12 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None
     eng_draft = copy.deepcopy(draft) if draft is not None else None
     engine = RolloutEngine(copy.deepcopy(policy).eval(), eng_draft, gen_cfg,
                            cache_runners=cfg.rollout.cache_runners)
+    pipeline = None
+    if mesh is not None and mesh.pp > 1:
+        pipeline = PipelineArm.build(mesh, policy, draft if arm == "cotrained" else None)
+        policy = pipeline.stage
+        if arm == "cotrained" and not pipeline.last:
+            draft = None  # the co-trained draft lives on the last stage; the engine has its own copy
     if cfg.train.activation_checkpointing:  # the trainer's copy only: the engine's never runs a backward
         apply_activation_checkpointing(policy)
     opt = build_optimizer(policy, draft if arm == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
@@ -118,11 +130,11 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None
     # On the models' device: the engine draws its uniforms there (CUDA needs a CUDA generator).
     # Each data-parallel rank samples its own stream (rank 0's is the single-process one).
     gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(cfg.train.seed + 1 + 7919 * rank)
-    return ArmState(arm, policy, draft, engine, opt, sched, gen, ref)
+    return ArmState(arm, policy, draft, engine, opt, sched, gen, ref, pipeline)
 
 
 def _distributed(mesh: Mesh | None) -> bool:
-    return mesh is not None and mesh.dp * mesh.cp > 1
+    return mesh is not None and mesh.pp * mesh.dp * mesh.cp > 1
 
 
 # checked after every update: a non-finite one stops the run (or is skipped, train.on_nonfinite)
@@ -158,9 +170,11 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     updates = t.ppo_epochs * t.minibatches
     m: dict = {}
     t0 = time.perf_counter()
+    # the whole policy with the trainer's weights: under PP the engine's copy (refit after every step)
+    whole_policy = st.engine.policy if st.pipeline is not None else st.policy
     if updates > 1:  # the policy moves between updates: freeze the sampling policy's log-probs first
         for mb in mbs:
-            mb.batch.logp_old = mb.logprobs(st.policy, scfg)
+            mb.batch.logp_old = mb.logprobs(whole_policy, scfg)
         if not mbs[0].fns:  # padded rows: compare with the engine's log-probs
             m["logprob_gap_engine_vs_trainer"] = max(engine_logprob_gap(ro, mb) for mb in mbs)
     if st.ref is not None:
@@ -173,8 +187,11 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     # on_nonfinite=skip: a copy to go back to (memory: one more copy of the weights and AdamW state)
     snap = copy.deepcopy((st.policy.state_dict(), train_draft and train_draft.state_dict(), st.opt.state_dict())
                          ) if t.on_nonfinite == "skip" else None
-    hist = [cotrain_step(st.policy, train_draft, mb.batch, st.opt, None, scfg, grad_group=group, **mb.fns)
-            for _ in range(t.ppo_epochs) for mb in mbs]
+    if st.pipeline is not None:  # this rank's stage; the metrics (hence the checks below) agree on every stage
+        hist = pp_train_updates(st, train_draft, mbs, scfg, t.ppo_epochs, group)
+    else:
+        hist = [cotrain_step(st.policy, train_draft, mb.batch, st.opt, None, scfg, grad_group=group, **mb.fns)
+                for _ in range(t.ppo_epochs) for mb in mbs]
     try:
         for i, h in enumerate(hist):
             check_finite(f"RL step {st.step + 1} of arm {st.arm} (update {i + 1} of {len(hist)})", h, _CHECKED)
@@ -197,7 +214,7 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     m["ppo/updates"] = updates
     if st.arm == "frozen":  # metrics only, so outside the timed train step
         whole = minibatches(ro, 1, scfg, pad_id, device, mesh)[0]
-        m.update(draft_eval(st.policy, st.draft, whole.batch, scfg, group, whole.fns))
+        m.update(draft_eval(whole_policy, st.draft, whole.batch, scfg, group, whole.fns))
     return m
 
 
@@ -210,15 +227,22 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
         record.append(ro)
     m = {**ro.metrics, **train_on_rollouts(st, cfg, ro, tokenizer.pad_id, device, mesh)}
     t0 = time.perf_counter()
-    st.engine.refit(st.policy.state_dict(), st.draft.state_dict() if st.arm == "cotrained" else None)
+    if st.pipeline is not None:  # the engine needs the whole policy: gather the stages (and the last's draft)
+        policy_sd, draft_sd = gather_for_refit(st, mesh)
+        m["time/gather"] = time.perf_counter() - t0
+        # the guard compares the engine with the whole policy gathered from every stage's trainer
+        guard = (policy_sd, draft_sd if st.arm == "cotrained" else st.draft and st.draft.state_dict())
+    else:
+        policy_sd, draft_sd = st.policy.state_dict(), st.draft.state_dict() if st.arm == "cotrained" else None
+        guard = (st.policy.state_dict(), st.draft.state_dict() if st.draft is not None else None)
+    st.engine.refit(policy_sd, draft_sd)
     m["time/refit"] = time.perf_counter() - t0
     st.step += 1
     st.data_offset += cfg.rollout.prompts_per_step
     m = _reduce_metrics(m, mesh)
     if cfg.train.refit_guard:  # runner/refit_guard.py; on reduced metrics, so every rank decides alike
         t0 = time.perf_counter()
-        st.engine.check_weights(st.policy.state_dict(), st.draft.state_dict() if st.draft is not None else None,
-                                step=st.step)
+        st.engine.check_weights(*guard, step=st.step)
         proposed = int(m.get("rollout/proposed", 0))
         if st.arm != "none" and proposed:
             check_acceptance(st.accept_history, m["accept/pos1"], proposed, st.step)
@@ -234,6 +258,8 @@ def _ckpt_state(st: ArmState, mesh: Mesh | None = None) -> dict:
     state = {"policy": st.policy.state_dict(), "draft": st.draft.state_dict() if st.draft is not None else None,
              "opt": st.opt.state_dict(), "sched": st.sched.state_dict(), "gen": st.gen,
              "step": st.step, "data_offset": st.data_offset, "arm": st.arm}
+    if st.pipeline is not None:
+        state.update(pp_checkpoint_state(st, mesh))
     if _distributed(mesh):
         gens = [None] * (mesh.dp * mesh.cp)
         dist.all_gather_object(gens, st.gen.get_state().cpu(), group=mesh.grad_group)
@@ -251,7 +277,7 @@ def _load_latest(root: Path, st: ArmState, mesh: Mesh | None) -> dict | None:
     if mesh.rank == 0:
         found = load_latest(root, restore_rng=False)
         box = [found and {**found[1], "path": str(found[0])}]
-    dist.broadcast_object_list(box, group=mesh.grad_group, group_src=0)
+    dist.broadcast_object_list(box, group=dist.group.WORLD, group_src=0)  # every rank, every pipeline stage
     s = box[0]
     if s is not None:
         set_rng_state(s["__rng__"])
@@ -267,13 +293,16 @@ def _restore(st: ArmState, s: dict, mesh: Mesh | None = None) -> None:
     if len(s.get("gen_ranks") or [None]) != dp:
         raise ValueError(f"checkpoint {path} was written with parallel.dp={len(s.get('gen_ranks') or [None])}, "
                          f"this run has {dp}: resume with the same parallel.dp")
-    st.policy.load_state_dict(s["policy"])
-    if st.draft is not None:
-        st.draft.load_state_dict(s["draft"])
-    st.opt.load_state_dict(s["opt"])
-    st.sched.load_state_dict(s["sched"])
+    if st.pipeline is not None:
+        pp_restore(st, s, path)
+    else:
+        st.policy.load_state_dict(s["policy"])
+        if st.draft is not None:
+            st.draft.load_state_dict(s["draft"])
+        st.opt.load_state_dict(s["opt"])
+        st.sched.load_state_dict(s["sched"])
     st.step, st.data_offset = s["step"], s["data_offset"]
-    st.engine.refit(st.policy.state_dict(), st.draft.state_dict() if st.arm == "cotrained" else None)
+    st.engine.refit(s["policy"], s["draft"] if st.arm == "cotrained" else None)
 
 
 def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, task, tokenizer,
@@ -292,7 +321,7 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None,
     rank = mesh.rank if mesh is not None else 0
     seed_stage(cfg.train.seed, f"rl/{arm}")  # a fresh arm starts from its own RNG state; a resumed one restores it
     st = make_arm(cfg, arm, policy, draft, generate_config(cfg, tokenizer.eos_id, tokenizer.pad_id),
-                  rank=mesh.dp_rank if mesh is not None else 0)
+                  rank=mesh.dp_rank if mesh is not None else 0, mesh=mesh)
     if rank == 0:  # crashed writes' leftovers (the run lock, runner/stages.py, excludes a live writer)
         remove_stale_temporaries(out_dir / "ckpt")
     s = _load_latest(out_dir / "ckpt", st, mesh) if resume else None
@@ -316,7 +345,7 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None,
             if rank == 0:
                 save_checkpoint(out_dir / "ckpt", st.step, state, keep=cfg.train.keep_checkpoints)
             if _distributed(mesh):
-                dist.barrier(group=mesh.grad_group)  # no rank runs ahead of a half-written checkpoint
+                dist.barrier()  # no rank (of any stage) runs ahead of a half-written checkpoint
     bar.close()
     if log is not None:
         log.close()

@@ -77,11 +77,13 @@ class Rollouts:
 def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: Mesh | None) -> Rollouts:
     """Generate, score and compute GRPO advantages for this DP rank's prompts — once per DP group: the
     CP group's rank 0 generates (with the DP rank's sampler), the others receive the result through the
-    CP group (no file system, no second generation), so every CP rank trains on the same sequences."""
+    CP group (no file system, no second generation), so every CP rank trains on the same sequences. Under
+    pipeline parallelism stage 0 generates and the other stages receive (pipeline group, then CP group)."""
     r = cfg.rollout
     shared = mesh is not None and mesh.cp > 1
+    staged = mesh is not None and mesh.pp > 1  # every pipeline stage trains on the same rollouts
     ro = None
-    if not shared or mesh.cp_rank == 0:
+    if (not shared or mesh.cp_rank == 0) and (not staged or mesh.pp_rank == 0):
         items = rank_slice(task.prompts(r.prompts_per_step, seed=cfg.train.seed, offset=data_offset), mesh)
         prompts = [task.prompt_ids(it, tokenizer) for it in items]
         t0 = time.perf_counter()
@@ -106,6 +108,10 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
             m["rollout/measured_speedup"] = out.tau * root.costs_ms[0] / root.costs_ms[root.k] if root.k else 1.0
         ro = Rollouts(rollout_pairs(prompts, out), r.group_size, grpo_advantages(rewards, r.group_size),
                       [out.logprobs[i, :int(out.lengths[i])].float().cpu().tolist() for i in range(N)], m)
+    if staged and mesh.cp_rank == 0:  # stage 0 -> the other stages' CP rank 0, then (below) their CP groups
+        box = [ro]
+        dist.broadcast_object_list(box, group=mesh.pp_group, group_src=0)
+        ro = box[0]
     if shared:
         box = [ro]
         dist.broadcast_object_list(box, group=mesh.cp_group, group_src=0)

@@ -1,0 +1,183 @@
+"""Pipeline parallelism applied from outside the model: stages by layer ranges, and a 1F1B schedule.
+
+    ranges = stage_layer_ranges(num_layers, pp)     contiguous, any layer count (the first stages get the extra)
+    stage  = split_stage(policy, pp, s)             a plain Policy holding ranges[s]; embedding on s = 0,
+                                                    final norm + head on s = pp - 1 (the model file stays plain)
+    one_f_one_b(comm, M, forward, backward, ...)    warmup / steady / cooldown over M micro-batches
+
+The schedule is the non-interleaved 1F1B of PipeDream-Flush / Megatron: stage s runs pp - 1 - s warmup
+forwards, then alternates one forward and one backward, then drains the remaining backwards. Each stage
+keeps at most pp - s micro-batches' activations alive. Its point-to-point traffic goes through
+`PipeComm` on the pipeline group only, and every op is recorded in `PipeComm.log`, so a test can check
+that the schedule's own traffic is byte-for-byte the same with and without the tap channel (DESIGN §5).
+
+Why not `torch.distributed.pipelining`: its `Schedule1F1B` owns the loss call (`loss_fn(output, target)`)
+and the micro-batch split, but the co-training step needs per-micro-batch batch fields in the loss (mask,
+advantages, old log-probs, global counts) and a hook after each last-stage backward where the draft's
+forward/backward for that micro-batch runs; it also gives no record of its P2P sequence. Writing the
+three loops here is ~60 lines and keeps those hooks plain.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..model.policy import Policy
+
+__all__ = ["stage_layer_ranges", "split_stage", "PipeComm", "one_f_one_b", "gather_stages"]
+
+
+def stage_layer_ranges(num_layers: int, pp: int) -> list[range]:
+    """Contiguous layer ranges of the pp stages: sizes differ by at most one, the first stages larger
+    (the last stage also holds the norm, the head and the draft)."""
+    if not 1 <= pp <= num_layers:
+        raise ValueError(f"parallel.pp={pp}: must be in [1, num_layers={num_layers}] (every stage holds a layer)")
+    q, r = divmod(num_layers, pp)
+    bounds = [0]
+    for s in range(pp):
+        bounds.append(bounds[-1] + q + (s < r))
+    return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+
+
+def split_stage(policy: Policy, pp: int, stage: int) -> Policy:
+    """Stage `stage` of `policy` split into pp stages: a new Policy with copies of its parameters."""
+    cfg = policy.cfg
+    if pp > 1 and cfg.tie_word_embeddings:
+        # Tied weights would live on two stages and need their gradients summed across them: not done.
+        raise ValueError("parallel.pp > 1 with tie_word_embeddings=True is not supported: the embedding (first "
+                         "stage) and the head (last stage) would be one parameter on two ranks")
+    r = stage_layer_ranges(cfg.num_layers, pp)[stage]
+    part = Policy(cfg, layer_ids=r, has_embed=stage == 0, has_head=stage == pp - 1)
+    p = next(policy.parameters())
+    part = part.to(device=p.device, dtype=p.dtype)
+    sd = policy.state_dict()  # names are global (layers keyed by index): the stage's are a subset
+    part.load_state_dict({k: sd[k] for k in part.state_dict()}, strict=True)
+    return part
+
+
+@torch.no_grad()
+def gather_stages(stage: Policy, pp_group) -> dict[str, torch.Tensor]:
+    """The full policy's state dict on every stage of `pp_group` (the rollout engine needs all of it).
+
+    One broadcast per stage of all its tensors flattened into one buffer (the stages' dtypes agree);
+    names are the unsplit model's (layers keyed by global index), so the result loads into an unsplit
+    Policy with strict=True."""
+    pp, me = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+    # Which names each stage holds: a small object exchange, then the tensors by broadcast.
+    mine = {k: v for k, v in stage.state_dict().items()}
+    names = [None] * pp
+    dist.all_gather_object(names, [(k, tuple(v.shape), str(v.dtype)) for k, v in mine.items()], group=pp_group)
+    out = {}
+    for s in range(pp):
+        if not names[s]:
+            continue
+        like = next(iter(mine.values()))
+        sizes = [int(torch.Size(shape).numel()) for _, shape, _ in names[s]]
+        flat = (torch.cat([mine[k].reshape(-1).to(like.dtype) for k, _, _ in names[s]]) if s == me
+                else torch.empty(sum(sizes), dtype=like.dtype, device=like.device))
+        dist.broadcast(flat, group=pp_group, group_src=s)
+        for (k, shape, dt), piece in zip(names[s], flat.split(sizes)):
+            out[k] = piece.reshape(shape).to(getattr(torch, dt.removeprefix("torch.")))
+    return out
+
+
+class PipeComm:
+    """The schedule's point-to-point traffic with the neighbouring stages, on `group` (the pp group).
+
+    `send_*` post an isend and return at once (its handle is kept until `wait_sends`); `recv_*` post an
+    irecv and wait for it. With sends never awaited inline, the 1F1B order cannot deadlock (a stage
+    blocks only on a receive whose matching send was already posted). Every op is appended to `log` as
+    (op, peer stage, micro-batch, shape, dtype)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.stage = dist.get_rank(group)
+        self.pp = dist.get_world_size(group)
+        self.log: list[tuple] = []
+        self._sends: list = []
+
+    def _send(self, what, t, peer, m):
+        t = t.contiguous()
+        self.log.append((what, peer, m, tuple(t.shape), str(t.dtype)))
+        self._sends.append((dist.isend(t, group=self.group, group_dst=peer, tag=0 if what == "send_fwd" else 1), t))
+
+    def _recv(self, what, shape, dtype, device, peer, m):
+        self.log.append((what, peer, m, tuple(shape), str(dtype)))
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.irecv(t, group=self.group, group_src=peer, tag=0 if what == "recv_fwd" else 1).wait()
+        return t
+
+    def send_fwd(self, act, m):
+        self._send("send_fwd", act, self.stage + 1, m)
+
+    def send_bwd(self, grad, m):
+        self._send("send_bwd", grad, self.stage - 1, m)
+
+    def recv_fwd(self, shape, dtype, device, m):
+        return self._recv("recv_fwd", shape, dtype, device, self.stage - 1, m)
+
+    def recv_bwd(self, shape, dtype, device, m):
+        return self._recv("recv_bwd", shape, dtype, device, self.stage + 1, m)
+
+    def wait_sends(self):
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
+    @property
+    def idle(self) -> bool:
+        return not self._sends
+
+
+def one_f_one_b(comm: PipeComm, num_micro: int, forward: Callable, act_shape: Callable, dtype, device,
+                after_backward: Callable | None = None) -> None:
+    """Run the 1F1B schedule of this stage over `num_micro` micro-batches.
+
+    forward(m, x) -> y: micro-batch m's stage forward; x is the received activation (a leaf that requires
+        grad) or None on the first stage; y the activation to send (non-last stages) or the loss to
+        backpropagate (last stage). The schedule runs the backwards itself: y.backward(dy) and x.grad
+        upstream, so a stage's backward is exactly autograd's over its forward.
+    act_shape(m): the (B, S, h) activation shape of micro-batch m (every stage holds the whole batch).
+    after_backward(m): last stage only, after micro-batch m's backward and its upstream send (the draft's
+        per-micro-batch work goes here: it overlaps the earlier stages' backwards, off the critical path).
+    """
+    s, pp = comm.stage, comm.pp
+    first, last = s == 0, s == pp - 1
+    warmup = min(pp - 1 - s, num_micro)
+    live: dict[int, tuple] = {}  # m -> (x, y): micro-batches forwarded, not yet backpropagated
+
+    def fwd(m):
+        x = None
+        if not first:
+            x = comm.recv_fwd(act_shape(m), dtype, device, m).requires_grad_()
+        y = forward(m, x)
+        if not last:
+            comm.send_fwd(y.detach(), m)
+        live[m] = (x, y)
+
+    def bwd(m):
+        x, y = live.pop(m)
+        if last:
+            y.backward()
+        else:
+            torch.autograd.backward(y, comm.recv_bwd(act_shape(m), dtype, device, m))
+        if not first:
+            comm.send_bwd(x.grad, m)
+        if last and after_backward is not None:
+            after_backward(m)
+
+    # warmup: fill the pipe (stage s runs pp - 1 - s forwards ahead; the last stage none)
+    for m in range(warmup):
+        fwd(m)
+    # steady: one forward, then the backward of the oldest live micro-batch
+    for i in range(num_micro - warmup):
+        fwd(warmup + i)
+        bwd(i)
+    # cooldown: drain the backwards of the warmup forwards
+    for m in range(num_micro - warmup, num_micro):
+        bwd(m)
+    comm.wait_sends()
+    assert not live, f"stage {s}: micro-batches {sorted(live)} forwarded but never backpropagated"
+    assert comm.idle, f"stage {s}: sends still in flight after the cooldown"

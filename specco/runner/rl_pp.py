@@ -1,0 +1,116 @@
+"""The RL loop's pieces under pipeline parallelism (parallel.pp > 1), used by rl.py.
+
+What each rank holds (rank = (pp_rank · dp + dp_rank) · cp + cp_rank, parallel/mesh.py):
+    its pipeline stage of the training policy (`split_stage`: a layer range; the embedding on stage 0,
+    the final norm and head on the last), its optimizer state, and — on the last stage — the co-trained
+    draft; plus a whole copy of the policy (and draft) in its rollout engine, refit after every step
+    from the gathered stages. Rollouts are generated once per DP rank (pipeline stage 0, CP rank 0) and
+    shared with the other stages and CP ranks (rollouts.collect_rollouts).
+
+Per PPO update: `pp_cotrain_step` (1F1B, the TapChannel feeding the draft). Refit: `gather_stages` (one
+broadcast per stage over the pipeline group) plus the draft's state from the last stage — timed as
+`time/gather` in the metrics. Checkpoints hold the whole policy (gathered), the draft and every
+stage's optimizer and scheduler state (lists indexed by stage), so a run resumes with the same parallel.pp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..model.draft import Eagle3Draft
+from ..model.policy import Policy
+from ..parallel.mesh import Mesh
+from ..parallel.pipeline import PipeComm, gather_stages, split_stage, stage_layer_ranges
+from ..parallel.taps import TapChannel, TapSpec
+from ..train.cotrain import micro_batches
+from ..train.cotrain_pp import pp_cotrain_step
+
+__all__ = ["PipelineArm", "pp_train_updates", "gather_for_refit", "pp_checkpoint_state", "pp_restore"]
+
+
+@dataclass
+class PipelineArm:
+    mesh: Mesh
+    stage: Policy
+    pipe: PipeComm
+    tap_layers: tuple[int, ...] | None  # the co-trained draft's aux layers (None: no draft trains)
+    taps: TapChannel | None = None  # built (and grown) for the micro-batch shapes it meets
+    updates: int = 0  # stamps: one step number per PPO update
+
+    @property
+    def last(self) -> bool:
+        return self.mesh.pp_rank == self.mesh.pp - 1
+
+    @classmethod
+    def build(cls, mesh: Mesh, policy: Policy, draft: Eagle3Draft | None) -> "PipelineArm":
+        stage = split_stage(policy, mesh.pp, mesh.pp_rank)
+        return cls(mesh, stage, PipeComm(mesh.pp_group), draft.cfg.aux_layer_ids if draft is not None else None)
+
+    def channel(self, mbs, micro_batch_rows: int) -> TapChannel | None:
+        """The tap channel, sized for the largest micro-batch of `mbs`. Every stage of a (dp, cp) pipeline
+        holds the same batches, so all of them decide to grow it at the same update (no message needed)."""
+        if self.tap_layers is None:
+            return None
+        need = max(b.tokens.numel() for mb in mbs for _, b in micro_batches(mb.batch, micro_batch_rows))
+        if self.taps is None or self.taps.spec.max_tokens < need:
+            cfg = self.stage.cfg
+            p = next(self.stage.parameters())
+            spec = TapSpec.for_stages(stage_layer_ranges(cfg.num_layers, self.mesh.pp), self.tap_layers,
+                                      cfg.hidden_size, p.dtype, need)
+            # pp + 1 slots: in 1F1B no source ever waits for a credit (parallel/taps.py: slots and 1F1B)
+            self.taps = TapChannel(spec, self.mesh.tap_group, slots=self.mesh.pp + 1)
+        return self.taps
+
+
+def pp_train_updates(st, train_draft, mbs, scfg, epochs: int, grad_group) -> list[dict]:
+    """The PPO updates of one RL step on this stage (epochs × minibatches pp_cotrain_steps)."""
+    pa: PipelineArm = st.pipeline
+    hist = []
+    for _ in range(epochs):
+        for mb in mbs:
+            use = pa.tap_layers if scfg.draft_weight > 0 else None  # None: no draft trains (arms none, frozen)
+            taps = pa.channel(mbs, scfg.micro_batch_rows) if use is not None else None
+            hist.append(pp_cotrain_step(pa.stage, train_draft, mb.batch, st.opt, None, scfg, pipe=pa.pipe,
+                                        taps=taps, tap_layers=use, step=pa.updates,
+                                        grad_group=grad_group, **mb.fns))
+            pa.updates += 1
+    return hist
+
+
+def _draft_state(st, mesh: Mesh) -> dict | None:
+    """The co-trained draft's state from the last stage, on every stage (None for other arms)."""
+    if st.arm != "cotrained":
+        return None
+    box = [{k: v.detach().cpu() for k, v in st.draft.state_dict().items()} if st.pipeline.last else None]
+    dist.broadcast_object_list(box, group=mesh.pp_group, group_src=mesh.pp - 1)
+    return box[0]
+
+
+def gather_for_refit(st, mesh: Mesh) -> tuple[dict, dict | None]:
+    """(whole policy state, draft state) on every rank: the stages gathered over the pipeline group."""
+    return gather_stages(st.policy, mesh.pp_group), _draft_state(st, mesh)
+
+
+def pp_checkpoint_state(st, mesh: Mesh) -> dict:
+    """What a PP checkpoint adds over the single-stage one (a collective over the pipeline group): the
+    whole policy, the last stage's draft, and every stage's optimizer and scheduler states (lists indexed by
+    stage: the last stage's have the draft's param group too)."""
+    per_stage = [None] * mesh.pp  # (optimizer, scheduler) states: their param groups differ per stage
+    dist.all_gather_object(per_stage, (st.opt.state_dict(), st.sched.state_dict()), group=mesh.pp_group)
+    draft = _draft_state(st, mesh) if st.arm == "cotrained" else (st.draft.state_dict() if st.draft is not None else None)
+    return {"policy": gather_stages(st.policy, mesh.pp_group), "draft": draft,
+            "opt": [o for o, _ in per_stage], "sched": [s for _, s in per_stage], "pp": mesh.pp}
+
+
+def pp_restore(st, s: dict, path: str) -> None:
+    """Load this stage's part of a PP checkpoint (written with the same parallel.pp)."""
+    mesh = st.pipeline.mesh
+    if s.get("pp", 1) != mesh.pp:
+        raise ValueError(f"checkpoint {path} was written with parallel.pp={s.get('pp', 1)}, this run has "
+                         f"{mesh.pp}: resume with the same parallel.pp")
+    st.policy.load_state_dict({k: s["policy"][k] for k in st.policy.state_dict()}, strict=True)
+    if st.draft is not None:
+        st.draft.load_state_dict(s["draft"])
+    st.opt.load_state_dict(s["opt"][mesh.pp_rank])
+    st.sched.load_state_dict(s["sched"][mesh.pp_rank])
