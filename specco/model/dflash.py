@@ -20,11 +20,9 @@ is an argument (`attn`, default the exact `block_attention`), so context paralle
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +30,7 @@ from torch import nn
 
 from ..ops.block_attention import block_attention
 from .config import ConfigError, PolicyConfig, aux_layer_ids_default
+from .draft_io import load_draft_weights, read_draft_config, save_draft_dir
 from .layers import Attention, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
 KINDS = ("dflash", "dspark")
@@ -158,33 +157,13 @@ class BlockDraft(nn.Module):
     ARCHITECTURE = "specco.BlockDraft"  # draft_config.json's "architecture": what load_draft_dir dispatches on
 
     def save(self, path: str | os.PathLike) -> None:
-        """path/model.safetensors (the state dict's keys) + path/draft_config.json, each written atomically
-        (a temporary file, then os.replace), like Eagle3Draft.save."""
-        from safetensors.torch import save_file
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}  # clone: fused views
-        tmp = path / "model.safetensors.tmp"
-        save_file(sd, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / "model.safetensors")
-        tmp = path / "draft_config.json.tmp"
-        tmp.write_text(json.dumps({"architecture": self.ARCHITECTURE, **self.cfg.to_dict()}, indent=2))
-        os.replace(tmp, path / "draft_config.json")
+        """The draft directory layout of draft_io.py (atomic per file), like Eagle3Draft.save."""
+        save_draft_dir(self, path, self.ARCHITECTURE, self.cfg.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike, device="cpu", dtype=torch.float32) -> "BlockDraft":
-        from safetensors.torch import load_file
-        path = Path(path)
-        f = path / "draft_config.json"
-        if not f.exists():
-            raise FileNotFoundError(f"{f} not found: not a specco draft directory")
-        d = json.loads(f.read_text())
-        arch = d.pop("architecture", None)
-        if arch != cls.ARCHITECTURE:
-            raise ConfigError(f"{f} holds a {arch!r} draft, not a {cls.ARCHITECTURE!r} one")
-        model = cls(BlockDraftConfig.from_dict(d))
-        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
-        return model.to(device=device, dtype=dtype)
+        cfg = BlockDraftConfig.from_dict(read_draft_config(path, cls.ARCHITECTURE))
+        return load_draft_weights(cls(cfg), path, device, dtype)
 
     def block_positions(self, positions: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """positions (B, S) absolute, anchors (B, N) indices -> (B, N, W) absolute slot positions p_n + w."""

@@ -11,14 +11,13 @@ which target ids the draft vocabulary contains; both are built from token freque
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from .config import DraftConfig
+from .draft_io import load_draft_weights, read_draft_config, save_draft_dir
 from .layers import Attention, KVCache, RMSNorm, SwiGLU
 from .policy import StageTaps, Taps, join_taps
 
@@ -119,31 +118,13 @@ class Eagle3Draft(nn.Module):
         """aux taps (B, S, k*h) -> pass-1 hidden input (B, S, h)."""
         return self.fc(aux.to(self.fc.weight.dtype))
 
-    # -- checkpoint ------------------------------------------------------------------------
+    # -- checkpoint (the layout: draft_io.py) ----------------------------------------------
+    ARCHITECTURE = "specco.Eagle3Draft"
+
     def save(self, path: str | os.PathLike):
-        from safetensors.torch import save_file
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        # clone: the fused projections' state-dict entries are views sharing one tensor (layers.fuse_linears),
-        # which safetensors refuses to write
-        sd = {k: v.detach().cpu().clone() for k, v in self.state_dict().items()}
-        tmp = path / "model.safetensors.tmp"
-        save_file(sd, str(tmp), metadata={"format": "pt"})
-        os.replace(tmp, path / "model.safetensors")
-        tmp = path / "draft_config.json.tmp"
-        tmp.write_text(json.dumps({"architecture": "specco.Eagle3Draft", **self.cfg.to_dict()},
-                                  indent=2))
-        os.replace(tmp, path / "draft_config.json")
+        save_draft_dir(self, path, self.ARCHITECTURE, self.cfg.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike, device="cpu", dtype=torch.float32) -> "Eagle3Draft":
-        from safetensors.torch import load_file
-        path = Path(path)
-        f = path / "draft_config.json"
-        if not f.exists():
-            raise FileNotFoundError(f"{f} not found: not a specco draft directory")
-        d = json.loads(f.read_text())
-        d.pop("architecture", None)
-        model = cls(DraftConfig.from_dict(d))
-        model.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
-        return model.to(device=device, dtype=dtype)
+        cfg = DraftConfig.from_dict(read_draft_config(path, cls.ARCHITECTURE, legacy_ok=True))
+        return load_draft_weights(cls(cfg), path, device, dtype)
