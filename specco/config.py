@@ -110,6 +110,7 @@ class RolloutSpec:
     # reuse, least recently used dropped first. Each costs its KV cache's memory; one RL arm mostly reuses
     # a few shapes (8 cached runners grew a 1,024-row run from 0.6 to 2.5 GB, issue 16). 0: none kept.
     cache_runners: int = 2
+    cache_gib: float = 0.0  # and a bound on their buffers' memory, GiB (0: the count alone bounds it)
 
     def __post_init__(self):
         _check_finite(self, "rollout")
@@ -117,6 +118,7 @@ class RolloutSpec:
                f"rollout.spec_control={self.spec_control!r}: must be 'auto', 'on' or 'off'")
         _check(self.cache_runners >= 0, f"rollout.cache_runners={self.cache_runners}: must be >= 0 (0 = "
                "build a fresh decode runner every call)")
+        _check(self.cache_gib >= 0, f"rollout.cache_gib={self.cache_gib}: must be >= 0 (0 = no byte bound)")
         _check(self.k >= 1, f"rollout.k={self.k}: the draft must propose at least 1 token (k >= 1)")
         _check(self.temperature >= 0, f"rollout.temperature={self.temperature}: must be >= 0")
         _check(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")

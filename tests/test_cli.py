@@ -79,3 +79,11 @@ def test_rl_loop_refuses_inconsistent_parallel_settings(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="set parallel.dp=2"):
         run_demo(load_config(None, [f"out_dir={tmp_path}"]), progress=False)
     assert not any(tmp_path.iterdir())  # refused before writing anything
+
+
+def test_block_drafter_under_pp_is_refused_by_name():
+    from specco.config import ConfigError, load_config
+    from specco.runner.derive import check_parallel
+    cfg = load_config(None, ["parallel.pp=2", "draft.kind=dflash"])
+    with pytest.raises(ConfigError, match="draft.kind='dflash' with parallel.pp=2"):
+        check_parallel(cfg, 2)

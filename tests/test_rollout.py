@@ -291,3 +291,28 @@ def test_engine_rejects_mismatched_draft():
     other = tiny_policy(V=40)
     with pytest.raises(ValueError, match="vocab"):
         RolloutEngine(policy, random_draft(other))
+
+
+def test_engine_bounds_the_memory_of_its_cached_runners():
+    """cache_gib: runners beyond the byte bound are dropped oldest first (the running one is kept)."""
+    policy = tiny_policy()
+    cfg = GenerateConfig(max_new_tokens=4, sampling=GREEDY)
+    prompts = [_prompts(policy.cfg.vocab_size, lens=(n,)) for n in (3, 20, 40)]  # three length buckets
+    unbounded = RolloutEngine(policy, None, cfg, cache_runners=8)
+    for p in prompts:
+        unbounded.generate(p, group_size=32)
+    sizes = [r.nbytes() for r in unbounded._runners.values()]  # the last (longest prompts) is the largest
+    assert len(sizes) == 3 and unbounded.cached_bytes() == sum(sizes) and sizes[-1] == max(sizes)
+    bound = (max(sizes) + 0.5 * min(sizes)) / 2**30  # room for the running one, not for another beside it
+    engine = RolloutEngine(policy, None, cfg, cache_runners=8, cache_gib=bound)
+    outs = [engine.generate(p, group_size=32) for p in prompts]
+    assert len(engine._runners) == 1 and engine.cached_bytes() <= bound * 2**30
+    for a, p in zip(outs, prompts):  # dropping runners changes nothing but speed
+        assert torch.equal(a.tokens, generate(policy, p, cfg, group_size=32).tokens)
+
+
+def test_positions_past_max_position_embeddings_warn():
+    policy = tiny_policy()
+    cfg = GenerateConfig(max_new_tokens=policy.cfg.max_position_embeddings, sampling=GREEDY)
+    with pytest.warns(UserWarning, match="max_position_embeddings"):
+        generate(policy, [torch.tensor([1, 2])], cfg)

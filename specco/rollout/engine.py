@@ -72,13 +72,17 @@ class RolloutEngine:
 
     cache_runners: how many DecodeRunners (one per config and shape bucket) to keep, the least
     recently used dropped first; 0 builds a fresh runner, and captures its graphs, every call.
+    cache_gib: a bound on the memory of the kept runners' buffers (KV caches of every level, GiB);
+    runners other than the one about to run are dropped, least recently used first, until the rest
+    fit. 0: no byte bound (the count bounds it). A runner allocates (and its compacted levels grow)
+    during a call, so the bound is enforced after each call.
     """
 
     def __init__(self, policy: Policy, draft: Eagle3Draft | None = None,
-                 cfg: GenerateConfig | None = None, cache_runners: int = 8):
+                 cfg: GenerateConfig | None = None, cache_runners: int = 8, cache_gib: float = 0.0):
         self.policy, self.draft = policy.eval(), draft
         self.cfg = cfg or GenerateConfig()
-        self.cache_runners = cache_runners
+        self.cache_runners, self.cache_gib = cache_runners, cache_gib
         self._runners: OrderedDict[tuple, DecodeRunner] = OrderedDict()
         self._storage: tuple | None = None
         # One acceptance estimate for every runner of the engine: speculation control follows the
@@ -134,6 +138,19 @@ class RolloutEngine:
         self._runners.move_to_end(key)
         return runner
 
+    def _bound_memory(self):
+        """cache_gib: drop the kept runners other than the newest, oldest first, until the rest fit."""
+        if self.cache_gib <= 0:
+            return
+        for old in list(self._runners)[:-1]:
+            if self.cached_bytes() <= self.cache_gib * 2**30:
+                break
+            del self._runners[old]
+
+    def cached_bytes(self) -> int:
+        """Bytes of the kept runners' buffers (what `cache_gib` bounds)."""
+        return sum(r.nbytes() for r in self._runners.values())
+
     @torch.no_grad()
     def generate(self, prompts: Sequence, group_size: int = 1,
                  generator: torch.Generator | None = None,
@@ -144,7 +161,9 @@ class RolloutEngine:
         runner = self._runner(cfg, ids, group_size)
         runner.prefill_padded(ids, lens, group_size, generator or seeded_generator(self.device))
         runner.run()
-        return runner.result()
+        out = runner.result()
+        self._bound_memory()
+        return out
 
     def check_weights(self, policy_state: Mapping[str, torch.Tensor],
                       draft_state: Mapping[str, torch.Tensor] | None, step: int | None = None) -> None:

@@ -29,6 +29,7 @@ runner by hand (`round()`) never compacts.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -212,6 +213,16 @@ class DecodeRunner:
         """The decode state rounds run on now."""
         return self.level.st
 
+    def nbytes(self) -> int:
+        """Bytes of this runner's buffers: every level's state (KV caches first of all) and the prompts'."""
+        levels = ([self.root] if self.root is not None else []) + list(self.levels.values())
+        tensors = [t for lv in levels for t in lv.st.small_tensors()]
+        tensors += [c.k for lv in levels for c in (lv.st.t_cache, lv.st.d_cache) if c is not None]
+        tensors += [c.v for lv in levels for c in (lv.st.t_cache, lv.st.d_cache) if c is not None]
+        if self.io is not None:
+            tensors += [t for t in (self.io.ids, self.io.lens, self.io.real, self.io.u0) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def shape_for(self, num_prompts: int, prompt_len: int, group_size: int) -> RunnerShape:
         return runner_shape(self.cfg, self.device, self.draft, num_prompts, prompt_len, group_size)
 
@@ -269,6 +280,11 @@ class DecodeRunner:
                                 real=torch.zeros(shape.prompts, dtype=torch.bool, device=dev),
                                 u0=torch.zeros(N, dtype=torch.float32, device=dev) if sampled else None)
         pc = self.policy.cfg
+        if shape.cache_len > pc.max_position_embeddings:
+            warnings.warn(f"generation reaches position {shape.cache_len - 1} (prompt {shape.prompt_len} + "
+                          f"max_new_tokens {self.cfg.max_new_tokens} + lookahead), past the policy's "
+                          f"max_position_embeddings={pc.max_position_embeddings}: RoPE extrapolates there and the "
+                          "model was not trained for it", stacklevel=3)
         rope = RopeTable.build(pc.head_dim, pc.rope_theta, shape.cache_len, dev, self.policy.embed_tokens.weight.dtype)
         d_rope = None
         if self.draft is not None:

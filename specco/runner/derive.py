@@ -78,6 +78,10 @@ def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[
         if cfg.train.amp != "none":
             raise ConfigError(f"train.amp={cfg.train.amp!r} with parallel.pp={p.pp}: not supported yet (the schedule "
                               "sends activations in the weights' dtype); set train.amp=none")
+        if cfg.draft.kind != "eagle3":
+            raise ConfigError(f"draft.kind={cfg.draft.kind!r} with parallel.pp={p.pp}: the pipeline co-trains "
+                              "EAGLE-3 drafts only (block drafters under PP are not implemented); use "
+                              "draft.kind=eagle3 or parallel.pp=1")
         if cfg.policy.source == "tiny" and cfg.policy.num_layers < p.pp:
             raise ConfigError(f"parallel.pp={p.pp} > policy.num_layers={cfg.policy.num_layers}: every stage needs a "
                               "layer")

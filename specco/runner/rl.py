@@ -116,7 +116,7 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None
     draft = copy.deepcopy(draft) if (draft is not None and arm != "none") else None
     eng_draft = copy.deepcopy(draft) if draft is not None else None
     engine = RolloutEngine(copy.deepcopy(policy).eval(), eng_draft, gen_cfg,
-                           cache_runners=cfg.rollout.cache_runners)
+                           cache_runners=cfg.rollout.cache_runners, cache_gib=cfg.rollout.cache_gib)
     pipeline = None
     if mesh is not None and mesh.pp > 1:
         pipeline = PipelineArm.build(mesh, policy, draft if arm == "cotrained" else None)

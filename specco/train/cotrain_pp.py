@@ -44,7 +44,7 @@ class _TeacherOut:  # what draft_loss reads of a policy output: the joined taps 
 def pp_cotrain_step(stage: Policy, draft: Eagle3Draft | None, batch: TrainBatch, opt: torch.optim.Optimizer, sched,
                     cfg: StepConfig, *, pipe: PipeComm, taps=None, tap_layers: tuple[int, ...] | None = None,
                     step: int = 0, grad_group=None, shift: Callable = shift_left, attn: Callable = ttt_attention,
-                    attn_core: Callable | None = None) -> dict:
+                    attn_core: Callable | None = None, block=None) -> dict:
     """One optimizer step of this pipeline stage on `batch` (the stage's DP x CP share); returns the step's
     metrics as floats on every stage (the last stage's, broadcast over the pipeline group).
 
@@ -52,7 +52,9 @@ def pp_cotrain_step(stage: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     the policy alone); pipe: the schedule's PipeComm on the pp group; taps: the TapChannel (None: no
     draft this step); tap_layers: the draft's aux layer ids (every stage needs them to know what to
     tap); step: the stamp of this step's taps; grad_group: the stage's DP x CP ranks; shift / attn /
-    attn_core as in `cotrain_step` (context parallelism passes its ring versions).
+    attn_core as in `cotrain_step` (context parallelism passes its ring versions); block: the block
+    drafters' CP plan that `cp.step_fns` also returns — accepted so the same layout functions pass
+    through, unused: the pipeline co-trains EAGLE-3 drafts only (a block drafter is refused below).
     """
     pp, s = pipe.pp, pipe.stage
     first, last = s == 0, s == pp - 1
