@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .attention import _pow2
+
 try:  # Triton is optional: absent on CPU-only installs, where the twin runs.
     import triton
     import triton.language as tl
@@ -68,9 +70,6 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                        attn_mask=mask, scale=scale)  # (B, Hkv, G*T, D)
     return o.reshape(B, H, T, D).transpose(1, 2)  # (B, T, H, D)
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 BLOCK_N = 64  # keys per inner step; a chunk is a whole number of these

@@ -17,6 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .attention import _pow2
+from .decode_attention import write_kv
+
 try:
     import triton
     import triton.language as tl
@@ -33,9 +36,6 @@ def _use_triton(x: torch.Tensor, impl: str | None) -> bool:
         return impl == "triton"
     return triton is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # -- twins (the model's formulas, layers.py) ---------------------------------------------------------
@@ -191,7 +191,6 @@ def rope_qkv_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_di
     B, T, _ = qkv.shape
     H, Hkv, D = num_heads, num_kv_heads, head_dim
     if not _use_triton(qkv, impl):
-        from .decode_attention import write_kv
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
         if q_norm is not None:

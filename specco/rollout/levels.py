@@ -9,6 +9,7 @@ between rounds. The runner (generate.py) only allocates levels and drives rounds
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -113,7 +114,6 @@ class Level:
         """Seconds per round of every k, timed with the rows frozen (the work is static-shaped, so
         identical) at the state's current positions; the state is restored. On CUDA the captured
         graphs are timed with events; on CPU the eager steps with the host clock."""
-        import time
         saved = [t.clone() for t in self.st.small_tensors()]
         self.st.finished.fill_(True)
         cuda = self.st.n.is_cuda
