@@ -56,6 +56,22 @@ class TrainBatch:
         take = lambda t: t[a:b] if torch.is_tensor(t) else t  # noqa: E731
         return TrainBatch(**{f.name: take(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
+    def trimmed(self) -> "TrainBatch":
+        """Right-padded rows without their trailing columns past the last trained token of any row.
+
+        Exact: with causal attention no trained position sees a later column, and the TTT shifts and
+        block anchors read only trained tokens (their masks are 0 there). A micro-batch of short rows
+        then costs its own length, not the whole batch's longest row (long-tailed completions)."""
+        if self.cu_seqlens is not None:
+            return self
+        mask = self.target_mask if self.draft_mask is None else self.target_mask + self.draft_mask
+        cols = mask.any(0).nonzero()
+        s = int(cols[-1]) + 1 if len(cols) else 1  # one host sync per micro-batch
+        if s == self.tokens.shape[1]:
+            return self
+        cut = lambda t: t[:, :s] if torch.is_tensor(t) and t.dim() == 2 else t  # noqa: E731
+        return TrainBatch(**{f.name: cut(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
     def to(self, device) -> "TrainBatch":
         move = lambda t: t.to(device) if torch.is_tensor(t) else t  # noqa: E731
         return TrainBatch(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})

@@ -38,10 +38,13 @@ class PolicySpec:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
+    # the tiny policy's max_position_embeddings (its RoPE is trained only up to the longest SFT
+    # sequence; the engine warns past this): prompt + rollout.max_new_tokens should fit
+    max_positions: int = 256
     dtype: str = "float32"
 
     def __post_init__(self):
-        for n in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size"):
+        for n in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "max_positions"):
             _check(getattr(self, n) >= 1, f"policy.{n}={getattr(self, n)}: must be >= 1")
         _check(self.hidden_size % self.num_heads == 0,
                f"policy.hidden_size={self.hidden_size} must be divisible by policy.num_heads={self.num_heads}")
@@ -239,7 +242,9 @@ class ParallelSpec:
 @dataclass(frozen=True)
 class TaskSpec:
     name: str = "chain_sum"
-    mode: str = "cot"  # tiny policy: 'cot' (worked steps, then '>answer') or 'compact'; pretrained: 'chat'
+    # tiny policy: 'cot' (short worked steps, then '>answer'), 'rewrite' (the chain rewritten line by line:
+    # ~n^2-token completions, the long-reasoning workload) or 'compact'; pretrained: 'chat'
+    mode: str = "cot"
     eval_size: int = 64
     min_terms: int = 3  # reasoning_gym chain_sum/basic_arithmetic options (0 = the task preset's)
     max_terms: int = 5
@@ -252,8 +257,8 @@ class TaskSpec:
     def __post_init__(self):
         _check_finite(self, "task")
         _check(self.eval_size >= 1, f"task.eval_size={self.eval_size}: must be >= 1")
-        _check(self.mode in ("compact", "cot", "chat"),
-               f"task.mode={self.mode!r}: choose compact, cot or chat")
+        _check(self.mode in ("compact", "cot", "rewrite", "chat"),
+               f"task.mode={self.mode!r}: choose compact, cot, rewrite or chat")
         _check(0.0 <= self.cot_fraction <= 1.0,
                f"task.cot_fraction={self.cot_fraction}: must be in [0, 1] (1 = every SFT reference "
                "shows its worked steps)")

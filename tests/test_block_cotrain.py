@@ -25,6 +25,9 @@ def _batch(B=6, S=14, V=60, seed=5):
     mask = torch.zeros(B, S)
     mask[:, 5:] = 1
     mask[2] = 0  # a row with nothing to train on
+    for b, L in enumerate((10, 14, 9, 8, 12, 11)[:B]):  # ragged rows: micro-batches get trimmed
+        mask[b, L:] = 0
+        tokens[b, L:] = 0
     return TrainBatch(tokens=tokens, target_mask=mask, advantages=torch.randn(B, generator=g),
                       logp_old=-torch.rand(B, S, generator=g) * 3)
 

@@ -131,3 +131,39 @@ def test_cot_fraction_mixes_worked_and_direct_references():
     assert all("=" in it.completion for it in full.prompts(50, seed=0))
     with pytest.raises(ValueError, match="cot_fraction"):
         get_task("chain_sum", mode="cot", cot_fraction=1.5)
+
+
+def test_rewrite_mode_folds_one_term_per_line():
+    """'rewrite': each line is the one above with its first two terms replaced by their value; the last
+    line is '>answer'. Checked against eval of every line (the value of the chain never changes)."""
+    from specco.data.tasks import rewrite_steps
+    assert rewrite_steps("4 - 1 - 7 + 3") == "3-7+3\n-4+3\n>-1"
+    assert rewrite_steps("9 + 9") == ">18"
+    assert rewrite_steps("5") == ">5"
+    with pytest.raises(ValueError, match="rewrite mode"):
+        rewrite_steps("2 * 3")
+    task = get_task("chain_sum", mode="rewrite", min_terms=10, max_terms=50, cot_fraction=1.0)
+    tok = build_char_tokenizer()
+    lengths = []
+    for it in task.prompts(40, seed=2):
+        lines = it.completion.split("\n")
+        assert it.prompt.endswith("=") and lines[-1] == ">" + it.answer
+        n_terms = it.entry["metadata"]["num_terms"]
+        assert len(lines) == n_terms - 1
+        for line in lines[:-1]:  # every intermediate line keeps the chain's value and drops one term
+            assert eval(line) == int(it.answer)
+        assert [ln.count("+") + ln.count("-", 1) for ln in lines[:-1]] == list(range(n_terms - 2, 0, -1))
+        assert task.score(it.completion, it) == 1.0
+        assert task.score(it.completion.rsplit(">", 1)[0], it) == 0.0
+        lengths.append(len(task.completion_ids(it, tok)))
+    # the long-reasoning workload: ~n^2 tokens, hundreds to thousands per completion
+    assert min(lengths) >= 90 and max(lengths) >= 1500 and sum(lengths) / len(lengths) >= 500
+
+
+def test_rewrite_mode_direct_references_and_extraction():
+    task = get_task("chain_sum", mode="rewrite", min_terms=10, max_terms=20, cot_fraction=0.5)
+    items = task.prompts(200, seed=0)
+    direct = [it for it in items if not task.shows_steps(it.index, 0)]
+    assert 60 < len(direct) < 140
+    assert all(it.completion == ">" + it.answer and task.score(it.completion, it) == 1.0 for it in direct)
+    assert task.extract("3-7+3\n-4+3\n>-1") == "-1" and task.extract("3-7+3\n-4+3") is None

@@ -113,6 +113,23 @@ def _batch(B=4, S=12, V=61):
                       logp_old=-torch.rand(B, S) * 3)
 
 
+def _ragged(batch: TrainBatch, lengths: list[int]) -> None:
+    """Right-pad rows to their `lengths` (pad id 0, nothing trained past the end), in place."""
+    for b, L in enumerate(lengths):
+        batch.tokens[b, L:] = 0
+        batch.target_mask[b, L:] = 0
+
+
+def test_trimmed_drops_only_untrained_trailing_columns():
+    batch = _batch(B=3)
+    _ragged(batch, [7, 9, 8])
+    t = batch.trimmed()
+    assert t.tokens.shape == (3, 9) and t.logp_old.shape == (3, 9) and t.advantages.shape == (3,)
+    assert torch.equal(t.tokens, batch.tokens[:, :9]) and torch.equal(t.target_mask, batch.target_mask[:, :9])
+    assert batch.rows(0, 1).trimmed().tokens.shape == (1, 7)
+    assert _batch(B=2).trimmed().tokens.shape == (2, 12)  # nothing to trim
+
+
 def test_policy_grads_identical_for_any_lambda():
     batch = _batch()
     grads = []
@@ -188,6 +205,7 @@ def test_microbatched_step_equals_full_batch(stride, micro):
     clip fraction as a token-weighted mean."""
     torch.manual_seed(5)
     batch = _batch(B=8)
+    _ragged(batch, [9, 7, 8, 6, 12, 9, 7, 8])  # micro-batches shorter than the batch get trimmed
     batch.target_mask[3, :] = 0  # a row with nothing to train on
     res = []
     for mb in (0, micro):

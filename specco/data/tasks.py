@@ -10,6 +10,10 @@ Two prompt modes:
 * "compact" (the from-scratch char-level policy): the bare expression, `4-1-7=`, and the
   completion `-4` (the caller appends <eos>). reasoning_gym's boilerplate ("State the final answer
   to the following arithmetic problem: ...") would be ~60 extra tokens a tiny model must skip.
+* "cot" / "rewrite" (the from-scratch policy, with reasoning): the compact prompt, then worked steps
+  before the answer (`worked_steps`: short partial sums; `rewrite_steps`: the whole chain rewritten
+  line by line, the long-reasoning workload), or, for a fraction 1 - cot_fraction of the SFT
+  references, the answer alone.
 * "chat" (pretrained instruct policies such as SmolLM2): reasoning_gym's question text, its
   default system prompt, the tokenizer's chat template; the answer is read from
   `<answer>...</answer>` tags as reasoning_gym's own evaluation does.
@@ -40,7 +44,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                              operators=("+", "-", "*"), allow_parentheses=False,
                              allow_negation=False, whitespace="no_space"),
 }
-MODES = ("compact", "cot", "chat")
+MODES = ("compact", "cot", "rewrite", "chat")
 
 
 def worked_steps(expression: str) -> str:
@@ -59,6 +63,28 @@ def worked_steps(expression: str) -> str:
         steps.append(f"{acc}{op}{x}={new}")
         acc = new
     return ",".join(steps) + f">{acc}"
+def rewrite_steps(expression: str) -> str:
+    """The expression rewritten line by line, each line folding its first two terms:
+    '4 - 1 - 7 + 3' -> '3-7+3\n-4+3\n>-1'.
+
+    The 'rewrite' mode's completion, the long-reasoning workload (issue 15): an n-term chain takes
+    n - 1 lines whose lengths shrink by one term each, ~n^2 characters in all, so 10-50 one-digit terms
+    give completions of ~100 to ~2,500 tokens with a long tail, as reasoning RL's responses have. Every
+    line is the line above with its head replaced, so most tokens are copies (predictable for a draft, as
+    much of a real chain of thought is) and the one new number per line is a local one-digit step, which
+    a from-scratch model learns within minutes; an error anywhere carries into the answer.
+    """
+    toks = expression.split()
+    if len(toks) % 2 == 0 or any(op not in "+-" for op in toks[1::2]):
+        raise ValueError(f"rewrite mode needs a +/- chain like '4 - 1 - 7', got {expression!r}")
+    acc, rest, lines = int(toks[0]), toks[1:], []
+    while rest:
+        op, x, rest = rest[0], int(rest[1]), rest[2:]
+        acc = acc + x if op == "+" else acc - x
+        lines.append(str(acc) + "".join(rest) if rest else f">{acc}")
+    return "\n".join(lines) if lines else f">{acc}"
+
+
 _STREAM_SIZE = 2**31  # reasoning_gym's datasets are virtual; `size` only bounds iteration
 
 
@@ -108,24 +134,25 @@ class Task:
     def item(self, index: int, seed: int) -> Item:
         entry = self._dataset(seed)[index]
         q, a = entry["question"], entry["answer"]
-        if self.mode in ("compact", "cot"):
+        if self.mode in ("compact", "cot", "rewrite"):
             expr = entry.get("metadata", {}).get("expression")
             if expr is None:
                 raise ValueError(f"task {self.name!r} has no metadata['expression']; compact "
                                  "prompts exist only for arithmetic tasks (use mode='chat')")
             if self.mode == "compact":
                 completion = a
-            elif self.shows_steps(index, seed):
-                completion = worked_steps(expr)
-            else:  # a direct answer: the same '>answer' ending without the worked steps
-                completion = ">" + worked_steps(expr).rsplit(">", 1)[1]
+            else:
+                steps = (worked_steps if self.mode == "cot" else rewrite_steps)(expr)
+                # or a direct answer: the same '>answer' ending without the worked steps
+                completion = steps if self.shows_steps(index, seed) else ">" + steps.rsplit(">", 1)[1]
             return Item(index, q, a, prompt=expr.replace(" ", "") + "=", completion=completion,
                         entry=entry)
         prompt = self.tokenizer.chat_prompt(q, system=self.system_prompt or None)
         return Item(index, q, a, prompt=prompt, completion=f"<answer>{a}</answer>", entry=entry)
 
     def shows_steps(self, index: int, seed: int) -> bool:
-        """Whether reference completion `index` of stream `seed` shows its worked steps ('cot' mode).
+        """Whether reference completion `index` of stream `seed` shows its worked steps ('cot' and
+        'rewrite' modes).
 
         A fraction `cot_fraction` of them do; the rest answer directly. An SFT policy trained on
         that mixture sometimes reasons and sometimes guesses, as a base model does; reasoning is
@@ -156,7 +183,7 @@ class Task:
         """The answer string inside a completion (decoded text, special tokens removed)."""
         if self.mode == "chat":
             return extract_answer(completion_text)
-        if self.mode == "cot":  # the answer follows the last '>'; no '>' means no answer
+        if self.mode in ("cot", "rewrite"):  # the answer follows the last '>'; no '>' means no answer
             return completion_text.rsplit(">", 1)[1].strip() if ">" in completion_text else None
         return completion_text.strip()
 

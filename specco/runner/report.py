@@ -81,13 +81,68 @@ def plot_arms(arm_rows: dict[str, list[dict]], keys: list[tuple[str, str]], path
                 continue
             xs, ys = zip(*pts)
             if smooth > 1:
-                ys = [sum(ys[max(0, i - smooth + 1): i + 1]) / len(ys[max(0, i - smooth + 1): i + 1])
-                      for i in range(len(ys))]
-            ax.plot(xs, ys, label=arm, marker="." if len(xs) < 40 else None)
+                ys = _smooth(ys, smooth)
+            line, = ax.plot(xs, ys, label=arm, marker="." if len(xs) < 40 else None)
+            se = [r.get(key + "_se") for r in rows if key in r]
+            if all(v is not None for v in se):  # the step's sampling noise (e.g. reward_se), smoothed alike
+                se = _smooth(se, smooth) if smooth > 1 else se
+                ax.fill_between(xs, [y - e for y, e in zip(ys, se)], [y + e for y, e in zip(ys, se)],
+                                color=line.get_color(), alpha=0.15, linewidth=0)
         ax.set_title(title)
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # no arm logged this key (e.g. draft metrics of 'none' alone)
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def _smooth(ys, n: int) -> list:
+    """Trailing moving average over `n` points (fewer at the start)."""
+    return [sum(ys[max(0, i - n + 1): i + 1]) / len(ys[max(0, i - n + 1): i + 1]) for i in range(len(ys))]
+
+
+# The RL step's phases as logged per step (runner/rl.py), in the order they run.
+TIME_PARTS = (("time/rollout", "rollout"), ("time/logprob", "log-prob"), ("time/train", "train"),
+              ("time/refit", "refit"), ("time/refit_guard", "refit guard"))
+
+
+def steady_rows(rows: list[dict]) -> list[dict]:
+    """The steps timings are quoted over: all but the first (it captures the CUDA graphs), unless that
+    leaves none."""
+    return rows[1:] if len(rows) > 1 else rows
+
+
+def time_split(rows: list[dict]) -> dict[str, float]:
+    """Mean seconds per step of each phase (TIME_PARTS) over `steady_rows`; 0 where not logged."""
+    rs = steady_rows(rows)
+    return {name: sum(r.get(key, 0.0) for r in rs) / max(1, len(rs)) for key, name in TIME_PARTS}
+
+
+def plot_time_split(arm_rows: dict[str, list[dict]], path: str | Path):
+    """A stacked bar per arm: mean seconds per RL step in each phase. Returns the path or None."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    arms = [a for a, rs in arm_rows.items() if rs]
+    splits = [time_split(arm_rows[a]) for a in arms]
+    fig, ax = plt.subplots(figsize=(1.6 * len(arms) + 2.5, 3.8))
+    bottom = [0.0] * len(arms)
+    for _, name in TIME_PARTS:
+        vals = [s[name] for s in splits]
+        ax.bar(arms, vals, bottom=bottom, label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, total in enumerate(bottom):
+        ax.text(i, total, f"{total:.2f} s", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("seconds per RL step")
+    ax.set_title("RL step time split (mean over steps 2..)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -93,9 +93,12 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
         texts = [tokenizer.decode(out.tokens[i, :int(out.lengths[i])]) for i in range(N)]
         rewards = torch.tensor([task.score(t, items[i // r.group_size]) for i, t in enumerate(texts)])
         n_tok = int(out.lengths.sum())
+        per_prompt = rewards.view(-1, r.group_size).mean(1)  # (prompts,): the groups are the i.i.d. units
         m = {"reward": rewards.mean().item(), "accuracy": (rewards == 1.0).float().mean().item(),
-             "tau": out.tau, "completion_len": n_tok / N, "tokens_per_s": n_tok / t_roll, "time/rollout": t_roll,
-             "target_forwards": out.num_target_forwards}
+             # the step's sampling noise in `reward`: the standard error over its prompts (0 for one prompt)
+             "reward_se": (per_prompt.std() / len(per_prompt) ** 0.5).item() if len(per_prompt) > 1 else 0.0,
+             "tau": out.tau, "completion_len": n_tok / N, "completion_len_max": int(out.lengths.max()),
+             "tokens_per_s": n_tok / t_roll, "time/rollout": t_roll, "target_forwards": out.num_target_forwards}
         for j, a in enumerate(out.accept_rate.tolist()):
             m[f"accept/pos{j + 1}"] = a
         if out.accept_counts is not None and out.accept_counts[1].numel():

@@ -32,7 +32,7 @@ from ..model.config import ConfigError
 TMP_PREFIX = ".tmp_"
 # What a run writes into its out_dir (and --force-new deletes); nothing else there is touched.
 RUN_OUTPUTS = ("sft_policy", "warm_draft", "arms", "config.json", "report.md", "summary.json",
-               "tau_reward.png", "draft.png")
+               "tau_reward.png", "draft.png", "time_split.png")
 # Keys that may differ between the run and its re-run: where it is and what it prints do not change
 # what it computes.
 _IGNORED_KEYS = ("out_dir",)

@@ -284,13 +284,14 @@ def optimizer_step(opt, sched, cfg: StepConfig, train_policy: bool = True, grad_
 # -- the step ----------------------------------------------------------------------------------------
 
 def micro_batches(batch: TrainBatch, rows: int):
-    """(first row, micro-batch) pairs of `rows` rows each (0 or >= B: the whole batch, one pair)."""
+    """(first row, micro-batch) pairs of `rows` rows each (0 or >= B: the whole batch, one pair); each
+    micro-batch of padded rows trimmed to its own longest trained row (TrainBatch.trimmed)."""
     B = batch.tokens.shape[0]
     if rows <= 0 or rows >= B:
         yield 0, batch
         return
     for a in range(0, B, rows):
-        yield a, batch.rows(a, min(B, a + rows))
+        yield a, batch.rows(a, min(B, a + rows)).trimmed()
 
 
 def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,

@@ -82,8 +82,11 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) ->
 def sft(policy, tokenizer, task, steps: int, batch_size: int = 128, lr: float = 3e-3,
         seed: int = 0, offset: int = 0, warmup: int | None = None, weight_decay: float = 0.01,
         grad_clip: float = 1.0, eval_every: int = 0, eval_n: int = 128, progress: bool = True,
-        log=None) -> dict:
+        log=None, amp_dtype: torch.dtype | None = None) -> dict:
     """Train `policy` in place for `steps` AdamW steps; returns metrics.
+
+    `amp_dtype` (train.amp): the forward and loss under autocast in that dtype, fp32 weights and AdamW
+    state (the long-reasoning workload's 2.5K-token references would double the activations in fp32).
 
     Data: items `offset + k*batch_size ...` of task stream `seed`; the returned `offset` is where
     the next stage (or a resumed SFT) continues. `eval_every > 0` evaluates greedy accuracy on
@@ -104,7 +107,8 @@ def sft(policy, tokenizer, task, steps: int, batch_size: int = 128, lr: float = 
         items = task.prompts(batch_size, seed=seed, offset=offset)
         offset += batch_size
         ids, mask = sft_batch(task, tokenizer, items, device)
-        loss = sft_loss(policy, ids, mask)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = sft_loss(policy, ids, mask)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)

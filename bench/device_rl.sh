@@ -1,0 +1,38 @@
+#!/bin/bash
+# A long `specco train CONFIG` on the GPU machine across device calls of at most 10 minutes each.
+#
+#   bash bench/device_rl.sh CONFIG [SECONDS]
+#
+# The first call installs the carried wheels (reasoning_gym and its pure-Python needs, in .whl/) and starts
+# the run in its own process session, so it outlives the call; every call (the first included) then follows
+# it for SECONDS (default 540) and copies the log tail and, once the run is done, its outputs into $OUT as
+# one archive. A later call on the same (warm) machine finds the run still going and follows it again; on a
+# fresh machine it starts the run again, which resumes from whatever stage outputs and checkpoints exist.
+set -u
+CONFIG=$1; WAIT=${2:-540}
+export PYTHONPATH=/tmp/site:$PWD/.whl/stubs:$PWD PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUTDIR=$(python3 -c "import tomllib,sys; print(tomllib.load(open(sys.argv[1],'rb'))['out_dir'])" "$CONFIG")
+mkdir -p "$OUTDIR"
+LOG=$OUTDIR/run.log
+if [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+fi
+if ! pgrep -f "specco train $CONFIG" >/dev/null; then
+  if [ -f "$OUTDIR/summary.json" ]; then echo "done already"; else
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    setsid nohup python3 -m specco train "$CONFIG" >>"$LOG" 2>&1 < /dev/null &
+    sleep 2
+  fi
+fi
+t0=$(date +%s)
+while pgrep -f "specco train $CONFIG" >/dev/null && [ $(( $(date +%s) - t0 )) -lt "$WAIT" ]; do sleep 5; done
+tr '\r' '\n' < "$LOG" | grep -v -E '^\s*$' | grep -v -E '[0-9]+%\|' | tail -40
+tr '\r' '\n' < "$LOG" | grep -E '[0-9]+%\|' | tail -3
+nvidia-smi --query-gpu=memory.used --format=csv,noheader
+if [ -n "${OUT:-}" ]; then
+  tar czf "$OUT/run.tgz" -C "$OUTDIR" --exclude=ckpt --exclude=sft_policy --exclude='warm_draft*' --exclude=tb . 2>/dev/null
+  for d in "$OUTDIR"/warm_draft*; do [ -f "$d/warm_metrics.json" ] && cp "$d/warm_metrics.json" "$OUT/$(basename $d)_metrics.json"; done
+  [ -f "$OUTDIR/sft_policy/sft_metrics.json" ] && cp "$OUTDIR/sft_policy/sft_metrics.json" "$OUT/"
+fi
+pgrep -f "specco train $CONFIG" >/dev/null && echo "STILL RUNNING" || echo "NOT RUNNING"

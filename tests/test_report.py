@@ -1,0 +1,44 @@
+"""The run report: the time split per RL step, its stacked-bar plot, the speedup table, the reward band."""
+import json
+
+import pytest
+
+from specco.config import RunConfig
+from specco.runner.demo import write_report
+from specco.runner.report import plot_arms, plot_time_split, steady_rows, time_split
+
+
+def _rows(rollout: float, train: float, n: int = 4) -> list[dict]:
+    # step 1 captures the CUDA graphs: 10x slower, and left out of the means
+    return [{"step": i + 1, "time/rollout": rollout * (10 if i == 0 else 1), "time/logprob": 0.0,
+             "time/train": train, "time/refit": 0.1, "time/refit_guard": 0.02, "reward": 0.5 + 0.01 * i,
+             "reward_se": 0.05, "tau": 1.0 if rollout > 3 else 3.0, "completion_len": 500.0 + i,
+             "tokens_per_s": 1000.0 / rollout, "accuracy": 0.4} for i in range(n)]
+
+
+def test_time_split_skips_the_first_step():
+    rows = _rows(2.0, 1.0)
+    assert steady_rows(rows) == rows[1:] and steady_rows(rows[:1]) == rows[:1]
+    s = time_split(rows)
+    assert s == pytest.approx({"rollout": 2.0, "log-prob": 0.0, "train": 1.0, "refit": 0.1, "refit guard": 0.02})
+
+
+def test_report_speedups_and_plots(tmp_path):
+    arms = {"none": _rows(4.0, 1.0), "cotrained": _rows(2.0, 1.25)}
+    summary = write_report(RunConfig(), tmp_path, arms, {"sft_final_loss": 0.1}, {}, 12.0)
+    none, co = summary["arms"]["none"], summary["arms"]["cotrained"]
+    assert abs(none["step s"] - 5.12) < 1e-9 and abs(none["rollout share"] - 4.0 / 5.12) < 1e-9
+    assert abs(co["rollout speedup vs none"] - 2.0) < 1e-9
+    assert abs(co["train overhead vs none"] - 1.25) < 1e-9
+    assert abs(co["end-to-end speedup vs none"] - 5.12 / 3.37) < 1e-9
+    assert co["tau (last 25%)"] == 3.0 and co["completion len (first 25%)"] == 500.0
+    for png in ("tau_reward.png", "draft.png", "time_split.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+    assert "end-to-end speedup" in (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "summary.json").read_text())["arms"]["cotrained"]["step s"] == co["step s"]
+
+
+def test_plots_tolerate_missing_keys(tmp_path):
+    rows = {"none": [{"step": 1, "reward": 0.1}], "empty": []}
+    assert plot_time_split(rows, tmp_path / "t.png").exists()
+    assert plot_arms(rows, [("reward", "r"), ("tau", "t")], tmp_path / "a.png").exists()
