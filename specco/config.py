@@ -56,12 +56,31 @@ class PolicySpec:
 
 
 DRAFT_KINDS = ("eagle3", "dflash", "dspark")
+BLOCK_KINDS = ("dflash", "dspark")  # block drafters: all γ tokens of a round from one forward
+ARM_MODES = ("none", "frozen", "cotrained")
+
+
+def split_arm(arm: str, default_kind: str) -> tuple[str, str | None]:
+    """An arm name -> (mode, draft kind). An arm is `<mode>` or `<mode>-<kind>` (`cotrained-dflash`): mode
+    none (no draft: kind None), frozen or cotrained; a bare frozen / cotrained uses `default_kind` (draft.kind)."""
+    mode, _, kind = arm.partition("-")
+    how = (f"an arm is <mode> or <mode>-<kind> with mode in {', '.join(ARM_MODES)} and kind in "
+           f"{', '.join(DRAFT_KINDS)} (e.g. cotrained-dflash)")
+    _check(mode in ARM_MODES, f"arm {arm!r}: unknown mode {mode!r}; {how}")
+    if mode == "none":
+        _check(not kind, f"arm {arm!r}: the no-draft arm has no draft kind; write 'none'")
+        return mode, None
+    if not kind:
+        return mode, default_kind
+    _check(kind in DRAFT_KINDS, f"arm {arm!r}: unknown draft kind {kind!r}; {how}")
+    return mode, kind
 
 
 @dataclass(frozen=True)
 class DraftSpec:
     # "eagle3" (one layer, TTT), or a block drafter (specco/model/dflash.py): "dflash" (W = γ+1, anchor
-    # slot condition-only) or "dspark" (W = γ, Markov and confidence heads); γ is rollout.k.
+    # slot condition-only) or "dspark" (W = γ, Markov and confidence heads); γ is rollout.k (rollout.block_k
+    # when set). The kind of the bare arms frozen / cotrained; an arm may name another (RunConfig.arms).
     kind: str = "eagle3"
     # 0 -> automatic: the full target vocabulary when it has <= 8192 tokens (the tiny char model),
     # else the 4096 tokens most frequent in the warm-start pool (SmolLM2's 49,152-token head would
@@ -114,6 +133,10 @@ class RolloutSpec:
     # a few shapes (8 cached runners grew a 1,024-row run from 0.6 to 2.5 GB, issue 16). 0: none kept.
     cache_runners: int = 2
     cache_gib: float = 0.0  # and a bound on their buffers' memory, GiB (0: the count alone bounds it)
+    # The γ of block-drafter arms (dflash, dspark): tokens per block, and their k (0 = rollout.k). A block
+    # drafter proposes all γ tokens in one forward, so a larger γ than EAGLE-3's sequential k is cheap; the
+    # speculation control still picks k <= γ per call. Applied by runner.derive.arm_config.
+    block_k: int = 0
 
     def __post_init__(self):
         _check_finite(self, "rollout")
@@ -123,6 +146,8 @@ class RolloutSpec:
                "build a fresh decode runner every call)")
         _check(self.cache_gib >= 0, f"rollout.cache_gib={self.cache_gib}: must be >= 0 (0 = no byte bound)")
         _check(self.k >= 1, f"rollout.k={self.k}: the draft must propose at least 1 token (k >= 1)")
+        _check(self.block_k >= 0, f"rollout.block_k={self.block_k}: must be >= 0 (0 = block drafters use "
+               "rollout.k)")
         _check(self.temperature >= 0, f"rollout.temperature={self.temperature}: must be >= 0")
         _check(0 < self.top_p <= 1, f"rollout.top_p={self.top_p}: must be in (0, 1]")
         _check(self.top_k >= 0, f"rollout.top_k={self.top_k}: must be >= 0 (0 = off)")
@@ -274,12 +299,19 @@ class RunConfig:
     task: TaskSpec = field(default_factory=TaskSpec)
     out_dir: str = "runs/demo"
     device: str = "auto"
+    # RL arms, each from the same SFT policy and seed: `<mode>` or `<mode>-<kind>` (split_arm), e.g.
+    # ("none", "frozen", "cotrained", "cotrained-dflash"); each draft kind gets its own warm start.
     arms: tuple[str, ...] = ("none", "frozen", "cotrained")
 
     def __post_init__(self):
         object.__setattr__(self, "arms", tuple(self.arms))
-        bad = [a for a in self.arms if a not in ("none", "frozen", "cotrained")]
-        _check(not bad, f"arms {bad} unknown: choose from none, frozen, cotrained")
+        seen: dict[tuple, str] = {}  # (mode, kind) -> the arm that named it
+        for arm in self.arms:
+            key = split_arm(arm, self.draft.kind)
+            # "cotrained" and "cotrained-eagle3" (draft.kind=eagle3) are one arm: it would run twice
+            _check(key not in seen, f"arms: {seen.get(key)!r} and {arm!r} are the same arm ({key[0]}"
+                   + (f" with the {key[1]} draft" if key[1] else "") + "); list it once")
+            seen[key] = arm
         n = self.policy.num_layers
         out = [i for i in self.draft.aux_layer_ids if i >= n]
         # the tiny policy's depth is known here; a pretrained one's is checked by runner.demo.validate_run,

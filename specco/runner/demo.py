@@ -1,4 +1,4 @@
-"""`specco demo` / `specco train`: SFT -> draft warm start -> RL with three arms -> report.
+"""`specco demo` / `specco train`: SFT -> draft warm starts (one per draft kind) -> RL arms -> report.
 
 Every stage writes into `out_dir` and is skipped when its output already exists, so a run that
 was interrupted resumes where it stopped (the RL arms resume from their own checkpoints).
@@ -6,6 +6,7 @@ was interrupted resumes where it stopped (the RL arms resume from their own chec
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import json
 import os
@@ -25,9 +26,10 @@ from ..rollout.engine import RolloutEngine
 from ..train.cotrain import AMP_DTYPES, StepConfig
 from ..train.sft import sft, tiny_policy_config
 from .report import markdown_table, plot_arms, plot_time_split, read_jsonl, steady_rows, time_split
-from .derive import at_temperature, check_parallel, generate_config, step_config
+from .derive import arm_config, at_temperature, check_parallel, generate_config, step_config, warm_configs
 from .rl import run_arm
-from .stages import RunLock, commit_dir, load_stage, record_config, remove_stale_temporaries, seed_stage
+from .stages import (RunLock, commit_dir, load_stage, record_config, remove_stale_temporaries, seed_stage,
+                     warm_draft_stage)
 from ..faults import point
 from ..train.nonfinite import check_finite
 from .warmstart import initial_draft, load_draft_dir, measure_tau, sample_pool, warm_start
@@ -144,30 +146,55 @@ def task_overrides(cfg: RunConfig) -> dict:
     return {k: v for k, v in opts.items() if v}
 
 
-def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
-    """Warm-started draft (cached in out/warm_draft) and the offline sim-vs-real tau figures."""
-    d_dir = out / "warm_draft"
+def prepare_drafts(cfg: RunConfig, policy, tok, task, out: Path, progress=True) -> tuple[dict, dict]:
+    """Every warm draft the arms use ({kind: draft}, {kind: warm metrics}), kinds as derive.warm_configs.
+    The warm-start pool is the same for every kind (one seed): sampled at most once per run, and not at all
+    when every kind's warm draft is already on disk."""
+    pool = warm_pool(cfg, policy, task, tok)
+    drafts, metrics = {}, {}
+    for kind in warm_configs(cfg):
+        drafts[kind], metrics[kind] = prepare_draft(cfg, policy, tok, task, out, progress, kind=kind, pool=pool)
+    return drafts, metrics
+
+
+def warm_pool(cfg: RunConfig, policy, task, tok):
+    """The warm-start pool (tokens, mask) of policy samples, as a function that samples it on its first call
+    only. Sampled without a draft, so the run config's k (or any arm's) does not change it."""
+    gcfg = generate_config(cfg, tok.eos_id, tok.pad_id)
+    return functools.cache(lambda: sample_pool(policy, task, tok, n_prompts=cfg.train.warm_start_prompts, group=4,
+                                               gen_cfg=gcfg, seed=cfg.train.seed + 1000))
+
+
+def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True, kind: str | None = None,
+                  pool=None):
+    """The warm-started draft of `kind` (default draft.kind) and the offline sim-vs-real tau figures, cached
+    in out/warm_draft (draft.kind) or out/warm_draft_<kind> (stages.warm_draft_stage). `pool`: warm_pool's
+    function, shared by the kinds (None: this call's own). The draft and its warm start see the config of
+    the kind's co-trained arm (derive.warm_configs: a new block drafter's γ is its rollout.k)."""
+    kind = kind or cfg.draft.kind
+    stage = warm_draft_stage(kind, cfg.draft.kind)
+    d_dir = out / stage
     if d_dir.is_dir():  # committed whole (stages.commit_dir): done
         dev = next(policy.parameters()).device
         return load_stage(d_dir, lambda: (load_draft_dir(d_dir, device=dev),
                                           json.loads((d_dir / "warm_metrics.json").read_text())))
-    point("warm_draft/start")
-    gcfg = generate_config(cfg, tok.eos_id, tok.pad_id)
-    t = time.perf_counter()
-    tokens, mask = sample_pool(policy, task, tok, n_prompts=cfg.train.warm_start_prompts, group=4, gen_cfg=gcfg,
-                               seed=cfg.train.seed + 1000)
-    seed_stage(cfg.train.seed, "warm_draft")  # the new draft's init draws from the global RNG
-    draft = initial_draft(policy, tokens, cfg.draft, gamma=cfg.rollout.k, mask_fallback=tok.pad_id)  # new, or imported from draft.init
-    _say(f"[2/4] {cfg.draft.kind} draft warm start: {cfg.train.warm_start_steps} offline steps x "
+    point(f"{stage}/start")
+    kcfg = warm_configs(cfg)[kind]
+    gcfg = generate_config(kcfg, tok.eos_id, tok.pad_id)
+    t = time.perf_counter()  # warm_time_s: includes sampling the pool when this kind is the first to need it
+    tokens, mask = (pool or warm_pool(cfg, policy, task, tok))()
+    seed_stage(cfg.train.seed, stage)  # the new draft's init draws from the global RNG
+    draft = initial_draft(policy, tokens, kcfg.draft, gamma=kcfg.rollout.k, mask_fallback=tok.pad_id)  # new, or imported from draft.init
+    _say(f"[2/4] {kind} draft warm start: {cfg.train.warm_start_steps} offline steps x "
          f"{cfg.train.warm_start_batch} rows on {tokens.shape[0]} policy samples, draft vocab "
          f"{draft.cfg.draft_vocab_size}/{draft.cfg.target_vocab_size}", progress)
-    scfg: StepConfig = step_config(cfg, "cotrained")
+    scfg: StepConfig = step_config(kcfg, "cotrained")
     hist = warm_start(policy, draft, tokens, mask, cfg.train.warm_start_steps, cfg.train.warm_start_lr,
                       batch_size=cfg.train.warm_start_batch, scfg=scfg, seed=cfg.train.seed,
                       progress=progress)
     for i, h in enumerate(hist):
-        check_finite(f"draft warm start step {i + 1}", h, ("draft/loss", "draft/grad_norm"))
-    check_finite("draft warm start", modules=(draft,))
+        check_finite(f"{kind} draft warm start step {i + 1}", h, ("draft/loss", "draft/grad_norm"))
+    check_finite(f"{kind} draft warm start", modules=(draft,))
     last = hist[-min(10, len(hist)):] if hist else []
     sim = sum(h["draft/sim_accept_len"] for h in last) / max(1, len(last))
     real = {f"T={T}": measure_tau(policy, draft, task, tok, min(64, cfg.train.warm_start_prompts),
@@ -179,7 +206,7 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True):
                "draft_params": sum(p.numel() for p in draft.parameters())}
     with commit_dir(d_dir) as tmp:
         draft.save(tmp)
-        point("warm_draft/draft")
+        point(f"{stage}/draft")
         (tmp / "warm_metrics.json").write_text(json.dumps(metrics, indent=1))
     return draft, metrics
 
@@ -254,10 +281,10 @@ def _run_demo(cfg: RunConfig, mesh, rank: int, progress: bool, force_new: bool) 
         torch.set_float32_matmul_precision("high")
     t_start = time.perf_counter()
     # SFT and warm start run on rank 0 (each stage is skipped when its output exists in rank 0's out_dir);
-    # the other ranks receive the policy, tokenizer and draft through the process group, so no path
+    # the other ranks receive the policy, tokenizer and drafts through the process group, so no path
     # needs to be shared between nodes (README: only rank 0 reads and writes out_dir).
-    policy = tok = draft = None
-    sft_m = warm_m = {}
+    policy = tok = None
+    sft_m, drafts, warm_m = {}, {}, {}
     if rank == 0:
         policy, tok, sft_m = prepare_policy(cfg, out, device, progress)
     policy, tok = _from_rank0((policy, tok), mesh, device)
@@ -271,13 +298,16 @@ def _run_demo(cfg: RunConfig, mesh, rank: int, progress: bool, force_new: bool) 
         sft_m["after"] = engine_accuracy(cfg, policy, tok, task)
         sft_m["accuracy_T"] = sft_m["after"]["accuracy_T"]
         _say(f"      accuracy of the RL starting policy: {sft_m['after']}", progress)
-        draft, warm_m = prepare_draft(cfg, policy, tok, task, out, progress)
-    (draft,) = _from_rank0((draft,), mesh, device)
+        drafts, warm_m = prepare_drafts(cfg, policy, tok, task, out, progress)
+    kinds = tuple(warm_configs(cfg))  # every rank knows them: the drafts travel in this order
+    drafts = dict(zip(kinds, _from_rank0(tuple(drafts.get(k) for k in kinds), mesh, device)))
     _say(f"[3/4] RL: {cfg.train.steps} GRPO steps x arms {', '.join(cfg.arms)}"
          + (f" on {mesh.dp} data-parallel x {mesh.cp} context-parallel ranks" if mesh is not None else ""), progress)
     arm_rows = {}
     for arm in cfg.arms:
-        run_arm(cfg, arm, policy, draft, task, tok, out / "arms" / arm, device, progress=progress, mesh=mesh)
+        arm_cfg, _ = arm_config(cfg, arm)  # its draft kind's warm draft (the no-draft arm drops it)
+        run_arm(arm_cfg, arm, policy, drafts[arm_cfg.draft.kind], task, tok, out / "arms" / arm, device,
+                progress=progress, mesh=mesh)
         # the rank-0 log, including rows from before a resume, for the report
         arm_rows[arm] = read_jsonl(out / "arms" / arm / "metrics.jsonl") if rank == 0 else []
         gc.collect()  # the arm's models, optimizer and graph pools go before the next arm starts
@@ -286,7 +316,8 @@ def _run_demo(cfg: RunConfig, mesh, rank: int, progress: bool, force_new: bool) 
     if rank != 0:
         return {}
     _say("[4/4] report", progress)
-    summary = write_report(cfg, out, arm_rows, sft_m, warm_m, time.perf_counter() - t_start)
+    summary = write_report(cfg, out, arm_rows, sft_m, warm_m[cfg.draft.kind], time.perf_counter() - t_start,
+                           warm_by_kind=warm_m)
     return summary
 
 
@@ -299,7 +330,7 @@ def _mean(rows, key, lo=0.0, hi=1.0):
     return sum(vals[a:b]) / len(vals[a:b])
 
 
-def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed) -> dict:
+def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind: dict | None = None) -> dict:
     plot_arms(arm_rows, [("tau", "acceptance length tau"), ("reward", "reward (band: ±1 s.e. over prompts)"),
                          ("completion_len", "mean completion length")], out / "tau_reward.png", smooth=3)
     plot_arms(arm_rows, [("draft/loss", "draft loss on the current rollouts"), ("accept/pos1", "acceptance, position 1")],
@@ -314,7 +345,8 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed) -> dict:
     time_header = ["arm", "tokens/s", "rollout s/step", "log-prob s/step", "train s/step", "refit s/step",
                    "step s", "rollout share"]
     learn_rows, time_rows = [], []
-    summary = {"arms": {}, "sft": sft_m, "warm_start": warm_m, "elapsed_s": elapsed}
+    summary = {"arms": {}, "sft": sft_m, "warm_start": warm_m, "elapsed_s": elapsed,
+               "warm_start_by_kind": warm_by_kind or {}}
     for arm, rs in arm_rows.items():
         lr = [arm] + [_mean(rs, k, lo, hi) for k, lo, hi in learn_keys]
         split = time_split(rs)  # means over steps 2.. (the first captures the CUDA graphs)
@@ -343,11 +375,12 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed) -> dict:
         acc = [f"Accuracy on {a['n']} held-out prompts: before SFT "
                f"{fmt(**b) if b else 'n/a (no SFT)'}; RL start {fmt(**a)}.\n"]
     md = ["# specco demo report\n", f"Task `{cfg.task.name}`, policy `{cfg.policy.source}`, "
-          f"k = {cfg.rollout.k}, T = {cfg.rollout.temperature}, {cfg.train.steps} RL steps, "
+          f"k = {cfg.rollout.k}" + (f" (block drafters: {cfg.rollout.block_k})" if cfg.rollout.block_k else "")
+          + f", T = {cfg.rollout.temperature}, {cfg.train.steps} RL steps, "
           f"total time {elapsed:.0f} s.\n", *acc, "## Arms\n", table, "",
           "![tau and reward](tau_reward.png)\n", "![draft](draft.png)\n", "![time split](time_split.png)\n",
           "## Warm start (offline draft training against the frozen SFT policy)\n",
-          "```json", json.dumps(warm_m, indent=1), "```", "## SFT\n", "```json", json.dumps(sft_m), "```"]
+          "```json", json.dumps(warm_by_kind or warm_m, indent=1), "```", "## SFT\n", "```json", json.dumps(sft_m), "```"]
     (out / "report.md").write_text("\n".join(md))
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print("\n" + table + f"\n\nreport: {out / 'report.md'}", flush=True)

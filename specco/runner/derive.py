@@ -1,6 +1,8 @@
 """Every configuration derived from the run config, built here and only here (DESIGN §7).
 
-    step_config(cfg, arm)              -> train.cotrain.StepConfig      (the co-training step)
+    arm_config(cfg, arm)               -> (the run config as `arm` sees it, the arm's mode)
+    warm_configs(cfg)                  -> {draft kind: the config its warm start runs with}
+    step_config(cfg, mode)             -> train.cotrain.StepConfig      (the co-training step)
     generate_config(cfg, eos, pad)     -> rollout.generate.GenerateConfig (the rollout engine)
     check_parallel(cfg, world, cmd)    -> the launch's (pp, dp, cp), or a ConfigError naming what to change
 
@@ -12,19 +14,46 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import RunConfig
+from ..config import BLOCK_KINDS, RunConfig, split_arm
 from ..model.config import ConfigError
 from ..rollout.generate import GenerateConfig
 from ..rollout.sampling import SamplingParams
 from ..train.cotrain import AMP_DTYPES, StepConfig
 
-__all__ = ["step_config", "generate_config", "at_temperature", "check_parallel"]
+__all__ = ["arm_config", "warm_configs", "step_config", "generate_config", "at_temperature", "check_parallel"]
 
 
-def step_config(cfg: RunConfig, arm: str = "cotrained") -> StepConfig:
-    """The co-training step's config for `arm` ('none' and 'frozen' train no draft: lambda = 0)."""
+def arm_config(cfg: RunConfig, arm: str) -> tuple[RunConfig, str]:
+    """(The run config as `arm` sees it, the arm's mode: none / frozen / cotrained).
+
+    An arm `<mode>-<kind>` sees draft.kind = kind. For a kind other than the run's draft.kind, draft.init
+    (a draft of the run's kind) does not apply and draft_vocab_size (EAGLE-3's) is the automatic 0 for a block
+    drafter: those keys describe the run's own draft. A block-drafter arm's rollout.k is rollout.block_k
+    when that is set. `arms` is just (arm,), so the result is a valid config (an arm `cotrained-dflash`
+    next to a bare `cotrained` would be a duplicate under draft.kind=dflash) and applying arm_config
+    to it again changes nothing."""
+    mode, kind = split_arm(arm, cfg.draft.kind)  # kind None: the no-draft arm, which sees the run config
+    draft, rollout = cfg.draft, cfg.rollout
+    if kind is not None and kind != draft.kind:
+        draft = dataclasses.replace(draft, kind=kind, init="",
+                                    draft_vocab_size=0 if kind in BLOCK_KINDS else draft.draft_vocab_size)
+    if kind in BLOCK_KINDS and rollout.block_k:
+        rollout = dataclasses.replace(rollout, k=rollout.block_k)
+    return dataclasses.replace(cfg, draft=draft, rollout=rollout, arms=(arm,)), mode
+
+
+def warm_configs(cfg: RunConfig) -> dict[str, RunConfig]:
+    """{kind: the config the warm start of that kind's draft runs with (its co-trained arm's)}: the run's
+    draft.kind first and always (out_dir/warm_draft, whatever the arms), then every other kind an arm
+    names, in the order of the arms."""
+    kinds = [cfg.draft.kind] + [k for _, k in (split_arm(a, cfg.draft.kind) for a in cfg.arms) if k]
+    return {k: arm_config(cfg, f"cotrained-{k}")[0] for k in dict.fromkeys(kinds)}
+
+
+def step_config(cfg: RunConfig, mode: str = "cotrained") -> StepConfig:
+    """The co-training step's config for an arm of `mode` ('none' and 'frozen' train no draft: lambda = 0)."""
     t, d = cfg.train, cfg.draft
-    return StepConfig(draft_weight=t.draft_weight if arm == "cotrained" else 0.0,
+    return StepConfig(draft_weight=t.draft_weight if mode == "cotrained" else 0.0,
                       ttt_passes=d.ttt_passes, pass_decay=d.pass_decay, clip_eps=t.clip_eps,
                       kl_coef=t.kl_coef, temperature=max(cfg.rollout.temperature, 1e-6),
                       policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
@@ -78,10 +107,14 @@ def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[
         if cfg.train.amp != "none":
             raise ConfigError(f"train.amp={cfg.train.amp!r} with parallel.pp={p.pp}: not supported yet (the schedule "
                               "sends activations in the weights' dtype); set train.amp=none")
+        why = "the pipeline co-trains EAGLE-3 drafts only (block drafters under PP are not implemented)"
         if cfg.draft.kind != "eagle3":
-            raise ConfigError(f"draft.kind={cfg.draft.kind!r} with parallel.pp={p.pp}: the pipeline co-trains "
-                              "EAGLE-3 drafts only (block drafters under PP are not implemented); use "
+            raise ConfigError(f"draft.kind={cfg.draft.kind!r} with parallel.pp={p.pp}: {why}; use "
                               "draft.kind=eagle3 or parallel.pp=1")
+        block = [a for a in cfg.arms if split_arm(a, cfg.draft.kind)[1] in BLOCK_KINDS]
+        if block:
+            raise ConfigError(f"arms {block} with parallel.pp={p.pp}: {why}; drop those arms or use "
+                              "parallel.pp=1")
         if cfg.policy.source == "tiny" and cfg.policy.num_layers < p.pp:
             raise ConfigError(f"parallel.pp={p.pp} > policy.num_layers={cfg.policy.num_layers}: every stage needs a "
                               "layer")

@@ -4,11 +4,13 @@ Each step:  rollout (speculative with the engine's draft; once per data-parallel
             -> group advantages -> [log-prob recompute] -> PPO updates (co-training steps)
             -> refit policy (+ draft) into the engine.
 
-Arms (same seed, same data stream):
+Arms (same seed, same data stream), by mode:
   none       plain decoding, policy-only training
   frozen     the warm-started draft speculates; it is never trained or refit
   cotrained  the draft is trained with the policy (lambda * L_draft) and refit every step
-Speculative sampling is lossless, so the three arms' rollouts have the same distribution; only
+An arm is named `<mode>` (the draft is of draft.kind) or `<mode>-<kind>` (`cotrained-dflash`); the name is
+its directory, checkpoint tag and log label, the mode decides what it does (derive.arm_config).
+Speculative sampling is lossless, so all arms' rollouts have the same distribution; only
 speed (tau, tokens/s) may differ. This module plugs `rollout` and `train` together; neither
 imports the other.
 
@@ -57,13 +59,11 @@ from ..train.cotrain import (StepConfig, amp_context, block_loss, build_optimize
                              draft_loss, step_counts)
 from ..train.nonfinite import NonFiniteError, check_finite
 from ..train.losses import all_reduce_sums, metrics_to_floats
-from .derive import generate_config, step_config
+from .derive import arm_config, generate_config, step_config
 from .rl_pp import PipelineArm, gather_for_refit, pp_checkpoint_state, pp_restore, pp_train_updates
 from .report import MetricsLog
 from .stages import seed_stage
 from .rollouts import Rollouts, collect_rollouts, engine_logprob_gap, minibatches
-
-ARMS = ("none", "frozen", "cotrained")
 
 
 @torch.no_grad()
@@ -91,9 +91,10 @@ def draft_eval(policy: Policy, draft: Eagle3Draft | BlockDraft, b: TrainBatch, c
 
 @dataclass
 class ArmState:
-    arm: str
+    arm: str  # the arm's name (`cotrained-dflash`): directory, checkpoint tag, log label
+    mode: str  # what it does: none, frozen or cotrained (config.split_arm)
     policy: Policy  # training copy
-    draft: Eagle3Draft | None  # training copy (cotrained) or the frozen draft
+    draft: Eagle3Draft | BlockDraft | None  # training copy (cotrained) or the frozen draft
     engine: RolloutEngine  # its own copies of the weights, refit after each step
     opt: torch.optim.Optimizer
     sched: object
@@ -105,32 +106,32 @@ class ArmState:
     accept_history: list = field(default_factory=list)  # first-position acceptance per step (refit guard)
 
 
-def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, gen_cfg, rank: int = 0,
-             mesh: Mesh | None = None) -> ArmState:
+def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | BlockDraft | None, gen_cfg,
+             rank: int = 0, mesh: Mesh | None = None) -> ArmState:
     """An arm's models, engine, optimizer and sampler; `rank` is the data-parallel rank (its own sampler).
-    With mesh.pp > 1 the training copy is this rank's pipeline stage (the engine keeps the whole policy)."""
-    if arm not in ARMS:
-        raise ValueError(f"unknown arm {arm!r}; choose from {ARMS}")
+    `draft`: the warm draft of the arm's kind. With mesh.pp > 1 the training copy is this rank's pipeline
+    stage (the engine keeps the whole policy)."""
+    _, mode = arm_config(cfg, arm)  # a ConfigError naming the choices for an unknown arm
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.train.kl_coef > 0 else None
     policy = copy.deepcopy(policy).train()
-    draft = copy.deepcopy(draft) if (draft is not None and arm != "none") else None
+    draft = copy.deepcopy(draft) if (draft is not None and mode != "none") else None
     eng_draft = copy.deepcopy(draft) if draft is not None else None
     engine = RolloutEngine(copy.deepcopy(policy).eval(), eng_draft, gen_cfg,
                            cache_runners=cfg.rollout.cache_runners, cache_gib=cfg.rollout.cache_gib)
     pipeline = None
     if mesh is not None and mesh.pp > 1:
-        pipeline = PipelineArm.build(mesh, policy, draft if arm == "cotrained" else None)
+        pipeline = PipelineArm.build(mesh, policy, draft if mode == "cotrained" else None)
         policy = pipeline.stage
-        if arm == "cotrained" and not pipeline.last:
+        if mode == "cotrained" and not pipeline.last:
             draft = None  # the co-trained draft lives on the last stage; the engine has its own copy
     if cfg.train.activation_checkpointing:  # the trainer's copy only: the engine's never runs a backward
         apply_activation_checkpointing(policy)
-    opt = build_optimizer(policy, draft if arm == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
+    opt = build_optimizer(policy, draft if mode == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
     sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps)
     # On the models' device: the engine draws its uniforms there (CUDA needs a CUDA generator).
     # Each data-parallel rank samples its own stream (rank 0's is the single-process one).
     gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(cfg.train.seed + 1 + 7919 * rank)
-    return ArmState(arm, policy, draft, engine, opt, sched, gen, ref, pipeline)
+    return ArmState(arm, mode, policy, draft, engine, opt, sched, gen, ref, pipeline)
 
 
 def _distributed(mesh: Mesh | None) -> bool:
@@ -165,7 +166,7 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     """The PPO updates of one RL step on this rank's rollouts `ro`; returns this rank's metrics (before
     the reduction over ranks). Importable on its own: tests feed it the rollouts a distributed run saw."""
     t = cfg.train
-    scfg = step_config(cfg, st.arm)
+    scfg = step_config(cfg, st.mode)
     mbs = minibatches(ro, t.minibatches, scfg, pad_id, device, mesh)
     updates = t.ppo_epochs * t.minibatches
     m: dict = {}
@@ -182,7 +183,7 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
             mb.batch.logp_ref = mb.logprobs(st.ref, scfg)
     m["time/logprob"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    train_draft = st.draft if st.arm == "cotrained" else None
+    train_draft = st.draft if st.mode == "cotrained" else None
     group = mesh.grad_group if _distributed(mesh) else None
     # on_nonfinite=skip: a copy to go back to (memory: one more copy of the weights and AdamW state)
     snap = copy.deepcopy((st.policy.state_dict(), train_draft and train_draft.state_dict(), st.opt.state_dict())
@@ -212,7 +213,7 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     for k in hist[0]:  # means over the updates (one update: its own values)
         m[k] = sum(h[k] for h in hist) / len(hist)
     m["ppo/updates"] = updates
-    if st.arm == "frozen":  # metrics only, so outside the timed train step
+    if st.mode == "frozen":  # metrics only, so outside the timed train step
         whole = minibatches(ro, 1, scfg, pad_id, device, mesh)[0]
         m.update(draft_eval(whole_policy, st.draft, whole.batch, scfg, group, whole.fns))
     return m
@@ -231,9 +232,9 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
         policy_sd, draft_sd = gather_for_refit(st, mesh)
         m["time/gather"] = time.perf_counter() - t0
         # the guard compares the engine with the whole policy gathered from every stage's trainer
-        guard = (policy_sd, draft_sd if st.arm == "cotrained" else st.draft and st.draft.state_dict())
+        guard = (policy_sd, draft_sd if st.mode == "cotrained" else st.draft and st.draft.state_dict())
     else:
-        policy_sd, draft_sd = st.policy.state_dict(), st.draft.state_dict() if st.arm == "cotrained" else None
+        policy_sd, draft_sd = st.policy.state_dict(), st.draft.state_dict() if st.mode == "cotrained" else None
         guard = (st.policy.state_dict(), st.draft.state_dict() if st.draft is not None else None)
     st.engine.refit(policy_sd, draft_sd)
     m["time/refit"] = time.perf_counter() - t0
@@ -244,7 +245,7 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
         t0 = time.perf_counter()
         st.engine.check_weights(*guard, step=st.step)
         proposed = int(m.get("rollout/proposed", 0))
-        if st.arm != "none" and proposed:
+        if st.mode != "none" and proposed:
             check_acceptance(st.accept_history, m["accept/pos1"], proposed, st.step)
             if proposed >= MIN_TRIES:
                 st.accept_history.append(m["accept/pos1"])
@@ -302,15 +303,16 @@ def _restore(st: ArmState, s: dict, mesh: Mesh | None = None) -> None:
         st.opt.load_state_dict(s["opt"])
         st.sched.load_state_dict(s["sched"])
     st.step, st.data_offset = s["step"], s["data_offset"]
-    st.engine.refit(s["policy"], s["draft"] if st.arm == "cotrained" else None)
+    st.engine.refit(s["policy"], s["draft"] if st.mode == "cotrained" else None)
 
 
-def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None, task, tokenizer,
+def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | BlockDraft | None, task, tokenizer,
             out_dir, device="cpu", resume: bool = True, progress: bool = True,
             stop_after: int | None = None, mesh: Mesh | None = None, state_out: dict | None = None,
             record: list | None = None) -> list[dict]:
     """Run (or resume) the RL loop of one arm in `out_dir`; returns the per-step metrics.
 
+    `cfg`: the run config or the arm's own (derive.arm_config); `draft`: the warm draft of the arm's kind.
     Checkpoints go to out_dir/ckpt every train.checkpoint_every steps and at the end;
     `stop_after` stops early after that many steps of this call (tests use it to simulate a crash).
     `mesh`: data parallelism; call on every rank (rank 0 writes the log and the checkpoints).
@@ -319,6 +321,7 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | None,
     """
     out_dir = Path(out_dir)
     rank = mesh.rank if mesh is not None else 0
+    cfg, _ = arm_config(cfg, arm)  # the arm's view (its draft kind, its k); a no-op on an arm config
     seed_stage(cfg.train.seed, f"rl/{arm}")  # a fresh arm starts from its own RNG state; a resumed one restores it
     st = make_arm(cfg, arm, policy, draft, generate_config(cfg, tokenizer.eos_id, tokenizer.pad_id),
                   rank=mesh.dp_rank if mesh is not None else 0, mesh=mesh)

@@ -80,7 +80,7 @@ def pp_train_updates(st, train_draft, mbs, scfg, epochs: int, grad_group) -> lis
 
 def _draft_state(st, mesh: Mesh) -> dict | None:
     """The co-trained draft's state from the last stage, on every stage (None for other arms)."""
-    if st.arm != "cotrained":
+    if st.mode != "cotrained":
         return None
     box = [{k: v.detach().cpu() for k, v in st.draft.state_dict().items()} if st.pipeline.last else None]
     dist.broadcast_object_list(box, group=mesh.pp_group, group_src=mesh.pp - 1)
@@ -98,7 +98,7 @@ def pp_checkpoint_state(st, mesh: Mesh) -> dict:
     stage: the last stage's have the draft's param group too)."""
     per_stage = [None] * mesh.pp  # (optimizer, scheduler) states: their param groups differ per stage
     dist.all_gather_object(per_stage, (st.opt.state_dict(), st.sched.state_dict()), group=mesh.pp_group)
-    draft = _draft_state(st, mesh) if st.arm == "cotrained" else (st.draft.state_dict() if st.draft is not None else None)
+    draft = _draft_state(st, mesh) if st.mode == "cotrained" else (st.draft.state_dict() if st.draft is not None else None)
     return {"policy": gather_stages(st.policy, mesh.pp_group), "draft": draft,
             "opt": [o for o, _ in per_stage], "sched": [s for _, s in per_stage], "pp": mesh.pp}
 

@@ -25,14 +25,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import RunConfig, config_to_dict
+from ..config import DRAFT_KINDS, RunConfig, config_to_dict
 from ..faults import point
 from ..model.config import ConfigError
 
 TMP_PREFIX = ".tmp_"
-# What a run writes into its out_dir (and --force-new deletes); nothing else there is touched.
-RUN_OUTPUTS = ("sft_policy", "warm_draft", "arms", "config.json", "report.md", "summary.json",
-               "tau_reward.png", "draft.png", "time_split.png")
+# What a run writes into its out_dir (and --force-new deletes); nothing else there is touched. The
+# warm drafts by name, one per kind (no glob: a user's `warm_draft_notes` stays).
+RUN_OUTPUTS = ("sft_policy", "warm_draft", *(f"warm_draft_{k}" for k in DRAFT_KINDS), "arms", "config.json",
+               "report.md", "summary.json", "tau_reward.png", "draft.png", "time_split.png")
 # Keys that may differ between the run and its re-run: where it is and what it prints do not change
 # what it computes.
 _IGNORED_KEYS = ("out_dir",)
@@ -49,6 +50,13 @@ def seed_stage(seed: int, stage: str) -> None:
     torch.manual_seed(s)
     random.seed(s)
     np.random.seed(s % 2**32)
+
+
+def warm_draft_stage(kind: str, run_kind: str) -> str:
+    """The warm draft stage of draft `kind` in a run of draft.kind = `run_kind`: its directory in out_dir
+    and its seed stream. The run's own kind keeps the name `warm_draft` it had before arms could name a
+    kind (so such runs reproduce), every other kind an arm names gets `warm_draft_<kind>`."""
+    return "warm_draft" if kind == run_kind else f"warm_draft_{kind}"
 
 
 @contextmanager
