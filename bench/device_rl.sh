@@ -2,7 +2,10 @@
 # A long `specco train CONFIG` on the GPU machine across device calls of at most 10 minutes each.
 #
 #   bash bench/device_rl.sh CONFIG [SECONDS]
+#   SMOKE="key=value ..." bash bench/device_rl.sh CONFIG [SECONDS]
 #
+# With SMOKE set, a fresh machine first runs CONFIG with those overrides (a tiny policy, a few steps: every
+# arm's CUDA-graphed path) in the foreground, and starts the real run only if that succeeds.
 # The first call installs the carried wheels (reasoning_gym and its pure-Python needs, in .whl/) and starts
 # the run in its own process session, so it outlives the call; every call (the first included) then follows
 # it for SECONDS (default 540) and copies the log tail and, once the run is done, its outputs into $OUT as
@@ -17,6 +20,11 @@ mkdir -p "$OUTDIR"
 LOG=$OUTDIR/run.log
 if [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+fi
+if [ -n "${SMOKE:-}" ] && [ ! -f /tmp/smoke/summary.json ]; then
+  # shellcheck disable=SC2086  # SMOKE is a list of overrides
+  timeout 300 python3 -m specco train "$CONFIG" out_dir=/tmp/smoke $SMOKE 2>&1 | tr '\r' '\n' | grep -v -E 'it/s|s/it' | tail -25
+  [ -f /tmp/smoke/summary.json ] || { echo "SMOKE FAILED"; exit 1; }
 fi
 if ! pgrep -f "specco train $CONFIG" >/dev/null; then
   if [ -f "$OUTDIR/summary.json" ]; then echo "done already"; else
