@@ -133,31 +133,42 @@ def test_cot_fraction_mixes_worked_and_direct_references():
         get_task("chain_sum", mode="cot", cot_fraction=1.5)
 
 
+def _chain_value(line: str) -> int:
+    import re
+    return sum(int(t) for t in re.findall(r"[+-]?\d+", line))
+
+
 def test_rewrite_mode_folds_one_term_per_line():
-    """'rewrite': each line is the one above with its first two terms replaced by their value; the last
-    line is '>answer'. Checked against eval of every line (the value of the chain never changes)."""
+    """'rewrite': the chain restated, then each line the one above with its first two terms replaced by
+    their value, every line padded to one width; the last line is '>answer'. Checked against eval of
+    every line (the value of the chain never changes) and the fixed layout (every copied character sits
+    exactly width - 1 positions back)."""
     from specco.data.tasks import rewrite_steps
-    assert rewrite_steps("4 - 1 - 7 + 3") == "3-7+3\n-4+3\n>-1"
-    assert rewrite_steps("9 + 9") == ">18"
-    assert rewrite_steps("5") == ">5"
+    assert rewrite_steps("4 - 1 - 7 + 3", 4) == "+004-1-7+3\n+003-7+3..\n-004+3....\n>-1"
+    assert rewrite_steps("4 - 1 - 7 + 3") == rewrite_steps("4 - 1 - 7 + 3", 4)  # default: its own width
+    assert rewrite_steps("9 + 9") == "+009+9\n>18" and rewrite_steps("5") == ">5"
     with pytest.raises(ValueError, match="rewrite mode"):
         rewrite_steps("2 * 3")
-    task = get_task("chain_sum", mode="rewrite", min_terms=10, max_terms=50, cot_fraction=1.0)
+    task = get_task("chain_sum", mode="rewrite", min_terms=6, max_terms=32, cot_fraction=1.0)
     tok = build_char_tokenizer()
-    lengths = []
+    width, lengths = 4 + 2 * 31, []
     for it in task.prompts(40, seed=2):
         lines = it.completion.split("\n")
-        assert it.prompt.endswith("=") and lines[-1] == ">" + it.answer
         n_terms = it.entry["metadata"]["num_terms"]
-        assert len(lines) == n_terms - 1
-        for line in lines[:-1]:  # every intermediate line keeps the chain's value and drops one term
-            assert eval(line) == int(it.answer)
-        assert [ln.count("+") + ln.count("-", 1) for ln in lines[:-1]] == list(range(n_terms - 2, 0, -1))
+        assert lines[-1] == ">" + it.answer and len(lines) == n_terms
+        assert int(lines[0][:4]) == int(it.prompt[0]) and lines[0].rstrip(".")[4:] == it.prompt[1:-1]  # restated
+        for j, line in enumerate(lines[:-1]):
+            assert len(line) == width
+            assert _chain_value(line.rstrip(".")) == int(it.answer)  # every line keeps the chain's value
+            assert len(line.rstrip(".")) == 4 + 2 * (n_terms - 1 - j)  # and drops one term
+        text = it.completion
+        for j in range(1, n_terms - 1):  # the rest of line j is line j-1's, shifted by one term
+            assert text[j * (width + 1) + 4:(j + 1) * (width + 1) - 3] == text[(j - 1) * (width + 1) + 6:j * (width + 1) - 1]
         assert task.score(it.completion, it) == 1.0
         assert task.score(it.completion.rsplit(">", 1)[0], it) == 0.0
         lengths.append(len(task.completion_ids(it, tok)))
-    # the long-reasoning workload: ~n^2 tokens, hundreds to thousands per completion
-    assert min(lengths) >= 90 and max(lengths) >= 1500 and sum(lengths) / len(lengths) >= 500
+    # the long-reasoning workload: ~(n + 1) x width tokens, hundreds to thousands per completion
+    assert min(lengths) >= 300 and max(lengths) >= 1500 and sum(lengths) / len(lengths) >= 800
 
 
 def test_rewrite_mode_direct_references_and_extraction():
@@ -166,4 +177,4 @@ def test_rewrite_mode_direct_references_and_extraction():
     direct = [it for it in items if not task.shows_steps(it.index, 0)]
     assert 60 < len(direct) < 140
     assert all(it.completion == ">" + it.answer and task.score(it.completion, it) == 1.0 for it in direct)
-    assert task.extract("3-7+3\n-4+3\n>-1") == "-1" and task.extract("3-7+3\n-4+3") is None
+    assert task.extract("+003-7+3\n-004+3..\n>-1") == "-1" and task.extract("+003-7+3\n-004+3..") is None

@@ -63,26 +63,34 @@ def worked_steps(expression: str) -> str:
         steps.append(f"{acc}{op}{x}={new}")
         acc = new
     return ",".join(steps) + f">{acc}"
-def rewrite_steps(expression: str) -> str:
-    """The expression rewritten line by line, each line folding its first two terms:
-    '4 - 1 - 7 + 3' -> '3-7+3\n-4+3\n>-1'.
+def rewrite_steps(expression: str, max_terms: int | None = None) -> str:
+    """The chain restated, then rewritten line by line, each line folding its first two terms into one
+    value; every value is a 4-character signed number and every line is padded with '.' to one width,
+    4 + 2 * (max_terms - 1) characters:
 
-    The 'rewrite' mode's completion, the long-reasoning workload (issue 15): an n-term chain takes
-    n - 1 lines whose lengths shrink by one term each, ~n^2 characters in all, so 10-50 one-digit terms
-    give completions of ~100 to ~2,500 tokens with a long tail, as reasoning RL's responses have. Every
-    line is the line above with its head replaced, so most tokens are copies (predictable for a draft, as
-    much of a real chain of thought is) and the one new number per line is a local one-digit step, which
-    a from-scratch model learns within minutes; an error anywhere carries into the answer.
+        '4 - 1 - 7 + 3', max_terms=4 -> '+004-1-7+3\n+003-7+3..\n-004+3....\n>-1'
+
+    The 'rewrite' mode's completion, the long-reasoning workload (issue 15): an n-term chain takes n
+    lines, so 6-32 one-digit terms give completions of ~400 to ~2,100 tokens with a long tail, as
+    reasoning RL's responses have. The fixed layout puts every copied character exactly one line width
+    minus two back (each line drops one 2-character term), and the one new value per line is a local
+    one-digit step: a from-scratch model learns it in minutes, which it did not with unpadded lines
+    (there the copy offset changes every line; a 316M policy stayed at the bigram loss after 500 SFT
+    steps). Most tokens are copies or padding, so the text is far more predictable than natural chains
+    of thought: drafts accept more here than they would on a real reasoning model.
     """
     toks = expression.split()
     if len(toks) % 2 == 0 or any(op not in "+-" for op in toks[1::2]):
         raise ValueError(f"rewrite mode needs a +/- chain like '4 - 1 - 7', got {expression!r}")
-    acc, rest, lines = int(toks[0]), toks[1:], []
+    n = len(toks) // 2 + 1
+    width = 4 + 2 * (max(n, max_terms or n) - 1)
+    acc, rest = int(toks[0]), toks[1:]
+    lines = [f"{acc:+04d}" + "".join(rest)]
     while rest:
         op, x, rest = rest[0], int(rest[1]), rest[2:]
         acc = acc + x if op == "+" else acc - x
-        lines.append(str(acc) + "".join(rest) if rest else f">{acc}")
-    return "\n".join(lines) if lines else f">{acc}"
+        lines.append(f"{acc:+04d}" + "".join(rest))
+    return "".join(line.ljust(width, ".") + "\n" for line in lines[:-1]) + f">{acc}"
 
 
 _STREAM_SIZE = 2**31  # reasoning_gym's datasets are virtual; `size` only bounds iteration
@@ -142,7 +150,8 @@ class Task:
             if self.mode == "compact":
                 completion = a
             else:
-                steps = (worked_steps if self.mode == "cot" else rewrite_steps)(expr)
+                steps = (worked_steps(expr) if self.mode == "cot" else
+                         rewrite_steps(expr, self.config.get("max_terms")))
                 # or a direct answer: the same '>answer' ending without the worked steps
                 completion = steps if self.shows_steps(index, seed) else ">" + steps.rsplit(">", 1)[1]
             return Item(index, q, a, prompt=expr.replace(" ", "") + "=", completion=completion,

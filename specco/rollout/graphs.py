@@ -52,6 +52,10 @@ class StepGraphs:
                 for name in order:
                     self.fns[name]()
         torch.cuda.current_stream().wait_stream(side)
+        # Memory the caching allocator holds but nothing uses (e.g. a train step's activations) goes back
+        # to the driver now: during capture nothing can be freed, and cuBLAS then failed its own
+        # allocation (CUBLAS_STATUS_INTERNAL_ERROR, H200, after the warm start of a 316M policy).
+        torch.cuda.empty_cache()
         pool = torch.cuda.graph_pool_handle() if pool is None else pool
         for name in order:  # captured in run order so they can share one pool
             g = torch.cuda.CUDAGraph()
