@@ -34,12 +34,18 @@ if ! pgrep -f "specco train $CONFIG" >/dev/null; then
   fi
 fi
 t0=$(date +%s)
-while pgrep -f "specco train $CONFIG" >/dev/null && [ $(( $(date +%s) - t0 )) -lt "$WAIT" ]; do sleep 5; done
+snapshot() {  # what the run has written so far, as one archive in $OUT (a call cut short still returns it)
+  [ -n "${OUT:-}" ] && tar czf "$OUT/run.tgz" -C "$OUTDIR" --exclude=ckpt --exclude=sft_policy --exclude='warm_draft*' \
+    --exclude=tb . 2>/dev/null
+}
+while pgrep -f "specco train $CONFIG" >/dev/null && [ $(( $(date +%s) - t0 )) -lt "$WAIT" ]; do
+  sleep 5; [ $(( ($(date +%s) - t0) % 30 )) -lt 5 ] && snapshot
+done
 tr '\r' '\n' < "$LOG" | grep -v -E '^\s*$' | grep -v -E '[0-9]+%\|' | tail -40
 tr '\r' '\n' < "$LOG" | grep -E '[0-9]+%\|' | tail -3
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 if [ -n "${OUT:-}" ]; then
-  tar czf "$OUT/run.tgz" -C "$OUTDIR" --exclude=ckpt --exclude=sft_policy --exclude='warm_draft*' --exclude=tb . 2>/dev/null
+  snapshot
   for d in "$OUTDIR"/warm_draft*; do [ -f "$d/warm_metrics.json" ] && cp "$d/warm_metrics.json" "$OUT/$(basename $d)_metrics.json"; done
   [ -f "$OUTDIR/sft_policy/sft_metrics.json" ] && cp "$OUTDIR/sft_policy/sft_metrics.json" "$OUT/"
 fi

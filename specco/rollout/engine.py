@@ -15,6 +15,7 @@ the existing tensors (`copy_`), which the next replay sees. If parameter tensors
 """
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 from typing import Mapping, Sequence
 
@@ -135,6 +136,7 @@ class RolloutEngine:
             runner = self._runners[key] = DecodeRunner(self.policy, cfg, self.draft, controller=controller)
             while len(self._runners) > self.cache_runners:
                 self._runners.popitem(last=False)  # least recently used
+            _release_dropped(self.device)
         self._runners.move_to_end(key)
         return runner
 
@@ -146,6 +148,7 @@ class RolloutEngine:
             if self.cached_bytes() <= self.cache_gib * 2**30:
                 break
             del self._runners[old]
+            _release_dropped(self.device)
 
     def cached_bytes(self) -> int:
         """Bytes of the kept runners' buffers (what `cache_gib` bounds)."""
@@ -198,3 +201,12 @@ class RolloutEngine:
         n_policy = _load_exact(self.policy, policy_state, "policy") if policy_state is not None else 0
         n_draft = _load_exact(self.draft, draft_state, "draft") if draft_state is not None else 0
         return {"policy": n_policy, "draft": n_draft}
+
+
+def _release_dropped(device) -> None:
+    """Free a dropped runner's KV caches and graph pools now. A runner sits in reference cycles (its levels'
+    step closures), so without a collection its memory stays allocated until Python's gc happens to run:
+    on the H200 a 316M policy's RL run grew to 130 GB in five steps, one 32 GB cache per new shape bucket."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
