@@ -344,8 +344,8 @@ def _coerce(value, tp, path: str):
         return str(value)
     if origin is tuple:
         (inner, *_) = typing.get_args(tp)
-        if isinstance(value, str):
-            value = [x for x in value.strip("()[] ").split(",") if x.strip()]
+        if isinstance(value, str):  # "a,b", "[a, b]" or TOML's '["a", "b"]' from a command line
+            value = [x.strip().strip("'\"") for x in value.strip("()[] ").split(",") if x.strip()]
         return tuple(_coerce(x.strip() if isinstance(x, str) else x, inner, path) for x in value)
     return value
 

@@ -54,3 +54,10 @@ def test_aux_layer_out_of_range():
         DraftConfig.for_policy(pc, aux_layer_ids=(1, 7))
     with pytest.raises(ConfigError, match="ascending"):
         DraftConfig.for_policy(pc, aux_layer_ids=(2, 1))
+
+
+def test_list_overrides_accept_toml_syntax():
+    from specco.config import load_config
+    for text in ('arms=["none", "cotrained-dflash"]', "arms=[none,cotrained-dflash]", "arms=none,cotrained-dflash"):
+        assert load_config(None, [text]).arms == ("none", "cotrained-dflash")
+    assert load_config(None, ["draft.aux_layer_ids=[0, 2]"]).draft.aux_layer_ids == (0, 2)

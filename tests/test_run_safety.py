@@ -152,6 +152,20 @@ def test_changed_config_is_refused_listing_keys(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 3
 
 
+def test_a_key_added_since_the_run_started_resumes_at_its_default(tmp_path):
+    """An out_dir written before specco had a key (its config.json lacks it) resumes when the new config has
+    that key's default, and is refused when it does not."""
+    from specco.runner.stages import record_config
+    record_config(tmp_path, _cfg(tmp_path))
+    f = tmp_path / "config.json"
+    old = json.loads(f.read_text())
+    del old["rollout"]["block_k"]
+    f.write_text(json.dumps(old))
+    record_config(tmp_path, _cfg(tmp_path))  # block_k = 0, the default: the same run
+    with pytest.raises(ConfigError, match=r"rollout.block_k: 0 -> 5"):
+        record_config(tmp_path, _cfg(tmp_path, "rollout.block_k=5"))
+
+
 @pytest.mark.parametrize("override,match", [
     ("train.lr=inf", "train.lr=inf"), ("train.draft_lr=nan", "train.draft_lr=nan"),
     ("train.policy_grad_clip=-1", "train.policy_grad_clip=-1"), ("train.draft_grad_clip=0", "draft_grad_clip"),

@@ -154,7 +154,8 @@ def record_config(out: Path, cfg: RunConfig, force_new: bool = False) -> None:
             old = json.loads(f.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{f} is damaged ({e}); re-run with --force-new to start {out} over") from None
-        a, b = _flat(old), _flat(new)
+        # a key the old run's config lacks was added to specco since; its default keeps the old behaviour
+        a, b = {**_flat(config_to_dict(RunConfig())), **_flat(old)}, _flat(new)
         diff = sorted(k for k in a.keys() | b.keys() if k not in _IGNORED_KEYS and a.get(k) != b.get(k))
         if diff and not force_new:
             shown = ", ".join(f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}" for k in diff[:12])
