@@ -194,13 +194,14 @@ def _worker(rank, world, a, store_path, out_path):
         opt = build_optimizer(None, draft, 1e-4, 1e-4)
         counts = step_counts(batch, cfg)
         with torch.no_grad():
-            outs = [(a0, mb, policy(mb.tokens, tap_layers=aux)) for a0, mb in micro_batches(batch, cfg.micro_batch_rows)]
+            outs = [(rows, mb, policy(mb.tokens, tap_layers=aux))
+                    for rows, mb in micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride)]
         times = []
         for it in range(a.warmup + a.steps):
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            for a0, mb, o in outs:
-                l_d, _ = draft_loss(draft, _TeacherOut(o.taps, o.logits), mb, cfg, counts.draft)
+            for rows, mb, o in outs:
+                l_d, _ = draft_loss(draft, _TeacherOut(o.taps, o.logits), mb, cfg, counts.draft, rows=rows)
                 (cfg.draft_weight * l_d).backward()
             opt.step()
             if it >= a.warmup:

@@ -56,6 +56,13 @@ class TrainBatch:
         take = lambda t: t[a:b] if torch.is_tensor(t) else t  # noqa: E731
         return TrainBatch(**{f.name: take(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
+    def take(self, idx: torch.Tensor) -> "TrainBatch":
+        """Rows `idx` (a 1-D index tensor, any order) of every per-row field (padded rows only)."""
+        if self.cu_seqlens is not None:
+            raise ValueError("TrainBatch.take: a packed batch's rows share one set of sequence borders")
+        pick = lambda t: t.index_select(0, idx.to(t.device)) if torch.is_tensor(t) else t  # noqa: E731
+        return TrainBatch(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
     def trimmed(self) -> "TrainBatch":
         """Right-padded rows without their trailing columns past the last trained token of any row.
 

@@ -225,3 +225,23 @@ def test_microbatched_step_equals_full_batch(stride, micro):
     # token_logprobs works in fp32 even for fp64 models, so the policy loss summed over a different
     # partition of the tokens differs at fp32 rounding (seen: 1.5e-8 relative)
     assert abs(m0["policy/loss"] - m1["policy/loss"]) <= 1e-6 * abs(m0["policy/loss"])
+
+
+def test_micro_batches_group_rows_by_length_and_keep_the_draft_rows():
+    """Longest rows first, each micro-batch trimmed to its own length, and the draft's rows are still exactly
+    the batch's rows 0 mod stride (told apart here by a per-row marker token)."""
+    from specco.train.cotrain import micro_batches
+    batch = _batch(B=8, S=12)
+    lengths = [6, 12, 7, 11, 8, 10, 9, 7]  # trained tokens from column 5 (_batch)
+    _ragged(batch, lengths)
+    batch.tokens[:, 0] = torch.arange(8)  # row markers
+    seen, draft = [], []
+    for rows, mb in micro_batches(batch, 3, draft_stride=2):
+        ids = mb.tokens[:, 0].tolist()
+        seen += ids
+        draft += mb.tokens[rows, 0].tolist()
+        assert mb.tokens.shape[1] == max(lengths[r] for r in ids)  # trimmed to its longest row
+    assert seen == sorted(range(8), key=lambda r: -lengths[r])  # longest first
+    assert sorted(draft) == [0, 2, 4, 6]
+    rows, whole = next(micro_batches(batch, 0, draft_stride=2))
+    assert whole is batch and rows == slice(0, None, 2)

@@ -132,13 +132,19 @@ class StepCounts:
     draft: torch.Tensor
 
 
-def draft_rows(batch: TrainBatch, cfg: StepConfig, row_start: int = 0) -> slice:
-    """The rows the draft trains on: row_start, row_start + n, ... with n = cfg.draft_row_stride.
+def draft_rows(batch: TrainBatch, cfg: StepConfig) -> slice:
+    """The rows the draft trains on: 0, n, 2n, ... with n = cfg.draft_row_stride (a micro-batch gets its
+    share of them from `micro_batches`).
 
     GRPO rows are G i.i.d. samples per prompt, so a stride keeps an unbiased sample of the policy's
     outputs while the draft's share of the step shrinks ~n-fold. A packed row keeps every sequence here:
     the packer marks the draft's sequences in `batch.draft_mask` instead (same loss, same counts)."""
-    return slice(row_start, None, cfg.draft_row_stride)
+    return slice(0, None, cfg.draft_row_stride)
+
+
+def picks_rows(rows, batch: TrainBatch) -> bool:
+    """Whether a draft row selection (slice or index tensor) picks any row of `batch`."""
+    return len(range(batch.tokens.shape[0])[rows]) > 0 if isinstance(rows, slice) else rows.numel() > 0
 
 
 def _draft_mask(batch: TrainBatch) -> torch.Tensor:
@@ -188,18 +194,18 @@ def policy_loss(logits, batch: TrainBatch, cfg: StepConfig, num_tokens=None, shi
 
 
 def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig, denominator: torch.Tensor | None = None,
-               shift: Callable = shift_left, attn: Callable = ttt_attention, row_start: int = 0
+               shift: Callable = shift_left, attn: Callable = ttt_attention, rows=None
                ) -> tuple[torch.Tensor, DraftStats]:
     """L_draft of one (micro-)batch from a policy output with taps (K TTT passes, soft CE) and its summed
     statistics. `denominator`: StepCounts.draft of the whole step (None: this batch's own counts).
 
-    Only the rows `draft_rows(batch, cfg, row_start)` are used (the policy forward that made `out` ran
-    on all rows anyway; only the draft's own work shrinks)."""
+    Only the rows `rows` are used (a slice or index tensor; None: `draft_rows(batch, cfg)`): the policy
+    forward that made `out` ran on all rows anyway; only the draft's own work shrinks."""
     B, S = batch.tokens.shape
     positions = batch.positions
     if positions is None:
         positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
-    rows = draft_rows(batch, cfg, row_start)
+    rows = draft_rows(batch, cfg) if rows is None else rows
     aux, embed, logits = out.taps.aux[rows], out.taps.embed[rows], out.logits[rows]
     mask, positions = _draft_mask(batch)[rows], positions[rows]
     outs = ttt_forward(draft, aux, embed, positions, cfg.ttt_passes, shift=shift, attn=attn)
@@ -214,7 +220,7 @@ def _block_plan(block) -> Callable:
 
 
 def block_loss(draft: BlockDraft, policy: Policy, out, batch: TrainBatch, cfg: StepConfig,
-               denominator: torch.Tensor | None = None, row_start: int = 0, block=None
+               denominator: torch.Tensor | None = None, rows=None, block=None
                ) -> tuple[torch.Tensor, BlockStats]:
     """`draft_loss` for a block drafter (train/block_losses.py): the same rows, taps and detached teacher;
     the logits use the policy's live head and the mask slots its embed_tokens[mask_id], both detached.
@@ -223,7 +229,7 @@ def block_loss(draft: BlockDraft, policy: Policy, out, batch: TrainBatch, cfg: S
     positions = batch.positions
     if positions is None:
         positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
-    rows = draft_rows(batch, cfg, row_start)
+    rows = draft_rows(batch, cfg) if rows is None else rows
     mask_emb = policy.embed_tokens.weight[draft.cfg.mask_id].detach()
     return block_draft_loss(draft, out.taps.aux[rows], out.taps.embed[rows], out.logits[rows], batch.tokens[rows],
                             _draft_mask(batch)[rows], positions[rows], policy.lm_head.weight, mask_emb, denominator,
@@ -283,15 +289,29 @@ def optimizer_step(opt, sched, cfg: StepConfig, train_policy: bool = True, grad_
 
 # -- the step ----------------------------------------------------------------------------------------
 
-def micro_batches(batch: TrainBatch, rows: int):
-    """(first row, micro-batch) pairs of `rows` rows each (0 or >= B: the whole batch, one pair); each
-    micro-batch of padded rows trimmed to its own longest trained row (TrainBatch.trimmed)."""
+def micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1):
+    """(draft rows, micro-batch) pairs of `rows` rows each (0 or >= B: the whole batch, one pair).
+
+    The draft rows are the micro-batch's rows whose index in `batch` is 0 mod `draft_stride` (draft_rows):
+    a slice for the whole batch, an index tensor otherwise. Micro-batches take the rows longest trained row
+    first and each is trimmed to its own longest row (TrainBatch.trimmed): GRPO rows are long-tailed (a
+    direct answer of 5 tokens beside a worked one of 2,000), so rows of similar length share a micro-batch
+    and padding mostly disappears. Exact: every loss is a sum over rows normalised by the step's global
+    counts, so the order of rows changes nothing but rounding (tests/test_ttt.py, fp64)."""
     B = batch.tokens.shape[0]
     if rows <= 0 or rows >= B:
-        yield 0, batch
+        yield slice(0, None, draft_stride), batch
         return
+    mask = batch.target_mask if batch.draft_mask is None else batch.target_mask + batch.draft_mask
+    S = mask.shape[1]
+    cols = torch.arange(1, S + 1, device=mask.device)
+    length = ((mask != 0) * cols).amax(1).cpu()  # (B,) one past each row's last trained token; one host sync
+    order = sorted(range(B), key=lambda r: -int(length[r]))  # stable: ties keep their order
     for a in range(0, B, rows):
-        yield a, batch.rows(a, min(B, a + rows)).trimmed()
+        idx = order[a:a + rows]
+        sel = [i for i, r in enumerate(idx) if r % draft_stride == 0]
+        yield (torch.tensor(sel, dtype=torch.long, device=batch.tokens.device),
+               batch.take(torch.tensor(idx, dtype=torch.long)).trimmed())
 
 
 def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
@@ -326,18 +346,17 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     losses = {"policy/loss": 0.0, "draft/loss": 0.0}
     pol_stats = d_stats = None
     opt.zero_grad(set_to_none=True)
-    for a, mb in micro_batches(batch, cfg.micro_batch_rows):
-        row_start = (-a) % cfg.draft_row_stride  # first row of this micro-batch with a global index = 0 mod n
+    for d_rows, mb in micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride):
         # Forwards and losses under the step's precision; the backwards outside autocast (as torch advises).
         with amp_context(cfg, mb.tokens):
             with torch.set_grad_enabled(train_policy):
                 out = policy(mb.tokens, mb.positions, tap_layers=tap_ids, attn_core=attn_core)
             l_d = None
-            if use_draft and row_start < mb.tokens.shape[0]:
+            if use_draft and picks_rows(d_rows, mb):
                 if is_block:
-                    l_d, s = block_loss(draft, policy, out, mb, cfg, counts.draft, row_start, block)
+                    l_d, s = block_loss(draft, policy, out, mb, cfg, counts.draft, d_rows, block)
                 else:
-                    l_d, s = draft_loss(draft, out, mb, cfg, counts.draft, shift, attn, row_start)
+                    l_d, s = draft_loss(draft, out, mb, cfg, counts.draft, shift, attn, d_rows)
                 d_stats = s if d_stats is None else d_stats + s
                 losses["draft/loss"] += l_d.detach()
         if l_d is not None and l_d.requires_grad:  # its own backward: the draft's graph is disjoint from the policy's

@@ -29,7 +29,7 @@ from ..model.policy import Policy, Taps
 from ..model.ttt import shift_left
 from ..ops.attention import ttt_attention
 from ..parallel.pipeline import PipeComm, one_f_one_b
-from .cotrain import StepConfig, draft_loss, micro_batches, optimizer_step, policy_loss, step_counts
+from .cotrain import StepConfig, draft_loss, micro_batches, optimizer_step, picks_rows, policy_loss, step_counts
 from .losses import all_reduce_sums, metrics_to_floats
 
 __all__ = ["pp_cotrain_step"]
@@ -73,7 +73,7 @@ def pp_cotrain_step(stage: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
         if taps.R < pp:  # 1F1B's warmup runs stage 0 pp - 1 forwards ahead (parallel/taps.py: slots and 1F1B)
             raise ValueError(f"TapChannel slots={taps.R} < parallel.pp={pp}: the first stage would wait for "
                              "credits the last stage cannot give yet (deadlock); use slots >= pp + 1")
-    mbs = list(micro_batches(batch, cfg.micro_batch_rows))
+    mbs = list(micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride))
     counts = step_counts(batch, cfg, shift, grad_group)
     p = next(stage.parameters())
     losses = {"policy/loss": torch.zeros((), dtype=torch.float64), "draft/loss": torch.zeros((), dtype=torch.float64)}
@@ -99,15 +99,14 @@ def pp_cotrain_step(stage: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
         return l_pol
 
     def draft_work(m):
-        a, mb = mbs[m]
+        d_rows, mb = mbs[m]
         own, logits = held.pop(m)
         # every micro-batch's taps are consumed, in order, even if the row stride gives the draft none here
         parts = (taps.wait(m, *mb.tokens.shape[:2]) if taps is not None else []) + [own]
-        row_start = (-a) % cfg.draft_row_stride  # as in cotrain_step: global rows 0 mod n
-        if row_start >= mb.tokens.shape[0]:
+        if not picks_rows(d_rows, mb):  # as in cotrain_step: the draft's rows are global rows 0 mod n
             return
         l_d, st = draft_loss(draft, _TeacherOut(draft.join_taps(parts), logits), mb, cfg, counts.draft, shift, attn,
-                             row_start)
+                             d_rows)
         stats["draft"] = st if stats["draft"] is None else stats["draft"] + st
         losses["draft/loss"] += l_d.detach().double()
         (cfg.draft_weight * l_d).backward()  # the draft's own graph: disjoint from the policy's
