@@ -83,3 +83,15 @@ def test_draft_kind_validated_and_block_draft_needs_gamma():
     policy, _ = _models("dflash")
     with pytest.raises(ValueError, match="gamma"):
         initial_draft(policy, torch.zeros(2, 3, dtype=torch.long), DraftSpec(kind="dflash"))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_frozen_block_draft_eval_in_micro_batches_equals_one_forward(kind):
+    from specco.runner.rl import draft_eval
+    policy, draft = _models(kind)
+    batch = _batch()
+    ref = draft_eval(policy, draft, batch, StepConfig(draft_row_stride=2))
+    got = draft_eval(policy, draft, batch, StepConfig(draft_row_stride=2, micro_batch_rows=2))
+    assert ref.keys() == got.keys() and ref["draft/tokens"] > 0
+    for k in ref:
+        assert abs(ref[k] - got[k]) <= 1e-9 * max(1.0, abs(ref[k])), (k, ref[k], got[k])

@@ -245,3 +245,23 @@ def test_micro_batches_group_rows_by_length_and_keep_the_draft_rows():
     assert sorted(draft) == [0, 2, 4, 6]
     rows, whole = next(micro_batches(batch, 0, draft_stride=2))
     assert whole is batch and rows == slice(0, None, 2)
+
+
+@pytest.mark.parametrize("stride,micro", [(1, 3), (2, 3), (3, 2)])
+def test_frozen_draft_eval_in_micro_batches_equals_one_forward(stride, micro):
+    """rl.draft_eval runs only the draft's rows, in micro-batches: the same loss and metrics (fp64)."""
+    from specco.runner.rl import draft_eval
+    torch.manual_seed(3)
+    policy, draft = _models(torch.float64)
+    batch = _batch(B=8)
+    _ragged(batch, [9, 7, 8, 6, 12, 9, 7, 8])
+    ref = draft_eval(policy, draft, batch, StepConfig(ttt_passes=3, draft_row_stride=stride))
+    got = draft_eval(policy, draft, batch, StepConfig(ttt_passes=3, draft_row_stride=stride, micro_batch_rows=micro))
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert abs(ref[k] - got[k]) <= 1e-9 * max(1.0, abs(ref[k])), (k, ref[k], got[k])
+    from specco.train.cotrain import draft_loss  # and the loss of one forward over every row, strided
+    with torch.no_grad():
+        whole, _ = draft_loss(draft, policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids), batch,
+                              StepConfig(ttt_passes=3, draft_row_stride=stride))
+    assert abs(whole.item() - got["draft/loss"]) <= 1e-9 * abs(whole.item())

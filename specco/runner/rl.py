@@ -36,6 +36,7 @@ through the process group.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,7 +57,7 @@ from .refit_guard import MIN_TRIES, check_acceptance
 from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.checkpoint import load_latest, remove_stale_temporaries, save_checkpoint, set_rng_state
 from ..train.cotrain import (StepConfig, amp_context, block_loss, build_optimizer, build_scheduler, cotrain_step,
-                             draft_loss, step_counts)
+                             draft_loss, draft_rows, micro_batches, step_counts)
 from ..train.nonfinite import NonFiniteError, check_finite
 from ..train.losses import all_reduce_sums, metrics_to_floats
 from .derive import arm_config, generate_config, step_config
@@ -73,18 +74,27 @@ def draft_eval(policy: Policy, draft: Eagle3Draft | BlockDraft, b: TrainBatch, c
     per-slot acceptance / top-1, probabilistic and greedy tau, confidence error for a block drafter.
     `count_group` (DP x CP): global counts, so the metrics are global and the loss is this
     rank's share of the global mean (summed over ranks like the co-trained arm's). `fns`: the layout's
-    step arguments (Minibatch.fns; None: padded rows)."""
+    step arguments (Minibatch.fns; None: padded rows, of which only the draft's rows are run, in
+    cfg.micro_batch_rows micro-batches: a 256-row batch of 2,000-token rows in one forward was 9× its tokens)."""
     fns = fns or {}
     shift_kw = {k: fns[k] for k in ("shift", "attn") if k in fns}
     block = isinstance(draft, BlockDraft)
+    parts = [(None, b)]
+    if not fns and b.cu_seqlens is None:  # padded rows: only the draft's, in micro-batches like the train step's
+        b = b.take(torch.arange(b.tokens.shape[0], device=b.tokens.device)[draft_rows(b, cfg)])
+        cfg = dataclasses.replace(cfg, draft_row_stride=1)
+        parts = micro_batches(b, cfg.micro_batch_rows)
     counts = step_counts(b, cfg, fns.get("shift", shift_left), count_group, draft if block else None,
                          fns.get("block") if block else None)
-    with amp_context(cfg, b.tokens):
-        out = policy(b.tokens, b.positions, tap_layers=draft.cfg.aux_layer_ids, attn_core=fns.get("attn_core"))
-        if block:  # per-slot acceptance, probabilistic tau, confidence error (train/block_losses.BlockStats)
-            loss, stats = block_loss(draft, policy, out, b, cfg, counts.draft, block=fns.get("block"))
-        else:
-            loss, stats = draft_loss(draft, out, b, cfg, counts.draft, **shift_kw)
+    loss, stats = 0.0, None
+    for rows, mb in parts:
+        with amp_context(cfg, mb.tokens):
+            out = policy(mb.tokens, mb.positions, tap_layers=draft.cfg.aux_layer_ids, attn_core=fns.get("attn_core"))
+            if block:  # per-slot acceptance, probabilistic tau, confidence error (train/block_losses.BlockStats)
+                l_d, s = block_loss(draft, policy, out, mb, cfg, counts.draft, rows, block=fns.get("block"))
+            else:
+                l_d, s = draft_loss(draft, out, mb, cfg, counts.draft, rows=rows, **shift_kw)
+        loss, stats = loss + l_d, s if stats is None else stats + s
     (stats,) = all_reduce_sums([stats], count_group)
     return metrics_to_floats({**stats.metrics(), "draft/loss": loss})
 
