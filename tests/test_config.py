@@ -61,3 +61,20 @@ def test_list_overrides_accept_toml_syntax():
     for text in ('arms=["none", "cotrained-dflash"]', "arms=[none,cotrained-dflash]", "arms=none,cotrained-dflash"):
         assert load_config(None, [text]).arms == ("none", "cotrained-dflash")
     assert load_config(None, ["draft.aux_layer_ids=[0, 2]"]).draft.aux_layer_ids == (0, 2)
+
+
+@pytest.mark.parametrize("path", sorted(str(p) for p in __import__("pathlib").Path(__file__).parents[1].glob("configs/*.toml")))
+def test_committed_configs_load_and_derive(path):
+    """Every committed config loads, and every arm's derived configs build (a typo in a config nobody runs
+    on CPU would otherwise surface only on the GPU)."""
+    from specco.config import load_config
+    from specco.runner.derive import arm_config, check_parallel, generate_config, step_config, warm_configs
+    cfg = load_config(path)
+    check_parallel(cfg, cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.cp, "train")
+    for arm in cfg.arms:
+        acfg, mode = arm_config(cfg, arm)
+        step_config(acfg, mode)
+        generate_config(acfg, 2, 0)
+    assert set(warm_configs(cfg)) >= {cfg.draft.kind}
+    if cfg.policy.source == "tiny":  # prompts (at most 2 characters a term + bos) and completions fit
+        assert cfg.policy.max_positions >= cfg.rollout.max_new_tokens
