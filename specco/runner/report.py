@@ -64,14 +64,22 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return out
 
 
-def plot_arms(arm_rows: dict[str, list[dict]], keys: list[tuple[str, str]], path: str | Path,
-              smooth: int = 1):
-    """One subplot per (metric key, title), one line per arm. Returns the path or None."""
+def _pyplot():
+    """matplotlib's pyplot on the headless Agg backend, or None without matplotlib (plots are skipped)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_arms(arm_rows: dict[str, list[dict]], keys: list[tuple[str, str]], path: str | Path,
+              smooth: int = 1):
+    """One subplot per (metric key, title), one line per arm. Returns the path or None."""
+    plt = _pyplot()
+    if plt is None:
         return None
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6), squeeze=False)
     for ax, (key, title) in zip(axes[0], keys):
@@ -123,11 +131,8 @@ def time_split(rows: list[dict]) -> dict[str, float]:
 
 def plot_time_split(arm_rows: dict[str, list[dict]], path: str | Path):
     """A stacked bar per arm: mean seconds per RL step in each phase. Returns the path or None."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return None
     arms = [a for a, rs in arm_rows.items() if rs]
     splits = [time_split(arm_rows[a]) for a in arms]
