@@ -166,6 +166,9 @@ class TrainSpec:
     sft_steps: int = 300
     sft_lr: float = 3e-3
     sft_batch: int = 128  # sequences per SFT step (tiny model; a pretrained one needs far fewer)
+    # SFT rows per forward/backward (0 = the whole batch): micro-batches take the rows longest first, each
+    # cut to its own length, and accumulate the whole batch's mean loss (train.sft.sft_micro_batches)
+    sft_micro_batch_rows: int = 0
     warm_start_steps: int = 150  # offline draft training against the frozen SFT policy
     warm_start_prompts: int = 256  # prompts whose policy samples (x4) form the warm-start pool
     warm_start_batch: int = 64  # pool rows per warm-start step; memory ~ batch x seq x draft vocab
@@ -236,6 +239,8 @@ class TrainSpec:
         _check(self.minibatches >= 1, f"train.minibatches={self.minibatches}: must be >= 1")
         _check(self.loss_chunk >= 1, "train.loss_chunk must be >= 1")
         _check(self.sft_batch >= 1, f"train.sft_batch={self.sft_batch}: must be >= 1")
+        _check(self.sft_micro_batch_rows >= 0, f"train.sft_micro_batch_rows={self.sft_micro_batch_rows}: must be "
+               ">= 0 (0 = the whole SFT batch in one forward/backward)")
         _check(self.keep_checkpoints >= 1, f"train.keep_checkpoints={self.keep_checkpoints}: keep at least 1 "
                "(the run resumes from the newest)")
         _check(self.amp in ("none", "bf16"), f"train.amp={self.amp!r}: use 'none' or 'bf16' (fp16 would need "

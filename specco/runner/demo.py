@@ -72,7 +72,8 @@ def prepare_policy(cfg: RunConfig, out: Path, device, progress=True):
              f"({cfg.train.sft_steps} steps)", progress)
         t = time.perf_counter()
         m = sft(policy, tok, task, cfg.train.sft_steps, batch_size=cfg.train.sft_batch, lr=cfg.train.sft_lr,
-                seed=cfg.train.seed, progress=progress, amp_dtype=AMP_DTYPES[cfg.train.amp])
+                seed=cfg.train.seed, progress=progress, amp_dtype=AMP_DTYPES[cfg.train.amp],
+                micro_batch_rows=cfg.train.sft_micro_batch_rows)
         metrics = {"sft_time_s": time.perf_counter() - t, "sft_final_loss": m["loss_last"]}
     else:
         if src == "smollm2":

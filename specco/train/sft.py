@@ -61,14 +61,32 @@ def sft_batch(task, tokenizer, items, device="cpu"):
     return ids.to(device), mask.to(device)
 
 
-def sft_loss(policy, input_ids, loss_mask):
-    """Mean next-token cross-entropy over completion tokens (fp32 logits)."""
+def sft_loss(policy, input_ids, loss_mask, num_tokens=None):
+    """Next-token cross-entropy summed over completion tokens (fp32 logits), divided by `num_tokens`
+    (default: this batch's own completion-token count, i.e. the mean)."""
     logits = policy(input_ids).logits[:, :-1].float()  # (B, S-1, V) predicts tokens 1..S-1
     targets = input_ids[:, 1:]
     mask = loss_mask[:, :-1]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                          reduction="none").view_as(mask)
-    return (ce * mask).sum() / mask.sum().clamp(min=1)
+    return (ce * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+
+
+def sft_micro_batches(input_ids, loss_mask, rows: int):
+    """(input_ids, loss_mask) micro-batches of `rows` rows, longest first, each cut after its longest row
+    (0 or >= B: the whole batch). Right padding, causal attention: the columns cut are only padding."""
+    B = input_ids.shape[0]
+    if rows <= 0 or rows >= B:
+        yield input_ids, loss_mask
+        return
+    cols = torch.arange(2, loss_mask.shape[1] + 2, device=loss_mask.device)
+    # the mask marks the inputs that predict a completion token: a row needs its last marked input + 1
+    length = ((loss_mask != 0) * cols).amax(1).clamp(max=loss_mask.shape[1]).cpu()
+    order = sorted(range(B), key=lambda r: -int(length[r]))
+    for a in range(0, B, rows):
+        idx = torch.tensor(order[a:a + rows], device=input_ids.device)
+        cut = max(2, int(length[order[a]]))
+        yield input_ids[idx, :cut], loss_mask[idx, :cut]
 
 
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) -> float:
@@ -82,11 +100,14 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) ->
 def sft(policy, tokenizer, task, steps: int, batch_size: int = 128, lr: float = 3e-3,
         seed: int = 0, offset: int = 0, warmup: int | None = None, weight_decay: float = 0.01,
         grad_clip: float = 1.0, eval_every: int = 0, eval_n: int = 128, progress: bool = True,
-        log=None, amp_dtype: torch.dtype | None = None) -> dict:
+        log=None, amp_dtype: torch.dtype | None = None, micro_batch_rows: int = 0) -> dict:
     """Train `policy` in place for `steps` AdamW steps; returns metrics.
 
     `amp_dtype` (train.amp): the forward and loss under autocast in that dtype, fp32 weights and AdamW
     state (the long-reasoning workload's 2.5K-token references would double the activations in fp32).
+    `micro_batch_rows` (train.sft_micro_batch_rows): each batch in micro-batches of that many rows, longest
+    first and cut to their own length, gradients accumulated to the whole batch's mean (long-tailed
+    references: a direct answer of 5 tokens beside a worked one of 2,000 no longer pads to it).
 
     Data: items `offset + k*batch_size ...` of task stream `seed`; the returned `offset` is where
     the next stage (or a resumed SFT) continues. `eval_every > 0` evaluates greedy accuracy on
@@ -107,10 +128,14 @@ def sft(policy, tokenizer, task, steps: int, batch_size: int = 128, lr: float = 
         items = task.prompts(batch_size, seed=seed, offset=offset)
         offset += batch_size
         ids, mask = sft_batch(task, tokenizer, items, device)
-        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-            loss = sft_loss(policy, ids, mask)
+        n_tok = mask[:, :-1].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0
+        for mb_ids, mb_mask in sft_micro_batches(ids, mask, micro_batch_rows):
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                part = sft_loss(policy, mb_ids, mb_mask, n_tok)
+            part.backward()
+            loss = loss + part.detach()
         gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
         opt.step()
         sched.step()
