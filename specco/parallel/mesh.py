@@ -21,6 +21,7 @@ process group initialised through a file store (no ports to collide).
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -114,8 +115,16 @@ def _spawn_entry(rank, world, store_path, fn, args):
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        dist.barrier()  # every rank is done with the groups before any tears them down
     finally:
         dist.destroy_process_group()
+    # A worker that succeeded leaves without the interpreter's teardown: in CI a worker now and then died
+    # there with SIGABRT ("terminate called without an active exception": a background C++ thread still
+    # joinable at exit), failing a test whose work had passed. A failing worker raises above instead, and
+    # torch.multiprocessing.spawn reports its traceback.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_local(fn, world: int, *args) -> None:
