@@ -6,7 +6,8 @@
 #
 # With SMOKE set, a fresh machine first runs CONFIG with those overrides (a tiny policy, a few steps: every
 # arm's CUDA-graphed path) in the foreground, and starts the real run only if that succeeds.
-# The first call installs the carried wheels (reasoning_gym and its pure-Python needs, in .whl/) and starts
+# The first call installs the carried wheels (reasoning_gym and its pure-Python needs, in .whl/, made by
+# bench/device_wheels.sh) and starts
 # the run in its own process session, so it outlives the call; every call (the first included) then follows
 # it for SECONDS (default 540) and copies the log tail and, once the run is done, its outputs into $OUT as
 # one archive. A later call on the same (warm) machine finds the run still going and follows it again; on a
