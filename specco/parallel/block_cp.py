@@ -34,6 +34,7 @@ from ..ops.attention import autocast_inputs, merge_lse
 from ..ops.block_attention import block_part_bwd, block_part_fwd, trunk_prefix_bwd, trunk_prefix_fwd
 from ..ops.sdpa_adapter import lse_dtype
 from .comm import RingComm
+from .ring_attention import ring_bwd_schedule
 from .zigzag import ZigzagLayout
 
 __all__ = ["BlockCP", "ring_block_attention"]
@@ -165,39 +166,21 @@ class RingBlockAttention(torch.autograd.Function):
         qm, dof = q.reshape(B, H, N * W, D).to(md), dout.reshape(B, H, N * W, D).contiguous()
         dq = torch.zeros(B, H, N * W, D, dtype=md, device=q.device)
         cp, r = layout.cp, layout.rank
-        kv_comm = RingComm(ctx.group, _KV_TAG) if cp > 1 else None
-        dkv_comm = RingComm(ctx.group, _DKV_TAG) if cp > 1 else None
-        kv, dkv = [k, v], None
-        for step in range(cp):  # the schedule of ring_attention._ring_bwd
-            if step + 1 < cp:
-                nxt = kv_comm.send_recv(kv)
-                kv_comm.commit()
+
+        def step_shares(step, k_s, v_s):  # the trunk blocks against the shard of rank r - step
             kp = layout.for_rank((r - step) % cp).positions(q.device)
             shares = []
             for rows, cols in _trunk_blocks(ranges, W):
-                dq_s, dk_s, dv_s = trunk_prefix_bwd(dof[:, :, rows], qm[:, :, rows], kv[0][:, :, cols],
-                                                    kv[1][:, :, cols], kp[cols].expand(B, -1), limit[:, rows],
+                dq_s, dk_s, dv_s = trunk_prefix_bwd(dof[:, :, rows], qm[:, :, rows], k_s[:, :, cols],
+                                                    v_s[:, :, cols], kp[cols].expand(B, -1), limit[:, rows],
                                                     out[:, :, rows], lse[:, :, rows], scale)
                 dq[:, :, rows] += dq_s
                 shares.append((cols, dk_s, dv_s))
-            if step == 0:
-                dkv = [torch.zeros(k.shape, dtype=md, device=k.device), torch.zeros(v.shape, dtype=md, device=v.device)]
-            else:
-                dkv_comm.wait()  # the travelling dK/dV of the shard we just used
-            for cols, dk_s, dv_s in shares:
-                dkv[0][:, :, cols] += dk_s
-                dkv[1][:, :, cols] += dv_s
-            if cp == 1:
-                break
-            dkv = dkv_comm.send_recv(dkv)
-            dkv_comm.commit()
-            if step + 1 < cp:
-                kv_comm.wait()
-                kv = nxt
-        if cp > 1:
-            dkv_comm.wait()  # our own shard's dK/dV, home after a full cycle
+            return shares
+
+        dk, dv = ring_bwd_schedule(k, v, ctx.group, cp, md, step_shares, tags=(_KV_TAG, _DKV_TAG))
         dq = (dq.reshape(B, H, N, W, D) + dq_b.to(md)).to(q.dtype)
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype), dk_b, dv_b, None, None, None, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), dk_b, dv_b, None, None, None, None, None
 
 
 def ring_block_attention(q, k_trunk, v_trunk, k_block, v_block, key_pos, anchor_pos, key_valid=None, scale=None,

@@ -142,31 +142,31 @@ def _ring_fwd(q, k, v, group, layout, scale, impl):
     return out_acc, lse_acc
 
 
-def _ring_bwd(dout, q, k, v, out, lse, group, layout, scale, impl):
-    """Returns fp32 dq (B, H, T, D) and this rank's own dk, dv (B, Hkv, T, D), fp32.
+def ring_bwd_schedule(k, v, group, cp: int, md: torch.dtype, step_shares, tags=(_KV_TAG, _DKV_TAG)):
+    """The ring backward's schedule; returns this rank's own dK, dV (B, Hkv, T, D) in `md`. `tags`: the
+    K/V and dK/dV message tags (default: the policy ring's own).
 
-    Schedule at step s (holding the shard of src = r − s):
+    `step_shares(step, k_s, v_s)` does step s's work on the K/V shard held then (that of rank r − s): it
+    adds its dQ in place wherever its caller keeps dQ, and returns this rank's dK/dV shares for that shard,
+    [(cols, dk, dv), ...]. At step s:
         post K/V(src) -> next                      (prefetch for step s+1)
-        compute: dq += ..., shares = our dK/dV share for src's K/V
-        s = 0:  start src's (= our own shard's) travelling fp32 buffer: zeros + shares
+        compute: shares = step_shares(s, K/V(src))
+        s = 0:  start src's (= our own shard's) travelling buffer: zeros + shares
         s > 0:  wait dKV(src) from prev (posted at s−1, holding ranks src..r−1's shares); add ours in place
         post dKV(src) -> next,  dKV(src−1) <- prev (the buffer that travels one hop behind its K/V)
         wait K/V; swap
     After step cp−1 the last dKV received is for src = r − cp = r: our own shard, all cp shares.
     Shares are added straight into the arriving buffer: one add per block and step, no per-step zeros.
+    Used by the policy's ring (`_ring_bwd`) and the block drafter's trunk ring (parallel/block_cp.py).
     """
-    cp = layout.cp
-    md = lse_dtype(q)
-    dq_acc = torch.zeros(q.shape, dtype=md, device=q.device)
-    kv_comm = RingComm(group, _KV_TAG) if cp > 1 else None
-    dkv_comm = RingComm(group, _DKV_TAG) if cp > 1 else None
+    kv_comm = RingComm(group, tags[0]) if cp > 1 else None
+    dkv_comm = RingComm(group, tags[1]) if cp > 1 else None
     kv, dkv = [k, v], None
     for step in range(cp):
         if step + 1 < cp:
             nxt = kv_comm.send_recv(kv)
             kv_comm.commit()
-        shares = bwd_step(step_kind(step, layout.rank, cp), dout, q, kv[0], kv[1], out, lse, dq_acc,
-                          layout, scale, impl)
+        shares = step_shares(step, kv[0], kv[1])
         if step == 0:
             dkv = [torch.zeros(k.shape, dtype=md, device=k.device),  # (B, Hkv, T, D)
                    torch.zeros(v.shape, dtype=md, device=v.device)]
@@ -183,7 +183,20 @@ def _ring_bwd(dout, q, k, v, out, lse, group, layout, scale, impl):
     if cp > 1:
         dkv_comm.wait()  # our own shard's dK/dV, home after a full cycle
         assert kv_comm.idle and dkv_comm.idle, "ring backward left a transfer in flight"
-    return dq_acc, dkv[0], dkv[1]
+    return dkv[0], dkv[1]
+
+
+def _ring_bwd(dout, q, k, v, out, lse, group, layout, scale, impl):
+    """Returns fp32 dq (B, H, T, D) and this rank's own dk, dv (B, Hkv, T, D), fp32 (`ring_bwd_schedule`)."""
+    md = lse_dtype(q)
+    dq_acc = torch.zeros(q.shape, dtype=md, device=q.device)
+
+    def step_shares(step, k_s, v_s):
+        return bwd_step(step_kind(step, layout.rank, layout.cp), dout, q, k_s, v_s, out, lse, dq_acc,
+                        layout, scale, impl)
+
+    dk, dv = ring_bwd_schedule(k, v, group, layout.cp, md, step_shares)
+    return dq_acc, dk, dv
 
 
 class RingTTTAttention(torch.autograd.Function):
