@@ -17,7 +17,7 @@ shard's global positions, masked `key_pos < anchor` (ops/block_attention.py stat
 positions for exactly this), merged with `merge_lse`. A block whose prefix straddles chunk borders thus
 sees every key before its anchor, wherever it lives: exact, nothing dropped. Backward: each part's
 backward with the joint (out, lse); the visiting shard's dK/dV shares travel one hop behind it and arrive
-home after a full cycle (the schedule of `ring_attention._ring_bwd`).
+home after a full cycle (`ring_attention.ring_bwd_schedule`, shared with the policy ring).
 
 With cp = 1 (group None) the same code trains a packed row on one device: anchors, shifts and trunk
 visibility stay inside each sequence of the pack.
@@ -33,8 +33,7 @@ import torch.distributed as dist
 from ..ops.attention import autocast_inputs, merge_lse
 from ..ops.block_attention import block_part_bwd, block_part_fwd, trunk_prefix_bwd, trunk_prefix_fwd
 from ..ops.sdpa_adapter import lse_dtype
-from .comm import RingComm
-from .ring_attention import ring_bwd_schedule
+from .ring_attention import ring_bwd_schedule, ring_fwd_schedule
 from .zigzag import ZigzagLayout
 
 __all__ = ["BlockCP", "ring_block_attention"]
@@ -134,20 +133,15 @@ class RingBlockAttention(torch.autograd.Function):
         limit = anchor_pos[:, :, None].expand(B, N, W).reshape(B, N * W)  # every slot of block n: keys < p_n
         qm = q.reshape(B, H, N * W, D).to(md)  # trunk outputs in the accumulator's dtype
         cp, r = layout.cp, layout.rank
-        comm = RingComm(group, _KV_TAG) if cp > 1 else None
-        kv = [k_trunk, v_trunk]
-        for step in range(cp):
-            if step + 1 < cp:
-                nxt = comm.send_recv(kv)
-                comm.commit()
+
+        def step_fn(step, k_s, v_s):
             kp = layout.for_rank((r - step) % cp).positions(q.device)  # the visiting shard's global positions
             for rows, cols in _trunk_blocks(ranges, W):
-                o, l = trunk_prefix_fwd(qm[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                o, l = trunk_prefix_fwd(qm[:, :, rows], k_s[:, :, cols], v_s[:, :, cols],
                                         kp[cols].expand(B, -1), limit[:, rows], scale)
                 merge_lse(acc[:, :, rows], lse[:, :, rows], o, l, inplace=True, impl="torch")
-            if step + 1 < cp:
-                comm.wait()
-                kv = nxt
+
+        ring_fwd_schedule(k_trunk, v_trunk, group, cp, step_fn, _KV_TAG)
         out = acc.to(q.dtype)
         ctx.save_for_backward(q, k_trunk, v_trunk, k_block, v_block, limit, out, lse)
         ctx.group, ctx.layout, ctx.ranges, ctx.scale = group, layout, ranges, scale

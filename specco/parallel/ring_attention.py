@@ -122,23 +122,33 @@ def add_shares(dk_acc, dv_acc, shares) -> None:
 # Ring loops: post -> compute -> wait -> swap.
 # --------------------------------------------------------------------------------------------------
 
-def _ring_fwd(q, k, v, group, layout, scale, impl):
-    B, H, T, D = q.shape
-    md = lse_dtype(q)
-    out_acc = q.new_empty(B, H, T, D, dtype=md)
-    lse_acc = q.new_empty(B, H, T, dtype=md)
-    cp = layout.cp
-    comm = RingComm(group, _KV_TAG) if cp > 1 else None
+def ring_fwd_schedule(k, v, group, cp: int, step_fn, tag=_KV_TAG) -> None:
+    """The ring forward's schedule: at step s, post K/V to the next rank (the prefetch for s+1), run
+    `step_fn(s, k_s, v_s)` on the shard held (that of rank r − s), then wait and swap. Used by the policy's
+    ring (`_ring_fwd`) and the block drafter's trunk ring (parallel/block_cp.py)."""
+    comm = RingComm(group, tag) if cp > 1 else None
     kv = [k, v]
     for step in range(cp):
         if step + 1 < cp:
             nxt = comm.send_recv(kv)  # prefetch the shard we attend to next
             comm.commit()
-        fwd_step(step_kind(step, layout.rank, cp), q, kv[0], kv[1], out_acc, lse_acc, layout, scale, impl)
+        step_fn(step, kv[0], kv[1])
         if step + 1 < cp:
             comm.wait()
             kv = nxt
     assert comm is None or comm.idle, "ring forward left a transfer in flight"
+
+
+def _ring_fwd(q, k, v, group, layout, scale, impl):
+    B, H, T, D = q.shape
+    md = lse_dtype(q)
+    out_acc = q.new_empty(B, H, T, D, dtype=md)
+    lse_acc = q.new_empty(B, H, T, dtype=md)
+
+    def step_fn(step, k_s, v_s):
+        fwd_step(step_kind(step, layout.rank, layout.cp), q, k_s, v_s, out_acc, lse_acc, layout, scale, impl)
+
+    ring_fwd_schedule(k, v, group, layout.cp, step_fn)
     return out_acc, lse_acc
 
 
