@@ -63,17 +63,23 @@ class TrainBatch:
         pick = lambda t: t.index_select(0, idx.to(t.device)) if torch.is_tensor(t) else t  # noqa: E731
         return TrainBatch(**{f.name: pick(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
-    def trimmed(self) -> "TrainBatch":
-        """Right-padded rows without their trailing columns past the last trained token of any row.
+    def trained_lengths(self) -> torch.Tensor:
+        """(B,) on the host: one past each row's last trained token (target or draft mask), 0 for a row
+        with none. One host sync."""
+        mask = self.target_mask if self.draft_mask is None else self.target_mask + self.draft_mask
+        cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+        return ((mask != 0) * cols).amax(1).cpu()
+
+    def trimmed(self, width: int | None = None) -> "TrainBatch":
+        """Right-padded rows without their trailing columns past the last trained token of any row
+        (`width`: that column count when the caller already knows it, from `trained_lengths`).
 
         Exact: with causal attention no trained position sees a later column, and the TTT shifts and
         block anchors read only trained tokens (their masks are 0 there). A micro-batch of short rows
         then costs its own length, not the whole batch's longest row (long-tailed completions)."""
         if self.cu_seqlens is not None:
             return self
-        mask = self.target_mask if self.draft_mask is None else self.target_mask + self.draft_mask
-        cols = mask.any(0).nonzero()
-        s = int(cols[-1]) + 1 if len(cols) else 1  # one host sync per micro-batch
+        s = max(1, int(self.trained_lengths().max()) if width is None else width)
         if s == self.tokens.shape[1]:
             return self
         cut = lambda t: t[:, :s] if torch.is_tensor(t) and t.dim() == 2 else t  # noqa: E731
@@ -82,6 +88,13 @@ class TrainBatch:
     def to(self, device) -> "TrainBatch":
         move = lambda t: t.to(device) if torch.is_tensor(t) else t  # noqa: E731
         return TrainBatch(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+
+def longest_first(lengths: torch.Tensor, rows: int) -> list[list[int]]:
+    """Row indices in chunks of `rows`, the longest rows first (stable: equal lengths keep their order), for
+    micro-batches whose rows are alike in length (train.cotrain.micro_batches, train.sft)."""
+    order = sorted(range(len(lengths)), key=lambda r: -int(lengths[r]))
+    return [order[a:a + rows] for a in range(0, len(order), rows)]
 
 
 def pack(batch: TrainBatch, lengths: list[int]) -> TrainBatch:

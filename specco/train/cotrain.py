@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..batch import TrainBatch
+from ..batch import TrainBatch, longest_first
 from ..config import DraftSpec, TrainSpec
 from ..model.dflash import BlockDraft, slot_weights
 from ..model.draft import Eagle3Draft
@@ -302,16 +302,11 @@ def micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1):
     if rows <= 0 or rows >= B:
         yield slice(0, None, draft_stride), batch
         return
-    mask = batch.target_mask if batch.draft_mask is None else batch.target_mask + batch.draft_mask
-    S = mask.shape[1]
-    cols = torch.arange(1, S + 1, device=mask.device)
-    length = ((mask != 0) * cols).amax(1).cpu()  # (B,) one past each row's last trained token; one host sync
-    order = sorted(range(B), key=lambda r: -int(length[r]))  # stable: ties keep their order
-    for a in range(0, B, rows):
-        idx = order[a:a + rows]
+    length = batch.trained_lengths()
+    for idx in longest_first(length, rows):
         sel = [i for i, r in enumerate(idx) if r % draft_stride == 0]
         yield (torch.tensor(sel, dtype=torch.long, device=batch.tokens.device),
-               batch.take(torch.tensor(idx, dtype=torch.long)).trimmed())
+               batch.take(torch.tensor(idx, dtype=torch.long)).trimmed(int(length[idx[0]])))
 
 
 def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
