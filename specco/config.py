@@ -202,6 +202,10 @@ class TrainSpec:
     # Rows per forward/backward of the train step (0 = all at once); gradients accumulate, the
     # update equals the whole-batch one. Lower it when the train step runs out of memory.
     micro_batch_rows: int = 0
+    # Micro-batch widths (each cut to its longest row) are rounded up to a multiple of this, so a run
+    # sees few distinct shapes: cuDNN attention (the draft's) builds an execution plan per new shape,
+    # which on the H200 cost more than the draft's whole compute when every micro-batch had its own width.
+    width_multiple: int = 128
     # Recompute each policy layer's activations in the backward instead of keeping them
     # (train/activation_checkpointing.py): long contexts, at one extra layer forward per layer.
     activation_checkpointing: bool = False
@@ -252,6 +256,8 @@ class TrainSpec:
                f"train.warm_start_prompts={self.warm_start_prompts}: must be >= 1")
         _check(self.micro_batch_rows >= 0, f"train.micro_batch_rows={self.micro_batch_rows}: must be "
                ">= 0 (0 = the whole batch in one forward/backward)")
+        _check(self.width_multiple >= 1, f"train.width_multiple={self.width_multiple}: must be >= 1 "
+               "(1 = every micro-batch cut to its own longest row)")
         _check(self.draft_row_stride >= 1, f"train.draft_row_stride={self.draft_row_stride}: "
                "must be >= 1 (1 = the draft trains on every rollout row)")
 

@@ -193,3 +193,16 @@ def test_arms_rollouts_identically_distributed(tmp_path):
             a, b = stats["none"][key], stats[arm][key]
             se = max(0.02, math.sqrt(max(a * (1 - a), 0.01) / n) if key == "reward" else 0.05)
             assert abs(a - b) < 4 * se * (1 if key == "reward" else 4), (arm, key, a, b)
+
+
+def test_rows_at_max_counts_the_rows_cut_off_by_max_new_tokens(tmp_path):
+    """rollout/rows_at_max: the fraction of rows whose completion reached rollout.max_new_tokens (the rows
+    whose acceptance sets a rollout's number of target forwards), counted from the recorded rollouts."""
+    tok, policy = _setup()
+    cfg = _cfg(tmp_path, "train.steps=2")
+    record = []
+    rows = run_arm(cfg, "none", policy, None, DigitTask(), tok, tmp_path / "none", progress=False, record=record)
+    for r, ro in zip(rows, record):
+        cut = [len(c) >= cfg.rollout.max_new_tokens for _, c in ro.pairs]
+        assert r["rollout/rows_at_max"] == pytest.approx(sum(cut) / len(cut))
+    assert any(0 < r["rollout/rows_at_max"] < 1 for r in rows), [r["rollout/rows_at_max"] for r in rows]

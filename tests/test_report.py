@@ -25,12 +25,17 @@ def test_time_split_skips_the_first_step():
 
 def test_report_speedups_and_plots(tmp_path):
     arms = {"none": _rows(4.0, 1.0), "cotrained": _rows(2.0, 1.25)}
+    arms["none"][0]["tokens_per_s"], arms["cotrained"][0]["tokens_per_s"] = 60.0, 90.0
     summary = write_report(RunConfig(), tmp_path, arms, {"sft_final_loss": 0.1}, {}, 12.0)
     none, co = summary["arms"]["none"], summary["arms"]["cotrained"]
     assert abs(none["step s"] - 5.12) < 1e-9 and abs(none["rollout share"] - 4.0 / 5.12) < 1e-9
     assert abs(co["rollout speedup vs none"] - 2.0) < 1e-9
     assert abs(co["train overhead vs none"] - 1.25) < 1e-9
     assert abs(co["end-to-end speedup vs none"] - 5.12 / 3.37) < 1e-9
+    assert abs(co["tokens/s vs none"] - 2.0) < 1e-9  # 500 vs 250 tokens/s over steps 2..
+    # step 1, like for like: its own tokens/s (90 vs 60), not the steady steps'
+    assert abs(summary["step 1"]["cotrained"]["tokens/s vs none"] - 1.5) < 1e-9
+    assert summary["step 1"]["none"]["rollout s"] == 40.0
     assert co["tau (last 25%)"] == 3.0 and co["completion len (first 25%)"] == 500.0
     for png in ("tau_reward.png", "draft.png", "time_split.png"):
         assert (tmp_path / png).stat().st_size > 1000

@@ -198,11 +198,12 @@ def test_draft_row_stride_equals_loss_on_the_selected_rows():
     assert abs(l_c.item() - l_d.item()) < 1e-12
 
 
-@pytest.mark.parametrize("stride,micro", [(1, 3), (2, 3), (4, 2), (3, 5)])
-def test_microbatched_step_equals_full_batch(stride, micro):
+@pytest.mark.parametrize("stride,micro,width", [(1, 3, 1), (2, 3, 1), (4, 2, 1), (3, 5, 1), (2, 3, 5)])
+def test_microbatched_step_equals_full_batch(stride, micro, width):
     """micro_batch_rows: the accumulated update equals the whole-batch step (fp64): every gradient,
     the loss metrics and every draft metric (all passes, from summed statistics) exactly, the policy
-    clip fraction as a token-weighted mean."""
+    clip fraction as a token-weighted mean; also with widths rounded up (width_multiple: padded columns
+    past a row's end change nothing)."""
     torch.manual_seed(5)
     batch = _batch(B=8)
     _ragged(batch, [9, 7, 8, 6, 12, 9, 7, 8])  # micro-batches shorter than the batch get trimmed
@@ -211,7 +212,7 @@ def test_microbatched_step_equals_full_batch(stride, micro):
     for mb in (0, micro):
         policy, draft = _models(torch.float64)
         opt = build_optimizer(policy, draft, 1e-3, 1e-2)
-        cfg = StepConfig(ttt_passes=3, draft_row_stride=stride, micro_batch_rows=mb,
+        cfg = StepConfig(ttt_passes=3, draft_row_stride=stride, micro_batch_rows=mb, width_multiple=width,
                          policy_grad_clip=1e9, draft_grad_clip=1e9)
         m = cotrain_step(policy, draft, batch, opt, None, cfg)
         res.append((m, [p.grad.clone() for p in policy.parameters()],
@@ -243,6 +244,10 @@ def test_micro_batches_group_rows_by_length_and_keep_the_draft_rows():
         assert mb.tokens.shape[1] == max(lengths[r] for r in ids)  # trimmed to its longest row
     assert seen == sorted(range(8), key=lambda r: -lengths[r])  # longest first
     assert sorted(draft) == [0, 2, 4, 6]
+    # width_multiple: each width rounded up to a multiple (at most the batch's 12 columns), rows unchanged
+    for rows, mb in micro_batches(batch, 3, draft_stride=2, width_multiple=5):
+        longest = max(lengths[r] for r in mb.tokens[:, 0].tolist())
+        assert mb.tokens.shape[1] == min(12, -(-longest // 5) * 5)
     rows, whole = next(micro_batches(batch, 0, draft_stride=2))
     assert whole is batch and rows == slice(0, None, 2)
 

@@ -331,6 +331,30 @@ def _mean(rows, key, lo=0.0, hi=1.0):
     return sum(vals[a:b]) / len(vals[a:b])
 
 
+_FIRST_KEYS = (("completion_len", "completion len"), ("completion_len_max", "len max"),
+               ("rollout/rows_at_max", "rows at max"), ("tau", "tau"), ("target_forwards", "target forwards"),
+               ("time/rollout", "rollout s"), ("tokens_per_s", "tokens/s"))
+
+
+def first_step_table(arm_rows) -> tuple[str, dict] | None:
+    """The like-for-like comparison: every arm's step 1 (same SFT policy, same prompts; sampled with each
+    arm's own random stream), with tokens/s relative to the no-draft arm. None without a 'none' arm."""
+    firsts = {a: rs[0] for a, rs in arm_rows.items() if rs}
+    if "none" not in firsts:
+        return None
+    base = firsts["none"].get("tokens_per_s")
+    out, rows = {}, []
+    for arm, r in firsts.items():
+        vals = {name: r.get(k, float("nan")) for k, name in _FIRST_KEYS}
+        vals["tokens/s vs none"] = r.get("tokens_per_s", float("nan")) / base if base else float("nan")
+        # the batch decodes until its last row stops: that row emitted <= len max tokens in every round, so
+        # its own acceptance length is at most len max / target forwards (1.0 without a draft)
+        vals["slowest row tau <="] = r.get("completion_len_max", float("nan")) / max(1, r.get("target_forwards", 1))
+        out[arm] = vals
+        rows.append([arm, *vals.values()])
+    return markdown_table(["arm", *out["none"].keys()], rows), out
+
+
 def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind: dict | None = None) -> dict:
     plot_arms(arm_rows, [("tau", "acceptance length tau"), ("reward", "reward (band: ±1 s.e. over prompts)"),
                          ("completion_len", "mean completion length")], out / "tau_reward.png", smooth=3)
@@ -359,14 +383,23 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
         summary["arms"][arm] = {**dict(zip(learn_header[1:], lr[1:])), **dict(zip(time_header[1:], tr[1:]))}
     base = summary["arms"].get("none")
     if base:
-        time_header += ["rollout speedup", "train vs none", "end-to-end speedup"]
+        # tokens/s: decoding speed alone; the per-step speedups also count that the arms' policies (hence
+        # their completion lengths) drift apart after step 1
+        time_header += ["tokens/s vs none", "rollout speedup", "train vs none", "end-to-end speedup"]
         for arm, tr in zip(arm_rows, time_rows):
             s = summary["arms"][arm]
+            s["tokens/s vs none"] = s["tokens/s"] / base["tokens/s"]
             s["rollout speedup vs none"] = base["rollout s/step"] / s["rollout s/step"]
             s["train overhead vs none"] = s["train s/step"] / base["train s/step"]
             s["end-to-end speedup vs none"] = base["step s"] / s["step s"]
-            tr += [s["rollout speedup vs none"], s["train overhead vs none"], s["end-to-end speedup vs none"]]
+            tr += [s["tokens/s vs none"], s["rollout speedup vs none"], s["train overhead vs none"],
+                   s["end-to-end speedup vs none"]]
     table = markdown_table(learn_header, learn_rows) + "\n\n" + markdown_table(time_header, time_rows)
+    first = first_step_table(arm_rows)
+    if first:
+        summary["step 1"] = first[1]
+        table += ("\n\nStep 1 (every arm starts from the same policy and prompts; includes CUDA graph capture):\n\n"
+                  + first[0])
     acc = []
     if "after" in sft_m:  # accuracy of the RL starting policy (a pretrained one's also before its format SFT)
         b, a = sft_m.get("before"), sft_m["after"]

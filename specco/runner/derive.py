@@ -58,7 +58,8 @@ def step_config(cfg: RunConfig, mode: str = "cotrained") -> StepConfig:
                       kl_coef=t.kl_coef, temperature=max(cfg.rollout.temperature, 1e-6),
                       policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
                       loss_chunk=t.loss_chunk, draft_row_stride=t.draft_row_stride,
-                      micro_batch_rows=t.micro_batch_rows, amp_dtype=AMP_DTYPES[t.amp])
+                      micro_batch_rows=t.micro_batch_rows,
+                      width_multiple=t.width_multiple, amp_dtype=AMP_DTYPES[t.amp])
 
 
 def generate_config(cfg: RunConfig, eos_id: int | None, pad_id: int) -> GenerateConfig:

@@ -83,7 +83,7 @@ def draft_eval(policy: Policy, draft: Eagle3Draft | BlockDraft, b: TrainBatch, c
     if not fns and b.cu_seqlens is None:  # padded rows: only the draft's, in micro-batches like the train step's
         b = b.take(torch.arange(b.tokens.shape[0], device=b.tokens.device)[draft_rows(b, cfg)])
         cfg = dataclasses.replace(cfg, draft_row_stride=1)
-        parts = micro_batches(b, cfg.micro_batch_rows)
+        parts = micro_batches(b, cfg.micro_batch_rows, width_multiple=cfg.width_multiple)
     counts = step_counts(b, cfg, fns.get("shift", shift_left), count_group, draft if block else None,
                          fns.get("block") if block else None)
     loss, stats = 0.0, None
@@ -233,6 +233,10 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
             record: list | None = None) -> dict:
     """One GRPO step for one arm; returns its metrics (reduced over ranks). `mesh`: module docstring.
     `record`: a list that receives this rank's Rollouts (tests replay them on one process)."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:  # memory diagnostics of the step (a train step near the GPU's capacity retries cudaMalloc)
+        torch.cuda.reset_peak_memory_stats(device)
+        retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     ro = collect_rollouts(st.engine, st.gen, cfg, task, tokenizer, st.data_offset, mesh)
     if record is not None:
         record.append(ro)
@@ -248,6 +252,9 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
         guard = (st.policy.state_dict(), st.draft.state_dict() if st.draft is not None else None)
     st.engine.refit(policy_sd, draft_sd)
     m["time/refit"] = time.perf_counter() - t0
+    if cuda:
+        m["mem/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        m["mem/alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
     st.step += 1
     st.data_offset += cfg.rollout.prompts_per_step
     m = _reduce_metrics(m, mesh)

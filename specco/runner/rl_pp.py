@@ -47,12 +47,13 @@ class PipelineArm:
         stage = split_stage(policy, mesh.pp, mesh.pp_rank)
         return cls(mesh, stage, PipeComm(mesh.pp_group), draft.cfg.aux_layer_ids if draft is not None else None)
 
-    def channel(self, mbs, micro_batch_rows: int) -> TapChannel | None:
+    def channel(self, mbs, micro_batch_rows: int, width_multiple: int = 1) -> TapChannel | None:
         """The tap channel, sized for the largest micro-batch of `mbs`. Every stage of a (dp, cp) pipeline
         holds the same batches, so all of them decide to grow it at the same update (no message needed)."""
         if self.tap_layers is None:
             return None
-        need = max(b.tokens.numel() for mb in mbs for _, b in micro_batches(mb.batch, micro_batch_rows))
+        need = max(b.tokens.numel() for mb in mbs for _, b in micro_batches(mb.batch, micro_batch_rows,
+                                                                                   width_multiple=width_multiple))
         if self.taps is None or self.taps.spec.max_tokens < need:
             cfg = self.stage.cfg
             p = next(self.stage.parameters())
@@ -70,7 +71,7 @@ def pp_train_updates(st, train_draft, mbs, scfg, epochs: int, grad_group) -> lis
     for _ in range(epochs):
         for mb in mbs:
             use = pa.tap_layers if scfg.draft_weight > 0 else None  # None: no draft trains (arms none, frozen)
-            taps = pa.channel(mbs, scfg.micro_batch_rows) if use is not None else None
+            taps = pa.channel(mbs, scfg.micro_batch_rows, scfg.width_multiple) if use is not None else None
             hist.append(pp_cotrain_step(pa.stage, train_draft, mb.batch, st.opt, None, scfg, pipe=pa.pipe,
                                         taps=taps, tap_layers=use, step=pa.updates,
                                         grad_group=grad_group, **mb.fns))

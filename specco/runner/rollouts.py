@@ -98,6 +98,9 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
              # the step's sampling noise in `reward`: the standard error over its prompts (0 for one prompt)
              "reward_se": (per_prompt.std() / len(per_prompt) ** 0.5).item() if len(per_prompt) > 1 else 0.0,
              "tau": out.tau, "completion_len": n_tok / N, "completion_len_max": int(out.lengths.max()),
+             # rows cut off at max_new_tokens: the batch decodes until its last row stops, so these rows' own
+             # acceptance sets the rollout's number of target forwards
+             "rollout/rows_at_max": (out.lengths >= r.max_new_tokens).float().mean().item(),
              "tokens_per_s": n_tok / t_roll, "time/rollout": t_roll, "target_forwards": out.num_target_forwards}
         for j, a in enumerate(out.accept_rate.tolist()):
             m[f"accept/pos{j + 1}"] = a

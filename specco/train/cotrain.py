@@ -66,6 +66,8 @@ class StepConfig:
     # micro-batches with the whole batch's token counts as denominators, so the update is the
     # full-batch one (tested) while activation memory scales with the micro-batch.
     micro_batch_rows: int = _T.micro_batch_rows
+    # Micro-batch widths rounded up to a multiple of this (micro_batches): few distinct shapes per run.
+    width_multiple: int = _T.width_multiple
     # Mixed precision: forwards and losses under torch.autocast in this dtype (None = off); weights,
     # gradients and optimizer state stay in their own dtype (fp32 master weights). bf16 only: fp16
     # would need loss scaling.
@@ -289,7 +291,7 @@ def optimizer_step(opt, sched, cfg: StepConfig, train_policy: bool = True, grad_
 
 # -- the step ----------------------------------------------------------------------------------------
 
-def micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1):
+def micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1, width_multiple: int = 1):
     """(draft rows, micro-batch) pairs of `rows` rows each (0 or >= B: the whole batch, one pair).
 
     The draft rows are the micro-batch's rows whose index in `batch` is 0 mod `draft_stride` (draft_rows):
@@ -297,16 +299,21 @@ def micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1):
     first and each is trimmed to its own longest row (TrainBatch.trimmed): GRPO rows are long-tailed (a
     direct answer of 5 tokens beside a worked one of 2,000), so rows of similar length share a micro-batch
     and padding mostly disappears. Exact: every loss is a sum over rows normalised by the step's global
-    counts, so the order of rows changes nothing but rounding (tests/test_ttt.py, fp64)."""
-    B = batch.tokens.shape[0]
+    counts, so the order of rows changes nothing but rounding (tests/test_ttt.py, fp64).
+
+    `width_multiple`: each cut width is rounded up to a multiple of it (at most the batch's width), so a run
+    sees few distinct shapes: a kernel that plans per shape (cuDNN attention builds and caches an execution
+    plan per (B, S)) then plans a few times instead of once per micro-batch (bench/cotrain_ragged.py)."""
+    B, S = batch.tokens.shape
     if rows <= 0 or rows >= B:
         yield slice(0, None, draft_stride), batch
         return
     length = batch.trained_lengths()
     for idx in longest_first(length, rows):
         sel = [i for i, r in enumerate(idx) if r % draft_stride == 0]
+        width = min(S, -(-int(length[idx[0]]) // width_multiple) * width_multiple)
         yield (torch.tensor(sel, dtype=torch.long, device=batch.tokens.device),
-               batch.take(torch.tensor(idx, dtype=torch.long)).trimmed(int(length[idx[0]])))
+               batch.take(torch.tensor(idx, dtype=torch.long)).trimmed(width))
 
 
 def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
@@ -341,7 +348,7 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     losses = {"policy/loss": 0.0, "draft/loss": 0.0}
     pol_stats = d_stats = None
     opt.zero_grad(set_to_none=True)
-    for d_rows, mb in micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride):
+    for d_rows, mb in micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride, cfg.width_multiple):
         # Forwards and losses under the step's precision; the backwards outside autocast (as torch advises).
         with amp_context(cfg, mb.tokens):
             with torch.set_grad_enabled(train_policy):

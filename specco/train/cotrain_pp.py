@@ -73,7 +73,7 @@ def pp_cotrain_step(stage: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
         if taps.R < pp:  # 1F1B's warmup runs stage 0 pp - 1 forwards ahead (parallel/taps.py: slots and 1F1B)
             raise ValueError(f"TapChannel slots={taps.R} < parallel.pp={pp}: the first stage would wait for "
                              "credits the last stage cannot give yet (deadlock); use slots >= pp + 1")
-    mbs = list(micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride))
+    mbs = list(micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride, cfg.width_multiple))
     counts = step_counts(batch, cfg, shift, grad_group)
     p = next(stage.parameters())
     losses = {"policy/loss": torch.zeros((), dtype=torch.float64), "draft/loss": torch.zeros((), dtype=torch.float64)}

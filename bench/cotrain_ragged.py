@@ -1,0 +1,139 @@
+"""The co-training step on an RL batch of ragged rows: what the draft adds when every step brings new shapes.
+
+`bench/cotrain_overhead.py` times one fixed shape again and again. A real RL step is not like that: rows
+are long-tailed (a direct answer of 10 tokens beside a worked one of 2,000), the step cuts them into
+length-sorted micro-batches (`train.micro_batch_rows`), each micro-batch is cut to its own longest row,
+and every step brings new lengths. A kernel that plans per shape pays its planning on every new one.
+
+Each timed step here draws a fresh batch of `--rows` rows with the long workload's length mix
+(`configs/long.toml`: prompts of 40-66 tokens; half the completions direct answers of 5-12 tokens, half
+worked ones of 300-2,083), so the shapes keep changing as in a run, and reports wall-clock seconds per
+step (host clock after a device synchronize: planning is host time) for:
+
+    policy   the `none` arm's step (no draft)
+    auto     co-trained EAGLE-3 draft, trunk attention by the adapter's automatic pick (cuDNN on the H200)
+    flash    the same with the draft's trunk attention forced to FlashAttention-2 (no per-shape plans)
+    w<N>     auto, micro-batch widths rounded up to a multiple of N (`train.width_multiple`)
+
+`--reserve-gib` holds device memory for the whole run, as the rollout engine's caches do in `specco train`.
+
+    python bench/cotrain_ragged.py --device cuda --steps 6
+    python bench/cotrain_ragged.py --device cpu --hidden 64 --layers 2 --rows 32 --max-len 300 --variants policy,auto,w64
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
+from specco.model.draft import Eagle3Draft  # noqa: E402
+from specco.model.policy import Policy  # noqa: E402
+from specco.ops.attention import ttt_attention  # noqa: E402
+from specco.train.cotrain import AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step  # noqa: E402
+
+
+def ragged_batch(rows: int, max_len: int, vocab: int, seed: int, device) -> TrainBatch:
+    """`rows` right-padded rows with the long workload's length mix (module docstring), random tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(40, 67, (rows,), generator=g)
+    worked = torch.rand(rows, generator=g) < 0.5
+    scale = max_len / 2150  # the workload's lengths, scaled to --max-len
+    short = torch.randint(5, 13, (rows,), generator=g)
+    long_ = torch.randint(int(300 * scale) + 1, int(2083 * scale) + 2, (rows,), generator=g)
+    comp = torch.where(worked, long_, short)
+    lengths = (prompt + comp).clamp(max=max_len)
+    S = int(lengths.max())
+    tokens = torch.randint(0, vocab, (rows, S), generator=g)
+    col = torch.arange(S)
+    mask = ((col[None] >= prompt[:, None]) & (col[None] < lengths[:, None])).float()
+    return TrainBatch(tokens=tokens.to(device), target_mask=mask.to(device),
+                      advantages=torch.randn(rows, generator=g).to(device),
+                      logp_old=-torch.rand(rows, S, generator=g).to(device))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=2816)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--vocab", type=int, default=101)
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=2216)
+    ap.add_argument("--micro-batch-rows", type=int, default=16)
+    ap.add_argument("--stride", type=int, default=4, help="train.draft_row_stride")
+    ap.add_argument("--amp", default="bf16")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per variant, each on a fresh batch")
+    ap.add_argument("--variants", default="policy,auto,flash,w64,w128")
+    ap.add_argument("--reserve-gib", type=float, default=0.0,
+                    help="hold this much device memory for the whole run (what the rollout engine's KV caches and "
+                         "CUDA graphs hold in `specco train`): the step then runs under the run's memory pressure")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    if dev.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    torch.manual_seed(0)
+    reserve = torch.empty(int(a.reserve_gib * 2 ** 30), dtype=torch.uint8, device=dev) if a.reserve_gib else None
+    pc = PolicyConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads,
+                      num_kv_heads=a.kv_heads, intermediate_size=a.intermediate,
+                      max_position_embeddings=a.max_len)
+    policy = Policy(pc).to(dev).train()
+    draft = Eagle3Draft(DraftConfig.for_policy(pc)).to(dev)
+    opts = {False: build_optimizer(policy, None, 1e-7, 1e-7), True: build_optimizer(policy, draft, 1e-7, 1e-7)}
+    amp = AMP_DTYPES[a.amp]
+    results = {}
+    for vi, name in enumerate(a.variants.split(",")):
+        use_draft = name != "policy"
+        width = int(name[1:]) if name.startswith("w") else 1
+        cfg = StepConfig(draft_weight=1.0 if use_draft else 0.0, draft_row_stride=a.stride,
+                         micro_batch_rows=a.micro_batch_rows, width_multiple=width, amp_dtype=amp)
+        attn = functools.partial(ttt_attention, impl="flash") if name == "flash" else ttt_attention
+        step = functools.partial(cotrain_step, policy, draft if use_draft else None, opt=opts[use_draft], sched=None, cfg=cfg,
+                                 attn=attn)
+        times, tokens = [], []
+        for i in range(a.steps + 1):  # step 0: warm-up (kernel compiles, allocator growth); not reported
+            # every variant its own fresh shapes (seeds disjoint across variants): plan caches cannot carry over
+            b = ragged_batch(a.rows, a.max_len, a.vocab, seed=1000 * (vi + 1) + i, device=dev)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            step(batch=b)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - t)
+                tokens.append(int(b.target_mask.sum()))
+        results[name] = {"step_s": times, "mean_s": sum(times) / len(times), "trained_tokens": tokens}
+        print(f"{name:>7}: mean {results[name]['mean_s']:.3f} s/step  steps " +
+              " ".join(f"{x:.3f}" for x in times), flush=True)
+    base = results.get("policy", {}).get("mean_s")
+    if base:
+        for name, r in results.items():
+            r["vs_policy"] = r["mean_s"] / base
+        print("  vs policy-only: " + ", ".join(f"{k} {r['vs_policy']:.3f}" for k, r in results.items()), flush=True)
+    if dev.type == "cuda":
+        st = torch.cuda.memory_stats(dev)
+        print(f"peak allocated {torch.cuda.max_memory_allocated(dev) / 2 ** 30:.1f} GiB, cudaMalloc retries "
+              f"{st.get('num_alloc_retries', 0)}", flush=True)
+    del reserve
+    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python"] + sys.argv), "args": vars(a),
+           "results": results}
+    out = Path(a.out or Path(__file__).parent / "results" / f"cotrain_ragged_{dev.type}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
