@@ -158,3 +158,22 @@ def test_compaction_with_bucket_padding_rows():
     ref, _ = _run(policy, draft, prompts, off, 4, seed=11)
     assert runner.shape.prompts == 16 and runner.levels
     _assert_same(got, ref)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_compaction_with_a_block_drafter_changes_no_output(kind, sampling):
+    """The block drafter's trunk cache and per-row block buffers move with their rows: the same tokens, τ and
+    acceptance counts with and without compaction (a broken move would keep the output — verification is
+    lossless — but not the acceptance, which is why τ and the counters are compared too)."""
+    from test_block_rollout import _block_draft
+    policy = tiny_policy(V=16, h=32, layers=3, seed=5)
+    draft = _block_draft(policy, kind, gamma=3, scale=3.0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 15, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g) for _ in range(24)]
+    base = GenerateConfig(max_new_tokens=40, sampling=sampling, num_draft_tokens=3, eos_token_id=2)
+    ref, _ = _run(policy, draft, prompts, GenerateConfig(**{**base.__dict__, "compact_below": 0.0}), 2, seed=1)
+    got, runner = _run(policy, draft, prompts, GenerateConfig(**{**base.__dict__, "compact_below": 0.6}), 2, seed=1)
+    assert runner.levels, "compaction never happened: the test would prove nothing"
+    assert (ref.lengths < 40).any() and ref.tau > 1.0
+    _assert_same(got, ref)
