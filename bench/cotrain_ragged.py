@@ -11,14 +11,17 @@ worked ones of 300-2,083), so the shapes keep changing as in a run, and reports 
 step (host clock after a device synchronize: planning is host time) for:
 
     policy   the `none` arm's step (no draft)
-    auto     co-trained EAGLE-3 draft, trunk attention by the adapter's automatic pick (cuDNN on the H200)
-    flash    the same with the draft's trunk attention forced to FlashAttention-2 (no per-shape plans)
-    w<N>     auto, micro-batch widths rounded up to a multiple of N (`train.width_multiple`)
+    auto     co-trained EAGLE-3 draft, the TTT trunk kernel by its default (ops/attention.ttt_trunk_impl:
+             FlashAttention-2 on CUDA since 2026-12-01; the adapter's pick, cuDNN, before: the results of
+             2026-12-01 in bench/results/cotrain_ragged_cuda.json are of that)
+    cudnn    the trunk forced to cuDNN (plans per shape)
+    flash    the trunk forced to FlashAttention-2 (no per-shape plans)
+    w<N>     cuDNN, micro-batch widths rounded up to a multiple of N (`train.width_multiple`)
 
 `--reserve-gib` holds device memory for the whole run, as the rollout engine's caches do in `specco train`.
 
     python bench/cotrain_ragged.py --device cuda --steps 6
-    python bench/cotrain_ragged.py --device cpu --hidden 64 --layers 2 --rows 32 --max-len 300 --variants policy,auto,w64
+    python bench/cotrain_ragged.py --device cpu --hidden 64 --layers 2 --rows 32 --max-len 300 --variants policy,auto
 """
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ def main():
     ap.add_argument("--stride", type=int, default=4, help="train.draft_row_stride")
     ap.add_argument("--amp", default="bf16")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per variant, each on a fresh batch")
-    ap.add_argument("--variants", default="policy,auto,flash,w64,w128")
+    ap.add_argument("--variants", default="policy,auto,cudnn,flash,w64,w128")
     ap.add_argument("--reserve-gib", type=float, default=0.0,
                     help="hold this much device memory for the whole run (what the rollout engine's KV caches and "
                          "CUDA graphs hold in `specco train`): the step then runs under the run's memory pressure")
@@ -97,7 +100,8 @@ def main():
         width = int(name[1:]) if name.startswith("w") else 1
         cfg = StepConfig(draft_weight=1.0 if use_draft else 0.0, draft_row_stride=a.stride,
                          micro_batch_rows=a.micro_batch_rows, width_multiple=width, amp_dtype=amp)
-        attn = functools.partial(ttt_attention, impl="flash") if name == "flash" else ttt_attention
+        impl = "flash" if name == "flash" else "cudnn" if name == "cudnn" or width > 1 else None
+        attn = functools.partial(ttt_attention, impl=impl) if impl else ttt_attention
         step = functools.partial(cotrain_step, policy, draft if use_draft else None, opt=opts[use_draft], sched=None, cfg=cfg,
                                  attn=attn)
         times, tokens = [], []

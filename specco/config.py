@@ -202,10 +202,10 @@ class TrainSpec:
     # Rows per forward/backward of the train step (0 = all at once); gradients accumulate, the
     # update equals the whole-batch one. Lower it when the train step runs out of memory.
     micro_batch_rows: int = 0
-    # Micro-batch widths (each cut to its longest row) are rounded up to a multiple of this, so a run
-    # sees few distinct shapes: cuDNN attention (the draft's) builds an execution plan per new shape,
-    # which on the H200 cost more than the draft's whole compute when every micro-batch had its own width.
-    width_multiple: int = 128
+    # Micro-batch widths (each cut to its longest row) rounded up to a multiple of this (1 = exact), so a run
+    # sees few distinct shapes: for kernels that plan per shape (cuDNN attention). The TTT trunk runs on
+    # FlashAttention-2 on CUDA (ops/attention.ttt_trunk_impl), which does not, so exact widths are the default.
+    width_multiple: int = 1
     # Recompute each policy layer's activations in the backward instead of keeping them
     # (train/activation_checkpointing.py): long contexts, at one extra layer forward per layer.
     activation_checkpointing: bool = False
