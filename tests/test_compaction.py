@@ -66,6 +66,9 @@ def _assert_same(a, b):
     torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
     assert a.tau == b.tau and torch.equal(a.accept_rate, b.accept_rate)
     assert a.num_target_forwards == b.num_target_forwards
+    assert torch.equal(a.row_rounds, b.row_rounds)  # per-row rounds move with their rows
+    # the per-row counts add up to τ's denominator (the prefill's first token is not a round's)
+    assert abs((a.lengths - 1).sum().item() / max(1, a.row_rounds.sum().item()) - a.tau) < 1e-12 or a.tau == 1.0
 
 
 def compaction_case(kind: str, sampling: SamplingParams, G: int = 4, T: int = 64):
@@ -177,3 +180,18 @@ def test_compaction_with_a_block_drafter_changes_no_output(kind, sampling):
     assert runner.levels, "compaction never happened: the test would prove nothing"
     assert (ref.lengths < 40).any() and ref.tau > 1.0
     _assert_same(got, ref)
+
+
+def test_row_rounds_are_each_rows_decode_rounds():
+    """Plain decoding emits one token per round per live row, so a row's rounds are its length minus the
+    prefill's token; with a draft a row needs at most that many, and the batch's target forwards (prefill
+    included) are one more than its slowest row's rounds when rows stop at different times."""
+    policy = tiny_policy()
+    prompts = _prompts(policy.cfg.vocab_size)
+    cfg = GenerateConfig(max_new_tokens=24, sampling=GREEDY, num_draft_tokens=3, eos_token_id=3, compact_below=0.0)
+    plain, _ = _run(policy, None, prompts, cfg, 2, seed=0)
+    assert torch.equal(plain.row_rounds, plain.lengths - 1)
+    assert (plain.lengths < 24).any() and plain.num_target_forwards == int(plain.row_rounds.max()) + 1
+    policy, draft = structured_pair()
+    spec, _ = _run(policy, draft, _prompts(policy.cfg.vocab_size), cfg, 2, seed=0)
+    assert (spec.row_rounds <= spec.lengths - 1).all() and (spec.row_rounds < spec.lengths - 1).any()

@@ -205,4 +205,20 @@ def test_rows_at_max_counts_the_rows_cut_off_by_max_new_tokens(tmp_path):
     for r, ro in zip(rows, record):
         cut = [len(c) >= cfg.rollout.max_new_tokens for _, c in ro.pairs]
         assert r["rollout/rows_at_max"] == pytest.approx(sum(cut) / len(cut))
+        # plain decoding: the slowest row is a longest one, one token per round
+        assert r["rollout/slowest_row_tau"] == 1.0
+        assert r["rollout/slowest_row_rounds"] == max(len(c) for _, c in ro.pairs) - 1
+        assert isinstance(r["rollout/slowest_row_text"], str)
     assert any(0 < r["rollout/rows_at_max"] < 1 for r in rows), [r["rollout/rows_at_max"] for r in rows]
+
+
+def test_slowest_row_metrics_hand_computed():
+    """rollout/slowest_row_*: the row with the most decode rounds, its tokens per round; the rows cut off at
+    max_new_tokens pooled."""
+    from types import SimpleNamespace
+    from specco.runner.rollouts import slowest_row_metrics
+    out = SimpleNamespace(lengths=torch.tensor([9, 4, 9, 2]), row_rounds=torch.tensor([4, 3, 2, 1]))
+    m = slowest_row_metrics(out, max_new_tokens=9)
+    assert m == {"rollout/slowest_row_rounds": 4, "rollout/slowest_row_tau": 8 / 4,
+                 "rollout/tau_rows_at_max": (8 + 8) / (4 + 2)}
+    assert "rollout/tau_rows_at_max" not in slowest_row_metrics(out, max_new_tokens=10)

@@ -26,7 +26,7 @@ from .state import DecodeState
 # Run-level counters (not per row): carried over as they are.
 COUNTERS = ("n_emitted", "n_row_forwards", "n_accepted", "n_proposed", "n_tried")
 # What the generation's result reads: written back to the parent rows at the end.
-OUTPUTS = ("out_tokens", "out_logp", "out_len", "finished")
+OUTPUTS = ("out_tokens", "out_logp", "out_len", "finished", "row_rounds")
 
 
 def compact_size(live: int, current: int, below: float, min_rows: int = 8) -> int | None:

@@ -86,6 +86,9 @@ class GenerateOutput:
     group_size: int = 1
     choices: tuple = ()  # speculation control: one control.Choice per level entered (root first)
     accept_counts: tuple | None = None  # (n_accepted, n_tried) per position (k,), int64: control.py
+    # (N,) int64 decode rounds each row took part in: its own tokens per round is (lengths - 1) / row_rounds
+    # (the prefill emits the first token). The batch runs as many rounds as its slowest row needs.
+    row_rounds: torch.Tensor | None = None
 
 
 def pad_prompts(prompts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,6 +357,7 @@ class DecodeRunner:
         st.out_logp.zero_()
         st.out_logp[:, 0] = first_logp
         st.out_len.fill_(1)
+        st.row_rounds.zero_()
         finished = ~io.real.repeat_interleave(G)  # padding rows never run
         if cfg.max_new_tokens <= 1:
             finished.fill_(True)
@@ -441,7 +445,7 @@ class DecodeRunner:
         if self.controller is not None:
             self.controller.update(*counts)
         return GenerateOutput(tokens, out_len.clone(), logprobs, tau, rate, self.num_target_forwards,
-                              self.group_size, tuple(self.choices), counts)
+                              self.group_size, tuple(self.choices), counts, st.row_rounds[:N].clone())
 
 
 def generate(policy: Policy, prompts: Sequence, cfg: GenerateConfig, draft: Eagle3Draft | None = None,

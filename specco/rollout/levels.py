@@ -55,7 +55,7 @@ def new_state(policy: Policy, draft: Eagle3Draft | BlockDraft | None, params: Sa
     st = DecodeState(
         n=zeros(rows), last_tok=zeros(rows),
         out_tokens=zeros(rows, T + W), out_logp=zeros(rows, T + W, dt=torch.float32),
-        out_len=zeros(rows), finished=torch.ones(rows, dtype=torch.bool, device=device),
+        out_len=zeros(rows), finished=torch.ones(rows, dtype=torch.bool, device=device), row_rounds=zeros(rows),
         n_emitted=zeros(), n_row_forwards=zeros(), n_accepted=zeros(k_max), n_proposed=zeros(k_max),
         n_tried=zeros(k_max), t_cache=policy.new_cache(rows, cache_len))
     n_uniforms = 1

@@ -30,6 +30,7 @@ class DecodeState:
     out_logp: torch.Tensor  # (B, T + W) fp32 target log-prob of each emitted token
     out_len: torch.Tensor  # (B,) int64
     finished: torch.Tensor  # (B,) bool
+    row_rounds: torch.Tensor  # (B,) int64 decode rounds the row took part in (its own τ = emitted / rounds)
     n_emitted: torch.Tensor  # () int64 tokens emitted by decode rounds (prefill excluded)
     n_row_forwards: torch.Tensor  # () int64 active rows summed over decode rounds
     n_accepted: torch.Tensor  # (k,) int64 row-rounds whose draft token j+1 was accepted
@@ -108,4 +109,5 @@ def commit(st: DecodeState, block: torch.Tensor, count: torch.Tensor, logp: torc
     st.finished.logical_or_(active & done)
     st.n_emitted.add_(count.sum())
     st.n_row_forwards.add_(active.sum())
+    st.row_rounds.add_(active.long())
     return count, active
