@@ -195,3 +195,17 @@ def test_row_rounds_are_each_rows_decode_rounds():
     policy, draft = structured_pair()
     spec, _ = _run(policy, draft, _prompts(policy.cfg.vocab_size), cfg, 2, seed=0)
     assert (spec.row_rounds <= spec.lengths - 1).all() and (spec.row_rounds < spec.lengths - 1).any()
+
+
+def test_phases_count_every_round_once_per_level():
+    """GenerateOutput.phases: (rows, rounds, seconds) per level entered, the whole batch first and then each
+    compacted size (smaller each time); their rounds add up to the call's decode rounds."""
+    policy, draft, prompts, eos, base = compaction_case("structured_draft", GREEDY)
+    cfg = GenerateConfig(**{**base.__dict__, "eos_token_id": eos, "compact_below": 0.6})
+    out, runner = _run(policy, draft, prompts, cfg, 4, seed=0)
+    rows = [r for r, _, _ in out.phases]
+    assert len(rows) >= 2 and rows == sorted(rows, reverse=True) and rows[0] == len(prompts) * 4
+    assert sum(n for _, n, _ in out.phases) == out.num_target_forwards - 1  # the prefill is not a round
+    assert all(s >= 0 for _, _, s in out.phases)
+    off, _ = _run(policy, draft, prompts, GenerateConfig(**{**cfg.__dict__, "compact_below": 0.0}), 4, seed=0)
+    assert len(off.phases) == 1 and off.phases[0][1] == off.num_target_forwards - 1

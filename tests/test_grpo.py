@@ -212,13 +212,15 @@ def test_rows_at_max_counts_the_rows_cut_off_by_max_new_tokens(tmp_path):
     assert any(0 < r["rollout/rows_at_max"] < 1 for r in rows), [r["rollout/rows_at_max"] for r in rows]
 
 
-def test_slowest_row_metrics_hand_computed():
+def test_tail_metrics_hand_computed():
     """rollout/slowest_row_*: the row with the most decode rounds, its tokens per round; the rows cut off at
     max_new_tokens pooled."""
     from types import SimpleNamespace
-    from specco.runner.rollouts import slowest_row_metrics
-    out = SimpleNamespace(lengths=torch.tensor([9, 4, 9, 2]), row_rounds=torch.tensor([4, 3, 2, 1]))
-    m = slowest_row_metrics(out, max_new_tokens=9)
+    from specco.runner.rollouts import tail_metrics
+    out = SimpleNamespace(lengths=torch.tensor([9, 4, 9, 2]), row_rounds=torch.tensor([4, 3, 2, 1]),
+                          phases=((8, 3, 0.5), (4, 1, 0.25)))
+    m = tail_metrics(out, max_new_tokens=9)
     assert m == {"rollout/slowest_row_rounds": 4, "rollout/slowest_row_tau": 8 / 4,
-                 "rollout/tau_rows_at_max": (8 + 8) / (4 + 2)}
-    assert "rollout/tau_rows_at_max" not in slowest_row_metrics(out, max_new_tokens=10)
+                 "rollout/tau_rows_at_max": (8 + 8) / (4 + 2), "rollout/tail_rounds": 1, "rollout/tail_s": 0.25,
+                 "rollout/phases": "8 rows x 3 rounds 0.50 s | 4 rows x 1 rounds 0.25 s"}
+    assert "rollout/tau_rows_at_max" not in tail_metrics(out, max_new_tokens=10)

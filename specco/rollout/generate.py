@@ -29,6 +29,7 @@ runner by hand (`round()`) never compacts.
 """
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -89,6 +90,9 @@ class GenerateOutput:
     # (N,) int64 decode rounds each row took part in: its own tokens per round is (lengths - 1) / row_rounds
     # (the prefill emits the first token). The batch runs as many rounds as its slowest row needs.
     row_rounds: torch.Tensor | None = None
+    # (rows, decode rounds, seconds) per level the call decoded at: the whole (bucketed) batch first, then each
+    # compacted size (generate.DecodeRunner.run); empty when the runner was driven round by round
+    phases: tuple = ()
 
 
 def pad_prompts(prompts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +214,7 @@ class DecodeRunner:
         self.choices: list[Choice] = []
         self.num_rows = self.group_size = 0
         self.num_target_forwards = 0
+        self.phases: list[tuple[int, int, float]] = []  # this call's (rows, rounds, seconds) per level entered
 
     @property
     def st(self):
@@ -269,6 +274,7 @@ class DecodeRunner:
                        out=io.u0[: self.num_rows])
         self.prefill_graph.run("prefill")
         self.num_target_forwards = 1
+        self.phases = []
         self.choices = []
         self._choose(self.root, allow_speculation=True)
 
@@ -397,14 +403,22 @@ class DecodeRunner:
     @torch.no_grad()
     def run(self):
         # Each round emits >= 1 token per live row, so T - 1 rounds always suffice.
+        # `phases`: rounds and wall time per level (the batch, then each compacted size), timed between the
+        # per-round host syncs, so a phase holds exactly its own rounds: how much of a rollout is its tail.
+        rows, rounds, t0 = self.st.finished.numel(), 0, time.perf_counter()
         for _ in range(self.cfg.max_new_tokens - 1):
             live = int((~self.st.finished).sum())  # the one host sync per round
             if live == 0:
                 break
             size = compaction.compact_size(live, self.st.finished.numel(), self.cfg.compact_below)
             if size is not None:
+                t = time.perf_counter()
+                self.phases.append((rows, rounds, t - t0))
+                rows, rounds, t0 = size, 0, t
                 self._compact(size)
             self.round()
+            rounds += 1
+        self.phases.append((rows, rounds, time.perf_counter() - t0))
 
     def _compact(self, size: int):
         """Move the live rows into a `size`-row level (compaction.py) and make it the current one."""
@@ -445,7 +459,8 @@ class DecodeRunner:
         if self.controller is not None:
             self.controller.update(*counts)
         return GenerateOutput(tokens, out_len.clone(), logprobs, tau, rate, self.num_target_forwards,
-                              self.group_size, tuple(self.choices), counts, st.row_rounds[:N].clone())
+                              self.group_size, tuple(self.choices), counts, st.row_rounds[:N].clone(),
+                              tuple(self.phases))
 
 
 def generate(policy: Policy, prompts: Sequence, cfg: GenerateConfig, draft: Eagle3Draft | None = None,

@@ -74,10 +74,12 @@ class Rollouts:
     metrics: dict = field(default_factory=dict)
 
 
-def slowest_row_metrics(out, max_new_tokens: int) -> dict:
+def tail_metrics(out, max_new_tokens: int) -> dict:
     """The rows that set a rollout's length: the batch decodes until its slowest row stops, so that row's own
     tokens per round (not the mean τ) decides how many target forwards a step takes. From the engine's per-row
-    round counts: the slowest row's rounds and τ, and the τ of the rows cut off at max_new_tokens."""
+    round counts: the slowest row's rounds and τ, and the τ of the rows cut off at max_new_tokens; from its
+    phases, the rounds and seconds spent after the first compaction (the tail; the first phase holds the
+    prefill's device time too, since the first round's host sync waits for it)."""
     if out.row_rounds is None or out.row_rounds.numel() == 0:
         return {}
     rounds = out.row_rounds.cpu()
@@ -88,6 +90,10 @@ def slowest_row_metrics(out, max_new_tokens: int) -> dict:
     cut = out.lengths.cpu() >= max_new_tokens
     if cut.any():
         m["rollout/tau_rows_at_max"] = float(emitted[cut].sum()) / max(1, int(rounds[cut].sum()))
+    if out.phases:  # the whole batch, then each compacted size: how much of the rollout the tail takes
+        m["rollout/phases"] = " | ".join(f"{r} rows x {n} rounds {s:.2f} s" for r, n, s in out.phases)
+        m["rollout/tail_rounds"] = sum(n for _, n, _ in out.phases[1:])
+        m["rollout/tail_s"] = sum(s for _, _, s in out.phases[1:])
     return m
 
 
@@ -119,7 +125,7 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
              # acceptance sets the rollout's number of target forwards
              "rollout/rows_at_max": (out.lengths >= r.max_new_tokens).float().mean().item(),
              "tokens_per_s": n_tok / t_roll, "time/rollout": t_roll, "target_forwards": out.num_target_forwards}
-        m.update(slowest_row_metrics(out, r.max_new_tokens))
+        m.update(tail_metrics(out, r.max_new_tokens))
         if out.row_rounds is not None:  # what the slowest row wrote (its head and tail), to see what slows it
             t = texts[int(out.row_rounds.argmax())]
             m["rollout/slowest_row_text"] = t if len(t) <= 400 else f"{t[:200]} … {t[-200:]}"
