@@ -98,6 +98,11 @@ class DraftSpec:
     # skip) then trains it; draft_vocab_size / aux_layer_ids must be left 0 / () or match it, and
     # init_head_from_policy does not apply.
     init: str = ""
+    # Block drafters (dflash, dspark) only: decoder layers L_d (0 -> 1) and blocks trained per sequence, N
+    # anchors among its generated positions (0 -> 16; long completions may want more: the EAGLE-3 draft
+    # trains on every position). With draft.init they must be 0 or match the loaded drafter.
+    block_layers: int = 0
+    num_anchors: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(self.aux_layer_ids))
@@ -110,6 +115,8 @@ class DraftSpec:
         _check(self.ttt_passes >= 1, f"draft.ttt_passes={self.ttt_passes}: must be >= 1")
         _check(0 < self.pass_decay <= 1, f"draft.pass_decay={self.pass_decay}: must be in (0, 1]")
         _check(self.draft_vocab_size >= 0, "draft.draft_vocab_size must be >= 0 (0 = full vocab)")
+        _check(self.block_layers >= 0, f"draft.block_layers={self.block_layers}: must be >= 0 (0 = 1 layer)")
+        _check(self.num_anchors >= 0, f"draft.num_anchors={self.num_anchors}: must be >= 0 (0 = 16 per sequence)")
 
 
 @dataclass(frozen=True)

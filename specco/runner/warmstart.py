@@ -90,11 +90,13 @@ def mask_token_id(tokens: torch.Tensor, vocab_size: int, fallback: int | None = 
 
 
 def new_block_draft(policy: Policy, tokens: torch.Tensor, kind: str, gamma: int, aux_layer_ids=(),
-                    mask_fallback: int | None = None) -> BlockDraft:
-    """A DFlash / DSpark drafter for `policy` proposing `gamma` tokens per block (rollout.k)."""
+                    mask_fallback: int | None = None, num_layers: int = 0, num_anchors: int = 0) -> BlockDraft:
+    """A DFlash / DSpark drafter for `policy` proposing `gamma` tokens per block (rollout.k), with `num_layers`
+    decoder layers and `num_anchors` trained blocks per sequence (0: BlockDraftConfig's 1 and 16)."""
     mask_id = mask_token_id(tokens, policy.cfg.vocab_size, mask_fallback)
+    extra = {k: v for k, v in (("num_layers", num_layers), ("num_anchors", num_anchors)) if v}
     bc = BlockDraftConfig.for_policy(policy.cfg, kind, gamma, mask_id,
-                                     aux_layer_ids=tuple(aux_layer_ids) or None)
+                                     aux_layer_ids=tuple(aux_layer_ids) or None, **extra)
     p = next(policy.parameters())
     return BlockDraft(bc).to(device=p.device)
 
@@ -119,11 +121,16 @@ def initial_draft(policy: Policy, tokens: torch.Tensor, spec, gamma: int | None 
         if not spec.init:
             if gamma is None:
                 raise ValueError("a new block drafter needs gamma (rollout.k)")
-            return new_block_draft(policy, tokens, spec.kind, gamma, spec.aux_layer_ids, mask_fallback)
+            return new_block_draft(policy, tokens, spec.kind, gamma, spec.aux_layer_ids, mask_fallback,
+                                   spec.block_layers, spec.num_anchors)
         draft = BlockDraft.load(spec.init, device=next(policy.parameters()).device)
         if draft.kind != spec.kind or (gamma is not None and draft.cfg.gamma < gamma):
             raise ConfigError(f"draft.init={spec.init} is a {draft.kind} drafter with gamma={draft.cfg.gamma}; the "
                               f"run asks draft.kind={spec.kind} with rollout.k={gamma}")
+        for key, want, got in (("block_layers", spec.block_layers, draft.cfg.num_layers),
+                               ("num_anchors", spec.num_anchors, draft.cfg.num_anchors)):
+            if want and want != got:
+                raise ConfigError(f"draft.{key}={want} but draft.init={spec.init} has {got}; leave it 0 or match")
         return draft
     if not spec.init:
         return new_draft(policy, tokens, spec.draft_vocab_size, spec.aux_layer_ids, spec.init_head_from_policy)
