@@ -3,7 +3,10 @@
 #
 #   bash bench/device_rl.sh CONFIG [SECONDS]
 #   SMOKE="key=value ..." bash bench/device_rl.sh CONFIG [SECONDS]
+#   OVERRIDES="key=value ..." bash bench/device_rl.sh CONFIG [SECONDS]
 #
+# OVERRIDES go to the real run's command line (`specco train CONFIG $OVERRIDES`); give the same ones on every
+# call of one run (a re-run with other overrides is refused by the out_dir's config check); not out_dir.
 # With SMOKE set, a fresh machine first runs CONFIG with those overrides (a tiny policy, a few steps: every
 # arm's CUDA-graphed path) in the foreground, and starts the real run only if that succeeds.
 # The first call installs the carried wheels (reasoning_gym and its pure-Python needs, in .whl/, made by
@@ -30,7 +33,8 @@ fi
 if ! pgrep -f "specco train $CONFIG" >/dev/null; then
   if [ -f "$OUTDIR/summary.json" ]; then echo "done already"; else
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-    setsid nohup python3 -m specco train "$CONFIG" >>"$LOG" 2>&1 < /dev/null &
+    # shellcheck disable=SC2086  # OVERRIDES is a list of overrides
+    setsid nohup python3 -m specco train "$CONFIG" ${OVERRIDES:-} >>"$LOG" 2>&1 < /dev/null &
     sleep 2
   fi
 fi
