@@ -400,7 +400,8 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
     first = first_step_table(arm_rows)
     if first:
         summary["step 1"] = first[1]
-        table += ("\n\nStep 1 (every arm starts from the same policy and prompts; includes CUDA graph capture):\n\n"
+        table += ("\n\nStep 1 (every arm starts from the same policy and prompts; includes the engine's first-call "
+                  "setup, on a GPU its CUDA graph capture):\n\n"
                   + first[0])
     acc = []
     if "after" in sft_m:  # accuracy of the RL starting policy (a pretrained one's also before its format SFT)
