@@ -24,6 +24,7 @@ from specco.parallel.mesh import spawn_local
 from specco.parallel.zigzag import ZigzagLayout
 from specco.train.block_losses import sample_anchors
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+from cp_reference import pack_rows
 
 LENS = (19, 3, 26)
 V = 61
@@ -59,13 +60,7 @@ def _data():
 
 
 def _pack(batch):
-    cat = lambda x: torch.cat([x[b, :L] for b, L in enumerate(LENS)])[None]  # noqa: E731
-    adv = batch.advantages[:, None].expand(-1, max(LENS))
-    cu = [0]
-    for L in LENS:
-        cu.append(cu[-1] + L)
-    return TrainBatch(tokens=cat(batch.tokens), target_mask=cat(batch.target_mask), advantages=cat(adv),
-                      logp_old=cat(batch.logp_old)), tuple(cu)
+    return pack_rows(batch, LENS)
 
 
 def _step(policy, draft, batch, **kw):

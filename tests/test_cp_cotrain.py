@@ -26,6 +26,7 @@ from specco.parallel.mesh import spawn_local
 from specco.parallel.zigzag import ZigzagLayout
 from specco.train.activation_checkpointing import apply_activation_checkpointing
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+from cp_reference import pack_rows
 
 LENS = (11, 3, 17)
 V = 61
@@ -59,14 +60,7 @@ def _data():
 
 
 def _pack(batch):
-    """Right-padded rows -> one THD stream (1, T) with per-token advantages; returns (batch, cu_seqlens)."""
-    cat = lambda x: torch.cat([x[b, :L] for b, L in enumerate(LENS)])[None]  # noqa: E731
-    adv = batch.advantages[:, None].expand(-1, max(LENS))
-    cu = [0]
-    for L in LENS:
-        cu.append(cu[-1] + L)
-    return TrainBatch(tokens=cat(batch.tokens), target_mask=cat(batch.target_mask), advantages=cat(adv),
-                      logp_old=cat(batch.logp_old)), tuple(cu)
+    return pack_rows(batch, LENS)
 
 
 def _step(policy, draft, batch, **kw):
