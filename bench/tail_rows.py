@@ -1,0 +1,122 @@
+"""Which rows hold a speculative rollout back: per-row acceptance of each warm draft of a finished run.
+
+A batched rollout decodes until its slowest row stops, so the step's target forwards are set by that row's
+own tokens per round, not by the mean τ (BENCHMARKS.md, the long run: DFlash's slowest rows got <= 1.5-1.8
+tokens per round against a mean of 4.5-5.8). This bench takes a run's out_dir (its SFT policy and warm
+drafts), generates the same held-out prompts with each drafter at the run's temperature and a fixed k (no
+speculation control), and reports per row: length, decode rounds (the engine's `row_rounds`), τ, and the mean
+entropy of the policy's next-token distribution over the completion (teacher-forced, one forward per row) —
+to see whether the slow rows are the long ones, the high-entropy ones, or both. Per drafter: τ overall, τ by
+entropy and by length quartile, the Pearson correlation of per-row τ with entropy, and the slowest rows'
+text (head and tail).
+
+    python bench/tail_rows.py configs/long.toml              # after `specco train configs/long.toml`
+    python bench/tail_rows.py configs/demo.toml draft.kind=dspark --out-dir /tmp/dsp --prompts 32
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specco.config import load_config  # noqa: E402
+from specco.data.tasks import get_task  # noqa: E402
+from specco.data.tokenizer import load_tokenizer  # noqa: E402
+from specco.model.hf_io import load_policy  # noqa: E402
+from specco.rollout.engine import RolloutEngine  # noqa: E402
+from specco.runner.demo import task_overrides  # noqa: E402
+from specco.runner.derive import arm_config, generate_config, warm_configs  # noqa: E402
+from specco.runner.warmstart import load_draft_dir  # noqa: E402
+
+
+def quartile_means(key: torch.Tensor, val: torch.Tensor) -> list[float]:
+    """Mean of `val` over the rows in each quartile of `key` (lowest first)."""
+    order = key.argsort()
+    return [float(val[q].mean()) for q in order.tensor_split(4) if q.numel()]
+
+
+@torch.no_grad()
+def completion_entropy(policy, prompt: list[int], completion: torch.Tensor, temperature: float) -> float:
+    """Mean entropy (nats) of softmax(logits / T) at the positions that predicted the completion's tokens."""
+    ids = torch.cat([torch.tensor(prompt, device=completion.device), completion])[None]
+    logits = policy(ids).logits[0, len(prompt) - 1: ids.shape[1] - 1].float() / max(temperature, 1e-6)
+    logp = logits.log_softmax(-1)
+    return float(-(logp.exp() * logp).sum(-1).mean())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("config", help="the run's config (the one `specco train` ran)")
+    ap.add_argument("overrides", nargs="*", help="the run's command-line overrides (key=value)")
+    ap.add_argument("--out-dir", default=None, help="the run's out_dir (default: the config's)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=777, help="held-out prompts: not the RL stream's seed")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--show", type=int, default=3, help="slowest rows printed per drafter")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    cfg = load_config(a.config, a.overrides)
+    out_dir = Path(a.out_dir or cfg.out_dir)
+    dev = torch.device(a.device)
+    if dev.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    policy = load_policy(out_dir / "sft_policy", device=dev).eval()
+    tok = load_tokenizer(out_dir / "sft_policy")
+    mode = cfg.task.mode if cfg.policy.source == "tiny" else "chat"
+    task = get_task(cfg.task.name, mode=mode, tokenizer=tok, cot_fraction=cfg.task.cot_fraction, **task_overrides(cfg))
+    items = task.prompts(a.prompts, seed=a.seed, offset=0)
+    prompts = [task.prompt_ids(it, tok) for it in items]
+    T = cfg.rollout.temperature
+    results = {}
+    for kind in warm_configs(cfg):
+        path = out_dir / ("warm_draft" if kind == cfg.draft.kind else f"warm_draft_{kind}")
+        if not path.exists():
+            print(f"{kind}: no {path}, skipped", flush=True)
+            continue
+        draft = load_draft_dir(path, device=dev).eval()
+        arm_cfg, _ = arm_config(cfg, f"frozen-{kind}")
+        gen = dataclasses.replace(generate_config(arm_cfg, tok.eos_id, tok.pad_id), spec_control=False)
+        t0 = time.perf_counter()
+        out = RolloutEngine(policy, draft, gen).generate(prompts, generator=torch.Generator(device=dev).manual_seed(0))
+        seconds = time.perf_counter() - t0
+        lengths, rounds = out.lengths.cpu(), out.row_rounds.cpu()
+        tau = (lengths - 1).float() / rounds.clamp_min(1).float()
+        ent = torch.tensor([completion_entropy(policy, p, out.tokens[i, :int(lengths[i])], T)
+                            for i, p in enumerate(prompts)])
+        live = rounds > 0
+        corr = float(torch.corrcoef(torch.stack([tau[live], ent[live]]))[0, 1]) if int(live.sum()) > 2 else float("nan")
+        slow = rounds.argsort(descending=True)[: a.show].tolist()
+        texts = [tok.decode(out.tokens[i, :int(lengths[i])]) for i in slow]
+        results[kind] = {
+            "k": gen.num_draft_tokens, "tau": out.tau, "seconds": seconds, "target_forwards": out.num_target_forwards,
+            "phases": [list(p) for p in out.phases], "tau_by_entropy_quartile": quartile_means(ent[live], tau[live]),
+            "tau_by_length_quartile": quartile_means(lengths[live].float(), tau[live]), "corr_tau_entropy": corr,
+            "rows": [{"length": int(lengths[i]), "rounds": int(rounds[i]), "tau": float(tau[i]),
+                      "entropy": float(ent[i])} for i in range(len(prompts))],
+            "slowest": [{"row": i, "length": int(lengths[i]), "rounds": int(rounds[i]), "tau": float(tau[i]),
+                         "entropy": float(ent[i]), "text": t if len(t) <= 400 else f"{t[:200]} … {t[-200:]}"}
+                        for i, t in zip(slow, texts)]}
+        r = results[kind]
+        print(f"{kind} (k={r['k']}): tau {r['tau']:.2f}, {r['target_forwards']} target forwards, {seconds:.2f} s; tau by "
+              f"entropy quartile {[round(x, 2) for x in r['tau_by_entropy_quartile']]}, by length quartile "
+              f"{[round(x, 2) for x in r['tau_by_length_quartile']]}, corr(tau, entropy) {corr:.2f}", flush=True)
+        for s in r["slowest"]:
+            print(f"   slow row {s['row']}: {s['length']} tokens in {s['rounds']} rounds (tau {s['tau']:.2f}), "
+                  f"entropy {s['entropy']:.2f}: {s['text'][:160]!r}", flush=True)
+    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python"] + sys.argv), "temperature": T,
+           "results": results}
+    path = Path(a.out or Path(__file__).parent / "results" / f"tail_rows_{dev.type}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
