@@ -221,6 +221,6 @@ def test_tail_metrics_hand_computed():
                           phases=((8, 3, 0.5), (4, 1, 0.25)))
     m = tail_metrics(out, max_new_tokens=9)
     assert m == {"rollout/slowest_row_rounds": 4, "rollout/slowest_row_tau": 8 / 4,
-                 "rollout/tau_rows_at_max": (8 + 8) / (4 + 2), "rollout/tail_rounds": 1, "rollout/tail_s": 0.25,
-                 "rollout/phases": "8 rows x 3 rounds 0.50 s | 4 rows x 1 rounds 0.25 s"}
+                 "rollout/tau_rows_at_max": (8 + 8) / (4 + 2), "rollout/tail_rounds": 1, "time/rollout_tail": 0.25,
+                 "time/rollout_phases": "8 rows x 3 rounds 0.50 s | 4 rows x 1 rounds 0.25 s"}
     assert "rollout/tau_rows_at_max" not in tail_metrics(out, max_new_tokens=10)

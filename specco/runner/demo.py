@@ -334,7 +334,7 @@ def _mean(rows, key, lo=0.0, hi=1.0):
 _FIRST_KEYS = (("completion_len", "completion len"), ("completion_len_max", "len max"),
                ("rollout/rows_at_max", "rows at max"), ("tau", "tau"), ("rollout/slowest_row_tau", "slowest row tau"),
                ("rollout/tau_rows_at_max", "tau of rows at max"), ("target_forwards", "target forwards"),
-               ("rollout/tail_s", "tail s"),
+               ("time/rollout_tail", "tail s"),
                ("time/rollout", "rollout s"), ("tokens_per_s", "tokens/s"))
 
 

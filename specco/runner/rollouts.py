@@ -91,9 +91,9 @@ def tail_metrics(out, max_new_tokens: int) -> dict:
     if cut.any():
         m["rollout/tau_rows_at_max"] = float(emitted[cut].sum()) / max(1, int(rounds[cut].sum()))
     if out.phases:  # the whole batch, then each compacted size: how much of the rollout the tail takes
-        m["rollout/phases"] = " | ".join(f"{r} rows x {n} rounds {s:.2f} s" for r, n, s in out.phases)
+        m["time/rollout_phases"] = " | ".join(f"{r} rows x {n} rounds {s:.2f} s" for r, n, s in out.phases)
         m["rollout/tail_rounds"] = sum(n for _, n, _ in out.phases[1:])
-        m["rollout/tail_s"] = sum(s for _, _, s in out.phases[1:])
+        m["time/rollout_tail"] = sum(s for _, _, s in out.phases[1:])
     return m
 
 
