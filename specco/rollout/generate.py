@@ -36,6 +36,7 @@ from typing import Sequence
 
 import torch
 
+from ..config import RolloutSpec
 from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
@@ -50,11 +51,14 @@ from .speculative import SpeculativeSteps, draft_prefill, gather_rows
 from .state import fill_groups, group_leaders
 
 
+_R = RolloutSpec()  # one set of defaults: the run config's (runner.derive.generate_config builds one from a RunConfig)
+
+
 @dataclass(frozen=True)
 class GenerateConfig:
-    max_new_tokens: int = 128
+    max_new_tokens: int = _R.max_new_tokens
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_draft_tokens: int = 4  # k_max, draft tokens proposed per round at most (speculative only)
+    num_draft_tokens: int = _R.k  # k_max, draft tokens proposed per round at most (speculative only)
     # Speculation control (control.py): choose k in 0..k_max per call and per compaction level from
     # costs the runner measures on its graphs and the live acceptance. None: on iff CUDA graphs are
     # (eager CPU timings are noisy, and the CPU demo reports τ at fixed k); True forces it anywhere.
@@ -65,7 +69,7 @@ class GenerateConfig:
     bucket_shapes: bool | None = None  # pad batch / prompt length to buckets; None: iff graphs
     # Live-row compaction (compaction.py): when live rows <= this fraction of the batch, continue on a
     # smaller batch holding just them. 0 disables.
-    compact_below: float = 0.25
+    compact_below: float = _R.compact_below
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
