@@ -7,6 +7,8 @@
 #
 # OVERRIDES go to the real run's command line (`specco train CONFIG $OVERRIDES`); give the same ones on every
 # call of one run (a re-run with other overrides is refused by the out_dir's config check); not out_dir.
+# With TAIL=1, the call that finds the run finished also runs `bench/tail_rows.py` on its out_dir (once; its
+# JSON lands in $OUT): per-row acceptance of each warm draft against length and entropy.
 # With SMOKE set, a fresh machine first runs CONFIG with those overrides (a tiny policy, a few steps: every
 # arm's CUDA-graphed path) in the foreground, and starts the real run only if that succeeds.
 # The first call installs the carried wheels (reasoning_gym and its pure-Python needs, in .whl/, made by
@@ -54,4 +56,9 @@ if [ -n "${OUT:-}" ]; then
   for d in "$OUTDIR"/warm_draft*; do [ -f "$d/warm_metrics.json" ] && cp "$d/warm_metrics.json" "$OUT/$(basename $d)_metrics.json"; done
   [ -f "$OUTDIR/sft_policy/sft_metrics.json" ] && cp "$OUTDIR/sft_policy/sft_metrics.json" "$OUT/"
 fi
+if [ -n "${TAIL:-}" ] && [ -f "$OUTDIR/summary.json" ] && [ ! -f "$OUTDIR/tail_rows.json" ]; then
+  # shellcheck disable=SC2086  # OVERRIDES is a list of overrides
+  timeout 300 python3 bench/tail_rows.py "$CONFIG" ${OVERRIDES:-} --out "$OUTDIR/tail_rows.json" 2>&1 | tail -20
+fi
+[ -n "${OUT:-}" ] && [ -f "$OUTDIR/tail_rows.json" ] && cp "$OUTDIR/tail_rows.json" "$OUT/"
 pgrep -f "specco train $CONFIG" >/dev/null && echo "STILL RUNNING" || echo "NOT RUNNING"
