@@ -219,8 +219,9 @@ def test_tail_metrics_hand_computed():
     from specco.runner.rollouts import tail_metrics
     out = SimpleNamespace(lengths=torch.tensor([9, 4, 9, 2]), row_rounds=torch.tensor([4, 3, 2, 1]),
                           phases=((8, 3, 0.5), (4, 1, 0.25)))
-    m = tail_metrics(out, max_new_tokens=9)
+    m = tail_metrics(out, max_new_tokens=9, texts=["a" * 500, "b", "c", "d"])
     assert m == {"rollout/slowest_row_rounds": 4, "rollout/slowest_row_tau": 8 / 4,
+                 "rollout/slowest_row_text": f"{'a' * 200} … {'a' * 200}",
                  "rollout/tau_rows_at_max": (8 + 8) / (4 + 2), "rollout/tail_rounds": 1, "time/rollout_tail": 0.25,
                  "time/rollout_phases": "8 rows x 3 rounds 0.50 s | 4 rows x 1 rounds 0.25 s"}
-    assert "rollout/tau_rows_at_max" not in tail_metrics(out, max_new_tokens=10)
+    assert "rollout/tau_rows_at_max" not in tail_metrics(out, max_new_tokens=10, texts=["a", "b", "c", "d"])

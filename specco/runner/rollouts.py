@@ -74,19 +74,22 @@ class Rollouts:
     metrics: dict = field(default_factory=dict)
 
 
-def tail_metrics(out, max_new_tokens: int) -> dict:
+def tail_metrics(out, max_new_tokens: int, texts: list[str]) -> dict:
     """The rows that set a rollout's length: the batch decodes until its slowest row stops, so that row's own
     tokens per round (not the mean τ) decides how many target forwards a step takes. From the engine's per-row
     round counts: the slowest row's rounds and τ, and the τ of the rows cut off at max_new_tokens; from its
     phases, the rounds and seconds spent after the first compaction (the tail; the first phase holds the
-    prefill's device time too, since the first round's host sync waits for it)."""
+    prefill's device time too, since the first round's host sync waits for it). `texts`: the rows' decoded
+    completions, for what the slowest row wrote (its head and tail)."""
     if out.row_rounds is None or out.row_rounds.numel() == 0:
         return {}
     rounds = out.row_rounds.cpu()
     emitted = out.lengths.cpu() - 1  # the prefill emits each row's first token
     slow = int(rounds.argmax())
+    t = texts[slow]
     m = {"rollout/slowest_row_rounds": int(rounds[slow]),
-         "rollout/slowest_row_tau": float(emitted[slow]) / max(1, int(rounds[slow]))}
+         "rollout/slowest_row_tau": float(emitted[slow]) / max(1, int(rounds[slow])),
+         "rollout/slowest_row_text": t if len(t) <= 400 else f"{t[:200]} … {t[-200:]}"}
     cut = out.lengths.cpu() >= max_new_tokens
     if cut.any():
         m["rollout/tau_rows_at_max"] = float(emitted[cut].sum()) / max(1, int(rounds[cut].sum()))
@@ -125,10 +128,7 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
              # acceptance sets the rollout's number of target forwards
              "rollout/rows_at_max": (out.lengths >= r.max_new_tokens).float().mean().item(),
              "tokens_per_s": n_tok / t_roll, "time/rollout": t_roll, "target_forwards": out.num_target_forwards}
-        m.update(tail_metrics(out, r.max_new_tokens))
-        if out.row_rounds is not None:  # what the slowest row wrote (its head and tail), to see what slows it
-            t = texts[int(out.row_rounds.argmax())]
-            m["rollout/slowest_row_text"] = t if len(t) <= 400 else f"{t[:200]} … {t[-200:]}"
+        m.update(tail_metrics(out, r.max_new_tokens, texts))
         for j, a in enumerate(out.accept_rate.tolist()):
             m[f"accept/pos{j + 1}"] = a
         if out.accept_counts is not None and out.accept_counts[1].numel():
