@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from specco.ops.sdpa_adapter import block_attn_bwd, block_attn_fwd
+from specco.ops.sdpa_adapter import block_attn_bwd, block_attn_fwd, flash_applies
 
 __all__ = [
     "merge_lse", "block_attn_fwd", "block_attn_bwd", "branch_attn_fwd", "branch_attn_bwd",
@@ -418,9 +418,7 @@ def ttt_trunk_impl(q: torch.Tensor) -> str | None:
     the H200, co-training on ragged batches with fresh shapes cost 1.63x the policy-only step with cuDNN and
     1.10x with FlashAttention-2 (bench/cotrain_ragged.py, BENCHMARKS.md); at one repeated shape cuDNN's
     kernel is ~1.3x faster, but the draft's attention is a small share of the step."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
-        return "flash"
-    return None
+    return "flash" if flash_applies(q) else None
 
 
 def autocast_inputs(*xs):

@@ -68,14 +68,22 @@ def _pick_impl(q: torch.Tensor, impl: str | None) -> str:
         return impl
     if q.device.type == "cpu":
         return "cpu_flash"
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0:
-        if q.shape[-1] <= 128 and _cudnn_ok():
-            return "cudnn"
-        if q.shape[-1] <= 256:
-            return "flash"  # FlashAttention-2: the fallback where cuDNN is missing or the shape is not its
+    if _half_cuda(q) and q.shape[-1] <= 128 and _cudnn_ok():
+        return "cudnn"
+    if flash_applies(q):
+        return "flash"  # FlashAttention-2: the fallback where cuDNN is missing or the shape is not its
     if q.is_cuda and q.dtype == torch.float32 and q.shape[-1] % 4 == 0 and q.shape[-1] <= 128:
         return "efficient"
     return "torch"
+
+
+def _half_cuda(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+
+
+def flash_applies(q: torch.Tensor) -> bool:
+    """Whether the "flash" impl (FlashAttention-2) takes q: fp16/bf16 on CUDA, head dim a multiple of 8, <= 256."""
+    return _half_cuda(q) and q.shape[-1] <= 256
 
 
 _CUDNN_OK: bool | None = None
