@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_results  # noqa: E402
 from _timing import timeit  # noqa: E402
 from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
@@ -139,14 +139,8 @@ def main():
             rows.append({"layers": L, "amp": amp, "policy_params_M": n_pol, "draft_params_M": n_dr,
                          "policy_step_ms": t_pol * 1e3, "overhead_by_stride": ratios})
         del policy, draft, opt0, opt1
-    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-           "command": " ".join(["python"] + sys.argv), "rows": B, "seq": S, "completion": a.completion,
-           "K": a.K, "hidden": a.hidden, "results": rows}
-    out = Path(a.out or Path(__file__).parent / "results" / f"cotrain_overhead_{dev.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+    write_results({"rows": B, "seq": S, "completion": a.completion, "K": a.K, "hidden": a.hidden, "results": rows},
+                  "cotrain_overhead", dev, a.out)
 
 
 if __name__ == "__main__":

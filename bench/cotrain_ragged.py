@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_results  # noqa: E402
 from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
@@ -130,13 +131,7 @@ def main():
         print(f"peak allocated {torch.cuda.max_memory_allocated(dev) / 2 ** 30:.1f} GiB, cudaMalloc retries "
               f"{st.get('num_alloc_retries', 0)}", flush=True)
     del reserve
-    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python"] + sys.argv), "args": vars(a),
-           "results": results}
-    out = Path(a.out or Path(__file__).parent / "results" / f"cotrain_ragged_{dev.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+    write_results({"args": vars(a), "results": results}, "cotrain_ragged", dev, a.out)
 
 
 if __name__ == "__main__":

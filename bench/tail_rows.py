@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_results  # noqa: E402
 from specco.config import load_config  # noqa: E402
 from specco.data.tasks import get_task  # noqa: E402
 from specco.data.tokenizer import load_tokenizer  # noqa: E402
@@ -109,13 +110,7 @@ def main():
         for s in r["slowest"]:
             print(f"   slow row {s['row']}: {s['length']} tokens in {s['rounds']} rounds (tau {s['tau']:.2f}), "
                   f"entropy {s['entropy']:.2f}: {s['text'][:160]!r}", flush=True)
-    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-           "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python"] + sys.argv), "temperature": T,
-           "results": results}
-    path = Path(a.out or Path(__file__).parent / "results" / f"tail_rows_{dev.type}.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1))
-    print(f"wrote {path}")
+    write_results({"temperature": T, "results": results}, "tail_rows", dev, a.out)
 
 
 if __name__ == "__main__":
