@@ -84,6 +84,10 @@ MODELS = {
     "rl113m": dict(vocab_size=101, hidden_size=1024, intermediate_size=2816, num_layers=10,
                    num_heads=16, num_kv_heads=4, tie_word_embeddings=True, model_type="llama",
                    max_position_embeddings=256),
+    # configs/long.toml's 316M 28-layer policy (issue 15), tied for the `--draft self` pair.
+    "long316m": dict(vocab_size=101, hidden_size=1024, intermediate_size=2816, num_layers=28,
+                     num_heads=16, num_kv_heads=4, tie_word_embeddings=True, model_type="llama",
+                     max_position_embeddings=4096),
 }
 
 

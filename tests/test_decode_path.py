@@ -246,11 +246,11 @@ def test_speculation_control_is_lossless_and_plain_stays_plain():
                               controller=ctl)
         if forced is not None:  # pin the costs: the rule must pick `forced` at the root (16 rows); on
             # smaller levels speculation is made very cheap, so only "plain stays plain" keeps k = 0
-            def pick(costs, rows, allow=True, live=None, _orig=ctl.choose, _k=forced):
+            def pick(costs, rows, allow=True, live=None, pooled=True, _orig=ctl.choose, _k=forced):
                 if rows < 16:
-                    return _orig({k: (1.0 if k == 0 else 0.01) for k in costs}, rows, allow, live)
+                    return _orig({k: (1.0 if k == 0 else 0.01) for k in costs}, rows, allow, live, pooled)
                 return _orig({k: (1.0 if k == 0 else 0.5 if k == _k else 9.0) for k in costs}, rows,
-                             _k != 0, live)
+                             _k != 0, live, pooled)
             ctl.choose = pick
         runner.prefill(prompts, 4)
         runner.run()
@@ -262,6 +262,40 @@ def test_speculation_control_is_lossless_and_plain_stays_plain():
             assert all(c.k == 0 for c in out.choices) and out.tau == 1.0
         if forced == 2:  # speculating levels may keep speculating (here: the cheap k on smaller levels)
             assert out.choices[0].k == 2 and out.tau > 1.0 and all(c.k > 0 for c in out.choices)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("recheck", [0, 4])
+def test_a_level_rechooses_k_from_its_own_rows(recheck, monkeypatch):
+    """The tail re-check (control.py): the pooled history says the draft is accepted every time, so the
+    root starts at k_max; its own rows accept (nearly) nothing, and with recheck_rounds = 4 the level
+    turns plain after 4 rounds, which the pooled estimate alone (recheck 0) never does. Greedy outputs
+    stay those of plain decoding either way."""
+    from test_rollout_helpers import random_draft, tiny_policy
+    from specco.rollout.generate import DecodeRunner, GenerateConfig, generate
+    from specco.rollout.levels import Level
+    from specco.rollout.sampling import SamplingParams
+    policy = tiny_policy()
+    draft = random_draft(policy)
+    costs = {0: 1.0, 1: 1.2, 2: 1.3, 3: 1.4}  # pinned: CPU timings are noise
+    monkeypatch.setattr(Level, "measure", lambda self, iters=5: self.costs.update(costs) or self.costs)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, policy.cfg.vocab_size, (n,), generator=g) for n in (3, 6, 2, 5)]
+    cfg = GenerateConfig(max_new_tokens=20, sampling=SamplingParams(temperature=0.0), num_draft_tokens=3,
+                         compact_below=0.0, spec_control=True)
+    ctl = SpecController(3, min_tries=8, recheck_rounds=recheck)
+    ctl.update(torch.full((3,), 10_000), torch.full((3,), 10_000))  # an earlier call accepted everything
+    runner = DecodeRunner(policy, cfg, draft, controller=ctl)
+    runner.prefill(prompts, 4)
+    runner.run()
+    out = runner.result()
+    assert torch.equal(out.tokens, generate(policy, prompts, cfg, group_size=4).tokens)
+    assert out.choices[0].k == 3 and out.choices[0].rows == 16
+    if recheck:  # 4 rounds x 16 rows = 64 tries >= min_tries: plain from round 5 on, as the costs say
+        assert [c.k for c in out.choices] == [3, 0] and out.choices[1].rows == 16
+        assert int(out.accept_counts[1][0]) == 4 * 16  # position 1 was tried in those 4 rounds only
+    else:
+        assert [c.k for c in out.choices] == [3] and int(out.accept_counts[1][0]) > 4 * 16
 
 
 def test_fused_modules_pickle_and_copy():

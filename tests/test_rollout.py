@@ -235,6 +235,27 @@ def test_bucketed_engine_shares_one_runner_across_batch_and_prompt_sizes(specula
     assert len(engine._runners) == 1
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_runner_for_longer_prompts_serves_shorter_ones(speculative):
+    """RunnerShape.holds: after a call with long prompts, calls with shorter ones reuse that runner (right-
+    padded to its prompt length; no new buffers, no new graphs) and equal a fresh exact-shape generate; a
+    call with longer prompts than any kept runner builds a new one."""
+    policy, draft = structured_pair(layer_scale=100.0)
+    draft = draft if speculative else None
+    cfg = GenerateConfig(max_new_tokens=10, sampling=SamplingParams(temperature=1.0), num_draft_tokens=3)
+    engine = RolloutEngine(policy, draft, cfg, cache_runners=1)
+    for i, lens in enumerate([(12, 3, 7, 2), (5, 2, 1, 4), (12, 12, 9, 1)]):
+        prompts = _prompts(32, lens=lens, seed=i)
+        got = engine.generate(prompts, 2, generator=torch.Generator().manual_seed(i))
+        if i == 0:
+            first = next(iter(engine._runners.values()))
+        assert next(iter(engine._runners.values())) is first and first.shape.prompt_len == 12
+        ref = generate(policy, prompts, cfg, draft, 2, generator=torch.Generator().manual_seed(i))
+        _same_output(got, ref, logp_atol=1e-4)
+    engine.generate(_prompts(32, lens=(13, 2, 2, 2)), 2)  # longer than the kept runner's prompts
+    assert len(engine._runners) == 1 and next(iter(engine._runners.values())) is not first
+
+
 def test_engine_refit_reaches_cached_runner():
     """Refit copies into the parameters' own storage (what captured graphs read) and a runner
     cached before the refit generates with the new weights."""

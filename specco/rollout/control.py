@@ -19,6 +19,15 @@ Losslessness does not depend on the choice: every k verifies with the same accep
 round draws the same uniforms whatever k is, so outputs keep the target's distribution and, for a
 fixed k, are exactly those of plain speculative decoding with that k.
 
+Rows left at a level are not the rows the estimate came from. The rows still decoding once most have
+finished are the long ones, and in RL the longest are often a weak policy's runaway, high-entropy text,
+on which a draft accepts far less than on the rest (H200, configs/long.toml: DFlash accepted ~1.4 tokens
+per round on the row that decoded alone for 1,200 rounds, against a mean τ of 5.8, and its round cost
+1.8x a plain one there). The pooled α come from every row of this and earlier calls, so they would keep
+that tail speculating at a loss. So within a level the runner re-chooses every `recheck_rounds` rounds
+from the counts of the rounds run at that level alone (`choose(..., pooled=False)`), once its first
+position has `min_tries` tries there.
+
 Rule for levels: a generation that decodes plainly at some batch size has no draft state for its
 newest tokens (the draft's cache and its pass-1 output are kept up to date only by speculative
 rounds), so once a level chooses k = 0 every smaller level of the same call stays plain. Speculative
@@ -52,13 +61,15 @@ class SpecController:
     decoding fall back to the prior after a few calls and probe again, so a draft that improves
     (co-training) is noticed; min_tries: row-rounds a position needs before its estimate replaces
     the prior; margin: speculation must beat plain by this factor (noise guard, so a near-tie never
-    makes rollouts slower than plain).
+    makes rollouts slower than plain); recheck_rounds: how often (rounds) a speculating level re-chooses
+    from its own rows' acceptance (module docstring; 0 never).
     """
     k_max: int
     prior: float = 1.0
     memory: float = 0.5
     min_tries: float = 64.0
     margin: float = 1.03
+    recheck_rounds: int = 32
     tried: torch.Tensor = field(init=False)
     accepted: torch.Tensor = field(init=False)
 
@@ -66,11 +77,12 @@ class SpecController:
         self.tried = torch.zeros(self.k_max, dtype=torch.float64)
         self.accepted = torch.zeros(self.k_max, dtype=torch.float64)
 
-    def alphas(self, live: tuple | None = None) -> torch.Tensor:
-        """(k_max,) conditional acceptance per position from the pooled counts plus `live` (the
-        current call's (n_accepted, n_tried) so far); positions with too few tries use the prior,
-        and such a position never exceeds the estimate of the one before it."""
-        acc, tried = self.accepted, self.tried
+    def alphas(self, live: tuple | None = None, pooled: bool = True) -> torch.Tensor:
+        """(k_max,) conditional acceptance per position from the pooled counts (unless not `pooled`) plus
+        `live` ((n_accepted, n_tried) per position: the current call's so far, or one level's); positions
+        with too few tries use the prior, and such a position never exceeds the estimate of the one before it."""
+        acc, tried = (self.accepted, self.tried) if pooled else \
+            (torch.zeros_like(self.accepted), torch.zeros_like(self.tried))
         if live is not None:
             acc = acc + live[0].double().cpu()[: self.k_max]
             tried = tried + live[1].double().cpu()[: self.k_max]
@@ -80,9 +92,9 @@ class SpecController:
                 est[j] = min(est[j], est[j - 1])
         return est
 
-    def expected_tokens(self, k: int, live: tuple | None = None) -> float:
+    def expected_tokens(self, k: int, live: tuple | None = None, pooled: bool = True) -> float:
         """E[τ_k] = 1 + Σ_{j<=k} Π_{i<=j} α_i."""
-        return 1.0 + float(torch.cumprod(self.alphas(live)[:k], 0).sum()) if k > 0 else 1.0
+        return 1.0 + float(torch.cumprod(self.alphas(live, pooled)[:k], 0).sum()) if k > 0 else 1.0
 
     def update(self, accepted: torch.Tensor, tried: torch.Tensor) -> None:
         """Fold in one generation's counts (n_accepted, n_tried per position; state.py)."""
@@ -90,12 +102,13 @@ class SpecController:
         self.tried = self.memory * self.tried + tried.double().cpu()[: self.k_max]
 
     def choose(self, costs: dict[int, float], rows: int, allow_speculation: bool = True,
-               live: tuple | None = None) -> Choice:
+               live: tuple | None = None, pooled: bool = True) -> Choice:
         """The k of largest predicted throughput among the measured candidates (`costs`: k -> s/round);
-        live: the current call's acceptance counts so far (see `alphas`)."""
+        live: acceptance counts (see `alphas`) — the current call's so far, added to the pooled ones, or
+        with pooled=False one level's alone (the re-check, module docstring)."""
         t_step = costs[0]
         ms = {k: t * 1e3 for k, t in costs.items()}
-        speedups = {k: self.expected_tokens(k, live) * t_step / t for k, t in costs.items() if k > 0}
+        speedups = {k: self.expected_tokens(k, live, pooled) * t_step / t for k, t in costs.items() if k > 0}
         if allow_speculation and speedups:
             k = max(speedups, key=speedups.get)
             if speedups[k] > self.margin:

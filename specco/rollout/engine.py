@@ -130,7 +130,10 @@ class RolloutEngine:
         if storage != self._storage:  # parameters were replaced, not updated in place
             self._runners.clear()
             self._storage = storage
-        key = (cfg, runner_shape(cfg, self.device, self.draft, ids.shape[0], ids.shape[1], group_size))
+        shape = runner_shape(cfg, self.device, self.draft, ids.shape[0], ids.shape[1], group_size)
+        key = (cfg, shape)
+        if key not in self._runners:  # a kept runner for longer prompts serves shorter ones (RunnerShape.holds)
+            key = next((k for k in reversed(self._runners) if k[0] == cfg and k[1].holds(shape)), key)
         runner = self._runners.get(key)
         if runner is None:
             runner = self._runners[key] = DecodeRunner(self.policy, cfg, self.draft, controller=controller)

@@ -20,7 +20,8 @@ keeps them across calls: `RolloutEngine` holds runners keyed by shape, so an RL 
 generate once per step captures once, not per call. To make shapes recur, with graphs the batch
 is padded up to a bucket (prompts: next power of two up to 32, then multiples of 32; padding rows
 are finished from the start and cut from the result) and the prompt length up to a multiple of 16
-(the right-padding the prefill already handles); the cache length follows from those two.
+(the right-padding the prefill already handles); the cache length follows from those two (shapes.py).
+A runner built for longer prompts serves shorter ones, right-padded (RunnerShape.holds).
 
 Live-row compaction (compaction.py). `run()` moves the live rows into a smaller state once they are
 <= cfg.compact_below of the batch (and again from there); each compacted size gets its own buffers
@@ -44,6 +45,7 @@ from . import compaction
 from .control import Choice, SpecController
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
+from .shapes import RunnerShape, execution_modes, lookahead, runner_shape  # noqa: F401 (runner_shape: engine)
 from .levels import Level, PlainSteps, new_state
 from .sampling import SamplingParams, pick_tokens_logp
 from .block_spec import BlockSpeculativeSteps, block_prefill
@@ -89,7 +91,7 @@ class GenerateOutput:
     accept_rate: torch.Tensor  # (k,) fp64: P(draft token j accepted) over live row-rounds proposing it
     num_target_forwards: int  # batched target forwards, prefill included
     group_size: int = 1
-    choices: tuple = ()  # speculation control: one control.Choice per level entered (root first)
+    choices: tuple = ()  # speculation control: control.Choice per level entered (root first) and per re-choice
     accept_counts: tuple | None = None  # (n_accepted, n_tried) per position (k,), int64: control.py
     # (N,) int64 decode rounds each row took part in: its own tokens per round is (lengths - 1) / row_rounds
     # (the prefill emits the first token). The batch runs as many rounds as its slowest row needs.
@@ -113,32 +115,6 @@ def pad_prompts(prompts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, lens
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-@dataclass(frozen=True)
-class RunnerShape:
-    """The static shape a DecodeRunner's buffers and graphs are built for."""
-    prompts: int  # B0 rows of the prefill (padded), each the leader of a group
-    group_size: int  # G samples per prompt: B0*G decode rows
-    prompt_len: int  # S, prefill length (padded)
-    cache_len: int  # target and draft KV cache length
-
-    @classmethod
-    def bucket(cls, num_prompts: int, prompt_len: int, group_size: int, cfg: GenerateConfig,
-               k: int, bucketed: bool) -> "RunnerShape":
-        B0, S = num_prompts, prompt_len
-        if bucketed:  # few distinct shapes, so graphs captured once serve many calls
-            B0 = 1 << (B0 - 1).bit_length() if B0 <= 32 else _round_up(B0, 32)
-            S = _round_up(S, 16)
-        # Verify writes up to n + k with n <= L + T - 2 while a row is live; + slack.
-        cache_len = S + cfg.max_new_tokens + k + 1
-        if bucketed:  # 16-aligned rows for the attention kernels
-            cache_len = _round_up(cache_len, 16)
-        return cls(B0, group_size, S, cache_len)
-
-
 @dataclass
 class PromptBuffers:
     """Static inputs of the prefill step, refilled on the host side each call."""
@@ -146,30 +122,6 @@ class PromptBuffers:
     lens: torch.Tensor  # (B0,) int64 prompt lengths (1 for padding prompts)
     real: torch.Tensor  # (B0,) bool, False for padding prompts
     u0: torch.Tensor | None  # (B0*G,) uniforms for the first token (None when greedy)
-
-
-def execution_modes(cfg: GenerateConfig, device: torch.device) -> tuple[bool, bool]:
-    """(use CUDA graphs, pad shapes to buckets) for `cfg` on `device`."""
-    use_graphs = (device.type == "cuda") if cfg.use_graphs is None else cfg.use_graphs
-    if use_graphs and device.type != "cuda":
-        raise ValueError("use_graphs=True needs the model on a CUDA device")
-    return use_graphs, use_graphs if cfg.bucket_shapes is None else cfg.bucket_shapes
-
-
-def lookahead(cfg: GenerateConfig, draft) -> int:
-    """How many positions past n a round may write: k (verify of k+1 tokens), or for a block drafter
-    the block's last slot n+W-1 if that is further."""
-    if draft is None:
-        return 0
-    k = cfg.num_draft_tokens
-    return max(k, draft.cfg.block_size - 1) if isinstance(draft, BlockDraft) else k
-
-
-def runner_shape(cfg: GenerateConfig, device: torch.device, draft, num_prompts: int,
-                 prompt_len: int, group_size: int) -> RunnerShape:
-    """The shape (bucket) a DecodeRunner uses for this call: what RolloutEngine keys its runners by."""
-    _, bucketed = execution_modes(cfg, device)
-    return RunnerShape.bucket(num_prompts, prompt_len, group_size, cfg, lookahead(cfg, draft), bucketed)
 
 
 def seeded_generator(device) -> torch.Generator:
@@ -215,7 +167,8 @@ class DecodeRunner:
         self.pool = None
         self.levels: dict[int, Level] = {}  # compacted levels by row count, kept across calls
         self.chain: list[tuple[Level, torch.Tensor]] = []  # active compactions: (level, parent rows)
-        self.choices: list[Choice] = []
+        self.choices: list[Choice] = []  # one per level entered, and one per change of k within a level
+        self._entry_counts: tuple | None = None  # (n_accepted, n_tried) when the current level was chosen
         self.num_rows = self.group_size = 0
         self.num_target_forwards = 0
         self.phases: list[tuple[int, int, float]] = []  # this call's (rows, rounds, seconds) per level entered
@@ -259,8 +212,9 @@ class DecodeRunner:
             self.generator = seeded_generator(self.device)
         B0, S = ids.shape
         shape = self.shape_for(B0, S, group_size)
-        if shape != self.shape:
+        if self.shape is None or not self.shape.holds(shape):
             self._allocate(shape)
+        shape = self.shape
         self._uncompact()  # a generation left unfinished by step-by-step driving
         self.num_rows, self.group_size = B0 * group_size, group_size
         io = self.io
@@ -345,6 +299,21 @@ class DecodeRunner:
         level.choice = self.controller.choose(level.costs, level.rows, allow_speculation, live)
         level.k = level.choice.k
         self.choices.append(level.choice)
+        self._entry_counts = (level.st.n_accepted.clone(), level.st.n_tried.clone())  # the re-check's zero
+
+    def _recheck(self):
+        """Re-choose the current level's k from the acceptance of the rounds run at this level alone
+        (control.py: the rows left are not the ones the pooled estimate came from). Once plain, the
+        level stays plain (its draft state is no longer kept up to date)."""
+        level, ctl = self.level, self.controller
+        acc0, tried0 = self._entry_counts
+        here = (level.st.n_accepted - acc0, level.st.n_tried - tried0)
+        if float(here[1][0]) < ctl.min_tries:  # one small host read per check
+            return
+        choice = ctl.choose(level.costs, level.rows, True, here, pooled=False)
+        if choice.k != level.k:
+            level.k, level.choice = choice.k, choice
+            self.choices.append(choice)
 
     def _prefill_step(self):
         """Target prefill over the prompts (once per prompt: the G samples of a group share its
@@ -420,6 +389,9 @@ class DecodeRunner:
                 self.phases.append((rows, rounds, t - t0))
                 rows, rounds, t0 = size, 0, t
                 self._compact(size)
+            elif (self.controller is not None and self.level.k > 0 and rounds > 0
+                  and self.controller.recheck_rounds > 0 and rounds % self.controller.recheck_rounds == 0):
+                self._recheck()
             self.round()
             rounds += 1
         self.phases.append((rows, rounds, time.perf_counter() - t0))

@@ -139,6 +139,9 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
             m["rollout/predicted_speedup"] = root.predicted_speedup
             # the same model with this call's observed τ in place of the predicted one
             m["rollout/measured_speedup"] = out.tau * root.costs_ms[0] / root.costs_ms[root.k] if root.k else 1.0
+            # every choice of the call: per level entered and per re-choice within one (rows:k), e.g. a tail
+            # that turned plain on its own rows' acceptance
+            m["rollout/k_path"] = " ".join(f"{c.rows}:k{c.k}" for c in out.choices)
         ro = Rollouts(rollout_pairs(prompts, out), r.group_size, grpo_advantages(rewards, r.group_size),
                       [out.logprobs[i, :int(out.lengths[i])].float().cpu().tolist() for i in range(N)], m)
     if staged and mesh.cp_rank == 0:  # stage 0 -> the other stages' CP rank 0, then (below) their CP groups

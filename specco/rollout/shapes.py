@@ -1,0 +1,75 @@
+"""The static shape a DecodeRunner's buffers and graphs are built for, and how a call's shape is bucketed.
+
+With CUDA graphs every buffer has a fixed shape, so a runner serves the calls whose shape it holds: the
+batch padded up to a bucket (prompts: next power of two up to 32, then multiples of 32), the prompt length
+up to a multiple of 16, and a KV cache as long as prompt + max_new_tokens + the drafter's lookahead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..model.dflash import BlockDraft
+
+if TYPE_CHECKING:  # generate.py imports this module
+    from .generate import GenerateConfig
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+@dataclass(frozen=True)
+class RunnerShape:
+    """The static shape a DecodeRunner's buffers and graphs are built for."""
+    prompts: int  # B0 rows of the prefill (padded), each the leader of a group
+    group_size: int  # G samples per prompt: B0*G decode rows
+    prompt_len: int  # S, prefill length (padded)
+    cache_len: int  # target and draft KV cache length
+
+    @classmethod
+    def bucket(cls, num_prompts: int, prompt_len: int, group_size: int, cfg: GenerateConfig,
+               k: int, bucketed: bool) -> "RunnerShape":
+        B0, S = num_prompts, prompt_len
+        if bucketed:  # few distinct shapes, so graphs captured once serve many calls
+            B0 = 1 << (B0 - 1).bit_length() if B0 <= 32 else _round_up(B0, 32)
+            S = _round_up(S, 16)
+        # Verify writes up to n + k with n <= L + T - 2 while a row is live; + slack.
+        cache_len = S + cfg.max_new_tokens + k + 1
+        if bucketed:  # 16-aligned rows for the attention kernels
+            cache_len = _round_up(cache_len, 16)
+        return cls(B0, group_size, S, cache_len)
+
+    def holds(self, other: "RunnerShape") -> bool:
+        """A runner of this shape can serve a call of shape `other`: the same rows, prompts no longer (they
+        are right-padded to this prompt_len, as bucketing pads them anyway) and a cache at least as long.
+        So prompts whose length bucket changes from call to call (an RL task's 63- and 65-token prompts
+        are buckets 64 and 80) do not rebuild the runner, and recapture its graphs, at every change."""
+        return ((self.prompts, self.group_size) == (other.prompts, other.group_size)
+                and self.prompt_len >= other.prompt_len and self.cache_len >= other.cache_len)
+
+
+def execution_modes(cfg: GenerateConfig, device: torch.device) -> tuple[bool, bool]:
+    """(use CUDA graphs, pad shapes to buckets) for `cfg` on `device`."""
+    use_graphs = (device.type == "cuda") if cfg.use_graphs is None else cfg.use_graphs
+    if use_graphs and device.type != "cuda":
+        raise ValueError("use_graphs=True needs the model on a CUDA device")
+    return use_graphs, use_graphs if cfg.bucket_shapes is None else cfg.bucket_shapes
+
+
+def lookahead(cfg: GenerateConfig, draft) -> int:
+    """How many positions past n a round may write: k (verify of k+1 tokens), or for a block drafter
+    the block's last slot n+W-1 if that is further."""
+    if draft is None:
+        return 0
+    k = cfg.num_draft_tokens
+    return max(k, draft.cfg.block_size - 1) if isinstance(draft, BlockDraft) else k
+
+
+def runner_shape(cfg: GenerateConfig, device: torch.device, draft, num_prompts: int,
+                 prompt_len: int, group_size: int) -> RunnerShape:
+    """The shape (bucket) a DecodeRunner uses for this call: what RolloutEngine keys its runners by."""
+    _, bucketed = execution_modes(cfg, device)
+    return RunnerShape.bucket(num_prompts, prompt_len, group_size, cfg, lookahead(cfg, draft), bucketed)
