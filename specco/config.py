@@ -144,9 +144,16 @@ class RolloutSpec:
     # drafter proposes all γ tokens in one forward, so a larger γ than EAGLE-3's sequential k is cheap; the
     # speculation control still picks k <= γ per call. Applied by runner.derive.arm_config.
     block_k: int = 0
+    # The rollout engine's weights and KV cache: "" = the policy's own dtype (policy.dtype); "bfloat16" /
+    # "float16" give the engine a copy in that dtype, refit from the trainer's weights by casting, as serving
+    # engines decode an fp32-trained policy in bf16: half the bytes a decode step reads. The PPO loss uses the
+    # trainer's own log-probs, so only which tokens are sampled changes (from the rounded policy).
+    dtype: str = ""
 
     def __post_init__(self):
         _check_finite(self, "rollout")
+        _check(self.dtype in ("", "float32", "bfloat16", "float16"),
+               f"rollout.dtype={self.dtype!r}: use '' (the policy's dtype), float32, bfloat16 or float16")
         _check(self.spec_control in ("auto", "on", "off"),
                f"rollout.spec_control={self.spec_control!r}: must be 'auto', 'on' or 'off'")
         _check(self.cache_runners >= 0, f"rollout.cache_runners={self.cache_runners}: must be >= 0 (0 = "
@@ -330,6 +337,11 @@ class RunConfig:
             _check(key not in seen, f"arms: {seen.get(key)!r} and {arm!r} are the same arm ({key[0]}"
                    + (f" with the {key[1]} draft" if key[1] else "") + "); list it once")
             seen[key] = arm
+        # under PP the engine's whole-policy copy also gives the PPO's old log-probs (runner/rl.py), which must
+        # be the trainer's precision
+        _check(self.parallel.pp == 1 or self.rollout.dtype in ("", self.policy.dtype),
+               f"rollout.dtype={self.rollout.dtype!r} with parallel.pp={self.parallel.pp}: not supported (the "
+               "pipeline path recomputes log-probs with the engine's copy); leave rollout.dtype unset")
         n = self.policy.num_layers
         out = [i for i in self.draft.aux_layer_ids if i >= n]
         # the tiny policy's depth is known here; a pretrained one's is checked by runner.demo.validate_run,

@@ -59,3 +59,59 @@ def test_rl_loop_stops_on_a_broken_draft_refit(tmp_path, monkeypatch):
     monkeypatch.setattr(RolloutEngine, "refit", lambda self, p, d=None: real(self, p, None))  # drops the draft
     with pytest.raises(RefitError, match="after the refit of step 1: the engine's draft weights differ"):
         run_demo(cfg, progress=False)
+
+
+def test_a_bf16_engine_holds_the_trainers_weights_as_refit_cast_them(monkeypatch):
+    """rollout.dtype: an engine in bf16 refit from fp32 trainer weights passes the guard (the fingerprint
+    casts the trainer's tensors as refit does), generates exactly what the bf16-rounded policy does, and a
+    refit that leaves one tensor stale is still caught, though the change is far below fp32 noise."""
+    from specco.rollout.generate import GenerateConfig, generate
+    from specco.rollout.sampling import SamplingParams
+    policy, draft = tiny_policy(), random_draft(tiny_policy())
+    engine = RolloutEngine(tiny_policy(seed=3).to(torch.bfloat16), random_draft(tiny_policy(), seed=4).to(torch.bfloat16),
+                           GenerateConfig(max_new_tokens=8, sampling=SamplingParams(temperature=0.0)))
+    engine.refit(policy.state_dict(), draft.state_dict())
+    assert all(p.dtype == torch.bfloat16 for p in engine.policy.parameters())
+    engine.check_weights(policy.state_dict(), draft.state_dict(), step=1)  # healthy: silent
+    prompts = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    rounded = tiny_policy().to(torch.bfloat16)  # the trainer's weights rounded to bf16
+    assert torch.equal(engine.generate(prompts).tokens, generate(rounded, prompts, engine.cfg).tokens)
+    # the trainer takes a step whose change survives bf16 rounding in one tensor only; refit drops it
+    new = {k: v.clone() for k, v in policy.state_dict().items()}
+    new["layers.1.mlp.up_proj.weight"] *= 1.01
+    real = engine_mod._load_exact
+    monkeypatch.setattr(engine_mod, "_load_exact", lambda m, st, what: real(
+        m, {k: (m.state_dict()[k].clone() if k == "layers.1.mlp.up_proj.weight" else v) for k, v in st.items()}, what))
+    engine.refit(new)
+    with pytest.raises(RefitError, match=r"step 2.*policy.*up_proj"):
+        engine.check_weights(new, None, step=2)
+
+
+def test_rollout_dtype_is_checked():
+    from specco.config import load_config
+    from specco.model.config import ConfigError
+    with pytest.raises(ConfigError, match="rollout.dtype='bf16'"):
+        load_config(None, ["rollout.dtype=bf16"])
+    with pytest.raises(ConfigError, match="parallel.pp=2: not supported"):
+        load_config(None, ["rollout.dtype=bfloat16", "parallel.pp=2"])
+    assert load_config(None, ["rollout.dtype=bfloat16"]).rollout.dtype == "bfloat16"
+
+
+def test_rl_loop_with_a_bf16_engine(tmp_path, monkeypatch):
+    """rollout.dtype=bfloat16 end to end: the engine's copies are bf16, every refit casts into them and the
+    guard (weights and acceptance) stays silent over two co-trained steps."""
+    from specco.config import load_config
+    from specco.runner import rl
+    from specco.runner.demo import run_demo
+    built = []
+    real = rl.RolloutEngine
+    monkeypatch.setattr(rl, "RolloutEngine", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
+    cfg = load_config(None, [f"out_dir={tmp_path}", "arms=cotrained", "train.steps=2", "train.sft_steps=4",
+                             "train.warm_start_steps=2", "train.warm_start_prompts=8", "rollout.prompts_per_step=4",
+                             "rollout.group_size=2", "rollout.max_new_tokens=6", "task.eval_size=4",
+                             "policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2",
+                             "policy.num_kv_heads=1", "policy.intermediate_size=64", "rollout.dtype=bfloat16"])
+    run_demo(cfg, progress=False)
+    (engine,) = built
+    assert {p.dtype for m in (engine.policy, engine.draft) for p in m.parameters()} == {torch.bfloat16}
+    assert (tmp_path / "summary.json").exists()

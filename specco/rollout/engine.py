@@ -51,15 +51,21 @@ def _load_exact(model: nn.Module, state: Mapping[str, torch.Tensor], what: str) 
     return len(state)
 
 
-def weights_fingerprint(state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def weights_fingerprint(state: Mapping[str, torch.Tensor],
+                        dtypes: Mapping[str, torch.dtype] | None = None) -> torch.Tensor:
     """A cheap checksum of a state dict: per tensor (sorted by key) its sum, its L2 norm (both reduced
     in fp64) and the dot product of neighbouring elements Σ x_i x_{i+1} (so moved elements show too) —
     one pass over the weights, no copy of a float tensor. Two identical state dicts on one device give
     bitwise-identical fingerprints (the same reductions over the same values and layouts); it is a
-    guard against stale weights, not a cryptographic hash."""
+    guard against stale weights, not a cryptographic hash. dtypes: cast each tensor to this dtype first
+    (one tensor at a time) — the trainer's fp32 weights as a bf16 engine holds them after refit's cast."""
     rows = []
     for key in sorted(state):
         flat = state[key].detach().reshape(-1)
+        if dtypes is not None:
+            flat = flat.to(dtypes[key])  # round to nearest even, as refit's copy_ does
+        if flat.dtype in (torch.bfloat16, torch.float16):
+            flat = flat.float()  # exact; the neighbour products in bf16 would round away small changes
         if not flat.is_floating_point():  # small integer / bool buffers (vocabulary maps)
             flat = flat.double()
         neighbours = torch.dot(flat[:-1], flat[1:]).double() if flat.numel() > 1 else flat.sum().double()
@@ -187,7 +193,8 @@ class RolloutEngine:
             if set(own) != set(state):
                 raise RefitError(f"{where}: the engine's {name} has other tensors than the trainer's "
                                  f"(missing {sorted(set(state) - set(own))[:5]}, extra {sorted(set(own) - set(state))[:5]})")
-            mine, theirs = weights_fingerprint(own), weights_fingerprint(state)
+            # an engine in another dtype (rollout.dtype) holds the trainer's weights as refit cast them
+            mine, theirs = weights_fingerprint(own), weights_fingerprint(state, {k: v.dtype for k, v in own.items()})
             if not torch.equal(mine, theirs):
                 bad = [k for k, a, b in zip(sorted(state), mine, theirs) if not torch.equal(a, b)]
                 raise RefitError(f"{where}: the engine's {name} weights differ from the trainer's in "

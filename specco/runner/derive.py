@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ..config import BLOCK_KINDS, RunConfig, split_arm
 from ..model.config import ConfigError
 from ..rollout.generate import GenerateConfig
 from ..rollout.sampling import SamplingParams
 from ..train.cotrain import AMP_DTYPES, StepConfig
 
-__all__ = ["arm_config", "warm_configs", "step_config", "generate_config", "at_temperature", "check_parallel"]
+__all__ = ["arm_config", "warm_configs", "step_config", "generate_config", "engine_dtype", "at_temperature", "check_parallel"]
 
 
 def arm_config(cfg: RunConfig, arm: str) -> tuple[RunConfig, str]:
@@ -70,6 +72,11 @@ def generate_config(cfg: RunConfig, eos_id: int | None, pad_id: int) -> Generate
                           num_draft_tokens=r.k, eos_token_id=eos_id, pad_token_id=pad_id,
                           compact_below=r.compact_below,
                           spec_control={"auto": None, "on": True, "off": False}[r.spec_control])
+
+
+def engine_dtype(cfg: RunConfig) -> torch.dtype | None:
+    """The dtype of the rollout engine's model copies (rollout.dtype), None to keep the policy's."""
+    return getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype else None
 
 
 def at_temperature(gen_cfg: GenerateConfig, temperature: float) -> GenerateConfig:

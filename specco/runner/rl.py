@@ -60,7 +60,7 @@ from ..train.cotrain import (StepConfig, amp_context, block_loss, build_optimize
                              draft_loss, draft_rows, micro_batches, step_counts)
 from ..train.nonfinite import NonFiniteError, check_finite
 from ..train.losses import all_reduce_sums, metrics_to_floats
-from .derive import arm_config, generate_config, step_config
+from .derive import arm_config, engine_dtype, generate_config, step_config
 from .rl_pp import PipelineArm, gather_for_refit, pp_checkpoint_state, pp_restore, pp_train_updates
 from .report import MetricsLog
 from .stages import seed_stage
@@ -125,8 +125,10 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.train.kl_coef > 0 else None
     policy = copy.deepcopy(policy).train()
     draft = copy.deepcopy(draft) if (draft is not None and mode != "none") else None
-    eng_draft = copy.deepcopy(draft) if draft is not None else None
-    engine = RolloutEngine(copy.deepcopy(policy).eval(), eng_draft, gen_cfg,
+    eng_policy, eng_draft = copy.deepcopy(policy).eval(), copy.deepcopy(draft) if draft is not None else None
+    if (dt := engine_dtype(cfg)) is not None:  # rollout.dtype: refit casts into these (engine.py)
+        eng_policy, eng_draft = eng_policy.to(dt), eng_draft.to(dt) if eng_draft is not None else None
+    engine = RolloutEngine(eng_policy, eng_draft, gen_cfg,
                            cache_runners=cfg.rollout.cache_runners, cache_gib=cfg.rollout.cache_gib)
     pipeline = None
     if mesh is not None and mesh.pp > 1:
