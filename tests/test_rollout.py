@@ -307,6 +307,27 @@ def test_cuda_graphed_engine_after_refit_equals_eager(speculative):
     assert torch.equal(got.tokens, ref.tokens)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphed_runner_reuse_and_tail_recheck_equal_eager():
+    """On GPU: a graphed runner captured for long prompts serves shorter ones (RunnerShape.holds), and
+    speculation control re-choosing k within a level (recheck every 4 rounds) replays other step sets'
+    graphs mid-level; greedy tokens stay those of eager plain decoding (fp32)."""
+    dev = torch.device("cuda")
+    policy, draft = structured_pair(layer_scale=100.0)
+    policy, draft = policy.to(dev), draft.to(dev)
+    cfg = GenerateConfig(max_new_tokens=40, sampling=GREEDY, num_draft_tokens=3, spec_control=True,
+                         compact_below=0.5)
+    engine = RolloutEngine(policy, draft, cfg, cache_runners=1)
+    engine.controller.recheck_rounds, engine.controller.min_tries = 4, 8
+    for i, lens in enumerate([(30, 3, 7, 2), (5, 2, 1, 4), (17, 9, 9, 1)]):
+        prompts = _prompts(32, lens=lens, seed=i)
+        got = engine.generate(prompts, 2)
+        ref = generate(policy, prompts, GenerateConfig(max_new_tokens=40, sampling=GREEDY, use_graphs=False),
+                       group_size=2)
+        assert torch.equal(got.tokens, ref.tokens), i
+    assert len(engine._runners) == 1
+
+
 def test_engine_rejects_mismatched_draft():
     policy = tiny_policy()
     other = tiny_policy(V=40)
