@@ -139,9 +139,9 @@ def test_engine_proposals_score_through_the_policy_head(kind, monkeypatch):
     assert policy.lm_head.weight is not policy.embed_tokens.weight
     draft = _block_draft(policy, kind, gamma=3).double()
     seen = []
-    orig = block_spec.BlockSpeculativeSteps._slot_token
-    monkeypatch.setattr(block_spec.BlockSpeculativeSteps, "_slot_token",
-                        lambda self, logits, j: seen.append(logits.clone()) or orig(self, logits, j))
+    orig = block_spec.BlockSpeculativeSteps._slot_tokens
+    monkeypatch.setattr(block_spec.BlockSpeculativeSteps, "_slot_tokens",  # seen: (B, V) per slot
+                        lambda self, logits, j0: seen.extend(logits.clone().unbind(1)) or orig(self, logits, j0))
     prompt = torch.tensor([3, 1, 4, 1, 5, 9])
     out = generate(policy, [prompt], GenerateConfig(max_new_tokens=4, sampling=GREEDY, num_draft_tokens=3),
                    draft=draft)
@@ -171,12 +171,12 @@ def test_every_round_proposes_what_the_training_forward_predicts(kind, monkeypat
     policy = tiny_policy(V=16, h=32, layers=3, seed=5).double()  # seed 5: some acceptance, a row ending early
     draft = _block_draft(policy, kind, gamma=3, scale=3.0).double()
     rounds = []
-    orig_prop, orig_tok = block_spec.BlockSpeculativeSteps.propose, block_spec.BlockSpeculativeSteps._slot_token
+    orig_prop, orig_tok = block_spec.BlockSpeculativeSteps.propose, block_spec.BlockSpeculativeSteps._slot_tokens
 
     def propose(self):
-        seen = []
-        monkeypatch.setattr(block_spec.BlockSpeculativeSteps, "_slot_token",
-                            lambda s, logits, j: seen.append(logits.clone()) or orig_tok(s, logits, j))
+        seen = []  # (B, V) per slot
+        monkeypatch.setattr(block_spec.BlockSpeculativeSteps, "_slot_tokens",
+                            lambda s, logits, j0: seen.extend(logits.clone().unbind(1)) or orig_tok(s, logits, j0))
         orig_prop(self)
         st = self.st
         rounds.append((st.n.clone(), st.finished.clone(), seen, st.draft_tok.clone()))
@@ -206,3 +206,23 @@ def test_every_round_proposes_what_the_training_forward_predicts(kind, monkeypat
                 torch.testing.assert_close(seen[j][b:b + 1], ref, atol=1e-9, rtol=0)
                 checked += 1
     assert checked >= 20 and accepted > 0, (checked, accepted)  # many rounds compared, with some acceptance
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9)])
+def test_dflash_slots_sampled_together_equal_one_at_a_time(params):
+    """DFlash's k independent slots go through one softmax and one sampling (`_slot_tokens` on (B, k, V));
+    slot by slot with the same uniforms gives the same tokens and the same stored q, bit for bit."""
+    from types import SimpleNamespace
+    from specco.rollout.block_spec import BlockSpeculativeSteps
+    g = torch.Generator().manual_seed(0)
+    B, k, V = 5, 4, 37
+    logits = 3 * torch.randn(B, k, V, generator=g)
+
+    def steps():
+        st = SimpleNamespace(q_draft=torch.zeros(B, k, V), u=torch.rand(B, 2 * k + 1, generator=torch.Generator().manual_seed(1)))
+        return SimpleNamespace(params=params, st=st)
+    together, alone = steps(), steps()
+    tok = BlockSpeculativeSteps._slot_tokens(together, logits, 0)
+    one = torch.stack([BlockSpeculativeSteps._slot_tokens(alone, logits[:, j:j + 1], j)[:, 0] for j in range(k)], 1)
+    assert tok.shape == (B, k) and torch.equal(tok, one)
+    assert torch.equal(together.st.q_draft, alone.st.q_draft) and together.st.q_draft.sum() > 0

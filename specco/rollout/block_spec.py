@@ -41,13 +41,17 @@ class BlockSpeculativeSteps(SpeculativeSteps):
             raise ValueError(f"k={self.k} draft tokens per round but the {draft.kind} drafter's blocks "
                              f"predict gamma={draft.cfg.gamma}: set rollout.k <= {draft.cfg.gamma}")
 
-    def _slot_token(self, logits: torch.Tensor, j: int) -> torch.Tensor:
-        """Proposal x̂_{j+1} from slot logits (B, V) over the target vocabulary; stores q for verify."""
+    def _slot_tokens(self, logits: torch.Tensor, j0: int) -> torch.Tensor:
+        """Proposals x̂_{j0+1..j0+n} (B, n) from the logits (B, n, V) of slots j0..j0+n-1 over the target
+        vocabulary, slot j with its own uniform u[:, j]; stores their q for verify. DFlash's independent
+        slots go through in one call (one softmax and one sampling for all: a round's kernel count, which
+        sets its cost once the batch is small, does not grow with k); DSpark's one at a time."""
         if self.params.greedy:
             return logits.argmax(-1)
-        q = processed_probs(logits, self.params)  # (B, V)
-        self.st.q_draft[:, j].copy_(q)
-        return sample_from_probs(q, self.st.u[:, j])
+        n = logits.shape[1]
+        q = processed_probs(logits, self.params)  # (B, n, V)
+        self.st.q_draft[:, j0:j0 + n].copy_(q)
+        return sample_from_probs(q, self.st.u[:, j0:j0 + n])
 
     def propose(self):
         st, draft, policy = self.st, self.draft, self.policy
@@ -59,14 +63,12 @@ class BlockSpeculativeSteps(SpeculativeSteps):
         hidden = block_propose_hidden(draft, policy.embed_tokens(st.last_tok), emb[draft.cfg.mask_id],
                                       st.n, st.d_cache, self.draft_rope)  # (B, W, h)
         slots = draft.predicting(hidden[:, None])[:, 0, : self.k]  # (B, k, h): slot j predicts x_{n+1+j}
-        if draft.kind == "dflash":  # independent slots: one head GEMM for all of them
-            logits = draft.logits(slots, head)  # (B, k, V)
-            for j in range(self.k):
-                st.draft_tok[:, j].copy_(self._slot_token(logits[:, j], j))
+        if draft.kind == "dflash":  # independent slots: one head GEMM and one sampling for all of them
+            st.draft_tok[:, : self.k].copy_(self._slot_tokens(draft.logits(slots, head), 0))  # logits (B, k, V)
             return
         prev = st.last_tok
         for j in range(self.k):  # DSpark: the Markov bias of slot j needs the proposal before it
-            tok = self._slot_token(draft.logits(slots[:, j], head, prev), j)
+            tok = self._slot_tokens(draft.logits(slots[:, j], head, prev)[:, None], j)[:, 0]
             st.draft_tok[:, j].copy_(tok)
             prev = tok
 
