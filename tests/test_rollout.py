@@ -256,6 +256,30 @@ def test_a_runner_for_longer_prompts_serves_shorter_ones(speculative):
     assert len(engine._runners) == 1 and next(iter(engine._runners.values())) is not first
 
 
+def test_min_prompt_len_sizes_the_first_runner_for_the_run():
+    """GenerateConfig.min_prompt_len (bucketed shapes): the first runner is built for the run's longest
+    prompts, so calls whose prompts fall in other length buckets share it from the start; outputs equal
+    an exact-shape generate. runner.rollouts.longest_prompt finds that length in the run's prompt stream."""
+    from types import SimpleNamespace
+    from specco.runner.rollouts import longest_prompt
+    policy = tiny_policy()
+    cfg = GenerateConfig(max_new_tokens=6, sampling=GREEDY, bucket_shapes=True, min_prompt_len=40)
+    engine = RolloutEngine(policy, None, cfg)
+    for i, lens in enumerate([(3, 5), (33, 2), (40, 1)]):
+        prompts = _prompts(32, lens=lens, seed=i)
+        got = engine.generate(prompts, 2)
+        assert torch.equal(got.tokens, generate(policy, prompts, GenerateConfig(max_new_tokens=6, sampling=GREEDY),
+                                                group_size=2).tokens)
+    (runner,) = engine._runners.values()
+    assert runner.shape.prompt_len == 48  # 40 rounded up to the 16-token bucket
+    items = [3, 9, 4, 2, 17, 8]  # prompt lengths of a stream; the run sees the first steps x prompts_per_step
+    task = SimpleNamespace(prompts=lambda n, seed: items[:n], prompt_ids=lambda it, tok: [0] * it)
+    run = SimpleNamespace(train=SimpleNamespace(steps=2, seed=0), rollout=SimpleNamespace(prompts_per_step=2))
+    assert longest_prompt(task, None, run) == 9 and longest_prompt(task, None, run, cap=3) == 9
+    run.train.steps = 3
+    assert longest_prompt(task, None, run) == 17
+
+
 def test_engine_refit_reaches_cached_runner():
     """Refit copies into the parameters' own storage (what captured graphs read) and a runner
     cached before the refit generates with the new weights."""

@@ -72,6 +72,10 @@ class GenerateConfig:
     # Live-row compaction (compaction.py): when live rows <= this fraction of the batch, continue on a
     # smaller batch holding just them. 0 disables.
     compact_below: float = _R.compact_below
+    # With bucketed shapes (CUDA graphs): the prompt bucket is at least this long. An RL loop sets it to its
+    # run's longest prompt (runner.rollouts.longest_prompt), so steps whose prompts fall in different length
+    # buckets share one runner from the first step on (RunnerShape.holds covers the shorter ones).
+    min_prompt_len: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

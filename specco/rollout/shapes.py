@@ -35,7 +35,7 @@ class RunnerShape:
         B0, S = num_prompts, prompt_len
         if bucketed:  # few distinct shapes, so graphs captured once serve many calls
             B0 = 1 << (B0 - 1).bit_length() if B0 <= 32 else _round_up(B0, 32)
-            S = _round_up(S, 16)
+            S = _round_up(max(S, cfg.min_prompt_len), 16)
         # Verify writes up to n + k with n <= L + T - 2 while a row is live; + slack.
         cache_len = S + cfg.max_new_tokens + k + 1
         if bucketed:  # 16-aligned rows for the attention kernels

@@ -64,7 +64,7 @@ from .derive import arm_config, engine_dtype, generate_config, step_config
 from .rl_pp import PipelineArm, gather_for_refit, pp_checkpoint_state, pp_restore, pp_train_updates
 from .report import MetricsLog
 from .stages import seed_stage
-from .rollouts import Rollouts, collect_rollouts, engine_logprob_gap, minibatches
+from .rollouts import Rollouts, collect_rollouts, engine_logprob_gap, longest_prompt, minibatches
 
 
 @torch.no_grad()
@@ -342,8 +342,9 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Block
     rank = mesh.rank if mesh is not None else 0
     cfg, _ = arm_config(cfg, arm)  # the arm's view (its draft kind, its k); a no-op on an arm config
     seed_stage(cfg.train.seed, f"rl/{arm}")  # a fresh arm starts from its own RNG state; a resumed one restores it
-    st = make_arm(cfg, arm, policy, draft, generate_config(cfg, tokenizer.eos_id, tokenizer.pad_id),
-                  rank=mesh.dp_rank if mesh is not None else 0, mesh=mesh)
+    gen_cfg = dataclasses.replace(generate_config(cfg, tokenizer.eos_id, tokenizer.pad_id),
+                                  min_prompt_len=longest_prompt(task, tokenizer, cfg))  # one runner for every step
+    st = make_arm(cfg, arm, policy, draft, gen_cfg, rank=mesh.dp_rank if mesh is not None else 0, mesh=mesh)
     if rank == 0:  # crashed writes' leftovers (the run lock, runner/stages.py, excludes a live writer)
         remove_stale_temporaries(out_dir / "ckpt")
     s = _load_latest(out_dir / "ckpt", st, mesh) if resume else None

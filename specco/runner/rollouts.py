@@ -74,6 +74,15 @@ class Rollouts:
     metrics: dict = field(default_factory=dict)
 
 
+def longest_prompt(task, tokenizer, cfg, cap: int = 65536) -> int:
+    """Tokens of the longest prompt of the run's prompt stream (its first `cap` prompts; items are cheap to
+    make, ~50 us each for chain_sum): the engine's prompt bucket (GenerateConfig.min_prompt_len), so the RL
+    steps share one decode runner. Without it, configs/long.toml's longest prompts of 63 and 65 tokens fell
+    in buckets 64 and 80 by turns, and each change recaptured every graph (0.3-1.6 s per step on the H200)."""
+    n = min(cap, cfg.train.steps * cfg.rollout.prompts_per_step)
+    return max(len(task.prompt_ids(it, tokenizer)) for it in task.prompts(n, seed=cfg.train.seed))
+
+
 def tail_metrics(out, max_new_tokens: int, texts: list[str]) -> dict:
     """The rows that set a rollout's length: the batch decodes until its slowest row stops, so that row's own
     tokens per round (not the mean τ) decides how many target forwards a step takes. From the engine's per-row
