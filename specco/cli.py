@@ -68,13 +68,12 @@ def cmd_generate(a):
     policy = load_policy(a.policy, device=device)
     tok = load_tokenizer(a.policy)
     draft = load_draft(a.draft, policy.cfg, device=device) if a.draft else None
-    # The engine stops on one id (the primary stop token); any other generation_config stop id
-    # ends the text below, so the printed text is what transformers' generate would print.
+    # Rows stop at any of generation_config's stop ids, as transformers' generate does.
     stops = stop_token_ids(a.policy, tok)
     # The options are rollout keys of the run config: the one GenerateConfig builder, the one validation.
     run = load_config(None, [f"rollout.k={a.k}", f"rollout.temperature={a.temperature}", f"rollout.top_k={a.top_k}",
                              f"rollout.top_p={a.top_p}", f"rollout.max_new_tokens={a.max_new_tokens}"])
-    cfg = generate_config(run, stops[0], tok.pad_id)
+    cfg = generate_config(run, stops, tok.pad_id)
     engine = RolloutEngine(policy, draft, cfg)
     prompts = [tok.prompt_ids(p, chat=a.chat, system=a.system) for p in a.prompt]
     t = time.perf_counter()

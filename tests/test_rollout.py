@@ -280,6 +280,31 @@ def test_min_prompt_len_sizes_the_first_runner_for_the_run():
     assert longest_prompt(task, None, run) == 17
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=1.0)])
+def test_several_stop_ids_end_a_row_at_the_first_of_any(speculative, params):
+    """eos_token_id=(a, b): every row is the stop-free generation (same uniforms) cut after its first a or
+    b, as transformers' generate does with a list of eos ids; rows end at either."""
+    from specco.data.tokenizer import truncate_at_stop
+    policy, draft = structured_pair(layer_scale=100.0)
+    draft = draft if speculative else None
+    prompts = _prompts(32, lens=(3, 6, 1, 4, 2, 5), seed=4)
+    base = GenerateConfig(max_new_tokens=16, sampling=params, num_draft_tokens=3)
+    free = generate(policy, prompts, base, draft, 2, generator=torch.Generator().manual_seed(0))
+    a, b = torch.bincount(free.tokens[:, 2:].flatten(), minlength=32).topk(2).indices.tolist()
+    cfg = GenerateConfig(max_new_tokens=16, sampling=params, num_draft_tokens=3, eos_token_id=[a, b])
+    assert cfg.eos_token_id == (a, b)
+    got = generate(policy, prompts, cfg, draft, 2, generator=torch.Generator().manual_seed(0))
+    ends = set()
+    for r in range(got.tokens.shape[0]):
+        want = truncate_at_stop(free.tokens[r, :int(free.lengths[r])], (a, b))
+        assert got.tokens[r, :int(got.lengths[r])].tolist() == want, r
+        ends.add(want[-1] if len(want) < int(free.lengths[r]) else None)
+    assert {a, b} <= ends  # rows ended at each of the two ids
+    with pytest.raises(ValueError, match="at least one stop id"):
+        GenerateConfig(eos_token_id=())
+
+
 def test_engine_refit_reaches_cached_runner():
     """Refit copies into the parameters' own storage (what captured graphs read) and a runner
     cached before the refit generates with the new weights."""

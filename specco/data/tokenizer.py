@@ -171,7 +171,7 @@ def _render_template(template: str, messages: list[dict], **context) -> str:
 def stop_token_ids(path: str | os.PathLike, tokenizer: Tokenizer | None = None) -> tuple[int, ...]:
     """The token ids generation stops at, as transformers' `generate` takes them: generation_config.json's
     `eos_token_id` (an int or a list) when the file exists, else config.json's, else the tokenizer's
-    eos. The first id is the primary one (rollout engines that stop on one id use it)."""
+    eos. The first id is the primary one; specco's engine stops at any of them (GenerateConfig.eos_token_id)."""
     path = Path(path)
     for name in ("generation_config.json", "config.json"):
         f = path / name

@@ -50,7 +50,7 @@ from .levels import Level, PlainSteps, new_state
 from .sampling import SamplingParams, pick_tokens_logp
 from .block_spec import BlockSpeculativeSteps, block_prefill
 from .speculative import SpeculativeSteps, draft_prefill, gather_rows
-from .state import fill_groups, group_leaders
+from .state import fill_groups, group_leaders, is_stop
 
 
 _R = RolloutSpec()  # one set of defaults: the run config's (runner.derive.generate_config builds one from a RunConfig)
@@ -65,7 +65,9 @@ class GenerateConfig:
     # costs the runner measures on its graphs and the live acceptance. None: on iff CUDA graphs are
     # (eager CPU timings are noisy, and the CPU demo reports τ at fixed k); True forces it anywhere.
     spec_control: bool | None = None
-    eos_token_id: int | None = None  # None: rows stop only at max_new_tokens
+    # The stop token, or several (a tuple: a row ends at the first of any, as transformers' generate does with
+    # generation_config's eos list, e.g. Qwen's <|im_end|> and <|endoftext|>). None: only max_new_tokens.
+    eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int = 0  # fills tokens past each row's length
     use_graphs: bool | None = None  # None: CUDA graphs on CUDA, eager on CPU
     bucket_shapes: bool | None = None  # pad batch / prompt length to buckets; None: iff graphs
@@ -82,6 +84,10 @@ class GenerateConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if isinstance(self.eos_token_id, (list, tuple)):
+            if not self.eos_token_id:
+                raise ValueError("eos_token_id=(): give at least one stop id, or None for none")
+            object.__setattr__(self, "eos_token_id", tuple(int(i) for i in self.eos_token_id))
         if not 0 <= self.compact_below < 1:
             raise ValueError(f"compact_below must be in [0, 1) (0 disables compaction), got {self.compact_below}")
 
@@ -160,6 +166,9 @@ class DecodeRunner:
         self.generator = generator
         self.use_graphs, _ = execution_modes(cfg, self.device)  # (bucketing: runner_shape)
         self.k = cfg.num_draft_tokens if draft is not None else 0  # k_max
+        stops = cfg.eos_token_id if isinstance(cfg.eos_token_id, tuple) else (cfg.eos_token_id,)
+        # (n_stop,) int64 on the device, read by the steps (and their graphs) to end rows; None: no stop token
+        self.stop_ids = None if cfg.eos_token_id is None else torch.tensor(stops, dtype=torch.long, device=self.device)
         control = self.use_graphs if cfg.spec_control is None else cfg.spec_control
         self.controller = (controller or SpecController(self.k)) if control and draft is not None else None
         self.shape: RunnerShape | None = None
@@ -285,9 +294,9 @@ class DecodeRunner:
         # Without speculation control only k_max runs (0 without a draft): no other step set is built.
         ks = range(self.k + 1) if self.controller is not None else [self.k]
         spec = BlockSpeculativeSteps if isinstance(self.draft, BlockDraft) else SpeculativeSteps
-        steps = {k: PlainSteps(self.policy, st, cfg.sampling, cfg.max_new_tokens, cfg.eos_token_id, rope)
+        steps = {k: PlainSteps(self.policy, st, cfg.sampling, cfg.max_new_tokens, self.stop_ids, rope)
                  if k == 0 else spec(self.policy, self.draft, st, cfg.sampling, k, cfg.max_new_tokens,
-                                     cfg.eos_token_id, rope, d_rope) for k in ks}
+                                     self.stop_ids, rope, d_rope) for k in ks}
         level = Level(st, steps, self.use_graphs, root_rows)
         if self.use_graphs:
             level.capture(lambda: st.finished.fill_(True), self.pool)
@@ -344,8 +353,8 @@ class DecodeRunner:
         finished = ~io.real.repeat_interleave(G)  # padding rows never run
         if cfg.max_new_tokens <= 1:
             finished.fill_(True)
-        if cfg.eos_token_id is not None:
-            finished |= first == cfg.eos_token_id
+        if self.stop_ids is not None:
+            finished |= is_stop(first, self.stop_ids)
         st.finished.copy_(finished)
         for t in (st.n_emitted, st.n_row_forwards, st.n_accepted, st.n_proposed, st.n_tried):
             t.zero_()

@@ -30,9 +30,9 @@ class PlainSteps:
     """Plain decoding: one target forward at position n per round, sample, commit, advance."""
 
     def __init__(self, policy: Policy, st: DecodeState, params: SamplingParams, max_new_tokens: int,
-                 eos_token_id: int | None, rope: RopeTable):
+                 stop_ids: torch.Tensor | None, rope: RopeTable):
         self.policy, self.st, self.params, self.rope = policy, st, params, rope
-        self.max_new_tokens, self.eos_token_id = max_new_tokens, eos_token_id
+        self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
         self.order = ["decode"]
         self.fns = {"decode": self.decode}
 
@@ -40,7 +40,7 @@ class PlainSteps:
         st = self.st
         logits, _, _ = policy_forward(self.policy, st.last_tok[:, None], st.n[:, None], st.t_cache, self.rope)
         tok, logp = pick_tokens_logp(logits[:, 0], self.params, st.u[:, 0] if st.u is not None else None)
-        commit(st, tok[:, None], torch.ones_like(tok), logp[:, None], self.max_new_tokens, self.eos_token_id)
+        commit(st, tok[:, None], torch.ones_like(tok), logp[:, None], self.max_new_tokens, self.stop_ids)
         live = ~st.finished
         st.n.add_(live.long())
         st.last_tok.copy_(torch.where(live, tok, st.last_tok))

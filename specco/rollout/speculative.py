@@ -51,10 +51,10 @@ class SpeculativeSteps:
     """
 
     def __init__(self, policy: Policy, draft: Eagle3Draft, st: DecodeState, params: SamplingParams,
-                 k: int, max_new_tokens: int, eos_token_id: int | None, rope: RopeTable,
+                 k: int, max_new_tokens: int, stop_ids: torch.Tensor | None, rope: RopeTable,
                  draft_rope: RopeTable):
         self.policy, self.draft, self.st, self.params = policy, draft, st, params
-        self.k, self.max_new_tokens, self.eos_token_id = k, max_new_tokens, eos_token_id
+        self.k, self.max_new_tokens, self.stop_ids = k, max_new_tokens, stop_ids
         self.rope, self.draft_rope = rope, draft_rope
         self.offsets = torch.arange(k + 1, device=st.n.device)  # (k+1,) positions n..n+k
         self.aux = tuple(draft.cfg.aux_layer_ids)
@@ -101,7 +101,7 @@ class SpeculativeSteps:
                                                  st.u[:, k:2 * k], st.u[:, 2 * k])
         logp = logp_all.gather(-1, verdict.tokens[..., None]).squeeze(-1)  # (B, k+1)
         a = verdict.num_accepted
-        _, active = commit(st, verdict.tokens, a + 1, logp, self.max_new_tokens, self.eos_token_id)
+        _, active = commit(st, verdict.tokens, a + 1, logp, self.max_new_tokens, self.stop_ids)
         # per draft position j+1: accepted in this round (a > j), counted over rows live at its start
         j = self.offsets[None, :k]  # (1, k)
         st.n_accepted[:k].add_(((j < a[:, None]) & active[:, None]).sum(0))

@@ -76,13 +76,19 @@ def fill_groups(cache: KVCache, group_size: int, upto: int):
         per_group[:, :, 1:].copy_(per_group[:, :, :1])
 
 
+def is_stop(tokens: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
+    """tokens (...) int64 -> (...) bool: is the token one of stop_ids (n_stop,)? A broadcast compare:
+    static shapes, capturable in a CUDA graph."""
+    return (tokens[..., None] == stop_ids).any(-1)
+
+
 def commit(st: DecodeState, block: torch.Tensor, count: torch.Tensor, logp: torch.Tensor,
-           max_new_tokens: int, eos_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+           max_new_tokens: int, stop_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Append the first `count[b]` tokens of `block[b]` to row b's output, with EOS/length cut-off.
 
     block: (B, W) candidate tokens, count: (B,) how many are valid (1 for plain decode, a+1 for
     speculative), logp: (B, W) their target log-probs. Active rows (not finished before this call)
-    emit min(count, up to and including the first EOS, room left); finished rows emit nothing.
+    emit min(count, up to and including the first stop token, room left); finished rows emit nothing.
     Updates out_*, finished and the τ counters; returns (emitted counts (B,), active (B,) — the
     rows that were unfinished when the call started).
     Static shapes only: writes go through gather/where/scatter at out_len + j, j < W, into a buffer
@@ -92,8 +98,8 @@ def commit(st: DecodeState, block: torch.Tensor, count: torch.Tensor, logp: torc
     j = torch.arange(W, device=block.device)  # (W,)
     active = ~st.finished
     in_block = j[None, :] < count[:, None]  # (B, W)
-    if eos_token_id is not None:
-        is_eos = (block == eos_token_id) & in_block
+    if stop_ids is not None:
+        is_eos = is_stop(block, stop_ids) & in_block
         first_eos = torch.where(is_eos.any(-1), is_eos.long().argmax(-1), W)  # (B,)
         count = torch.minimum(count, first_eos + 1)
     count = torch.minimum(count, max_new_tokens - st.out_len)
@@ -104,8 +110,8 @@ def commit(st: DecodeState, block: torch.Tensor, count: torch.Tensor, logp: torc
     st.out_logp.scatter_(1, idx, torch.where(write, logp.float(), st.out_logp.gather(1, idx)))
     st.out_len.add_(count)
     done = st.out_len >= max_new_tokens
-    if eos_token_id is not None:
-        done |= ((block == eos_token_id) & write).any(-1)
+    if stop_ids is not None:
+        done |= (is_stop(block, stop_ids) & write).any(-1)
     st.finished.logical_or_(active & done)
     st.n_emitted.add_(count.sum())
     st.n_row_forwards.add_(active.sum())

@@ -64,7 +64,7 @@ def step_config(cfg: RunConfig, mode: str = "cotrained") -> StepConfig:
                       width_multiple=t.width_multiple, amp_dtype=AMP_DTYPES[t.amp])
 
 
-def generate_config(cfg: RunConfig, eos_id: int | None, pad_id: int) -> GenerateConfig:
+def generate_config(cfg: RunConfig, eos_id: int | tuple[int, ...] | None, pad_id: int) -> GenerateConfig:
     """The rollout engine's config: sampling, k, length budget and compaction from `cfg.rollout`."""
     r = cfg.rollout
     return GenerateConfig(max_new_tokens=r.max_new_tokens,
