@@ -11,7 +11,7 @@ from specco.data.tokenizer import build_char_tokenizer
 from specco.model.policy import Policy
 from specco.runner.rl import run_arm
 from specco.runner.warmstart import new_draft
-from specco.train.checkpoint import latest_checkpoint, load_checkpoint
+from resume_helpers import assert_same_final_weights
 from specco.train.losses import clipped_surrogate, grpo_advantages
 from specco.train.sft import tiny_policy_config
 
@@ -100,11 +100,7 @@ def test_resume_is_bit_exact(tmp_path):
     for a, b in zip(straight, part1 + part2):
         for k in ("reward", "policy/loss", "draft/loss", "tau"):
             assert a[k] == b[k], (k, a[k], b[k])
-    sa = load_checkpoint(latest_checkpoint(tmp_path / "a" / "ckpt"), restore_rng=False)
-    sb = load_checkpoint(latest_checkpoint(tmp_path / "b" / "ckpt"), restore_rng=False)
-    for part in ("policy", "draft"):
-        for k in sa[part]:
-            assert torch.equal(sa[part][k], sb[part][k]), (part, k)
+    sa, sb = assert_same_final_weights(tmp_path / "a", tmp_path / "b")
     # the resumed run's log holds every step once, in order (a crash after the step-2 checkpoint and
     # before more logging must not lose or duplicate a row)
     from specco.runner.report import read_jsonl

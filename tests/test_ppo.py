@@ -20,7 +20,7 @@ from specco.model.config import ConfigError
 from specco.runner.derive import generate_config, step_config
 from specco.runner.rl import run_arm
 from specco.runner.warmstart import new_draft
-from specco.train.checkpoint import latest_checkpoint, load_checkpoint
+from resume_helpers import assert_same_final_weights
 from specco.train.cotrain import StepConfig, policy_loss
 from test_grpo import DigitTask, _cfg, _setup
 
@@ -82,11 +82,7 @@ def test_ppo_epochs_and_minibatches_move_the_ratio_and_resume_bit_exactly(tmp_pa
         for k in ("reward", "policy/loss", "draft/loss", "tau", "policy/clip_frac", "policy/ratio_mean",
                   "policy/grad_norm", "draft/grad_norm"):
             assert a[k] == b[k], (k, a[k], b[k])
-    sa = load_checkpoint(latest_checkpoint(tmp_path / "a" / "ckpt"), restore_rng=False)
-    sb = load_checkpoint(latest_checkpoint(tmp_path / "b" / "ckpt"), restore_rng=False)
-    for part in ("policy", "draft"):
-        for k in sa[part]:
-            assert torch.equal(sa[part][k], sb[part][k]), (part, k)
+    assert_same_final_weights(tmp_path / "a", tmp_path / "b")
 
 
 def test_one_update_is_on_policy_without_recompute(tmp_path):
