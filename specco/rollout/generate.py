@@ -45,7 +45,7 @@ from . import compaction
 from .control import Choice, SpecController
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
-from .shapes import RunnerShape, execution_modes, lookahead, runner_shape  # noqa: F401 (runner_shape: engine)
+from .shapes import RunnerShape, execution_modes, runner_shape
 from .levels import Level, PlainSteps, new_state
 from .sampling import SamplingParams, pick_tokens_logp
 from .block_spec import BlockSpeculativeSteps, block_prefill
