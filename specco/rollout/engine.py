@@ -56,7 +56,8 @@ def weights_fingerprint(state: Mapping[str, torch.Tensor],
                         dtypes: Mapping[str, torch.dtype] | None = None) -> torch.Tensor:
     """A cheap checksum of a state dict: per tensor (sorted by key) its sum, its L2 norm (both reduced
     in fp64) and the dot product of neighbouring elements Σ x_i x_{i+1} (so moved elements show too) —
-    one pass over the weights, no copy of a float tensor. Two identical state dicts on one device give
+    one pass over the weights, no copy of an fp32/fp64 tensor (bf16/fp16 ones are upcast to fp32, exactly, one
+    at a time). Two identical state dicts on one device give
     bitwise-identical fingerprints (the same reductions over the same values and layouts); it is a
     guard against stale weights, not a cryptographic hash. dtypes: cast each tensor to this dtype first
     (one tensor at a time) — the trainer's fp32 weights as a bf16 engine holds them after refit's cast."""
