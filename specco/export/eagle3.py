@@ -37,7 +37,6 @@ def export_draft(draft: Eagle3Draft, out: str | os.PathLike, engine: str,
     draft's and max_position_embeddings becomes at least the policy's (engines clamp the draft's RoPE
     range to it). dtype: of the float weights (default: the draft's own); d2t stays int64, t2d bool.
     """
-    from safetensors.torch import load_file, save_file
     eng, dc, out = formats.engine(engine), draft.cfg, Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} exists; choose a new directory or pass overwrite=True (--force)")
@@ -57,19 +56,26 @@ def export_draft(draft: Eagle3Draft, out: str | os.PathLike, engine: str,
     tensors["d2t"], tensors["t2d"] = tensors["d2t"].long(), tensors["t2d"].bool()
     cfg = formats.engine_config(dc, eng, min_pos, str(fdtype).replace("torch.", ""))
 
+    return write_checked(out, tensors, cfg, lambda c, shapes, dtypes: formats.check_export(
+        c, shapes, dtypes, dc, eng, min_pos))
+
+
+def write_checked(out: Path, tensors: dict, cfg: dict, check) -> Path:
+    """config.json + model.safetensors into `out`, atomically: written into a temporary sibling directory,
+    read back and passed to `check(config, shapes, dtypes)` (which raises on anything wrong), and only then
+    renamed into place — an existing `out` (overwrite) is moved aside first, as a directory cannot be
+    replaced. So an engine never sees a half-written or unchecked checkpoint."""
+    from safetensors.torch import load_file, save_file
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        # Check what is on disk, not what we meant to write.
-        back = load_file(str(tmp / "model.safetensors"))
-        formats.check_export(json.loads((tmp / "config.json").read_text()),
-                             {k: tuple(v.shape) for k, v in back.items()},
-                             {k: str(v.dtype).replace("torch.", "") for k, v in back.items()},
-                             dc, eng, min_pos)
-        if out.exists():  # overwrite: move the old one aside first (a directory cannot be replaced)
+        back = load_file(str(tmp / "model.safetensors"))  # check what is on disk, not what we meant to write
+        check(json.loads((tmp / "config.json").read_text()), {k: tuple(v.shape) for k, v in back.items()},
+              {k: str(v.dtype).replace("torch.", "") for k, v in back.items()})
+        if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
             os.replace(tmp, out)
@@ -81,7 +87,9 @@ def export_draft(draft: Eagle3Draft, out: str | os.PathLike, engine: str,
     return out
 
 
-def _check_against_policy(dc: DraftConfig, pc: PolicyConfig, what: str):
+def _check_against_policy(dc, pc: PolicyConfig, what: str, rope: bool = False):
+    """A draft config (EAGLE-3's or a block drafter's) fits the policy: hidden size, vocabulary, aux layers in
+    range; with `rope`, also the policy's RoPE (a DFlash draft rotates its keys as the target does)."""
     bad = []
     if dc.hidden_size != pc.hidden_size:
         bad.append(f"hidden_size {dc.hidden_size} != policy hidden_size {pc.hidden_size}")
@@ -90,6 +98,9 @@ def _check_against_policy(dc: DraftConfig, pc: PolicyConfig, what: str):
     out_of_range = [i for i in dc.aux_layer_ids if not 0 <= i < pc.num_layers]
     if out_of_range:
         bad.append(f"aux layers {out_of_range} outside the policy's 0..{pc.num_layers - 1}")
+    if rope and (dc.head_dim, dc.rope_theta) != (pc.head_dim, pc.rope_theta):
+        bad.append(f"RoPE (head_dim {dc.head_dim}, theta {dc.rope_theta}) != the policy's ({pc.head_dim}, "
+                   f"{pc.rope_theta}): the engines rotate the draft's queries and keys as the target's")
     if bad:
         raise ConfigError(f"{what} does not fit the policy: {'; '.join(bad)}")
 
@@ -240,3 +251,26 @@ def load_draft(path: str | os.PathLike, policy_cfg: PolicyConfig | None = None,
         return import_draft(path, policy_cfg, device=device, dtype=dtype)
     raise FileNotFoundError(f"{path} is not a draft directory: no draft_config.json (specco) and no "
                             "config.json (EAGLE-3 layout)")
+
+
+def is_block_draft_dir(path: str | os.PathLike) -> bool:
+    """A block drafter's directory: specco's (draft_config.json of a BlockDraft) or DFlash's serving layout."""
+    from ..model.dflash import BlockDraft
+    from .dflash import ARCHITECTURE as DFLASH
+    path = Path(path)
+    for name, key, want in (("draft_config.json", "architecture", BlockDraft.ARCHITECTURE),
+                            ("config.json", "architectures", [DFLASH])):
+        f = path / name
+        if f.exists():
+            got = json.loads(f.read_text()).get(key)
+            return got == want or (isinstance(got, list) and got[:1] == want)
+    return False
+
+
+def load_any_draft(path: str | os.PathLike, policy_cfg: PolicyConfig | None = None, device="cpu",
+                   dtype=torch.float32):
+    """An EAGLE-3 draft (`load_draft`) or a block drafter (`dflash.load_block_draft`), whichever `path` holds."""
+    if is_block_draft_dir(path):
+        from .dflash import load_block_draft
+        return load_block_draft(path, policy_cfg, device=device, dtype=dtype)
+    return load_draft(path, policy_cfg, device=device, dtype=dtype)

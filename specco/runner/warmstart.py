@@ -123,7 +123,8 @@ def initial_draft(policy: Policy, tokens: torch.Tensor, spec, gamma: int | None 
                 raise ValueError("a new block drafter needs gamma (rollout.k)")
             return new_block_draft(policy, tokens, spec.kind, gamma, spec.aux_layer_ids, mask_fallback,
                                    spec.block_layers, spec.num_anchors)
-        draft = BlockDraft.load(spec.init, device=next(policy.parameters()).device)
+        from ..export import load_block_draft  # specco's layout or DFlash's serving one, checked against the policy
+        draft = load_block_draft(spec.init, policy.cfg, device=next(policy.parameters()).device)
         if draft.kind != spec.kind or (gamma is not None and draft.cfg.gamma < gamma):
             raise ConfigError(f"draft.init={spec.init} is a {draft.kind} drafter with gamma={draft.cfg.gamma}; the "
                               f"run asks draft.kind={spec.kind} with rollout.k={gamma}")
