@@ -92,7 +92,7 @@ def main():
             continue
         draft = load_draft_dir(path, device=dev).eval()
         arm_cfg, _ = arm_config(cfg, f"frozen-{kind}")
-        gen = dataclasses.replace(generate_config(arm_cfg, tok.eos_id, tok.pad_id), spec_control=False)
+        gen = dataclasses.replace(generate_config(arm_cfg, tok.stop_ids, tok.pad_id), spec_control=False)
         t0 = time.perf_counter()
         out = RolloutEngine(policy, draft, gen).generate(prompts, G, generator=torch.Generator(device=dev).manual_seed(0))
         seconds = time.perf_counter() - t0

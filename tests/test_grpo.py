@@ -221,3 +221,24 @@ def test_tail_metrics_hand_computed():
                  "rollout/tau_rows_at_max": (8 + 8) / (4 + 2), "rollout/tail_rounds": 1, "time/rollout_tail": 0.25,
                  "time/rollout_phases": "8 rows x 3 rounds 0.50 s | 4 rows x 1 rounds 0.25 s"}
     assert "rollout/tau_rows_at_max" not in tail_metrics(out, max_new_tokens=10, texts=["a", "b", "c", "d"])
+
+
+def test_rollouts_stop_at_every_stop_id_of_the_tokenizer(tmp_path):
+    """The RL loop's engine ends rows at any of `tokenizer.stop_ids` (a checkpoint's generation_config list),
+    not at eos alone: with a frequent token added as a stop id, rows end there (`record` holds the rollouts)."""
+    from specco.data.tokenizer import Tokenizer
+    tok, policy = _setup()
+    cfg = _cfg(tmp_path, "train.steps=1", "rollout.max_new_tokens=12")
+    seen = []
+    run_arm(cfg, "none", policy, None, DigitTask(), tok, tmp_path / "a", progress=False, record=seen)
+    completions = [c for _, c in seen[0].pairs]
+    counts = torch.bincount(torch.tensor([t for c in completions for t in c[:-1]]), minlength=tok.vocab_size)
+    counts[tok.eos_id] = 0
+    extra = int(counts.argmax())  # a token some rows emit before their end
+    two = Tokenizer(tok.backend, tok.bos_token, tok.eos_token, tok.pad_token, stop_ids=(tok.eos_id, extra))
+    assert two.stop_ids == (tok.eos_id, extra) and tok.stop_ids == (tok.eos_id,)
+    seen2 = []
+    run_arm(cfg, "none", policy, None, DigitTask(), two, tmp_path / "b", progress=False, record=seen2)
+    ends = [c[-1] for _, c in seen2[0].pairs if len(c) < 12]
+    assert extra in ends  # some rows stopped at the added id
+    assert all(extra not in c[:-1] and tok.eos_id not in c[:-1] for _, c in seen2[0].pairs)  # and at its first

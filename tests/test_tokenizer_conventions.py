@@ -161,3 +161,19 @@ def test_smollm2_generate_matches_transformers(smol_dir, capsys):
                   "--device", "cpu"] + (["--chat"] if chat else []))
             printed = capsys.readouterr().out
             assert printed == (reply if chat else p + reply) + "\n", (chat, p)
+
+
+def test_tokenizer_stop_ids_round_trip(tmp_path):
+    """Tokenizer.stop_ids: (eos,) by default; loaded from a directory, its generation_config.json list (and the
+    eos); saved, a non-trivial list is written back as generation_config.json."""
+    tok = build_char_tokenizer()
+    tok.save(tmp_path / "a")
+    assert not (tmp_path / "a" / "generation_config.json").exists()
+    assert load_tokenizer(tmp_path / "a").stop_ids == (tok.eos_id,)
+    (tmp_path / "a" / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, tok.eos_id]}))
+    loaded = load_tokenizer(tmp_path / "a")
+    assert loaded.stop_ids == (7, tok.eos_id)
+    loaded.save(tmp_path / "b")
+    assert load_tokenizer(tmp_path / "b").stop_ids == (7, tok.eos_id)
+    (tmp_path / "a" / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert load_tokenizer(tmp_path / "a").stop_ids == (9, tok.eos_id)  # specco's SFT ends with eos: kept

@@ -69,8 +69,9 @@ class Tokenizer:
 
     def __init__(self, backend: _HFTokenizer, bos_token: str | None, eos_token: str,
                  pad_token: str | None = None, chat_template: str | None = None,
-                 hf_dir: str | os.PathLike | None = None):
+                 hf_dir: str | os.PathLike | None = None, stop_ids: tuple[int, ...] | None = None):
         self.backend = backend
+        self._stop_ids = tuple(int(i) for i in stop_ids) if stop_ids else None
         self.bos_token, self.eos_token = bos_token, eos_token
         self.pad_token = pad_token or eos_token  # pretrained tokenizers often have no pad
         self.chat_template = chat_template
@@ -88,6 +89,13 @@ class Tokenizer:
     @property
     def eos_id(self) -> int:
         return self.backend.token_to_id(self.eos_token)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids rollouts stop at: loaded from a model directory, its stop ids (generation_config.json's eos
+        list, see `stop_token_ids`) and eos_id; else (eos_id,). What the RL loop's engine ends rows at
+        (GenerateConfig.eos_token_id), e.g. both <|im_end|> and <|endoftext|> for Qwen."""
+        return self._stop_ids or (self.eos_id,)
 
     @property
     def pad_id(self) -> int:
@@ -146,6 +154,8 @@ class Tokenizer:
         if self.chat_template is not None:
             cfg["chat_template"] = self.chat_template
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+        if self.stop_ids != (self.eos_id,):  # where transformers and the loaders read a list of stop ids
+            (path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(self.stop_ids)}, indent=2))
 
 
 def _render_template(template: str, messages: list[dict], **context) -> str:
@@ -224,5 +234,9 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     # tokenizer.json's post-processor alone decides the default special tokens, as in transformers 5,
     # which drops tokenizer_config.json's add_bos_token / add_eos_token whenever tokenizer.json exists.
     backend = _HFTokenizer.from_file(str(f))
-    return Tokenizer(backend, bos_token=tok("bos_token"), eos_token=eos,
-                     pad_token=tok("pad_token"), chat_template=template, hf_dir=path)
+    out = Tokenizer(backend, bos_token=tok("bos_token"), eos_token=eos,
+                    pad_token=tok("pad_token"), chat_template=template, hf_dir=path)
+    # generation_config.json's (else config.json's) stop ids, and the tokenizer's eos, which specco's SFT ends
+    # completions with (so rollouts stop there even where a checkpoint's generation config lists other ids)
+    out._stop_ids = tuple(dict.fromkeys((*stop_token_ids(path, out), out.eos_id)))
+    return out

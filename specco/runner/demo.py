@@ -128,7 +128,7 @@ def engine_accuracy(cfg: RunConfig, policy, tok, task, eval_seed: int = 1) -> di
     prompts = [task.prompt_ids(it, tok) for it in items]
     dev = next(policy.parameters()).device
     res = {"n": len(items)}
-    run_gcfg = generate_config(cfg, tok.eos_id, tok.pad_id)
+    run_gcfg = generate_config(cfg, tok.stop_ids, tok.pad_id)
     for name, temp in (("greedy", 0.0), ("T", cfg.rollout.temperature)):
         gcfg = at_temperature(run_gcfg, temp)
         out = RolloutEngine(policy, None, gcfg).generate(
@@ -161,7 +161,7 @@ def prepare_drafts(cfg: RunConfig, policy, tok, task, out: Path, progress=True) 
 def warm_pool(cfg: RunConfig, policy, task, tok):
     """The warm-start pool (tokens, mask) of policy samples, as a function that samples it on its first call
     only. Sampled without a draft, so the run config's k (or any arm's) does not change it."""
-    gcfg = generate_config(cfg, tok.eos_id, tok.pad_id)
+    gcfg = generate_config(cfg, tok.stop_ids, tok.pad_id)
     return functools.cache(lambda: sample_pool(policy, task, tok, n_prompts=cfg.train.warm_start_prompts, group=4,
                                                gen_cfg=gcfg, seed=cfg.train.seed + 1000))
 
@@ -181,7 +181,7 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True, k
                                           json.loads((d_dir / "warm_metrics.json").read_text())))
     point(f"{stage}/start")
     kcfg = warm_configs(cfg)[kind]
-    gcfg = generate_config(kcfg, tok.eos_id, tok.pad_id)
+    gcfg = generate_config(kcfg, tok.stop_ids, tok.pad_id)
     t = time.perf_counter()  # warm_time_s: includes sampling the pool when this kind is the first to need it
     tokens, mask = (pool or warm_pool(cfg, policy, task, tok))()
     seed_stage(cfg.train.seed, stage)  # the new draft's init draws from the global RNG

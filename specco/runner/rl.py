@@ -342,7 +342,7 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Block
     rank = mesh.rank if mesh is not None else 0
     cfg, _ = arm_config(cfg, arm)  # the arm's view (its draft kind, its k); a no-op on an arm config
     seed_stage(cfg.train.seed, f"rl/{arm}")  # a fresh arm starts from its own RNG state; a resumed one restores it
-    gen_cfg = dataclasses.replace(generate_config(cfg, tokenizer.eos_id, tokenizer.pad_id),
+    gen_cfg = dataclasses.replace(generate_config(cfg, tokenizer.stop_ids, tokenizer.pad_id),
                                   min_prompt_len=longest_prompt(task, tokenizer, cfg))  # one runner for every step
     st = make_arm(cfg, arm, policy, draft, gen_cfg, rank=mesh.dp_rank if mesh is not None else 0, mesh=mesh)
     if rank == 0:  # crashed writes' leftovers (the run lock, runner/stages.py, excludes a live writer)
