@@ -22,7 +22,7 @@ import torch
 
 from ..model.config import ConfigError, PolicyConfig
 from ..model.dflash import BlockDraft, BlockDraftConfig
-from .eagle3 import _DTYPES, _check_against_policy, _read_tensors, _refuse, write_checked
+from .eagle3 import _DTYPES, _check_against_policy, _read_tensors, _refuse, load_draft, write_checked
 
 ARCHITECTURE = "DFlashDraftModel"  # vLLM's registry: qwen3_dflash.DFlashQwen3ForCausalLM; SGLang's DFlashDraftModel
 
@@ -177,3 +177,23 @@ def load_block_draft(path: str | os.PathLike, policy_cfg: PolicyConfig | None = 
             _check_against_policy(draft.cfg, policy_cfg, f"block draft {path}", rope=True)
         return draft
     return import_dflash(path, policy_cfg, device=device, dtype=dtype)
+
+
+def is_block_draft_dir(path: str | os.PathLike) -> bool:
+    """A block drafter's directory: specco's (draft_config.json of a BlockDraft) or DFlash's serving layout."""
+    path = Path(path)
+    for name, key, want in (("draft_config.json", "architecture", BlockDraft.ARCHITECTURE),
+                            ("config.json", "architectures", [ARCHITECTURE])):
+        f = path / name
+        if f.exists():
+            got = json.loads(f.read_text()).get(key)
+            return got == want or (isinstance(got, list) and got[:1] == want)
+    return False
+
+
+def load_any_draft(path: str | os.PathLike, policy_cfg: PolicyConfig | None = None, device="cpu",
+                   dtype=torch.float32):
+    """An EAGLE-3 draft (`load_draft`) or a block drafter (`dflash.load_block_draft`), whichever `path` holds."""
+    if is_block_draft_dir(path):
+        return load_block_draft(path, policy_cfg, device=device, dtype=dtype)
+    return load_draft(path, policy_cfg, device=device, dtype=dtype)

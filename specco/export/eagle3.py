@@ -251,26 +251,3 @@ def load_draft(path: str | os.PathLike, policy_cfg: PolicyConfig | None = None,
         return import_draft(path, policy_cfg, device=device, dtype=dtype)
     raise FileNotFoundError(f"{path} is not a draft directory: no draft_config.json (specco) and no "
                             "config.json (EAGLE-3 layout)")
-
-
-def is_block_draft_dir(path: str | os.PathLike) -> bool:
-    """A block drafter's directory: specco's (draft_config.json of a BlockDraft) or DFlash's serving layout."""
-    from ..model.dflash import BlockDraft
-    from .dflash import ARCHITECTURE as DFLASH
-    path = Path(path)
-    for name, key, want in (("draft_config.json", "architecture", BlockDraft.ARCHITECTURE),
-                            ("config.json", "architectures", [DFLASH])):
-        f = path / name
-        if f.exists():
-            got = json.loads(f.read_text()).get(key)
-            return got == want or (isinstance(got, list) and got[:1] == want)
-    return False
-
-
-def load_any_draft(path: str | os.PathLike, policy_cfg: PolicyConfig | None = None, device="cpu",
-                   dtype=torch.float32):
-    """An EAGLE-3 draft (`load_draft`) or a block drafter (`dflash.load_block_draft`), whichever `path` holds."""
-    if is_block_draft_dir(path):
-        from .dflash import load_block_draft
-        return load_block_draft(path, policy_cfg, device=device, dtype=dtype)
-    return load_draft(path, policy_cfg, device=device, dtype=dtype)

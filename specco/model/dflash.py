@@ -154,7 +154,7 @@ class BlockDraft(nn.Module):
     def kind(self) -> str:
         return self.cfg.kind
 
-    ARCHITECTURE = "specco.BlockDraft"  # draft_config.json's "architecture": what load_draft_dir dispatches on
+    ARCHITECTURE = "specco.BlockDraft"  # draft_config.json's "architecture": what export.load_any_draft dispatches on
 
     def save(self, path: str | os.PathLike) -> None:
         """The draft directory layout of draft_io.py (atomic per file), like Eagle3Draft.save."""

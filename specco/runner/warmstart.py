@@ -7,9 +7,7 @@ step in offline mode (policy frozen). Afterwards the simulated acceptance length
 """
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -102,11 +100,10 @@ def new_block_draft(policy: Policy, tokens: torch.Tensor, kind: str, gamma: int,
 
 
 def load_draft_dir(path, device="cpu") -> Eagle3Draft | BlockDraft:
-    """A draft saved by `Eagle3Draft.save` or `BlockDraft.save` (draft_config.json's "architecture")."""
-    f = Path(path) / "draft_config.json"
-    arch = json.loads(f.read_text()).get("architecture") if f.exists() else None
-    cls = BlockDraft if arch == BlockDraft.ARCHITECTURE else Eagle3Draft
-    return cls.load(path, device=device)
+    """A draft saved by `Eagle3Draft.save` or `BlockDraft.save` (or in a serving layout): `export.load_any_draft`,
+    the one dispatch on what a draft directory holds."""
+    from ..export import load_any_draft
+    return load_any_draft(path, device=device)
 
 
 def initial_draft(policy: Policy, tokens: torch.Tensor, spec, gamma: int | None = None,
