@@ -55,6 +55,30 @@ def test_decode_attention_kernel_matches_reference(B, T, H, Hkv, D, S):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_decode_attention_fp32_follows_the_matmul_precision(precision):
+    """fp32 reads the cache in full-fp32 FMA under "highest" and through TF32 tensor cores once torch's
+    float32 matmul precision allows TF32 (the GPU runs' "high"; 2.9x faster on the H200 at 256 rows).
+    Tolerance: 1e-5 for IEEE; for TF32 (10-bit mantissa, relative error 2^-11 per operand) 5e-3 on outputs
+    of magnitude ~1 with D = 64 scores of scale ~1. Under CPU's interpreter both are exact fp32."""
+    from specco.ops.decode_attention import _ieee
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        g = torch.Generator().manual_seed(5)
+        B, T, H, Hkv, D, S = 3, 4, 8, 2, 64, 300
+        q = torch.randn(B, T, H, D, generator=g)
+        k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+        pos = torch.tensor([[0], [150], [S - T]]) + torch.arange(T)
+        assert _ieee(q) == (precision == "highest") and not _ieee(q.bfloat16())
+        q, k, v, pos = (x.to(DEV) for x in (q, k, v, pos))
+        out = decode_attention(q, k, v, pos, impl="triton")
+        atol = 1e-5 if precision == "highest" else 5e-3
+        torch.testing.assert_close(out.double(), _dense_reference(q, k, v, pos), atol=atol, rtol=0)
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
 def test_decode_attention_ignores_keys_past_the_position():
     """Garbage (NaN) past each row's position must not leak in: the kernel skips the dead prefix."""
     g = torch.Generator().manual_seed(0)

@@ -181,6 +181,15 @@ def _use_triton(q: torch.Tensor, impl: str | None) -> bool:
             and q.shape[-1] <= 256)
 
 
+def _ieee(q: torch.Tensor) -> bool:
+    """fp32 scores and p·v in full fp32 FMA (exact against the twin) unless torch's float32 matmul precision
+    allows TF32, as the GPU runs set it ("high"): the cache is then read through tensor cores in TF32, as
+    every other matmul of that forward is. On the H200 at KV position 1,536 the IEEE dot made an fp32 plain
+    decode step 3.8-4.4x its read floor (bench/rollout.py, BENCHMARKS.md): with G·T = 4 query rows padded
+    to 16 it is FMA-bound, not bandwidth-bound."""
+    return q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -215,7 +224,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, positions, part_out, part_lse, T, Hkv, S, chunk, scale,
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], positions.stride(0),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
-        G=G, D=D, BLOCK_D=BD, BLOCK_M=BM, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32,
+        G=G, D=D, BLOCK_D=BD, BLOCK_M=BM, BLOCK_N=BLOCK_N, IEEE=_ieee(q),
         num_warps=4 if BM <= 32 else 8)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     _reduce_kernel[(B * Hkv, G * T)](
