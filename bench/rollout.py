@@ -29,6 +29,13 @@ T > 0 every position is accepted with about the same probability q(repeat): ragg
 acceptance, as with a real draft. τ here says nothing about real acceptance;
 the point is timing the verify/draft/bookkeeping machinery at a known τ.
 
+DFLASH (`--draft dflash`): a random-weight DFlash drafter with γ = `--k` (W = k + 1 slots) in place of the
+EAGLE-3 pair. Its τ means nothing; the point is the cost of its round's parts at their static shapes:
+t_propose (one block forward + the head over the k slots + sampling), t_verify (the target over k + 1
+tokens per row), t_catch_up (the trunk K/V write of the verified taps). `--anchor graphed` times only the
+anchor's CUDA-graphed eager form (its compiled form costs minutes of inductor at the long316m shapes and
+was slower there).
+
 RL-LIKE MODE (`--rl-like`): what one GRPO step's rollout costs. Times repeated
 `RolloutEngine.generate` calls (32 prompts of 7-11 tokens x 8 samples = 256 rows, 40 new tokens,
 T = 1, k = 3; the 113M policy of configs/gpu.toml, fp32 with TF32 matmuls, `--draft self`), plain vs
@@ -42,6 +49,8 @@ A/B against another revision: `--impl=DIR` imports `specco` from DIR instead of 
 
     python bench/rollout.py --device cuda --model 0.5b --batch-sizes 1,2,4,8,16,32,64 --k 4
     python bench/rollout.py --device cpu --model tiny --batch-sizes 1,2,4
+    python bench/rollout.py --device cuda --model long316m --batch-sizes 16,64,256 --draft dflash --k 7 \
+        --dtype float32 --prompt-len 1536 --max-new 680 --anchor graphed
     python bench/rollout.py --device cuda --rl-like --out bench/results/rollout_rl_cuda.json
 """
 from __future__ import annotations
@@ -49,6 +58,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import inspect
 import json
 import statistics
@@ -62,6 +72,7 @@ import torch
 _IMPL = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--impl=")), None)
 sys.path.insert(0, str(Path(_IMPL).resolve()) if _IMPL else str(Path(__file__).resolve().parents[1]))
 from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
+from specco.model.dflash import BlockDraft, BlockDraftConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.rollout.engine import RolloutEngine  # noqa: E402
@@ -121,7 +132,9 @@ def build(args, device, dtype):
     with torch.device(device):  # random init on the device: seconds less for the 0.5B model
         policy = Policy(pc)
         draft = None
-        if args.draft != "none":
+        if args.draft == "dflash":  # random weights: τ ~ 1, the round's parts are timed at their static shapes
+            draft = BlockDraft(BlockDraftConfig.for_policy(pc, "dflash", args.k, mask_id=pc.vocab_size - 1))
+        elif args.draft != "none":
             dc = DraftConfig.for_policy(pc, draft_vocab_size=args.draft_vocab)
             draft = Eagle3Draft(dc)
     if args.draft == "self":  # synthetic agreeing pair, see the module docstring
@@ -147,6 +160,15 @@ def build(args, device, dtype):
     if draft is not None:
         draft = draft.to(device=device, dtype=dtype).eval()
     return policy, draft
+
+
+def _release(device):
+    """Free a deleted runner's KV cache and CUDA-graph pools before the next one is built: at fp32 with 256
+    rows x 2,216 positions each runner holds ~32 GB of cache plus its graphs' pools, and the H200 ran out
+    with three alive (2026-12-01)."""
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
 
 
 def prompts_for(args, batch, vocab):
@@ -267,6 +289,7 @@ def bench_batch(policy, draft, args, batch, device, bw):
             res.update(t_anchor_verify_ms=t_anchor_verify * 1e3, anchor_verify_over_step=t_anchor_verify / t_anchor,
                        verify_floor_bytes_ms=v_bytes * 1e3, verify_floor_flops_ms=v_flops * 1e3)
     del plain
+    _release(device)
 
     if draft is not None:
         spec = DecodeRunner(policy, cfg, draft, torch.Generator(device).manual_seed(0))
@@ -292,6 +315,7 @@ def bench_batch(policy, draft, args, batch, device, bw):
         if device == "cuda":
             res["verify_over_floor"] = t_verify / max(res["verify_floor_bytes_ms"], res["verify_floor_flops_ms"]) * 1e3
         del spec
+        _release(device)
         if device == "cuda":  # speculation control: the k the engine picks, and what it gets
             ctl_cfg = dataclasses.replace(cfg, spec_control=True)
             ctl = SpecController(k)
@@ -307,6 +331,8 @@ def bench_batch(policy, draft, args, batch, device, bw):
             ch = run.level.choice
             res.update(control_k=ch.k, control_predicted_speedup=ch.predicted_speedup,
                        control_speedup=tps / res["plain_tok_s"], control_costs_ms=ch.costs_ms)
+            del run
+            _release(device)
     return res
 
 
@@ -426,7 +452,8 @@ def main():
                     help="default: tiny; rl113m with --rl-like")
     ap.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     ap.add_argument("--k", type=int, default=None, help="default 4; 3 with --rl-like")
-    ap.add_argument("--draft", choices=["self", "random", "none"], default="self")
+    ap.add_argument("--draft", choices=["self", "random", "dflash", "none"], default="self",
+                    help="dflash: a random-weight DFlash drafter with gamma = --k (timing of its round's parts)")
     ap.add_argument("--draft-vocab", type=int, default=32000)
     ap.add_argument("--draft-noise", type=float, default=0.0)
     ap.add_argument("--draft-scale", type=float, default=None,
