@@ -198,14 +198,21 @@ def test_row_rounds_are_each_rows_decode_rounds():
 
 
 def test_phases_count_every_round_once_per_level():
-    """GenerateOutput.phases: (rows, rounds, seconds) per level entered, the whole batch first and then each
-    compacted size (smaller each time); their rounds add up to the call's decode rounds."""
+    """GenerateOutput.phases: a Phase (rows, rounds, seconds, tau) per level entered, the whole batch first
+    and then each compacted size (smaller each time); their rounds add up to the call's decode rounds, and
+    the levels' τ, weighted by their live row-rounds, give back the call's τ."""
     policy, draft, prompts, eos, base = compaction_case("structured_draft", GREEDY)
     cfg = GenerateConfig(**{**base.__dict__, "eos_token_id": eos, "compact_below": 0.6})
     out, runner = _run(policy, draft, prompts, cfg, 4, seed=0)
-    rows = [r for r, _, _ in out.phases]
+    rows = [p.rows for p in out.phases]
     assert len(rows) >= 2 and rows == sorted(rows, reverse=True) and rows[0] == len(prompts) * 4
-    assert sum(n for _, n, _ in out.phases) == out.num_target_forwards - 1  # the prefill is not a round
-    assert all(s >= 0 for _, _, s in out.phases)
+    assert sum(p.rounds for p in out.phases) == out.num_target_forwards - 1  # the prefill is not a round
+    assert all(p.seconds >= 0 for p in out.phases)
+    assert all(1.0 <= p.tau <= cfg.num_draft_tokens + 1 for p in out.phases)
+    # the levels split the call's counts: decode tokens Σ (lengths - 1) and live row-rounds Σ row_rounds
+    assert sum(p.emitted for p in out.phases) == int((out.lengths - 1).sum())
+    assert sum(p.row_rounds for p in out.phases) == int(out.row_rounds.sum())
+    assert len({p.tau for p in out.phases}) > 1  # the structured draft accepts differently at the tail
     off, _ = _run(policy, draft, prompts, GenerateConfig(**{**cfg.__dict__, "compact_below": 0.0}), 4, seed=0)
-    assert len(off.phases) == 1 and off.phases[0][1] == off.num_target_forwards - 1
+    assert len(off.phases) == 1 and off.phases[0].rounds == off.num_target_forwards - 1
+    assert off.phases[0].tau == pytest.approx(off.tau)  # one level: its τ is the call's

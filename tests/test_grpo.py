@@ -213,14 +213,32 @@ def test_tail_metrics_hand_computed():
     max_new_tokens pooled."""
     from types import SimpleNamespace
     from specco.runner.rollouts import tail_metrics
+    from specco.rollout.generate import Phase
     out = SimpleNamespace(lengths=torch.tensor([9, 4, 9, 2]), row_rounds=torch.tensor([4, 3, 2, 1]),
-                          phases=((8, 3, 0.5), (4, 1, 0.25)))
+                          phases=(Phase(8, 3, 0.5, 18, 6), Phase(4, 1, 0.25, 1, 1)))
     m = tail_metrics(out, max_new_tokens=9, texts=["a" * 500, "b", "c", "d"])
     assert m == {"rollout/slowest_row_rounds": 4, "rollout/slowest_row_tau": 8 / 4,
                  "rollout/slowest_row_text": f"{'a' * 200} … {'a' * 200}",
                  "rollout/tau_rows_at_max": (8 + 8) / (4 + 2), "rollout/tail_rounds": 1, "time/rollout_tail": 0.25,
-                 "time/rollout_phases": "8 rows x 3 rounds 0.50 s | 4 rows x 1 rounds 0.25 s"}
+                 "time/rollout_phases": "8 rows x 3 rounds 0.50 s tau 3.00 | 4 rows x 1 rounds 0.25 s tau 1.00"}
     assert "rollout/tau_rows_at_max" not in tail_metrics(out, max_new_tokens=10, texts=["a", "b", "c", "d"])
+
+
+def test_measured_speedup_hand_computed():
+    """rollout/measured_speedup: plain decoding of each level's tokens (τ_l · rounds_l plain rounds at the
+    level's measured plain cost) over the call's decode seconds; None without costs for every level."""
+    from types import SimpleNamespace
+    from specco.rollout.control import Choice
+    from specco.rollout.generate import Phase
+    from specco.runner.rollouts import measured_speedup
+    choices = (Choice(8, 3, 2.0, {0: 2.0, 3: 4.0}), Choice(8, 1, 1.5, {0: 2.0, 1: 3.0}),  # a re-choice at 8 rows
+               Choice(4, 1, 1.2, {0: 1.0, 1: 1.5}))
+    phases = (Phase(8, 10, 0.05, 240, 80), Phase(4, 20, 0.04, 60, 40))  # τ 3 and 1.5
+    out = SimpleNamespace(choices=choices, phases=phases)
+    plain = 3 * 10 * 2.0e-3 + 1.5 * 20 * 1.0e-3  # s
+    assert measured_speedup(out) == pytest.approx(plain / 0.09)
+    assert measured_speedup(SimpleNamespace(choices=choices[:2], phases=phases)) is None  # no costs at 4 rows
+    assert measured_speedup(SimpleNamespace(choices=(), phases=phases)) is None
 
 
 def test_rollouts_stop_at_every_stop_id_of_the_tokenizer(tmp_path):

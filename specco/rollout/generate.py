@@ -33,7 +33,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -92,6 +92,21 @@ class GenerateConfig:
             raise ValueError(f"compact_below must be in [0, 1) (0 disables compaction), got {self.compact_below}")
 
 
+class Phase(NamedTuple):
+    """One level a call decoded at (DecodeRunner.run): its rows, decode rounds and wall seconds (timed between
+    the per-round host syncs; a level's first use includes its capture), and the tokens emitted and live
+    row-rounds there, whose ratio is the level's own τ: a tail level's acceptance apart from the call's mean."""
+    rows: int
+    rounds: int
+    seconds: float
+    emitted: int
+    row_rounds: int
+
+    @property
+    def tau(self) -> float:
+        return self.emitted / self.row_rounds if self.row_rounds else 1.0
+
+
 @dataclass
 class GenerateOutput:
     tokens: torch.Tensor  # (N, T) int64, N = num_prompts * group_size (row b*G + g), pad after length
@@ -106,8 +121,8 @@ class GenerateOutput:
     # (N,) int64 decode rounds each row took part in: its own tokens per round is (lengths - 1) / row_rounds
     # (the prefill emits the first token). The batch runs as many rounds as its slowest row needs.
     row_rounds: torch.Tensor | None = None
-    # (rows, decode rounds, seconds) per level the call decoded at: the whole (bucketed) batch first, then each
-    # compacted size (generate.DecodeRunner.run); empty when the runner was driven round by round
+    # a Phase per level the call decoded at: the whole (bucketed) batch first, then each compacted size
+    # (DecodeRunner.run); empty when the runner was driven round by round
     phases: tuple = ()
 
 
@@ -184,7 +199,7 @@ class DecodeRunner:
         self._entry_counts: tuple | None = None  # (n_accepted, n_tried) when the current level was chosen
         self.num_rows = self.group_size = 0
         self.num_target_forwards = 0
-        self.phases: list[tuple[int, int, float]] = []  # this call's (rows, rounds, seconds) per level entered
+        self.phases: list[Phase] = []  # this call's levels entered, in order
 
     @property
     def st(self):
@@ -392,6 +407,7 @@ class DecodeRunner:
         # `phases`: rounds and wall time per level (the batch, then each compacted size), timed between the
         # per-round host syncs, so a phase holds exactly its own rounds: how much of a rollout is its tail.
         rows, rounds, t0 = self.st.finished.numel(), 0, time.perf_counter()
+        counts = self._counters()
         for _ in range(self.cfg.max_new_tokens - 1):
             live = int((~self.st.finished).sum())  # the one host sync per round
             if live == 0:
@@ -399,7 +415,7 @@ class DecodeRunner:
             size = compaction.compact_size(live, self.st.finished.numel(), self.cfg.compact_below)
             if size is not None:
                 t = time.perf_counter()
-                self.phases.append((rows, rounds, t - t0))
+                counts = self._end_phase(rows, rounds, t - t0, counts)
                 rows, rounds, t0 = size, 0, t
                 self._compact(size)
             elif (self.controller is not None and self.level.k > 0 and rounds > 0
@@ -407,7 +423,18 @@ class DecodeRunner:
                 self._recheck()
             self.round()
             rounds += 1
-        self.phases.append((rows, rounds, time.perf_counter() - t0))
+        self._end_phase(rows, rounds, time.perf_counter() - t0, counts)
+
+    def _counters(self) -> tuple[int, int]:
+        """(tokens emitted, live row-rounds) so far in this call: one host read. The counters run on across
+        levels (compaction.COUNTERS), so a phase's τ is the difference of two reads."""
+        emitted, forwards = torch.stack((self.st.n_emitted, self.st.n_row_forwards)).tolist()
+        return emitted, forwards
+
+    def _end_phase(self, rows: int, rounds: int, seconds: float, before: tuple[int, int]) -> tuple[int, int]:
+        now = self._counters()
+        self.phases.append(Phase(rows, rounds, seconds, now[0] - before[0], now[1] - before[1]))
+        return now
 
     def _compact(self, size: int):
         """Move the live rows into a `size`-row level (compaction.py) and make it the current one."""

@@ -103,10 +103,26 @@ def tail_metrics(out, max_new_tokens: int, texts: list[str]) -> dict:
     if cut.any():
         m["rollout/tau_rows_at_max"] = float(emitted[cut].sum()) / max(1, int(rounds[cut].sum()))
     if out.phases:  # the whole batch, then each compacted size: how much of the rollout the tail takes
-        m["time/rollout_phases"] = " | ".join(f"{r} rows x {n} rounds {s:.2f} s" for r, n, s in out.phases)
-        m["rollout/tail_rounds"] = sum(n for _, n, _ in out.phases[1:])
-        m["time/rollout_tail"] = sum(s for _, _, s in out.phases[1:])
+        m["time/rollout_phases"] = " | ".join(f"{p.rows} rows x {p.rounds} rounds {p.seconds:.2f} s tau {p.tau:.2f}"
+                                              for p in out.phases)
+        m["rollout/tail_rounds"] = sum(p.rounds for p in out.phases[1:])
+        m["time/rollout_tail"] = sum(p.seconds for p in out.phases[1:])
     return m
+
+
+def measured_speedup(out) -> float | None:
+    """The call's decode time against plain decoding of the same tokens, level by level: a level of R rounds
+    at τ_l tokens per live row-round would take about τ_l·R plain rounds at that level's measured plain cost,
+    so  Σ_l τ_l R_l t_plain(l) / Σ_l seconds_l  (wall seconds: capture included on a level's first use).
+    None without the controller's cost measurements for every level (speculation control off)."""
+    plain_ms = {}
+    for c in out.choices:  # the first choice at each level size carries its measured costs
+        plain_ms.setdefault(c.rows, c.costs_ms.get(0))
+    if not out.phases or any(plain_ms.get(p.rows) is None for p in out.phases):
+        return None
+    spent = sum(p.seconds for p in out.phases)
+    plain = sum(p.tau * p.rounds * plain_ms[p.rows] / 1e3 for p in out.phases)
+    return plain / spent if spent > 0 else None
 
 
 def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: Mesh | None) -> Rollouts:
@@ -146,8 +162,9 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
             root = out.choices[0]
             m["rollout/k_chosen"] = root.k
             m["rollout/predicted_speedup"] = root.predicted_speedup
-            # the same model with this call's observed τ in place of the predicted one
-            m["rollout/measured_speedup"] = out.tau * root.costs_ms[0] / root.costs_ms[root.k] if root.k else 1.0
+            speedup = measured_speedup(out)
+            if speedup is not None:
+                m["rollout/measured_speedup"] = speedup
             # every choice of the call: per level entered and per re-choice within one (rows:k), e.g. a tail
             # that turned plain on its own rows' acceptance
             m["rollout/k_path"] = " ".join(f"{c.rows}:k{c.k}" for c in out.choices)
