@@ -278,7 +278,8 @@ def _run_demo(cfg: RunConfig, mesh, rank: int, progress: bool, force_new: bool) 
         for p in remove_stale_temporaries(out):
             _say(f"removed {p}, left by an interrupted run", progress)
     device = mesh.device if mesh is not None and mesh.device.type == "cuda" else pick_device(cfg.device)
-    if device.type == "cuda":  # fp32 policies train with TF32 matmuls (10-bit mantissa products)
+    if device.type == "cuda":  # fp32 policies train and decode with TF32 matmuls (10-bit mantissa products),
+        # the engine's decode attention included (ops/decode_attention._ieee)
         torch.set_float32_matmul_precision("high")
     t_start = time.perf_counter()
     # SFT and warm start run on rank 0 (each stage is skipped when its output exists in rank 0's out_dir);
