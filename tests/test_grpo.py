@@ -260,3 +260,23 @@ def test_rollouts_stop_at_every_stop_id_of_the_tokenizer(tmp_path):
     ends = [c[-1] for _, c in seen2[0].pairs if len(c) < 12]
     assert extra in ends  # some rows stopped at the added id
     assert all(extra not in c[:-1] and tok.eos_id not in c[:-1] for _, c in seen2[0].pairs)  # and at its first
+
+
+def test_measure_tau_runs_at_the_fixed_k(monkeypatch):
+    """The warm start's real τ measures the draft at its k: speculation control is off even when the run's
+    rollout config has it on (with it, the tail re-check's k choices lowered a warm DFlash draft's τ)."""
+    import specco.runner.warmstart as ws
+    from specco.rollout.generate import GenerateConfig
+    tok, policy = _setup()
+    seen = []
+
+    class Engine(ws.RolloutEngine):
+        def __init__(self, policy, draft, cfg, **kw):
+            seen.append(cfg)
+            super().__init__(policy, draft, cfg, **kw)
+    monkeypatch.setattr(ws, "RolloutEngine", Engine)
+    cfg = GenerateConfig(max_new_tokens=5, num_draft_tokens=2, spec_control=True, eos_token_id=tok.eos_id)
+    draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), aux_layer_ids=(0, 1))
+    res = ws.measure_tau(policy, draft, DigitTask(), tok, 3, cfg, seed=0)
+    assert [c.spec_control for c in seen] == [False, False] and all(c.num_draft_tokens == 2 for c in seen)
+    assert res["plain"]["tau"] == 1.0 and 1.0 <= res["draft"]["tau"] <= 3.0

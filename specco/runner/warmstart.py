@@ -7,6 +7,8 @@ step in offline mode (policy frozen). Afterwards the simulated acceptance length
 """
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import torch
@@ -165,7 +167,11 @@ def warm_start(policy: Policy, draft: Eagle3Draft, tokens: torch.Tensor, mask: t
 def measure_tau(policy: Policy, draft: Eagle3Draft, task, tokenizer, n_prompts: int, gen_cfg: GenerateConfig,
                 seed: int) -> dict:
     """Real tau and speed of the engine with this draft vs without, on held-out prompts, generating
-    with `gen_cfg` (the run's own rollout config, `derive.generate_config`, at the temperature to measure)."""
+    with `gen_cfg` (the run's own rollout config, `derive.generate_config`, at the temperature to measure)
+    but at its fixed k: speculation control off, so tau measures the draft at the k it was trained for (the
+    simulated tau's k), not the controller's choices (on the H200 the tail re-check lowered a warm DFlash
+    draft's tau from ~5.8 to 4.8 with the same per-position acceptance)."""
+    gen_cfg = dataclasses.replace(gen_cfg, spec_control=False)
     items = task.prompts(n_prompts, seed=seed, offset=0)
     prompts = [task.prompt_ids(it, tokenizer) for it in items]
     res = {}
