@@ -280,3 +280,21 @@ def test_measure_tau_runs_at_the_fixed_k(monkeypatch):
     res = ws.measure_tau(policy, draft, DigitTask(), tok, 3, cfg, seed=0)
     assert [c.spec_control for c in seen] == [False, False] and all(c.num_draft_tokens == 2 for c in seen)
     assert res["plain"]["tau"] == 1.0 and 1.0 <= res["draft"]["tau"] <= 3.0
+
+
+def test_tau_full_k():
+    """rollout/tau_full_k: 1 + Σ_j Π_{i<=j} α_i from the conditional counts; at a fixed k it equals the call's
+    accepted draft tokens per proposing row-round plus one (1 + Σ accept_rate), whatever the stops cut."""
+    from specco.rollout.generate import GenerateConfig, generate
+    from specco.rollout.sampling import SamplingParams
+    from specco.runner.rollouts import tau_full_k
+    # hand-computed: α = 0.8, 0.5, and a third position never tried
+    assert tau_full_k((torch.tensor([80, 40, 0]), torch.tensor([100, 80, 0]))) == pytest.approx(1 + 0.8 + 0.4)
+    tok, policy = _setup()
+    draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), aux_layer_ids=(0, 1))
+    prompts = [tok.encode(s, add_bos=True) for s in ("a", "bb", "abc")]
+    cfg = GenerateConfig(max_new_tokens=30, sampling=SamplingParams(temperature=1.0), num_draft_tokens=3,
+                         eos_token_id=tok.eos_id, spec_control=False)
+    out = generate(policy, prompts, cfg, draft=draft, group_size=4, generator=torch.Generator().manual_seed(0))
+    assert out.accept_counts[1][0] > 0
+    assert tau_full_k(out.accept_counts) == pytest.approx(1 + float(out.accept_rate.sum()))

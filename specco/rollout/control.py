@@ -40,6 +40,11 @@ from dataclasses import dataclass, field
 import torch
 
 
+def expected_tokens(alphas: torch.Tensor) -> float:
+    """E[τ_k] = 1 + Σ_{j<=k} Π_{i<=j} α_i for the conditional acceptances α (k,) of the module docstring."""
+    return 1.0 + float(torch.cumprod(alphas.double(), 0).sum())
+
+
 @dataclass
 class Choice:
     """What the controller chose for one level (logged as rollout/k_chosen etc.)."""
@@ -94,7 +99,7 @@ class SpecController:
 
     def expected_tokens(self, k: int, live: tuple | None = None, pooled: bool = True) -> float:
         """E[τ_k] = 1 + Σ_{j<=k} Π_{i<=j} α_i."""
-        return 1.0 + float(torch.cumprod(self.alphas(live, pooled)[:k], 0).sum()) if k > 0 else 1.0
+        return expected_tokens(self.alphas(live, pooled)[:k]) if k > 0 else 1.0
 
     def update(self, accepted: torch.Tensor, tried: torch.Tensor) -> None:
         """Fold in one generation's counts (n_accepted, n_tried per position; state.py)."""

@@ -365,10 +365,12 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
               out / "draft.png", smooth=3)
     plot_time_split(arm_rows, out / "time_split.png")
     learn_header = ["arm", "reward (first 25%)", "reward (last 25%)", "accuracy (last 25%)", "completion len (first 25%)",
-                    "completion len (last 25%)", "tau (first 25%)", "tau (last 25%)", "accept pos1 (first 25%)",
+                    "completion len (last 25%)", "tau (first 25%)", "tau (last 25%)", "tau at full k (first 25%)",
+                    "tau at full k (last 25%)", "accept pos1 (first 25%)",
                     "accept pos1 (last 25%)", "draft loss (first 25%)", "draft loss (last 25%)"]
     learn_keys = [("reward", 0, .25), ("reward", .75, 1), ("accuracy", .75, 1), ("completion_len", 0, .25),
-                  ("completion_len", .75, 1), ("tau", 0, .25), ("tau", .75, 1), ("accept/pos1", 0, .25),
+                  ("completion_len", .75, 1), ("tau", 0, .25), ("tau", .75, 1), ("rollout/tau_full_k", 0, .25),
+                  ("rollout/tau_full_k", .75, 1), ("accept/pos1", 0, .25),
                   ("accept/pos1", .75, 1), ("draft/loss", 0, .25), ("draft/loss", .75, 1)]
     time_header = ["arm", "tokens/s", "rollout s/step", "log-prob s/step", "train s/step", "refit s/step",
                    "step s", "rollout share"]

@@ -20,6 +20,7 @@ from ..model.ttt import shift_left
 from ..parallel.cp import shard_batch, step_fns
 from ..parallel.mesh import Mesh
 from ..parallel.zigzag import ZigzagLayout
+from ..rollout.control import expected_tokens
 from ..train.cotrain import StepConfig, amp_context
 from ..train.losses import grpo_advantages, token_logprobs
 
@@ -110,6 +111,15 @@ def tail_metrics(out, max_new_tokens: int, texts: list[str]) -> dict:
     return m
 
 
+def tau_full_k(accept_counts) -> float:
+    """τ at the full k from a call's conditional acceptances ((n_accepted, n_tried) per position): the
+    draft's quality apart from the k speculation control chose per level, which the logged τ mixes in.
+    At one fixed k it is exactly that call's accepted tokens per row-round plus one; a position never
+    tried counts 0."""
+    acc, tried = (c.double() for c in accept_counts)
+    return expected_tokens(torch.where(tried > 0, acc / tried.clamp(min=1), 0.0))
+
+
 def measured_speedup(out) -> float | None:
     """The call's decode time against plain decoding of the same tokens, level by level: a level of R rounds
     at τ_l tokens per live row-round would take about τ_l·R plain rounds at that level's measured plain cost,
@@ -158,6 +168,7 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
             m[f"accept/pos{j + 1}"] = a
         if out.accept_counts is not None and out.accept_counts[1].numel():
             m["rollout/proposed"] = int(out.accept_counts[1][0])  # rounds x rows that proposed a first token
+            m["rollout/tau_full_k"] = tau_full_k(out.accept_counts)
         if out.choices:  # speculation control at the root level (all rows), rollout/control.py
             root = out.choices[0]
             m["rollout/k_chosen"] = root.k
