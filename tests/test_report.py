@@ -26,6 +26,8 @@ def test_time_split_skips_the_first_step():
 def test_report_speedups_and_plots(tmp_path):
     arms = {"none": _rows(4.0, 1.0), "cotrained": _rows(2.0, 1.25)}
     arms["none"][0]["tokens_per_s"], arms["cotrained"][0]["tokens_per_s"] = 60.0, 90.0
+    for i, r in enumerate(arms["cotrained"]):  # the engine's per-step same-token estimate (step 1 left out)
+        r["rollout/measured_speedup"] = 9.0 if i == 0 else 1.5 + 0.1 * i
     summary = write_report(RunConfig(), tmp_path, arms, {"sft_final_loss": 0.1}, {}, 12.0)
     none, co = summary["arms"]["none"], summary["arms"]["cotrained"]
     assert abs(none["step s"] - 5.12) < 1e-9 and abs(none["rollout share"] - 4.0 / 5.12) < 1e-9
@@ -37,6 +39,8 @@ def test_report_speedups_and_plots(tmp_path):
     assert abs(summary["step 1"]["cotrained"]["tokens/s vs none"] - 1.5) < 1e-9
     assert summary["step 1"]["none"]["rollout s"] == 40.0
     assert co["tau (last 25%)"] == 3.0 and co["completion len (first 25%)"] == 500.0
+    assert co["same-token rollout speedup"] == pytest.approx(1.7)  # mean of 1.6, 1.7, 1.8
+    assert none["same-token rollout speedup"] != none["same-token rollout speedup"]  # nan: no controller
     for png in ("tau_reward.png", "draft.png", "time_split.png"):
         assert (tmp_path / png).stat().st_size > 1000
     assert "end-to-end speedup" in (tmp_path / "report.md").read_text()

@@ -372,8 +372,11 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
                   ("completion_len", .75, 1), ("tau", 0, .25), ("tau", .75, 1), ("rollout/tau_full_k", 0, .25),
                   ("rollout/tau_full_k", .75, 1), ("accept/pos1", 0, .25),
                   ("accept/pos1", .75, 1), ("draft/loss", 0, .25), ("draft/loss", .75, 1)]
+    # "same-token rollout speedup": rollout/measured_speedup, each step's decoding against plain decoding of the
+    # same tokens at the same levels (runner.rollouts.measured_speedup) — free of the work drift between arms
+    # that the per-step ratios below carry; an arm without speculation control has none
     time_header = ["arm", "tokens/s", "rollout s/step", "log-prob s/step", "train s/step", "refit s/step",
-                   "step s", "rollout share"]
+                   "step s", "rollout share", "same-token rollout speedup"]
     learn_rows, time_rows = [], []
     summary = {"arms": {}, "sft": sft_m, "warm_start": warm_m, "elapsed_s": elapsed,
                "warm_start_by_kind": warm_by_kind or {}}
@@ -382,7 +385,8 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
         split = time_split(rs)  # means over steps 2.. (the first captures the CUDA graphs)
         step_s = sum(split.values())
         tr = [arm, _mean(steady_rows(rs), "tokens_per_s"), split["rollout"], split["log-prob"], split["train"],
-              split["refit"] + split["refit guard"], step_s, split["rollout"] / step_s if step_s else float("nan")]
+              split["refit"] + split["refit guard"], step_s, split["rollout"] / step_s if step_s else float("nan"),
+              _mean(steady_rows(rs), "rollout/measured_speedup")]
         learn_rows.append(lr)
         time_rows.append(tr)
         summary["arms"][arm] = {**dict(zip(learn_header[1:], lr[1:])), **dict(zip(time_header[1:], tr[1:]))}
