@@ -361,7 +361,8 @@ def first_step_table(arm_rows) -> tuple[str, dict] | None:
 def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind: dict | None = None) -> dict:
     plot_arms(arm_rows, [("tau", "acceptance length tau"), ("reward", "reward (band: ±1 s.e. over prompts)"),
                          ("completion_len", "mean completion length")], out / "tau_reward.png", smooth=3)
-    plot_arms(arm_rows, [("draft/loss", "draft loss on the current rollouts"), ("accept/pos1", "acceptance, position 1")],
+    plot_arms(arm_rows, [("draft/loss", "draft loss on the current rollouts"), ("accept/pos1", "acceptance, position 1"),
+                         ("rollout/tau_full_k", "tau at the full k (apart from the controller's k)")],
               out / "draft.png", smooth=3)
     plot_time_split(arm_rows, out / "time_split.png")
     learn_header = ["arm", "reward (first 25%)", "reward (last 25%)", "accuracy (last 25%)", "completion len (first 25%)",
