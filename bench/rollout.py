@@ -6,7 +6,8 @@ tok/s, both graphed on CUDA — never against an eager loop, DESIGN §6) and the
 τ·t_step / (t_verify + k·t_draft). On CUDA, in the same run:
   * the ANCHOR (bench/anchor.py): an independent minimal plain-PyTorch decoder of the same shapes,
     torch.compile'd and CUDA-graphed (and the same eager-graphed), timed at the same KV position —
-    step/anchor is the figure the engine is judged by; also its naive masked verify of k+1 tokens;
+    step over the faster of the two (`step_over_anchor`) is the figure the engine is judged by; also its
+    naive masked verify of k+1 tokens;
   * the read floor: (weight + live KV bytes) / the copy bandwidth measured in the run, and for the
     verify also FLOPs / 700 TFLOP/s;
   * speculation control: the k the engine picks after one teaching call, predicted vs measured;
