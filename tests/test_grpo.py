@@ -298,3 +298,21 @@ def test_tau_full_k():
     out = generate(policy, prompts, cfg, draft=draft, group_size=4, generator=torch.Generator().manual_seed(0))
     assert out.accept_counts[1][0] > 0
     assert tau_full_k(out.accept_counts) == pytest.approx(1 + float(out.accept_rate.sum()))
+
+
+def test_step_time_other_is_the_untimed_rest(tmp_path):
+    """time/other: the step's wall time outside its timed phases (scoring, batch building, checks), >= 0 and
+    below the step's wall time; the frozen arm's draft evaluation is timed apart (time/draft_eval)."""
+    import time
+    tok, policy = _setup()
+    cfg = _cfg(tmp_path, "train.steps=1")
+    draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), aux_layer_ids=(0, 1))
+    for arm in ("none", "frozen"):
+        t0 = time.perf_counter()
+        rows = run_arm(cfg, arm, policy, None if arm == "none" else draft, DigitTask(), tok, tmp_path / arm,
+                       progress=False)
+        wall = time.perf_counter() - t0
+        r = rows[0]
+        parts = sum(r[k] for k in ("time/rollout", "time/logprob", "time/train", "time/refit", "time/refit_guard"))
+        assert 0.0 <= r["time/other"] and parts + r["time/other"] <= wall
+        assert ("time/draft_eval" in r) == (arm == "frozen")

@@ -20,7 +20,11 @@ def test_time_split_skips_the_first_step():
     rows = _rows(2.0, 1.0)
     assert steady_rows(rows) == rows[1:] and steady_rows(rows[:1]) == rows[:1]
     s = time_split(rows)
-    assert s == pytest.approx({"rollout": 2.0, "log-prob": 0.0, "train": 1.0, "refit": 0.1, "refit guard": 0.02})
+    assert s == pytest.approx({"rollout": 2.0, "log-prob": 0.0, "train": 1.0, "refit": 0.1, "refit guard": 0.02,
+                               "other": 0.0})  # runs that predate time/other count 0 there
+    for r in rows:
+        r["time/other"] = 0.3
+    assert time_split(rows)["other"] == pytest.approx(0.3)
 
 
 def test_report_speedups_and_plots(tmp_path):

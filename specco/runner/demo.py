@@ -377,7 +377,7 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
     # same tokens at the same levels (runner.rollouts.measured_speedup) — free of the work drift between arms
     # that the per-step ratios below carry; an arm without speculation control has none
     time_header = ["arm", "tokens/s", "rollout s/step", "log-prob s/step", "train s/step", "refit s/step",
-                   "step s", "rollout share", "same-token rollout speedup"]
+                   "other s/step", "step s", "rollout share", "same-token rollout speedup"]
     learn_rows, time_rows = [], []
     summary = {"arms": {}, "sft": sft_m, "warm_start": warm_m, "elapsed_s": elapsed,
                "warm_start_by_kind": warm_by_kind or {}}
@@ -386,7 +386,8 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
         split = time_split(rs)  # means over steps 2.. (the first captures the CUDA graphs)
         step_s = sum(split.values())
         tr = [arm, _mean(steady_rows(rs), "tokens_per_s"), split["rollout"], split["log-prob"], split["train"],
-              split["refit"] + split["refit guard"], step_s, split["rollout"] / step_s if step_s else float("nan"),
+              split["refit"] + split["refit guard"], split["other"], step_s,
+              split["rollout"] / step_s if step_s else float("nan"),
               _mean(steady_rows(rs), "rollout/measured_speedup")]
         learn_rows.append(lr)
         time_rows.append(tr)

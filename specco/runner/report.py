@@ -112,9 +112,10 @@ def _smooth(ys, n: int) -> list:
     return [sum(ys[max(0, i - n + 1): i + 1]) / len(ys[max(0, i - n + 1): i + 1]) for i in range(len(ys))]
 
 
-# The RL step's phases as logged per step (runner/rl.py), in the order they run.
+# The RL step's phases as logged per step (runner/rl.py), in the order they run; "other" is the rest of the
+# step's wall time (scoring, batch building, checks), 0 in runs that predate it.
 TIME_PARTS = (("time/rollout", "rollout"), ("time/logprob", "log-prob"), ("time/train", "train"),
-              ("time/refit", "refit"), ("time/refit_guard", "refit guard"))
+              ("time/refit", "refit"), ("time/refit_guard", "refit guard"), ("time/other", "other"))
 
 
 def steady_rows(rows: list[dict]) -> list[dict]:
