@@ -150,6 +150,11 @@ def test_changed_config_is_refused_listing_keys(tmp_path):
     record_config(tmp_path, _cfg(tmp_path, "train.steps=3"), force_new=True)
     assert not (tmp_path / "sft_policy").exists()
     assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 3
+    # --force-new with the same config starts over too (it used to resume: found re-running a CPU rehearsal)
+    (tmp_path / "sft_policy").mkdir()
+    (tmp_path / "arms").mkdir()
+    record_config(tmp_path, _cfg(tmp_path, "train.steps=3"), force_new=True)
+    assert not (tmp_path / "sft_policy").exists() and not (tmp_path / "arms").exists()
 
 
 def test_a_key_added_since_the_run_started_resumes_at_its_default(tmp_path):

@@ -163,7 +163,7 @@ def record_config(out: Path, cfg: RunConfig, force_new: bool = False) -> None:
             raise ConfigError(f"{out} holds a run started with a different config ({f}); differing keys: "
                               f"{shown}{more}. Use the original config to resume it, another out_dir for "
                               "the new one, or --force-new to delete its outputs and start over")
-        if not diff:
+        if not diff and not force_new:  # a resume; --force-new starts over whatever the config
             return
     if force_new:
         for name in RUN_OUTPUTS:
