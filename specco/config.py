@@ -58,6 +58,7 @@ class PolicySpec:
 DRAFT_KINDS = ("eagle3", "dflash", "dspark")
 BLOCK_KINDS = ("dflash", "dspark")  # block drafters: all γ tokens of a round from one forward
 ARM_MODES = ("none", "frozen", "cotrained")
+LR_SCHEDULES = ("cosine", "constant")  # train.lr_schedule: the policy's LR after warmup (train/cotrain.py)
 
 
 def split_arm(arm: str, default_kind: str) -> tuple[str, str | None]:
@@ -207,6 +208,9 @@ class TrainSpec:
     policy_grad_clip: float = 1.0
     draft_grad_clip: float = 1.0
     warmup_steps: int = 0
+    # the policy's LR after its warmup: "cosine" decays to 10% by the last RL step, "constant" holds it (GRPO
+    # recipes commonly do; a short run then moves the policy ~1.7x as far as under an 8-step cosine)
+    lr_schedule: str = "cosine"
     draft_warmup_steps: int = 5  # RL phase: the draft's LR ramps up so the warm start is not shaken
     loss_chunk: int = 1024  # sequence chunk for vocabulary-sized fp32 work
     # The draft co-trains on rollout rows 0, n, 2n, ... (1 = all; always at least one row): its
@@ -246,6 +250,8 @@ class TrainSpec:
                "train.warmup_steps and train.draft_warmup_steps must be >= 0")
         _check(self.on_nonfinite in ("stop", "skip"), f"train.on_nonfinite={self.on_nonfinite!r}: use 'stop' "
                "or 'skip'")
+        _check(self.lr_schedule in LR_SCHEDULES, f"train.lr_schedule={self.lr_schedule!r}: use one of "
+               f"{', '.join(repr(x) for x in LR_SCHEDULES)}")
         _check(self.steps >= 0 and self.sft_steps >= 0 and self.warm_start_steps >= 0,
                "train.steps, train.sft_steps and train.warm_start_steps must be >= 0")
         _check(self.lr > 0 and self.draft_lr > 0 and self.warm_start_lr > 0,

@@ -316,3 +316,30 @@ def test_step_time_other_is_the_untimed_rest(tmp_path):
         parts = sum(r[k] for k in ("time/rollout", "time/logprob", "time/train", "time/refit", "time/refit_guard"))
         assert 0.0 <= r["time/other"] and parts + r["time/other"] <= wall
         assert ("time/draft_eval" in r) == (arm == "frozen")
+
+
+def test_lr_schedules():
+    """train.lr_schedule: the policy's LR decays by cosine to 10% ("cosine", the default) or holds after its
+    warmup ("constant"); the draft's ramps over draft_warmup_steps then holds, either way; a bad name is
+    refused by name."""
+    from specco.config import ConfigError
+    from specco.train.cotrain import build_optimizer, build_scheduler
+    tok, policy = _setup()
+    draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), aux_layer_ids=(0, 1))
+    for schedule in ("cosine", "constant"):
+        opt = build_optimizer(policy, draft, 1e-3, 2e-3)
+        sched = build_scheduler(opt, 8, warmup_steps=2, draft_warmup_steps=2, policy_schedule=schedule)
+        lrs = []
+        for _ in range(8):
+            lrs.append([g["lr"] for g in opt.param_groups])
+            opt.step()
+            sched.step()
+        policy_lr, draft_lr = [x[0] for x in lrs], [x[1] for x in lrs]
+        assert policy_lr[:2] == pytest.approx([5e-4, 1e-3]) and draft_lr == pytest.approx([1e-3] + [2e-3] * 7)
+        if schedule == "constant":
+            assert policy_lr[2:] == pytest.approx([1e-3] * 6)
+        else:  # cosine from the peak at the end of warmup towards 10% at the last step
+            assert policy_lr[2] == pytest.approx(1e-3) and all(a > b for a, b in zip(policy_lr[2:], policy_lr[3:]))
+            assert policy_lr[-1] > 1e-4
+    with pytest.raises(ConfigError, match="train.lr_schedule='linear'"):
+        _cfg(None, "train.lr_schedule=linear")

@@ -139,7 +139,8 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
     if cfg.train.activation_checkpointing:  # the trainer's copy only: the engine's never runs a backward
         apply_activation_checkpointing(policy)
     opt = build_optimizer(policy, draft if mode == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
-    sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps)
+    sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps,
+                            cfg.train.lr_schedule)
     # On the models' device: the engine draws its uniforms there (CUDA needs a CUDA generator).
     # Each data-parallel rank samples its own stream (rank 0's is the single-process one).
     gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(cfg.train.seed + 1 + 7919 * rank)

@@ -101,12 +101,18 @@ def build_optimizer(policy: Policy | None, draft: Eagle3Draft | None, lr: float,
 
 
 def build_scheduler(opt: torch.optim.Optimizer, total_steps: int, warmup_steps: int = 0,
-                    draft_warmup_steps: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
-    """Policy: linear warmup then cosine decay to 10%. Draft: linear warmup then constant, because
-    the draft must keep tracking a moving policy to the end of RL (a decayed draft LR stops it)."""
+                    draft_warmup_steps: int = 0, policy_schedule: str = "cosine") -> torch.optim.lr_scheduler.LambdaLR:
+    """Policy: linear warmup, then cosine decay to 10% (`policy_schedule` "cosine") or constant ("constant").
+    Draft: linear warmup then constant, because the draft must keep tracking a moving policy to the end of
+    RL (a decayed draft LR stops it)."""
+    if policy_schedule not in ("cosine", "constant"):
+        raise ValueError(f"policy_schedule={policy_schedule!r}: expected 'cosine' or 'constant'")
+
     def policy_fn(step):
         if step < warmup_steps:
             return (step + 1) / warmup_steps
+        if policy_schedule == "constant":
+            return 1.0
         t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
 
