@@ -15,6 +15,7 @@ from specco.rollout.forward import RopeTable, draft_step
 from safetensors.torch import load_file, save_file
 
 from specco.cli import main
+from cli_helpers import generate_texts
 from specco.export import export_draft, import_draft, load_draft
 from specco.export import formats
 from specco.model.config import ConfigError, DraftConfig, PolicyConfig
@@ -348,11 +349,7 @@ def test_generate_with_exported_draft(tmp_path, capsys):
     draft = _draft()
     draft.save(tmp_path / "native")
     export_draft(draft, tmp_path / "vllm", "vllm", POLICY)
-    texts = []
-    for d in ("native", "vllm"):
-        main(["generate", "--policy", str(tmp_path / "pol"), "--draft", str(tmp_path / d), "--prompt", "3+4=",
-              "--max-new-tokens", "6", "--k", "2", "--device", "cpu"])
-        texts.append(capsys.readouterr().out)
+    texts = generate_texts(capsys, tmp_path / "pol", [tmp_path / "native", tmp_path / "vllm"], 6, 2)
     assert texts[0] == texts[1] and texts[0].startswith("3+4=")
 
 

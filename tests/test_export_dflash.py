@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specco.cli import main
+from cli_helpers import generate_texts
 from specco.export import export_dflash, import_dflash, load_block_draft
 from specco.export.dflash import tensor_shapes
 from specco.model.config import ConfigError, PolicyConfig
@@ -151,11 +152,7 @@ def test_cli_export_generate_and_draft_init(tmp_path, capsys):
     main(["export", "--draft", str(tmp_path / "native"), "--out", str(tmp_path / "x"), "--engine", "sglang",
           "--policy", str(tmp_path / "pol")])
     assert "DFlash draft written" in capsys.readouterr().out
-    texts = []
-    for d in ("native", "x"):
-        main(["generate", "--policy", str(tmp_path / "pol"), "--draft", str(tmp_path / d), "--prompt", "3+4=",
-              "--max-new-tokens", "8", "--k", "4", "--device", "cpu"])
-        texts.append(capsys.readouterr().out)
+    texts = generate_texts(capsys, tmp_path / "pol", [tmp_path / "native", tmp_path / "x"], 8, 4)
     assert texts[0] == texts[1] and texts[0].startswith("3+4=")
     spec = load_config(None, ["draft.kind=dflash", f"draft.init={tmp_path / 'x'}"]).draft
     got = initial_draft(policy, torch.zeros(1, 4, dtype=torch.long), spec, gamma=4)

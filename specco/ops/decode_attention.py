@@ -185,7 +185,7 @@ def _ieee(q: torch.Tensor) -> bool:
     """fp32 scores and p·v in full fp32 FMA (exact against the twin) unless torch's float32 matmul precision
     allows TF32, as the GPU runs set it ("high"): the cache is then read through tensor cores in TF32, as
     every other matmul of that forward is. On the H200 at KV position 1,536 the IEEE dot made an fp32 plain
-    decode step 3.8-4.4x its read floor (bench/rollout.py, BENCHMARKS.md): with G·T = 4 query rows padded
+    decode step 3.8-4.8x its read floor (bench/rollout.py, BENCHMARKS.md): with G·T = 4 query rows padded
     to 16 it is FMA-bound, not bandwidth-bound."""
     return q.dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
 

@@ -62,7 +62,7 @@ from ..train.nonfinite import NonFiniteError, check_finite
 from ..train.losses import all_reduce_sums, metrics_to_floats
 from .derive import arm_config, engine_dtype, generate_config, step_config
 from .rl_pp import PipelineArm, gather_for_refit, pp_checkpoint_state, pp_restore, pp_train_updates
-from .report import MetricsLog
+from .report import TIME_PARTS, MetricsLog
 from .stages import seed_stage
 from .rollouts import Rollouts, collect_rollouts, engine_logprob_gap, longest_prompt, minibatches
 
@@ -276,8 +276,7 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
     # the rest of the step's wall time: scoring and decoding the completions, building the micro-batches,
     # the finiteness checks, the metric reduction. It is part of what an RL step costs, so the report's step
     # time counts it; the frozen arm's draft evaluation (metrics only) is left out
-    timed = sum(m.get(k, 0.0) for k in ("time/rollout", "time/logprob", "time/train", "time/refit",
-                                         "time/refit_guard", "time/draft_eval"))
+    timed = sum(m.get(k, 0.0) for k, _ in TIME_PARTS if k != "time/other") + m.get("time/draft_eval", 0.0)
     m["time/other"] = max(0.0, time.perf_counter() - t_step - timed)
     return m
 

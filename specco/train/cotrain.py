@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..batch import TrainBatch, longest_first
-from ..config import DraftSpec, TrainSpec
+from ..config import LR_SCHEDULES, DraftSpec, TrainSpec
 from ..model.dflash import BlockDraft, slot_weights
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
@@ -105,8 +105,8 @@ def build_scheduler(opt: torch.optim.Optimizer, total_steps: int, warmup_steps: 
     """Policy: linear warmup, then cosine decay to 10% (`policy_schedule` "cosine") or constant ("constant").
     Draft: linear warmup then constant, because the draft must keep tracking a moving policy to the end of
     RL (a decayed draft LR stops it)."""
-    if policy_schedule not in ("cosine", "constant"):
-        raise ValueError(f"policy_schedule={policy_schedule!r}: expected 'cosine' or 'constant'")
+    if policy_schedule not in LR_SCHEDULES:
+        raise ValueError(f"policy_schedule={policy_schedule!r}: expected one of {LR_SCHEDULES}")
 
     def policy_fn(step):
         if step < warmup_steps:
