@@ -130,3 +130,30 @@ def test_derived_configs_come_from_the_run_config():
     assert dataclasses.replace(StepConfig(), temperature=d.temperature) == d
     with pytest.raises(ConfigError, match="unknown config key 'draft.enabled'"):
         load_config(None, ["draft.enabled=false"])  # a key that did nothing is gone
+
+
+def test_logprob_recompute_runs_the_train_steps_micro_batches():
+    """Minibatch.logprobs on padded, long-tailed rows: through the train step's micro-batches (each cut to
+    its longest row), equal to one forward of the whole minibatch at every trained position (1e-5: fp32,
+    only the GEMM and attention shapes differ), and bit-equal to the train step's own forward, so the first
+    update's ratio is exactly 1 (ratio_dev 0)."""
+    from specco.runner.rollouts import Minibatch, recompute_logprobs
+    from specco.train.cotrain import cotrain_step
+    _, policy = _setup()
+    torch.manual_seed(0)
+    B, S = 6, 24
+    tokens = torch.randint(1, policy.cfg.vocab_size, (B, S))
+    mask = torch.zeros(B, S)
+    for b, n in enumerate([24, 5, 13, 9, 20, 7]):  # completion from column 3 to n (rows end at n)
+        mask[b, 3:n] = 1
+        tokens[b, n:] = 0
+    batch = TrainBatch(tokens=tokens, target_mask=mask, advantages=torch.randn(B))
+    cfg = dataclasses.replace(StepConfig(), micro_batch_rows=2)
+    got = Minibatch(batch, {}, list(range(B))).logprobs(policy, cfg)
+    whole = recompute_logprobs(policy, tokens, cfg)
+    at = mask[:, 1:] != 0  # log-prob of token j sits at position j - 1
+    assert torch.allclose(got[:, :-1][at], whole[:, :-1][at], atol=1e-5, rtol=0)
+    batch.logp_old = got
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    m = cotrain_step(policy, None, batch, opt, None, cfg)
+    assert m["policy/ratio_dev"] == 0.0 and m["policy/ratio_mean"] == 1.0, m

@@ -177,3 +177,41 @@ def test_tokenizer_stop_ids_round_trip(tmp_path):
     assert load_tokenizer(tmp_path / "b").stop_ids == (7, tok.eos_id)
     (tmp_path / "a" / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
     assert load_tokenizer(tmp_path / "a").stop_ids == (9, tok.eos_id)  # specco's SFT ends with eos: kept
+
+
+def test_decode_of_a_tensor_reads_it_once_and_matches_the_list():
+    """`decode` of a tensor gives the text of its ids as a list does, through one .tolist() (iterating a
+    device tensor would read one element per sync: the 2-4 s of host time per long RL step it cost)."""
+    tok = build_char_tokenizer()
+    ids = tok.encode("12+3-4=11\n...", add_bos=True)
+
+    class CountingTensor(torch.Tensor):  # counts element reads (iteration) against whole-tensor reads
+        reads = {"iter": 0, "tolist": 0}
+
+        def __iter__(self):
+            CountingTensor.reads["iter"] += 1
+            return super().__iter__()
+
+        def tolist(self):
+            CountingTensor.reads["tolist"] += 1
+            return super().tolist()
+
+    t = torch.tensor(ids).as_subclass(CountingTensor)
+    assert tok.decode(t) == tok.decode(ids) == tok.decode(torch.tensor(ids)[None, :][0])
+    assert CountingTensor.reads == {"iter": 0, "tolist": 1}
+
+
+def test_completions_and_pairs_from_one_host_copy():
+    """runner.rollouts.completions: each row's ids up to its length; rollout_pairs pairs them with the
+    row's prompt (row b*G+g: prompt b) whether it copies them itself or is given them."""
+    from types import SimpleNamespace
+
+    from specco.runner.rollouts import completions, rollout_pairs
+    g = torch.Generator().manual_seed(0)
+    tokens, lengths = torch.randint(0, 50, (6, 9), generator=g), torch.tensor([9, 1, 4, 7, 2, 5])
+    out = SimpleNamespace(tokens=tokens, lengths=lengths, group_size=3)
+    comps = completions(out)
+    assert comps == [tokens[r, :int(lengths[r])].tolist() for r in range(6)]
+    prompts = [[1, 2], [3]]
+    want = [(prompts[r // 3], comps[r]) for r in range(6)]
+    assert rollout_pairs(prompts, out) == rollout_pairs(prompts, out, comps) == want

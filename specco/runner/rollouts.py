@@ -21,11 +21,11 @@ from ..parallel.cp import shard_batch, step_fns
 from ..parallel.mesh import Mesh
 from ..parallel.zigzag import ZigzagLayout
 from ..rollout.control import expected_tokens
-from ..train.cotrain import StepConfig, amp_context
+from ..train.cotrain import StepConfig, amp_context, micro_batch_cuts
 from ..train.losses import grpo_advantages, token_logprobs
 
 __all__ = ["Rollouts", "collect_rollouts", "Minibatch", "minibatches", "recompute_logprobs", "pad_pairs",
-           "rollout_pairs", "build_batch", "rank_slice", "engine_logprob_gap"]
+           "rollout_pairs", "completions", "build_batch", "rank_slice", "engine_logprob_gap"]
 
 
 def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int):
@@ -39,11 +39,18 @@ def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int):
     return tokens, mask
 
 
-def rollout_pairs(prompts: list[list[int]], out) -> list[tuple[list[int], list[int]]]:
-    """(prompt, completion) per output row; row b*G+g holds sample g of prompt b."""
+def completions(out) -> list[list[int]]:
+    """Each output row's completion ids, from one host copy of the engine's (device) tokens."""
+    tokens, lengths = out.tokens.cpu(), out.lengths.cpu().tolist()
+    return [tokens[r, :n].tolist() for r, n in enumerate(lengths)]
+
+
+def rollout_pairs(prompts: list[list[int]], out, comps: list[list[int]] | None = None
+                  ) -> list[tuple[list[int], list[int]]]:
+    """(prompt, completion) per output row; row b*G+g holds sample g of prompt b. `comps`: the rows'
+    completions when the caller already has them (`completions(out)`)."""
     G = out.group_size
-    return [(prompts[r // G], out.tokens[r, :int(out.lengths[r])].tolist())
-            for r in range(out.tokens.shape[0])]
+    return [(prompts[r // G], c) for r, c in enumerate(completions(out) if comps is None else comps)]
 
 
 def build_batch(pairs, pad_id: int, device) -> TrainBatch:
@@ -151,7 +158,8 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
         out = engine.generate(prompts, group_size=r.group_size, generator=gen)
         t_roll = time.perf_counter() - t0
         N = out.tokens.shape[0]
-        texts = [tokenizer.decode(out.tokens[i, :int(out.lengths[i])]) for i in range(N)]
+        comps = completions(out)  # one device -> host copy; the texts, rewards and pairs all read it
+        texts = [tokenizer.decode(c) for c in comps]
         rewards = torch.tensor([task.score(t, items[i // r.group_size]) for i, t in enumerate(texts)])
         n_tok = int(out.lengths.sum())
         per_prompt = rewards.view(-1, r.group_size).mean(1)  # (prompts,): the groups are the i.i.d. units
@@ -179,8 +187,9 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
             # every choice of the call: per level entered and per re-choice within one (rows:k), e.g. a tail
             # that turned plain on its own rows' acceptance
             m["rollout/k_path"] = " ".join(f"{c.rows}:k{c.k}" for c in out.choices)
-        ro = Rollouts(rollout_pairs(prompts, out), r.group_size, grpo_advantages(rewards, r.group_size),
-                      [out.logprobs[i, :int(out.lengths[i])].float().cpu().tolist() for i in range(N)], m)
+        logprobs = out.logprobs.float().cpu()
+        ro = Rollouts(rollout_pairs(prompts, out, comps), r.group_size, grpo_advantages(rewards, r.group_size),
+                      [logprobs[i, :len(c)].tolist() for i, c in enumerate(comps)], m)
     if staged and mesh.cp_rank == 0:  # stage 0 -> the other stages' CP rank 0, then (below) their CP groups
         box = [ro]
         dist.broadcast_object_list(box, group=mesh.pp_group, group_src=0)
@@ -211,8 +220,22 @@ class Minibatch:
     rows: list[int]  # the Rollouts rows it holds, in order
 
     def logprobs(self, policy: Policy, cfg: StepConfig) -> torch.Tensor:
-        return recompute_logprobs(policy, self.batch.tokens, cfg, self.batch.positions, self.fns.get("shift", shift_left),
-                                  self.fns.get("attn_core"))
+        """(B, S) log-probs of the minibatch's tokens under `policy`. Padded rows go through the train step's
+        own micro-batches (cotrain.micro_batch_cuts: longest rows first, each cut to its longest row), not
+        one forward of every row at the minibatch's longest width: the long workload's rows average ~750 of
+        up to 2,150 tokens, so that forward was mostly padding (and its attention quadratic in the width).
+        Same shapes as the train step's forward, so an unchanged policy's PPO ratio is exactly 1. Positions
+        past a row's cut stay 0: nothing trained reads them."""
+        b = self.batch
+        if self.fns or cfg.micro_batch_rows <= 0 or cfg.micro_batch_rows >= b.tokens.shape[0]:
+            return recompute_logprobs(policy, b.tokens, cfg, b.positions, self.fns.get("shift", shift_left),
+                                      self.fns.get("attn_core"))
+        out = torch.zeros(b.tokens.shape, dtype=torch.float32, device=b.tokens.device)
+        for idx, width in micro_batch_cuts(b, cfg.micro_batch_rows, cfg.width_multiple):
+            rows = torch.tensor(idx, dtype=torch.long, device=b.tokens.device)
+            part = b.take(rows).trimmed(width)
+            out[rows, :width] = recompute_logprobs(policy, part.tokens, cfg, part.positions).float()
+        return out
 
 
 def _layout(batch: TrainBatch, lengths: list[int], rows_of: list[int], cfg: StepConfig, mesh: Mesh | None
