@@ -7,7 +7,7 @@ first, each cut to its longest row. Rows: half short (a direct answer, 70 tokens
 tokens, uniform), so the mean is ~690 and the tail is the budget, as in the run. The floor is the forward's
 matmul FLOPs (2 x parameters x real tokens) at `--peak` TFLOP/s.
 
-    python bench/logprob_recompute.py --device cuda [--rows 256 --minibatches 4 --micro 16]
+    python bench/logprob_recompute.py --device cuda [--rows 256 --minibatches 4 --micro 16] [--compile inductor]
 """
 from __future__ import annotations
 
@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--peak", type=float, default=790.0, help="bf16 matmul TFLOP/s of the device (the floor)")
     ap.add_argument("--no-train", action="store_true", help="skip timing the train step")
+    ap.add_argument("--compile", default="none", help="then the same with train.compile=BACKEND (inductor): "
+                    "its first call (the compiles) is timed apart")
     ap.add_argument("--profile", action="store_true", help="print the top kernels of one new recompute and train step")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -98,6 +100,27 @@ def main() -> None:
             b.logp_old = Minibatch(b, {}, list(range(n))).logprobs(policy, cfg)
         res["train_s"] = timed(lambda: [cotrain_step(policy, None, b, opt, None, cfg) for b in mbs], dev, a.iters)
         res["train_floor_s"] = 3 * res["floor_s"]
+    if a.compile != "none":
+        from specco.train.compile import apply_compile
+        apply_compile(policy, a.compile)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for b in mbs:
+                Minibatch(b, {}, list(range(n))).logprobs(policy, cfg)
+        if not a.no_train:
+            for b in mbs:
+                cotrain_step(policy, None, b, opt, None, cfg)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        res["compile_first_calls_s"] = time.perf_counter() - t0
+        with torch.no_grad():
+            res["compiled_new_s"] = timed(lambda: [Minibatch(b, {}, list(range(n))).logprobs(policy, cfg) for b in mbs],
+                                          dev, a.iters)
+        if not a.no_train:
+            res["compiled_train_s"] = timed(lambda: [cotrain_step(policy, None, b, opt, None, cfg) for b in mbs], dev,
+                                            a.iters)
+        print(f"compiled ({a.compile}): first calls {res['compile_first_calls_s']:.1f} s; recompute "
+              f"{res['compiled_new_s']:.3f} s" + ("" if a.no_train else f", train step {res['compiled_train_s']:.3f} s"))
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])

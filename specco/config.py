@@ -59,6 +59,8 @@ DRAFT_KINDS = ("eagle3", "dflash", "dspark")
 BLOCK_KINDS = ("dflash", "dspark")  # block drafters: all γ tokens of a round from one forward
 ARM_MODES = ("none", "frozen", "cotrained")
 LR_SCHEDULES = ("cosine", "constant")  # train.lr_schedule: the policy's LR after warmup (train/cotrain.py)
+# train.compile: torch.compile backend of the trainer's decoder layers (train/compile.py); "none" = eager
+COMPILE_BACKENDS = ("none", "inductor", "aot_eager")
 
 
 def split_arm(arm: str, default_kind: str) -> tuple[str, str | None]:
@@ -227,6 +229,10 @@ class TrainSpec:
     # Recompute each policy layer's activations in the backward instead of keeping them
     # (train/activation_checkpointing.py): long contexts, at one extra layer forward per layer.
     activation_checkpointing: bool = False
+    # torch.compile the RL trainer's decoder layers (train/compile.py): "inductor" fuses the eager forward's
+    # elementwise kernels (norms, RoPE, SwiGLU, casts); "aot_eager" only checks that they compile; "none" =
+    # eager. The rollout engine is never compiled (its decode path has its own fused kernels).
+    compile: str = "none"
     # Mixed precision of the train step (and the log-prob recompute): "bf16" runs forwards and losses
     # under torch.autocast(bfloat16) with fp32 weights, gradients and optimizer state; "none" = off.
     amp: str = "none"
@@ -250,6 +256,11 @@ class TrainSpec:
                "train.warmup_steps and train.draft_warmup_steps must be >= 0")
         _check(self.on_nonfinite in ("stop", "skip"), f"train.on_nonfinite={self.on_nonfinite!r}: use 'stop' "
                "or 'skip'")
+        _check(self.compile in COMPILE_BACKENDS, f"train.compile={self.compile!r}: use one of "
+               f"{', '.join(repr(x) for x in COMPILE_BACKENDS)}")
+        _check(self.compile == "none" or not self.activation_checkpointing,
+               f"train.compile={self.compile!r} with train.activation_checkpointing: compiling checkpointed "
+               "layers is not implemented; use one of the two")
         _check(self.lr_schedule in LR_SCHEDULES, f"train.lr_schedule={self.lr_schedule!r}: use one of "
                f"{', '.join(repr(x) for x in LR_SCHEDULES)}")
         _check(self.steps >= 0 and self.sft_steps >= 0 and self.warm_start_steps >= 0,

@@ -111,6 +111,14 @@ def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[
             how = f"set parallel.pp x parallel.dp x parallel.cp = {world}"
         raise ConfigError(f"parallel.pp x parallel.dp x parallel.cp = {p.pp} x {p.dp} x {p.cp} = {n} but "
                           f"{world} process(es) were launched (WORLD_SIZE): {how}")
+    if cfg.train.compile != "none" and command != "train":
+        raise ConfigError(f"train.compile={cfg.train.compile!r}: compiles the RL trainer's layers (`specco train`); "
+                          f"`specco {command}` does not; set train.compile=none")
+    if cfg.train.compile != "none" and (p.pp > 1 or p.cp > 1):
+        # the ring's sends and the pipeline's stage modules run inside the layers: not traced here
+        raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.pp={p.pp}, parallel.cp={p.cp}: "
+                          "compiling the layers of a pipeline stage or under context parallelism is not "
+                          "implemented; set train.compile=none")
     if command == "train" and p.pp > 1:
         if cfg.train.amp != "none":
             raise ConfigError(f"train.amp={cfg.train.amp!r} with parallel.pp={p.pp}: not supported yet (the schedule "
