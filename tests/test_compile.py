@@ -37,6 +37,7 @@ def test_compiled_layers_match_eager_outputs_and_gradients(backend):
     compiled = apply_compile(copy.deepcopy(eager), backend)
     torch._dynamo.reset()
     _COMPILED.clear()
+    torch._dynamo.utils.counters.clear()
     g = torch.Generator().manual_seed(0)
     for width in (11, 17, 9):  # micro-batch widths vary; dynamic=True serves them all
         tokens = torch.randint(0, 32, (3, width), generator=g)
@@ -46,6 +47,9 @@ def test_compiled_layers_match_eager_outputs_and_gradients(backend):
         for n, w in want_grads.items():
             assert torch.allclose(got_grads[n], w, atol=1e-5, rtol=0), (n, (got_grads[n] - w).abs().max())
     assert len(_COMPILED) == 1  # one compiled forward for all three layers
+    # one graph for 3 layers x 3 widths: the layers' parameters are graph inputs and the width is dynamic
+    # (28 graphs would pass torch's recompile limit of 8, and the rest of the layers would run eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     remove_compile(compiled)
     assert all("forward" not in layer.__dict__ for layer in compiled.layers.values())
 
