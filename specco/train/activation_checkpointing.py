@@ -54,7 +54,13 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
 
 def remove_activation_checkpointing(model: nn.Module) -> nn.Module:
     """Undo `apply_activation_checkpointing`."""
+    return unwrap_layers(model, _CheckpointedForward)
+
+
+def unwrap_layers(model: nn.Module, wrapper: type) -> nn.Module:
+    """Drop every decoder layer's instance `forward` of type `wrapper` (this one or train/compile.py's), so
+    the layer's own forward runs again; returns the model."""
     for layer in _layers(model):
-        if isinstance(layer.__dict__.get("forward"), _CheckpointedForward):
+        if isinstance(layer.__dict__.get("forward"), wrapper):
             del layer.forward
     return model

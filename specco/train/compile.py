@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..config import COMPILE_BACKENDS
-from .activation_checkpointing import _layers
+from .activation_checkpointing import _layers, unwrap_layers
 
 __all__ = ["COMPILE_BACKENDS", "apply_compile", "remove_compile"]
 
@@ -67,7 +67,4 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
 
 def remove_compile(model: nn.Module) -> nn.Module:
     """Undo `apply_compile`."""
-    for layer in _layers(model):
-        if isinstance(layer.__dict__.get("forward"), _CompiledForward):
-            del layer.forward
-    return model
+    return unwrap_layers(model, _CompiledForward)
