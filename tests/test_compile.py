@@ -50,6 +50,10 @@ def test_compiled_layers_match_eager_outputs_and_gradients(backend):
     # one graph for 3 layers x 3 widths: the layers' parameters are graph inputs and the width is dynamic
     # (28 graphs would pass torch's recompile limit of 8, and the rest of the layers would run eager)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    # ... and every copy of the model (each RL arm deep-copies the policy): no recompile per arm, which past the
+    # limit would leave the later arms eager
+    _loss_and_grads(copy.deepcopy(compiled), tokens)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     remove_compile(compiled)
     assert all("forward" not in layer.__dict__ for layer in compiled.layers.values())
 
