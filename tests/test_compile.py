@@ -4,7 +4,8 @@
   "aot_eager" (fast lane: the same graph capture and autograd, no code generation) and "inductor" (slow:
   generated C++ on CPU). Tolerance 1e-5 in fp32: inductor reorders fp32 sums and fuses the norms; a wrong
   layer, argument or missing gradient is O(1).
-* One compiled function serves every layer and every width (no recompiles past the dynamic one).
+* One compiled function serves every layer, width and model copy (no recompiles past the dynamic one);
+  warm_up compiles both graphs before the first step and leaves no state behind.
 * An RL run with train.compile = aot_eager matches the eager run's first-step numbers.
 * Refused by name: an unknown backend, with activation checkpointing, with CP/PP, outside `specco train`.
 """
@@ -18,7 +19,7 @@ from specco.model.config import ConfigError
 from specco.runner.derive import check_parallel
 from specco.runner.rl import run_arm
 from specco.train.activation_checkpointing import apply_activation_checkpointing
-from specco.train.compile import _COMPILED, apply_compile, remove_compile
+from specco.train.compile import _COMPILED, apply_compile, remove_compile, warm_up
 from test_grpo import DigitTask, _cfg, _setup
 from test_rollout_helpers import tiny_policy
 
@@ -56,6 +57,23 @@ def test_compiled_layers_match_eager_outputs_and_gradients(backend):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     remove_compile(compiled)
     assert all("forward" not in layer.__dict__ for layer in compiled.layers.values())
+
+
+def test_warm_up_compiles_before_the_first_step_and_leaves_no_state():
+    """warm_up: both graphs (train, no-grad) compiled on a dummy batch, no gradient left behind, and later
+    real batches of other widths and row counts compile nothing more."""
+    policy = apply_compile(tiny_policy(V=32, h=32, layers=2), "aot_eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    weights = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    warm_up(policy, None)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+    assert all(p.grad is None for p in policy.parameters())
+    assert all(torch.equal(p, weights[n]) for n, p in policy.named_parameters())
+    _loss_and_grads(policy, torch.randint(0, 32, (5, 23)))
+    with torch.no_grad():
+        policy(torch.randint(0, 32, (3, 41)))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
 def test_rl_step_with_compiled_layers_matches_eager(tmp_path):

@@ -55,7 +55,7 @@ from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
 from .refit_guard import MIN_TRIES, check_acceptance
 from ..train.activation_checkpointing import apply_activation_checkpointing
-from ..train.compile import apply_compile
+from ..train.compile import apply_compile, warm_up
 from ..train.checkpoint import load_latest, remove_stale_temporaries, save_checkpoint, set_rng_state
 from ..train.cotrain import (StepConfig, amp_context, block_loss, build_optimizer, build_scheduler, cotrain_step,
                              draft_loss, draft_rows, micro_batches, step_counts)
@@ -139,7 +139,10 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
             draft = None  # the co-trained draft lives on the last stage; the engine has its own copy
     if cfg.train.activation_checkpointing:  # the trainer's copy only: the engine's never runs a backward
         apply_activation_checkpointing(policy)
-    apply_compile(policy, cfg.train.compile)  # the trainer's copy only (train/compile.py)
+    if cfg.train.compile != "none":  # the trainer's copy only (train/compile.py); compiled here, not in step 1
+        secs = warm_up(apply_compile(policy, cfg.train.compile), step_config(cfg, mode).amp_dtype)
+        if secs > 1.0:
+            print(f"specco: arm {arm}: the trainer's layers compiled ({cfg.train.compile}) in {secs:.0f} s", flush=True)
     opt = build_optimizer(policy, draft if mode == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
     sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps,
                             cfg.train.lr_schedule)

@@ -18,13 +18,15 @@ in fp32), so the PPO ratio of an unchanged policy is 1 to rounding rather than b
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from ..config import COMPILE_BACKENDS
 from .activation_checkpointing import _layers, unwrap_layers
 
-__all__ = ["COMPILE_BACKENDS", "apply_compile", "remove_compile"]
+__all__ = ["COMPILE_BACKENDS", "apply_compile", "remove_compile", "warm_up"]
 
 # COMPILE_BACKENDS: "inductor", the fast one (CUDA, or CPU with a C++ compiler); "aot_eager", torch's
 # debugging backend (the same graph capture and autograd, no code generation: no speedup), for checking
@@ -63,6 +65,26 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
                              "compiling a checkpointed layer is not implemented")
         layer.forward = _CompiledForward(layer, backend)
     return model
+
+
+def warm_up(model: nn.Module, amp_dtype: torch.dtype | None, rows: int = 2, width: int = 64) -> float:
+    """Compile `model`'s layers now, not inside the first timed RL step: one forward + backward and one
+    no-grad forward on a dummy batch (token 0), under the step's autocast. Leaves no gradient behind and
+    touches no optimizer or RNG state; returns the seconds it took. With dynamic shapes, later widths and
+    row counts reuse these graphs (tests/test_compile.py counts them)."""
+    import time
+    t0 = time.perf_counter()
+    p = next(model.parameters())
+    tokens = torch.zeros(rows, width, dtype=torch.long, device=p.device)
+    amp = torch.autocast(p.device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
+    with amp:
+        model(tokens).logits.float().sum().backward()
+        with torch.no_grad():
+            model(tokens)
+    model.zero_grad(set_to_none=True)
+    if p.is_cuda:
+        torch.cuda.synchronize(p.device)
+    return time.perf_counter() - t0
 
 
 def remove_compile(model: nn.Module) -> nn.Module:
