@@ -45,6 +45,10 @@ def test_report_speedups_and_plots(tmp_path):
     assert co["tau (last 25%)"] == 3.0 and co["completion len (first 25%)"] == 500.0
     assert co["same-token rollout speedup"] == pytest.approx(1.7)  # mean of 1.6, 1.7, 1.8
     assert none["same-token rollout speedup"] != none["same-token rollout speedup"]  # nan: no controller
+    # steps 2-4 of the co-trained arm: step 3.37 s, rollout 2.0 s at 1.6 / 1.7 / 1.8x -> plain 3.37 + 2.0 * 0.6 ...
+    want = sum(3.37 + 2.0 * (m - 1) for m in (1.6, 1.7, 1.8)) / (3 * 3.37)
+    assert co["same-token end-to-end speedup"] == pytest.approx(want, rel=1e-12)
+    assert none["same-token end-to-end speedup"] != none["same-token end-to-end speedup"]
     for png in ("tau_reward.png", "draft.png", "time_split.png"):
         assert (tmp_path / png).stat().st_size > 1000
     assert "end-to-end speedup" in (tmp_path / "report.md").read_text()

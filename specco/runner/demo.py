@@ -25,7 +25,8 @@ from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
 from ..train.cotrain import AMP_DTYPES, StepConfig
 from ..train.sft import sft, tiny_policy_config
-from .report import markdown_table, plot_arms, plot_time_split, read_jsonl, steady_rows, time_split
+from .report import (markdown_table, plot_arms, plot_time_split, read_jsonl, same_token_end_to_end, steady_rows,
+                     time_split)
 from .derive import arm_config, at_temperature, check_parallel, generate_config, step_config, warm_configs
 from .rl import run_arm
 from .stages import (RunLock, commit_dir, load_stage, record_config, remove_stale_temporaries, seed_stage,
@@ -375,9 +376,11 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
                   ("accept/pos1", .75, 1), ("draft/loss", 0, .25), ("draft/loss", .75, 1)]
     # "same-token rollout speedup": rollout/measured_speedup, each step's decoding against plain decoding of the
     # same tokens at the same levels (runner.rollouts.measured_speedup) — free of the work drift between arms
-    # that the per-step ratios below carry; an arm without speculation control has none
+    # that the per-step ratios below carry; an arm without speculation control has none. Its end-to-end
+    # counterpart (report.same_token_end_to_end) keeps the arm's own other phases on both sides
     time_header = ["arm", "tokens/s", "rollout s/step", "log-prob s/step", "train s/step", "refit s/step",
-                   "other s/step", "step s", "rollout share", "same-token rollout speedup"]
+                   "other s/step", "step s", "rollout share", "same-token rollout speedup",
+                   "same-token end-to-end speedup"]
     learn_rows, time_rows = [], []
     summary = {"arms": {}, "sft": sft_m, "warm_start": warm_m, "elapsed_s": elapsed,
                "warm_start_by_kind": warm_by_kind or {}}
@@ -388,7 +391,7 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
         tr = [arm, _mean(steady_rows(rs), "tokens_per_s"), split["rollout"], split["log-prob"], split["train"],
               split["refit"] + split["refit guard"], split["other"], step_s,
               split["rollout"] / step_s if step_s else float("nan"),
-              _mean(steady_rows(rs), "rollout/measured_speedup")]
+              _mean(steady_rows(rs), "rollout/measured_speedup"), same_token_end_to_end(rs)]
         learn_rows.append(lr)
         time_rows.append(tr)
         summary["arms"][arm] = {**dict(zip(learn_header[1:], lr[1:])), **dict(zip(time_header[1:], tr[1:]))}

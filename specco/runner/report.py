@@ -130,6 +130,21 @@ def time_split(rows: list[dict]) -> dict[str, float]:
     return {name: sum(r.get(key, 0.0) for r in rs) / max(1, len(rs)) for key, name in TIME_PARTS}
 
 
+def same_token_end_to_end(rows: list[dict]) -> float:
+    """The arm's whole-step speedup over plain decoding of its own tokens, over `steady_rows`: each step's
+    rollout costs `rollout/measured_speedup` times more when decoded plainly, the rest of the step as it was,
+        Σ (step + rollout · (measured_speedup − 1)) / Σ step.
+    Free of the work drift between arms (their policies write different lengths after step 1). For a
+    co-trained arm it is an upper bound: the plain baseline would not pay the draft's share of the train step.
+    nan without the engine's measurement (no speculation control)."""
+    rs = [r for r in steady_rows(rows) if "rollout/measured_speedup" in r]
+    steps = [sum(r.get(k, 0.0) for k, _ in TIME_PARTS) for r in rs]
+    if not rs or not sum(steps):
+        return float("nan")
+    plain = [t + r["time/rollout"] * (r["rollout/measured_speedup"] - 1) for t, r in zip(steps, rs)]
+    return sum(plain) / sum(steps)
+
+
 def plot_time_split(arm_rows: dict[str, list[dict]], path: str | Path):
     """A stacked bar per arm: mean seconds per RL step in each phase. Returns the path or None."""
     plt = _pyplot()
