@@ -59,6 +59,23 @@ def test_compiled_layers_match_eager_outputs_and_gradients(backend):
     assert all("forward" not in layer.__dict__ for layer in compiled.layers.values())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA: inductor's Triton kernels under bf16 autocast")
+def test_compiled_layers_match_eager_on_cuda_under_bf16_autocast():
+    """The configuration the long workload runs (inductor, bf16 autocast, fp32 weights) against eager in the
+    same precision. Tolerance: 3e-2 on logits of O(1) and 5e-2 relative on gradient norms, since bf16 keeps
+    8 mantissa bits and the fused kernels round at other points than eager's; a wrong argument or a missing
+    gradient is O(1)."""
+    eager = tiny_policy(V=64, h=128, layers=3).cuda()
+    compiled = apply_compile(copy.deepcopy(eager), "inductor")
+    tokens = torch.randint(0, 64, (4, 200), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want_out, want_grads = _loss_and_grads(eager, tokens)
+        got_out, got_grads = _loss_and_grads(compiled, tokens)
+    assert (got_out.float() - want_out.float()).abs().max() < 3e-2
+    for n, w in want_grads.items():
+        assert (got_grads[n] - w).norm() <= 5e-2 * w.norm() + 1e-6, n
+
+
 def test_warm_up_compiles_before_the_first_step_and_leaves_no_state():
     """warm_up: both graphs (train, no-grad) compiled on a dummy batch, no gradient left behind, and later
     real batches of other widths and row counts compile nothing more."""
