@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _results import write_results  # noqa: E402
+from _timing import timeit  # noqa: E402
 
 from specco.batch import TrainBatch  # noqa: E402
 from specco.model.config import PolicyConfig  # noqa: E402
@@ -47,15 +48,9 @@ def rows_batch(n: int, prompt: int, max_len: int, vocab: int, g: torch.Generator
 
 
 def timed(fn, device, iters):
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+    """Median seconds per call after one warm-up (bench/_timing.py). The 2026-12-01 figures in BENCHMARKS.md
+    were taken with this file's earlier helper, the mean of `iters` calls after one warm-up."""
+    return timeit(fn, device, iters=iters, warmup=1)
 
 
 def main() -> None:
