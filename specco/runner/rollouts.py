@@ -227,11 +227,12 @@ class Minibatch:
         Same shapes as the train step's forward, so an unchanged policy's PPO ratio is exactly 1. Positions
         past a row's cut stay 0: nothing trained reads them."""
         b = self.batch
-        if self.fns or cfg.micro_batch_rows <= 0 or cfg.micro_batch_rows >= b.tokens.shape[0]:
+        cuts = None if self.fns else micro_batch_cuts(b, cfg.micro_batch_rows, cfg.width_multiple)
+        if cuts is None:  # a CP shard (its own layout) or one micro-batch: one forward
             return recompute_logprobs(policy, b.tokens, cfg, b.positions, self.fns.get("shift", shift_left),
                                       self.fns.get("attn_core"))
         out = torch.zeros(b.tokens.shape, dtype=torch.float32, device=b.tokens.device)
-        for idx, width in micro_batch_cuts(b, cfg.micro_batch_rows, cfg.width_multiple):
+        for idx, width in cuts:
             rows = torch.tensor(idx, dtype=torch.long, device=b.tokens.device)
             part = b.take(rows).trimmed(width)
             out[rows, :width] = recompute_logprobs(policy, part.tokens, cfg, part.positions).float()

@@ -8,7 +8,6 @@ step in offline mode (policy frozen). Afterwards the simulated acceptance length
 from __future__ import annotations
 
 import dataclasses
-
 import time
 
 import torch

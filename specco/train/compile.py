@@ -19,6 +19,7 @@ in fp32), so the PPO ratio of an unchanged policy is 1 to rounding rather than b
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch import nn
@@ -72,7 +73,6 @@ def warm_up(model: nn.Module, amp_dtype: torch.dtype | None, rows: int = 2, widt
     no-grad forward on a dummy batch (token 0), under the step's autocast. Leaves no gradient behind and
     touches no optimizer or RNG state; returns the seconds it took. With dynamic shapes, later widths and
     row counts reuse these graphs (tests/test_compile.py counts them)."""
-    import time
     t0 = time.perf_counter()
     p = next(model.parameters())
     tokens = torch.zeros(rows, width, dtype=torch.long, device=p.device)

@@ -310,20 +310,23 @@ def micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1, width_mul
     `width_multiple`: each cut width is rounded up to a multiple of it (at most the batch's width), so a run
     sees few distinct shapes: a kernel that plans per shape (cuDNN attention builds and caches an execution
     plan per (B, S)) then plans a few times instead of once per micro-batch (bench/cotrain_ragged.py)."""
-    if rows <= 0 or rows >= batch.tokens.shape[0]:
+    cuts = micro_batch_cuts(batch, rows, width_multiple)
+    if cuts is None:
         yield slice(0, None, draft_stride), batch
         return
-    for idx, width in micro_batch_cuts(batch, rows, width_multiple):
+    for idx, width in cuts:
         sel = [i for i, r in enumerate(idx) if r % draft_stride == 0]
         yield (torch.tensor(sel, dtype=torch.long, device=batch.tokens.device),
                batch.take(torch.tensor(idx, dtype=torch.long)).trimmed(width))
 
 
-def micro_batch_cuts(batch: TrainBatch, rows: int, width_multiple: int = 1) -> list[tuple[list[int], int]]:
-    """The micro-batches of `micro_batches` (rows >= 1, fewer than the batch's) as (row indices, width):
-    the one home of that partition, so a log-prob recompute (runner.rollouts.Minibatch.logprobs) runs the
-    train step's very shapes and gets its very numbers."""
-    S = batch.tokens.shape[1]
+def micro_batch_cuts(batch: TrainBatch, rows: int, width_multiple: int = 1) -> list[tuple[list[int], int]] | None:
+    """The micro-batches of `micro_batches` as (row indices, width), or None when `rows` keeps the batch whole
+    (0, or at least its row count): the one home of that partition, so a log-prob recompute
+    (runner.rollouts.Minibatch.logprobs) runs the train step's very shapes and gets its very numbers."""
+    B, S = batch.tokens.shape
+    if rows <= 0 or rows >= B:
+        return None
     length = batch.trained_lengths()
     return [(idx, min(S, -(-int(length[idx[0]]) // width_multiple) * width_multiple))
             for idx in longest_first(length, rows)]
