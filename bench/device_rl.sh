@@ -53,7 +53,10 @@ tr '\r' '\n' < "$LOG" | grep -E '[0-9]+%\|' | tail -3
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 if [ -n "${OUT:-}" ]; then
   snapshot
-  for d in "$OUTDIR"/warm_draft*; do [ -f "$d/warm_metrics.json" ] && cp "$d/warm_metrics.json" "$OUT/$(basename $d)_metrics.json"; done
+  for d in "$OUTDIR"/warm_draft*; do
+    [ -f "$d/warm_metrics.json" ] && cp "$d/warm_metrics.json" "$OUT/$(basename $d)_metrics.json"
+    [ -f "$d/warm_history.jsonl" ] && cp "$d/warm_history.jsonl" "$OUT/$(basename $d)_history.jsonl"
+  done
   [ -f "$OUTDIR/sft_policy/sft_metrics.json" ] && cp "$OUTDIR/sft_policy/sft_metrics.json" "$OUT/"
 fi
 if [ -n "${TAIL:-}" ] && [ -f "$OUTDIR/summary.json" ] && [ ! -f "$OUTDIR/tail_rows.json" ]; then

@@ -33,14 +33,16 @@ def _batch(B=6, S=14, V=60, seed=5):
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-@pytest.mark.parametrize("stride,micro", [(1, 4), (2, 3)])
-def test_block_draft_microbatched_step_equals_full_batch(kind, stride, micro):
+@pytest.mark.parametrize("stride,micro,width", [(1, 4, 1), (2, 3, 1), (2, 3, 5), (1, 2, 4)])
+def test_block_draft_microbatched_step_equals_full_batch(kind, stride, micro, width):
+    """Also with widths rounded up (width_multiple): padded columns past a row's end change nothing."""
     batch = _batch()
     res = []
     for mb in (0, micro):
         policy, draft = _models(kind)
         opt = build_optimizer(policy, draft, 1e-3, 1e-2)
-        cfg = StepConfig(draft_row_stride=stride, micro_batch_rows=mb, policy_grad_clip=1e9, draft_grad_clip=1e9)
+        cfg = StepConfig(draft_row_stride=stride, micro_batch_rows=mb, width_multiple=width, policy_grad_clip=1e9,
+                         draft_grad_clip=1e9)
         m = cotrain_step(policy, draft, batch, opt, None, cfg)
         res.append((m, [p.grad.clone() for p in policy.parameters()],
                     [p.grad.clone() for p in draft.parameters() if p.grad is not None]))

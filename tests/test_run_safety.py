@@ -52,6 +52,9 @@ def test_stage_points_are_every_gap(tmp_path):
     with inject(crash_at("", seen=seen)):
         _prepare(tmp_path, _cfg(tmp_path))
     assert [p for p in seen if not p.endswith("committed")] == STAGE_POINTS
+    # the warm start's per-step curve is kept beside its summary, one line per step
+    hist = [json.loads(x) for x in (tmp_path / "warm_draft/warm_history.jsonl").read_text().splitlines()]
+    assert len(hist) == 2 and all("draft/loss" in h and "draft/ce_pass1" in h for h in hist)
 
 
 @pytest.mark.parametrize("point", STAGE_POINTS)

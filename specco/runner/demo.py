@@ -210,6 +210,9 @@ def prepare_draft(cfg: RunConfig, policy, tok, task, out: Path, progress=True, k
         draft.save(tmp)
         point(f"{stage}/draft")
         (tmp / "warm_metrics.json").write_text(json.dumps(metrics, indent=1))
+        # every step's metrics (loss, per-pass or per-slot CE and acceptance): two warm starts of one config
+        # that end far apart (the H200's fifth long run) can then be told apart by their curves
+        (tmp / "warm_history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
     return draft, metrics
 
 
