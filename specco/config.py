@@ -152,9 +152,18 @@ class RolloutSpec:
     # engines decode an fp32-trained policy in bf16: half the bytes a decode step reads. The PPO loss uses the
     # trainer's own log-probs, so only which tokens are sampled changes (from the rounded policy).
     dtype: str = ""
+    # How tokens are drawn at T > 0. "rejection": inverse-CDF sampling and the standard speculative rejection
+    # rule (the most accepted tokens). "coupled": Gumbel-max with noise keyed by (row, position), and a draft
+    # token accepted iff it equals the target's keyed draw (rollout/sampling.py): every arm of a run with the
+    # same seed then decodes the same tokens as plain decoding, whatever its draft, so its RL trajectory and
+    # step times compare like for like; a draft token is accepted somewhat less often (Gumbel coupling)
+    sampler: str = "rejection"
 
     def __post_init__(self):
         _check_finite(self, "rollout")
+        _check(self.sampler in ("rejection", "coupled"),
+               f"rollout.sampler={self.sampler!r}: use 'rejection' (speculative rejection sampling) or 'coupled' "
+               "(keyed Gumbel-max: the same tokens as plain decoding)")
         _check(self.dtype in ("", "float32", "bfloat16", "float16"),
                f"rollout.dtype={self.dtype!r}: use '' (the policy's dtype), float32, bfloat16 or float16")
         _check(self.spec_control in ("auto", "on", "off"),

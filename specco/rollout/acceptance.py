@@ -22,6 +22,12 @@ The uniform test `u·q < p` (u ~ U[0,1)) is `u < min(1, p/q)` without a division
 was sampled from q. If a rejection happens although r ≡ 0 (only possible when p ≈ q up to rounding),
 we sample from p, which is then what r would be in exact arithmetic.
 
+Coupled (T > 0, SamplingParams.coupled; sampling.py): the draft proposed x̂_j = argmax(log q_j + G_{n+j}) and the
+target's token at position n+j is t_j = argmax(log p_{j-1} + G_{n+j}), with the same noise G keyed by (row,
+position). a = the longest prefix with x̂_j == t_j; emit t_1..t_{a+1}: the greedy rule on the perturbed
+log-probs, so the emitted tokens are exactly plain coupled decoding's, and that is an exact sample of p
+(Gumbel-max).
+
 Everything is vectorised over the batch: rows accept different lengths a_b; shapes stay static
 (B, k+1) so the rule can live inside a captured CUDA graph.
 """
@@ -82,3 +88,9 @@ def verify_sampling(p_target: torch.Tensor, q_draft: torch.Tensor, draft_tokens:
     tokens = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)  # (B, k+1), last col a filler
     tokens = tokens.scatter(1, a[:, None], next_token[:, None])
     return Verdict(a, tokens)
+
+
+def verify_coupled(logp_target: torch.Tensor, gumbel: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
+    """logp_target: (B, k+1, V) processed target log-probs for [x_n, x̂_1..x̂_k]; gumbel: (B, k+1, V) the keyed
+    noise of positions n+1..n+k+1; draft_tokens: (B, k) drawn with the same noise."""
+    return verify_greedy(logp_target + gumbel, draft_tokens)

@@ -25,7 +25,8 @@ from torch import nn
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from .control import SpecController
-from .generate import DecodeRunner, GenerateConfig, GenerateOutput, pad_prompts, seeded_generator
+from .generate import DecodeRunner, GenerateConfig, GenerateOutput, seeded_generator
+from .shapes import pad_prompts
 from .shapes import runner_shape
 
 

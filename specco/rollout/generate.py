@@ -45,9 +45,9 @@ from . import compaction
 from .control import Choice, SpecController
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
-from .shapes import RunnerShape, execution_modes, runner_shape
+from .shapes import PromptBuffers, RunnerShape, execution_modes, pad_prompts, runner_shape
 from .levels import Level, PlainSteps, new_state
-from .sampling import SamplingParams, pick_tokens_logp
+from .sampling import SamplingParams, keyed_gumbel, pick_tokens_logp
 from .block_spec import BlockSpeculativeSteps, block_prefill
 from .speculative import SpeculativeSteps, draft_prefill, gather_rows
 from .state import fill_groups, group_leaders, is_stop
@@ -126,29 +126,6 @@ class GenerateOutput:
     phases: tuple = ()
 
 
-def pad_prompts(prompts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts -> right-padded ids (B0, S) and lengths (B0,), int64 on the host."""
-    if len(prompts) == 0:
-        raise ValueError("generate() needs at least one prompt")
-    rows = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
-    if min(r.numel() for r in rows) < 1:
-        raise ValueError("every prompt needs at least one token")
-    lens = torch.tensor([r.numel() for r in rows])
-    ids = torch.zeros(len(rows), int(lens.max()), dtype=torch.long)  # (B0, S) right-padded
-    for b, r in enumerate(rows):
-        ids[b, : r.numel()] = r
-    return ids, lens
-
-
-@dataclass
-class PromptBuffers:
-    """Static inputs of the prefill step, refilled on the host side each call."""
-    ids: torch.Tensor  # (B0, S) int64 right-padded prompt ids
-    lens: torch.Tensor  # (B0,) int64 prompt lengths (1 for padding prompts)
-    real: torch.Tensor  # (B0,) bool, False for padding prompts
-    u0: torch.Tensor | None  # (B0*G,) uniforms for the first token (None when greedy)
-
-
 def seeded_generator(device) -> torch.Generator:
     """A fresh generator on `device` seeded from the global torch RNG (reproducible under
     torch.manual_seed): what a generate call without an explicit generator samples with."""
@@ -213,7 +190,8 @@ class DecodeRunner:
         tensors += [c.k for lv in levels for c in (lv.st.t_cache, lv.st.d_cache) if c is not None]
         tensors += [c.v for lv in levels for c in (lv.st.t_cache, lv.st.d_cache) if c is not None]
         if self.io is not None:
-            tensors += [t for t in (self.io.ids, self.io.lens, self.io.real, self.io.u0) if t is not None]
+            tensors += [t for t in (self.io.ids, self.io.lens, self.io.real, self.io.u0, self.io.key0)
+                        if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def shape_for(self, num_prompts: int, prompt_len: int, group_size: int) -> RunnerShape:
@@ -258,6 +236,9 @@ class DecodeRunner:
         if io.u0 is not None:  # the same draws as an unpadded batch: N uniforms, then per round
             torch.rand(self.num_rows, generator=self.generator, device=self.device,
                        out=io.u0[: self.num_rows])
+        if io.key0 is not None:  # coupled: one key per row; every later draw is a function of it
+            torch.randint(0, 1 << 31, (self.num_rows,), generator=self.generator, device=self.device,
+                          out=io.key0[: self.num_rows])
         self.prefill_graph.run("prefill")
         self.num_target_forwards = 1
         self.phases = []
@@ -269,11 +250,12 @@ class DecodeRunner:
         dev = self.device
         self.shape, self.levels, self.chain = shape, {}, []
         N = shape.prompts * shape.group_size
-        sampled = not self.cfg.sampling.greedy
+        sampled, keyed = not self.cfg.sampling.greedy, self.cfg.sampling.keyed
         self.io = PromptBuffers(ids=torch.zeros(shape.prompts, shape.prompt_len, dtype=torch.long, device=dev),
                                 lens=torch.ones(shape.prompts, dtype=torch.long, device=dev),
                                 real=torch.zeros(shape.prompts, dtype=torch.bool, device=dev),
-                                u0=torch.zeros(N, dtype=torch.float32, device=dev) if sampled else None)
+                                u0=torch.zeros(N, dtype=torch.float32, device=dev) if sampled and not keyed else None,
+                                key0=torch.zeros(N, dtype=torch.long, device=dev) if keyed else None)
         pc = self.policy.cfg
         if shape.cache_len > pc.max_position_embeddings:
             warnings.warn(f"generation reaches position {shape.cache_len - 1} (prompt {shape.prompt_len} + "
@@ -356,8 +338,13 @@ class DecodeRunner:
         fill_groups(st.t_cache, G, S)
         logits = policy.lm_head(gather_rows(hidden, io.lens - 1))  # (B0, V): last positions
         logits = logits.repeat_interleave(G, dim=0)  # (N, V)
-        first, first_logp = pick_tokens_logp(logits, cfg.sampling, io.u0)
-        st.n.copy_(io.lens.repeat_interleave(G))
+        n0 = io.lens.repeat_interleave(G)  # (N,) the first token's position
+        noise = io.u0
+        if io.key0 is not None:
+            st.key.copy_(io.key0)
+            noise = keyed_gumbel(io.key0, n0[:, None], logits.shape[-1])[:, 0]  # (N, V)
+        first, first_logp = pick_tokens_logp(logits, cfg.sampling, noise)
+        st.n.copy_(n0)
         st.last_tok.copy_(first)
         st.out_tokens.zero_()
         st.out_tokens[:, 0] = first

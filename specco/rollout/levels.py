@@ -21,7 +21,7 @@ from ..model.policy import Policy
 from .control import Choice
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
-from .sampling import SamplingParams, pick_tokens_logp
+from .sampling import SamplingParams, keyed_gumbel, pick_tokens_logp
 from .speculative import SpeculativeSteps
 from .state import DecodeState, commit
 
@@ -39,7 +39,11 @@ class PlainSteps:
     def decode(self):
         st = self.st
         logits, _, _ = policy_forward(self.policy, st.last_tok[:, None], st.n[:, None], st.t_cache, self.rope)
-        tok, logp = pick_tokens_logp(logits[:, 0], self.params, st.u[:, 0] if st.u is not None else None)
+        if st.key is not None:  # coupled: the keyed noise of the token's position n+1
+            noise = keyed_gumbel(st.key, (st.n + 1)[:, None], logits.shape[-1])[:, 0]
+        else:
+            noise = st.u[:, 0] if st.u is not None else None
+        tok, logp = pick_tokens_logp(logits[:, 0], self.params, noise)
         commit(st, tok[:, None], torch.ones_like(tok), logp[:, None], self.max_new_tokens, self.stop_ids)
         live = ~st.finished
         st.n.add_(live.long())
@@ -50,7 +54,7 @@ def new_state(policy: Policy, draft: Eagle3Draft | BlockDraft | None, params: Sa
               k_max: int, rows: int, cache_len: int, device) -> DecodeState:
     """Zeroed decode buffers for `rows` rows (cache length, k_max draft tokens, sampling or greedy)."""
     T, W = max_new_tokens, k_max + 1
-    sampled = not params.greedy
+    sampled = not params.greedy and not params.coupled  # inverse-CDF uniforms; coupled draws use row keys
     zeros = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
     st = DecodeState(
         n=zeros(rows), last_tok=zeros(rows),
@@ -77,6 +81,8 @@ def new_state(policy: Policy, draft: Eagle3Draft | BlockDraft | None, params: Sa
         n_uniforms = SpeculativeSteps.num_uniforms(k_max)
     if sampled:
         st.u = zeros(rows, n_uniforms, dt=torch.float32)
+    if params.keyed:
+        st.key = zeros(rows)
     return st
 
 

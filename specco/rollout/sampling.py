@@ -29,10 +29,14 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 -> greedy; top_k 0 -> off; top_p 1.0 -> off."""
+    """temperature 0 -> greedy; top_k 0 -> off; top_p 1.0 -> off. coupled: draw every token by the
+    Gumbel-max rule with noise keyed by (row, position) (`keyed_gumbel`) instead of inverse-CDF uniforms, and
+    verify speculation by agreement with that draw (acceptance.verify_coupled): the emitted tokens are then
+    plain decoding's, whatever the draft or k (no effect when greedy)."""
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    coupled: bool = False
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -45,6 +49,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def keyed(self) -> bool:
+        """Tokens come from `keyed_gumbel` noise (coupled sampling at T > 0)."""
+        return self.coupled and not self.greedy
 
 
 def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -98,8 +107,48 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     return sample_from_probs(probs, u)
 
 
+# -- coupled sampling: Gumbel-max with noise keyed by (row, position) -------------------------------
+#
+# token_t = argmax_v (log p_t(v) + G(key_row, t, v)),  G = -log(-log U), U a hash of (key, t, v) in (0, 1).
+# For i.i.d. Gumbel G this is an exact sample of p_t (the Gumbel-max trick), so plain decoding with it is
+# plain sampling. Speculative decoding proposes x̂ = argmax(log q + G) with the same noise and accepts a draft
+# token iff it equals the target's keyed draw at its position: every emitted token is the one plain decoding
+# would have drawn there, so the output is plain decoding's (up to logit rounding between a verify forward and
+# a one-token step), for any draft and any k. What it costs: a draft token is accepted with probability
+# P(argmax(log q + G) = argmax(log p + G)), which is at least (1 - TV)/(1 + TV) (Gumbel coupling) and at most
+# the 1 - TV of rejection sampling. What it buys: arms of one run with the same seed decode the same tokens,
+# so their RL trajectories stay together and their times compare like for like.
+_MASK31 = (1 << 31) - 1
+
+
+def _mix31(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 31-bit integer mixer (xor-shift / multiply rounds on int64, products < 2^62)."""
+    for mult in (0x5BD1E995, 0x27D4EB2F, 0x165667B1):
+        x = x ^ (x >> 15)
+        x = (x * mult) & _MASK31
+    return x ^ (x >> 13)
+
+
+def keyed_gumbel(key: torch.Tensor, pos: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise (B, W, vocab) fp32 for rows with keys `key` (B,) int64 at absolute positions `pos` (B, W):
+    a pure function of (key, position, id), so any step that draws the token at that position sees the same
+    noise. Static shapes, no RNG state: capturable in a CUDA graph."""
+    v = torch.arange(vocab, device=key.device)
+    x = _mix31((_mix31(key & _MASK31)[:, None] + pos) & _MASK31)  # (B, W)
+    x = _mix31((x[..., None] + v * 0x3C6EF373) & _MASK31)  # (B, W, V)
+    u = ((x >> 7).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits, in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def coupled_tokens(logp: torch.Tensor, gumbel: torch.Tensor) -> torch.Tensor:
+    """argmax(log p + G): the keyed Gumbel-max draw. logp (..., V) processed log-probs (-inf outside the
+    support, never chosen), gumbel the same shape."""
+    return (logp + gumbel).argmax(-1)
+
+
 def pick_tokens(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None):
-    """One token per row from raw logits (..., V): argmax if greedy else a sample of p with `u`.
+    """One token per row from raw logits (..., V): argmax if greedy, else a sample of p with the uniforms `u`
+    (...), or with coupled sampling the keyed draw with `u` = its Gumbel noise (..., V).
 
     Returns (tokens (...), log p (..., V) of the processed distribution, or None when greedy —
     greedy callers report log_softmax(logits) instead, see generate.py).
@@ -107,6 +156,8 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | 
     if params.greedy:
         return logits.argmax(-1), None
     logp = processed_logprobs(logits, params)
+    if params.keyed:  # u is the keyed Gumbel noise (..., V) here
+        return coupled_tokens(logp, u), logp
     return sample_from_probs(logp.exp(), u), logp
 
 
@@ -119,7 +170,8 @@ def pick_tokens_logp(logits: torch.Tensor, params: SamplingParams, u: torch.Tens
     (ops/sampling_kernel.py) instead of the vocabulary-sized fp32 chain below, which is its twin.
     impl: None (fused where it applies), "triton" or "torch".
     """
-    fused = impl == "triton" or (impl is None and logits.is_cuda and params.top_k == 0 and params.top_p == 1.0)
+    fused = not params.keyed and (impl == "triton" or (impl is None and logits.is_cuda and params.top_k == 0
+                                                        and params.top_p == 1.0))
     if fused:
         from ..ops.sampling_kernel import fused_sample, triton
         if triton is not None:

@@ -3,11 +3,12 @@
 With CUDA graphs every buffer has a fixed shape, so a runner serves the calls whose shape it holds: the
 batch padded up to a bucket (prompts: next power of two up to 32, then multiples of 32), the prompt length
 up to a multiple of 16, and a KV cache as long as prompt + max_new_tokens + the drafter's lookahead.
+Also the right-padded prompt layout the prefill step reads (`pad_prompts`, `PromptBuffers`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -73,3 +74,27 @@ def runner_shape(cfg: GenerateConfig, device: torch.device, draft, num_prompts: 
     """The shape (bucket) a DecodeRunner uses for this call: what RolloutEngine keys its runners by."""
     _, bucketed = execution_modes(cfg, device)
     return RunnerShape.bucket(num_prompts, prompt_len, group_size, cfg, lookahead(cfg, draft), bucketed)
+
+
+def pad_prompts(prompts: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts -> right-padded ids (B0, S) and lengths (B0,), int64 on the host."""
+    if len(prompts) == 0:
+        raise ValueError("generate() needs at least one prompt")
+    rows = [torch.as_tensor(p, dtype=torch.long).flatten() for p in prompts]
+    if min(r.numel() for r in rows) < 1:
+        raise ValueError("every prompt needs at least one token")
+    lens = torch.tensor([r.numel() for r in rows])
+    ids = torch.zeros(len(rows), int(lens.max()), dtype=torch.long)  # (B0, S) right-padded
+    for b, r in enumerate(rows):
+        ids[b, : r.numel()] = r
+    return ids, lens
+
+
+@dataclass
+class PromptBuffers:
+    """Static inputs of the prefill step, refilled on the host side each call."""
+    ids: torch.Tensor  # (B0, S) int64 right-padded prompt ids
+    lens: torch.Tensor  # (B0,) int64 prompt lengths (1 for padding prompts)
+    real: torch.Tensor  # (B0,) bool, False for padding prompts
+    u0: torch.Tensor | None  # (B0*G,) uniforms for the first token (None when greedy or coupled)
+    key0: torch.Tensor | None = None  # (B0*G,) int64 row keys of coupled sampling (sampling.keyed_gumbel)

@@ -30,7 +30,8 @@ from ..model.layers import KVCache
 from ..model.policy import Policy
 from . import acceptance
 from .forward import RopeTable, draft_step, policy_forward
-from .sampling import SamplingParams, processed_logprobs, processed_probs, sample_from_probs
+from .sampling import (SamplingParams, coupled_tokens, keyed_gumbel, processed_logprobs, processed_probs,
+                       sample_from_probs)
 from .state import DecodeState, commit, fill_groups, group_leaders
 
 
@@ -69,6 +70,10 @@ class SpeculativeSteps:
         """Proposal x̂_{j+1} (target ids) from draft logits (B, Vd); stores q for the verifier."""
         if self.params.greedy:
             return self.draft.draft_to_target[logits.argmax(-1)]
+        if self.params.keyed:  # x̂_{j+1} sits at position n+1+j
+            logq = processed_logprobs(self.draft.to_target_logits(logits), self.params)  # (B, V)
+            pos = (self.st.n + 1 + j)[:, None]  # (B, 1)
+            return coupled_tokens(logq, keyed_gumbel(self.st.key, pos, logq.shape[-1])[:, 0])
         q = processed_probs(self.draft.to_target_logits(logits), self.params)  # (B, V)
         self.st.q_draft[:, j].copy_(q)
         return sample_from_probs(q, self.st.u[:, j])
@@ -95,6 +100,10 @@ class SpeculativeSteps:
         if self.params.greedy:
             verdict = acceptance.verify_greedy(logits, draft_tok)
             logp_all = logits.float().log_softmax(-1)  # greedy reports raw log-probs (generate.py)
+        elif self.params.keyed:
+            logp_all = processed_logprobs(logits, self.params)  # (B, k+1, V)
+            gumbel = keyed_gumbel(st.key, pos + 1, logp_all.shape[-1])  # tokens at positions n+1..n+k+1
+            verdict = acceptance.verify_coupled(logp_all, gumbel, draft_tok)
         else:
             logp_all = processed_logprobs(logits, self.params)  # (B, k+1, V)
             verdict = acceptance.verify_sampling(logp_all.exp(), st.q_draft[:, :k], draft_tok,

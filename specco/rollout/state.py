@@ -47,6 +47,7 @@ class DecodeState:
     num_accepted: torch.Tensor | None = None  # (B,) this round's a
     block: torch.Tensor | None = None  # (B, k+1) this round's emitted block (first a+1 valid)
     u: torch.Tensor | None = None  # (B, n_uniforms) this round's uniforms, filled outside graphs
+    key: torch.Tensor | None = None  # (B,) int64 row keys of coupled sampling (instead of u)
 
     def small_tensors(self) -> list[torch.Tensor]:
         """Every state tensor except the KV caches (what graph warm-up must restore)."""

@@ -68,7 +68,8 @@ def generate_config(cfg: RunConfig, eos_id: int | tuple[int, ...] | None, pad_id
     """The rollout engine's config: sampling, k, length budget and compaction from `cfg.rollout`."""
     r = cfg.rollout
     return GenerateConfig(max_new_tokens=r.max_new_tokens,
-                          sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+                          sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                                  coupled=r.sampler == "coupled"),
                           num_draft_tokens=r.k, eos_token_id=eos_id, pad_token_id=pad_id,
                           compact_below=r.compact_below,
                           spec_control={"auto": None, "on": True, "off": False}[r.spec_control])
