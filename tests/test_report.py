@@ -51,7 +51,8 @@ def test_report_speedups_and_plots(tmp_path):
     assert none["same-token end-to-end speedup"] != none["same-token end-to-end speedup"]
     for png in ("tau_reward.png", "draft.png", "time_split.png"):
         assert (tmp_path / png).stat().st_size > 1000
-    assert "end-to-end speedup" in (tmp_path / "report.md").read_text()
+    text = (tmp_path / "report.md").read_text()
+    assert "end-to-end speedup" in text and "T = 1.0 (rejection sampling)" in text  # the sampler is named
     assert json.loads((tmp_path / "summary.json").read_text())["arms"]["cotrained"]["step s"] == co["step s"]
 
 

@@ -428,7 +428,7 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
                f"{fmt(**b) if b else 'n/a (no SFT)'}; RL start {fmt(**a)}.\n"]
     md = ["# specco demo report\n", f"Task `{cfg.task.name}`, policy `{cfg.policy.source}`, "
           f"k = {cfg.rollout.k}" + (f" (block drafters: {cfg.rollout.block_k})" if cfg.rollout.block_k else "")
-          + f", T = {cfg.rollout.temperature}, {cfg.train.steps} RL steps, "
+          + f", T = {cfg.rollout.temperature} ({cfg.rollout.sampler} sampling), {cfg.train.steps} RL steps, "
           f"total time {elapsed:.0f} s.\n", *acc, "## Arms\n", table, "",
           "![tau and reward](tau_reward.png)\n", "![draft](draft.png)\n", "![time split](time_split.png)\n",
           "## Warm start (offline draft training against the frozen SFT policy)\n",
