@@ -61,6 +61,7 @@ ARM_MODES = ("none", "frozen", "cotrained")
 LR_SCHEDULES = ("cosine", "constant")  # train.lr_schedule: the policy's LR after warmup (train/cotrain.py)
 # train.compile: torch.compile backend of the trainer's decoder layers (train/compile.py); "none" = eager
 COMPILE_BACKENDS = ("none", "inductor", "aot_eager")
+SAMPLERS = ("rejection", "coupled")  # rollout.sampler (rollout/sampling.py)
 
 
 def split_arm(arm: str, default_kind: str) -> tuple[str, str | None]:
@@ -161,7 +162,7 @@ class RolloutSpec:
 
     def __post_init__(self):
         _check_finite(self, "rollout")
-        _check(self.sampler in ("rejection", "coupled"),
+        _check(self.sampler in SAMPLERS,
                f"rollout.sampler={self.sampler!r}: use 'rejection' (speculative rejection sampling) or 'coupled' "
                "(keyed Gumbel-max: the same tokens as plain decoding)")
         _check(self.dtype in ("", "float32", "bfloat16", "float16"),

@@ -27,7 +27,7 @@ from ..model.dflash import BlockDraft
 from ..model.layers import KVCache
 from ..model.policy import Policy
 from .forward import RopeTable, block_propose_hidden, block_trunk_write
-from .sampling import coupled_tokens, keyed_gumbel, processed_logprobs, processed_probs, sample_from_probs
+from .sampling import keyed_draw, processed_probs, sample_from_probs
 from .speculative import SpeculativeSteps
 from .state import fill_groups, group_leaders
 
@@ -50,9 +50,8 @@ class BlockSpeculativeSteps(SpeculativeSteps):
             return logits.argmax(-1)
         n = logits.shape[1]
         if self.params.keyed:  # slot j predicts the token at position n+1+j
-            logq = processed_logprobs(logits, self.params)  # (B, n, V)
             pos = self.st.n[:, None] + 1 + j0 + self.offsets[None, :n]  # (B, n)
-            return coupled_tokens(logq, keyed_gumbel(self.st.key, pos, logq.shape[-1]))
+            return keyed_draw(logits, self.params, self.st.key, pos)
         q = processed_probs(logits, self.params)  # (B, n, V)
         self.st.q_draft[:, j0:j0 + n].copy_(q)
         return sample_from_probs(q, self.st.u[:, j0:j0 + n])

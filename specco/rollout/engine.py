@@ -26,8 +26,7 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from .control import SpecController
 from .generate import DecodeRunner, GenerateConfig, GenerateOutput, seeded_generator
-from .shapes import pad_prompts
-from .shapes import runner_shape
+from .shapes import pad_prompts, runner_shape
 
 
 class RefitError(RuntimeError):

@@ -54,7 +54,7 @@ def new_state(policy: Policy, draft: Eagle3Draft | BlockDraft | None, params: Sa
               k_max: int, rows: int, cache_len: int, device) -> DecodeState:
     """Zeroed decode buffers for `rows` rows (cache length, k_max draft tokens, sampling or greedy)."""
     T, W = max_new_tokens, k_max + 1
-    sampled = not params.greedy and not params.coupled  # inverse-CDF uniforms; coupled draws use row keys
+    sampled = not params.greedy and not params.keyed  # inverse-CDF uniforms; coupled draws use row keys
     zeros = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
     st = DecodeState(
         n=zeros(rows), last_tok=zeros(rows),

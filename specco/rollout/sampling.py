@@ -146,6 +146,13 @@ def coupled_tokens(logp: torch.Tensor, gumbel: torch.Tensor) -> torch.Tensor:
     return (logp + gumbel).argmax(-1)
 
 
+def keyed_draw(logits: torch.Tensor, params: SamplingParams, key: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """A draft's proposals under coupled sampling: logits (B, W, V) on the target vocabulary for the tokens at
+    positions `pos` (B, W) of rows with keys `key` (B,) -> (B, W) ids, drawn with the noise the target's
+    verify uses at the same positions."""
+    return coupled_tokens(processed_logprobs(logits, params), keyed_gumbel(key, pos, logits.shape[-1]))
+
+
 def pick_tokens(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None):
     """One token per row from raw logits (..., V): argmax if greedy, else a sample of p with the uniforms `u`
     (...), or with coupled sampling the keyed draw with `u` = its Gumbel noise (..., V).

@@ -30,7 +30,7 @@ from ..model.layers import KVCache
 from ..model.policy import Policy
 from . import acceptance
 from .forward import RopeTable, draft_step, policy_forward
-from .sampling import (SamplingParams, coupled_tokens, keyed_gumbel, processed_logprobs, processed_probs,
+from .sampling import (SamplingParams, keyed_draw, keyed_gumbel, processed_logprobs, processed_probs,
                        sample_from_probs)
 from .state import DecodeState, commit, fill_groups, group_leaders
 
@@ -71,9 +71,8 @@ class SpeculativeSteps:
         if self.params.greedy:
             return self.draft.draft_to_target[logits.argmax(-1)]
         if self.params.keyed:  # x̂_{j+1} sits at position n+1+j
-            logq = processed_logprobs(self.draft.to_target_logits(logits), self.params)  # (B, V)
             pos = (self.st.n + 1 + j)[:, None]  # (B, 1)
-            return coupled_tokens(logq, keyed_gumbel(self.st.key, pos, logq.shape[-1])[:, 0])
+            return keyed_draw(self.draft.to_target_logits(logits)[:, None], self.params, self.st.key, pos)[:, 0]
         q = processed_probs(self.draft.to_target_logits(logits), self.params)  # (B, V)
         self.st.q_draft[:, j].copy_(q)
         return sample_from_probs(q, self.st.u[:, j])
