@@ -354,9 +354,33 @@ class RunConfig:
     # RL arms, each from the same SFT policy and seed: `<mode>` or `<mode>-<kind>` (split_arm), e.g.
     # ("none", "frozen", "cotrained", "cotrained-dflash"); each draft kind gets its own warm start.
     arms: tuple[str, ...] = ("none", "frozen", "cotrained")
+    # Arms (named as in `arms`, each with a draft) that, every RL step, also decode the step's prompts plainly
+    # through the same engine and policy, timed and then discarded (runner/rollouts.py): a no-draft baseline on
+    # the arm's own tokens, in the same run. Needs rollout.sampler = "coupled" (else the plain decode draws
+    # other text) and speculation control (its runner's plain step set). Costs one plain rollout per step.
+    plain_baseline: tuple[str, ...] = ()
+
+    def measures_plain(self, arm: str) -> bool:
+        """Whether `arm` runs the plain baseline (`plain_baseline`, compared as arms: `cotrained` is
+        `cotrained-eagle3` under draft.kind = eagle3)."""
+        key = split_arm(arm, self.draft.kind)
+        return any(split_arm(a, self.draft.kind) == key for a in self.plain_baseline)
 
     def __post_init__(self):
         object.__setattr__(self, "arms", tuple(self.arms))
+        object.__setattr__(self, "plain_baseline", tuple(self.plain_baseline))
+        arm_keys = {split_arm(a, self.draft.kind) for a in self.arms}
+        for arm in self.plain_baseline:
+            _check(split_arm(arm, self.draft.kind) in arm_keys, f"plain_baseline: {arm!r} is not one of arms "
+                   f"{list(self.arms)}")
+            _check(split_arm(arm, self.draft.kind)[0] != "none", f"plain_baseline: {arm!r} decodes plainly already "
+                   "(no draft); list arms with a draft")
+        _check(not self.plain_baseline or self.rollout.sampler == "coupled",
+               f"plain_baseline={list(self.plain_baseline)} with rollout.sampler={self.rollout.sampler!r}: the plain "
+               "decode would draw other tokens than the speculative one; set rollout.sampler=coupled")
+        _check(not self.plain_baseline or self.rollout.spec_control != "off",
+               f"plain_baseline={list(self.plain_baseline)} with rollout.spec_control='off': the plain decode runs the "
+               "runner's plain step set, which only speculation control builds; set rollout.spec_control=on or auto")
         seen: dict[tuple, str] = {}  # (mode, kind) -> the arm that named it
         for arm in self.arms:
             key = split_arm(arm, self.draft.kind)
@@ -436,17 +460,36 @@ def _set_dotted(d: dict, dotted: str, value):
     d[parts[-1]] = value
 
 
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, tables merged key by key (a list or value replaces)."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_toml(p: Path, seen: tuple[Path, ...] = ()) -> dict:
+    """A config file's keys; a top-level `base = "other.toml"` (relative to this file) is read first and this
+    file's keys override it, table by table: a config per arm set without copying the workload's keys."""
+    if not p.exists():
+        raise ConfigError(f"config file {p} does not exist (see configs/ for examples)")
+    if p.resolve() in seen:
+        raise ConfigError(f"{p}: `base` chain loops back to it ({' -> '.join(map(str, seen + (p,)))})")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{p}: base={base!r} must be a path string (relative to {p.parent})")
+    return _merge(_read_toml(p.parent / base, seen + (p.resolve(),)), data)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """RunConfig from an optional TOML file plus `key.sub=value` overrides (applied in order)."""
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {p} does not exist (see configs/ for examples)")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    data = _read_toml(Path(path)) if path is not None else {}
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r} must look like key.sub=value (e.g. train.steps=10)")

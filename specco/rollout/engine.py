@@ -168,12 +168,13 @@ class RolloutEngine:
     @torch.no_grad()
     def generate(self, prompts: Sequence, group_size: int = 1,
                  generator: torch.Generator | None = None,
-                 cfg: GenerateConfig | None = None) -> GenerateOutput:
-        """`generate.generate` with this engine's models, reusing buffers and graphs across calls."""
+                 cfg: GenerateConfig | None = None, speculate: bool = True) -> GenerateOutput:
+        """`generate.generate` with this engine's models, reusing buffers and graphs across calls.
+        `speculate=False`: plain decoding on the same runner (DecodeRunner.prefill_padded), a baseline."""
         cfg = cfg or self.cfg
         ids, lens = pad_prompts(prompts)
         runner = self._runner(cfg, ids, group_size)
-        runner.prefill_padded(ids, lens, group_size, generator or seeded_generator(self.device))
+        runner.prefill_padded(ids, lens, group_size, generator or seeded_generator(self.device), speculate)
         runner.run()
         out = runner.result()
         self._bound_memory()

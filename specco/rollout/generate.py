@@ -177,6 +177,7 @@ class DecodeRunner:
         self.num_rows = self.group_size = 0
         self.num_target_forwards = 0
         self.phases: list[Phase] = []  # this call's levels entered, in order
+        self.speculate = True  # False: this call decodes plainly (prefill_padded)
 
     @property
     def st(self):
@@ -208,10 +209,16 @@ class DecodeRunner:
 
     @torch.no_grad()
     def prefill_padded(self, ids: torch.Tensor, lens: torch.Tensor, group_size: int = 1,
-                       generator: torch.Generator | None = None):
-        """`prefill` from host-side right-padded ids (B0, S) and lengths (B0,)."""
+                       generator: torch.Generator | None = None, speculate: bool = True):
+        """`prefill` from host-side right-padded ids (B0, S) and lengths (B0,). `speculate=False`: this call
+        decodes plainly through the runner's plain step set (a baseline on the same runner) and leaves the
+        speculation controller's acceptance estimate as it was."""
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if not speculate and self.draft is not None and self.controller is None:
+            raise ValueError("plain decoding through a speculative runner needs speculation control (it builds the "
+                             "plain step set): set GenerateConfig.spec_control=True (rollout.spec_control=on)")
+        self.speculate = speculate
         if generator is not None:
             self.generator = generator
         elif self.generator is None:
@@ -243,7 +250,7 @@ class DecodeRunner:
         self.num_target_forwards = 1
         self.phases = []
         self.choices = []
-        self._choose(self.root, allow_speculation=True)
+        self._choose(self.root, allow_speculation=speculate)
 
     def _allocate(self, shape: RunnerShape):
         """Static buffers for `shape`, the root level and the prefill step (and their graphs)."""
@@ -459,7 +466,7 @@ class DecodeRunner:
         tau = int(st.n_emitted) / fwd if fwd else 1.0
         rate = st.n_accepted.double().cpu() / st.n_proposed.double().cpu().clamp(min=1)
         counts = (st.n_accepted.cpu(), st.n_tried.cpu())
-        if self.controller is not None:
+        if self.controller is not None and self.speculate:  # a plain baseline call tested no draft token
             self.controller.update(*counts)
         return GenerateOutput(tokens, out_len.clone(), logprobs, tau, rate, self.num_target_forwards,
                               self.group_size, tuple(self.choices), counts, st.row_rounds[:N].clone(),

@@ -25,8 +25,8 @@ from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
 from ..train.cotrain import AMP_DTYPES, StepConfig
 from ..train.sft import sft, tiny_policy_config
-from .report import (markdown_table, plot_arms, plot_time_split, read_jsonl, same_token_end_to_end, steady_rows,
-                     time_split)
+from .report import (markdown_table, plain_baseline_table, plot_arms, plot_time_split, read_jsonl,
+                     same_token_end_to_end, steady_rows, time_split)
 from .derive import arm_config, at_temperature, check_parallel, generate_config, step_config, warm_configs
 from .rl import run_arm
 from .stages import (RunLock, commit_dir, load_stage, record_config, remove_stale_temporaries, seed_stage,
@@ -282,6 +282,11 @@ def _run_demo(cfg: RunConfig, mesh, rank: int, progress: bool, force_new: bool) 
         for p in remove_stale_temporaries(out):
             _say(f"removed {p}, left by an interrupted run", progress)
     device = mesh.device if mesh is not None and mesh.device.type == "cuda" else pick_device(cfg.device)
+    if cfg.plain_baseline and cfg.rollout.spec_control == "auto" and device.type != "cuda":
+        from ..model.config import ConfigError
+        raise ConfigError(f"plain_baseline={list(cfg.plain_baseline)} on {device.type}: speculation control, which "
+                          "builds the plain step set the baseline decodes with, is off there under "
+                          "rollout.spec_control=auto; set rollout.spec_control=on")
     if device.type == "cuda":  # fp32 policies train and decode with TF32 matmuls (10-bit mantissa products),
         # the engine's decode attention included (ops/decode_attention._ieee)
         torch.set_float32_matmul_precision("high")
@@ -418,6 +423,12 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
         table += ("\n\nStep 1 (every arm starts from the same policy and prompts; includes the engine's first-call "
                   "setup, on a GPU its CUDA graph capture):\n\n"
                   + first[0])
+    ab = plain_baseline_table(arm_rows)
+    if ab:
+        summary["plain baseline"] = ab[1]
+        table += ("\n\nPlain baseline (config plain_baseline: every step's prompts also decoded without the draft on "
+                  "the same engine, coupled sampling, so the same tokens; steps 2..; the draft's train share is "
+                  "timed inside the step and left out of the no-draft step):\n\n" + ab[0])
     acc = []
     if "after" in sft_m:  # accuracy of the RL starting policy (a pretrained one's also before its format SFT)
         b, a = sft_m.get("before"), sft_m["after"]

@@ -41,7 +41,8 @@ def arm_config(cfg: RunConfig, arm: str) -> tuple[RunConfig, str]:
                                     draft_vocab_size=0 if kind in BLOCK_KINDS else draft.draft_vocab_size)
     if kind in BLOCK_KINDS and rollout.block_k:
         rollout = dataclasses.replace(rollout, k=rollout.block_k)
-    return dataclasses.replace(cfg, draft=draft, rollout=rollout, arms=(arm,)), mode
+    return dataclasses.replace(cfg, draft=draft, rollout=rollout, arms=(arm,),
+                               plain_baseline=(arm,) if cfg.measures_plain(arm) else ()), mode
 
 
 def warm_configs(cfg: RunConfig) -> dict[str, RunConfig]:

@@ -145,6 +145,36 @@ def same_token_end_to_end(rows: list[dict]) -> float:
     return sum(plain) / sum(steps)
 
 
+def plain_baseline_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | None:
+    """The arms that ran config `plain_baseline` (each step's prompts also decoded plainly, same tokens, same
+    engine and policy): over `steady_rows`,
+        rollout speedup   Σ plain rollout / Σ rollout
+        end-to-end        Σ (step − rollout + plain rollout − draft's train share) / Σ step
+        no-draft share    Σ plain rollout / Σ (that no-draft step)
+    where step = TIME_PARTS and the draft's train share (`time/train_draft`, timed inside the step; 0 for a
+    frozen draft) is what a no-draft step would not pay. None when no arm ran it."""
+    out, rows = {}, []
+    for arm, rs in arm_rows.items():
+        rs = [r for r in steady_rows(rs) if "time/rollout_plain" in r]
+        if not rs:
+            continue
+        step = sum(sum(r.get(k, 0.0) for k, _ in TIME_PARTS) for r in rs)
+        roll = sum(r["time/rollout"] for r in rs)
+        plain = sum(r["time/rollout_plain"] for r in rs)
+        draft = sum(r.get("time/train_draft", 0.0) for r in rs)
+        no_draft = step - roll + plain - draft
+        vals = {"steps": len(rs), "rows equal": sum(r["rollout/plain_rows_equal"] for r in rs) / len(rs),
+                "rollout s/step": roll / len(rs), "plain rollout s/step": plain / len(rs),
+                "draft train s/step": draft / len(rs), "step s": step / len(rs), "no-draft step s": no_draft / len(rs),
+                "no-draft rollout share": plain / no_draft, "rollout speedup": plain / roll,
+                "end-to-end speedup": no_draft / step}
+        out[arm] = vals
+        rows.append([arm, *vals.values()])
+    if not out:
+        return None
+    return markdown_table(["arm", *next(iter(out.values())).keys()], rows), out
+
+
 def plot_time_split(arm_rows: dict[str, list[dict]], path: str | Path):
     """A stacked bar per arm: mean seconds per RL step in each phase. Returns the path or None."""
     plt = _pyplot()

@@ -230,6 +230,9 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     m["time/train"] = time.perf_counter() - t0
     for k in hist[0]:  # means over the updates (one update: its own values)
         m[k] = sum(h[k] for h in hist) / len(hist)
+    if "time/draft_in_step" in m:  # seconds: summed over the updates (the draft's share of time/train)
+        m.pop("time/draft_in_step")
+        m["time/train_draft"] = sum(h["time/draft_in_step"] for h in hist)
     m["ppo/updates"] = updates
     if st.mode == "frozen":  # metrics only, so outside the timed train step (and left out of time/other)
         t0 = time.perf_counter()
@@ -248,7 +251,8 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
     if cuda:  # memory diagnostics of the step (a train step near the GPU's capacity retries cudaMalloc)
         torch.cuda.reset_peak_memory_stats(device)
         retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
-    ro = collect_rollouts(st.engine, st.gen, cfg, task, tokenizer, st.data_offset, mesh)
+    ro = collect_rollouts(st.engine, st.gen, cfg, task, tokenizer, st.data_offset, mesh,
+                          baseline=cfg.measures_plain(st.arm))
     if record is not None:
         record.append(ro)
     m = {**ro.metrics, **train_on_rollouts(st, cfg, ro, tokenizer.pad_id, device, mesh)}
@@ -280,8 +284,10 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
         m["time/refit_guard"] = time.perf_counter() - t0
     # the rest of the step's wall time: scoring and decoding the completions, building the micro-batches,
     # the finiteness checks, the metric reduction. It is part of what an RL step costs, so the report's step
-    # time counts it; the frozen arm's draft evaluation (metrics only) is left out
-    timed = sum(m.get(k, 0.0) for k, _ in TIME_PARTS if k != "time/other") + m.get("time/draft_eval", 0.0)
+    # time counts it; the frozen arm's draft evaluation and the plain baseline's decode (measurements only) are
+    # left out
+    timed = sum(m.get(k, 0.0) for k, _ in TIME_PARTS if k != "time/other") + m.get("time/draft_eval", 0.0) \
+        + m.get("time/rollout_plain", 0.0)
     m["time/other"] = max(0.0, time.perf_counter() - t_step - timed)
     return m
 

@@ -111,8 +111,7 @@ def tail_metrics(out, max_new_tokens: int, texts: list[str]) -> dict:
     if cut.any():
         m["rollout/tau_rows_at_max"] = float(emitted[cut].sum()) / max(1, int(rounds[cut].sum()))
     if out.phases:  # the whole batch, then each compacted size: how much of the rollout the tail takes
-        m["time/rollout_phases"] = " | ".join(f"{p.rows} rows x {p.rounds} rounds {p.seconds:.2f} s tau {p.tau:.2f}"
-                                              for p in out.phases)
+        m["time/rollout_phases"] = phases_text(out.phases)
         m["rollout/tail_rounds"] = sum(p.rounds for p in out.phases[1:])
         m["time/rollout_tail"] = sum(p.seconds for p in out.phases[1:])
     return m
@@ -142,11 +141,41 @@ def measured_speedup(out) -> float | None:
     return plain / spent if spent > 0 else None
 
 
-def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: Mesh | None) -> Rollouts:
+def phases_text(phases) -> str:
+    """A call's levels as one line: rows x rounds, seconds and τ of each (generate.Phase)."""
+    return " | ".join(f"{p.rows} rows x {p.rounds} rounds {p.seconds:.2f} s tau {p.tau:.2f}" for p in phases)
+
+
+def clone_generator(gen: torch.Generator) -> torch.Generator:
+    """A generator in `gen`'s state on its device: the same draws, and `gen` itself is not advanced."""
+    g = torch.Generator(device=gen.device)
+    g.set_state(gen.get_state())
+    return g
+
+
+def plain_baseline(engine, prompts, group_size: int, generator: torch.Generator, out, t_roll: float) -> dict:
+    """The no-draft baseline of one speculative rollout `out` (which took `t_roll` s): the same prompts decoded
+    plainly on the same engine, runner and policy from the generator state `out` started from, timed and then
+    discarded. Under the coupled sampler plain decoding draws exactly the speculative call's tokens
+    (rollout/sampling.py), so this is the same work without the draft, measured in the same step;
+    `rollout/plain_rows_equal` says how many rows came out identical (on a GPU a near-tie between a verify
+    forward's logits and a one-token step's can flip a draw now and then). Not part of the RL step's time."""
+    t0 = time.perf_counter()
+    base = engine.generate(prompts, group_size=group_size, generator=generator, speculate=False)
+    t_plain = time.perf_counter() - t0
+    same = (base.lengths == out.lengths) & (base.tokens == out.tokens).all(dim=1)
+    return {"time/rollout_plain": t_plain, "rollout/plain_speedup": t_plain / t_roll,
+            "rollout/plain_rows_equal": same.float().mean().item(),
+            "time/rollout_plain_phases": phases_text(base.phases)}
+
+
+def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: Mesh | None,
+                     baseline: bool = False) -> Rollouts:
     """Generate, score and compute GRPO advantages for this DP rank's prompts — once per DP group: the
     CP group's rank 0 generates (with the DP rank's sampler), the others receive the result through the
     CP group (no file system, no second generation), so every CP rank trains on the same sequences. Under
-    pipeline parallelism stage 0 generates and the other stages receive (pipeline group, then CP group)."""
+    pipeline parallelism stage 0 generates and the other stages receive (pipeline group, then CP group).
+    `baseline` (config plain_baseline): also decode the prompts plainly, timed and discarded (`plain_baseline`)."""
     r = cfg.rollout
     shared = mesh is not None and mesh.cp > 1
     staged = mesh is not None and mesh.pp > 1  # every pipeline stage trains on the same rollouts
@@ -154,6 +183,7 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
     if (not shared or mesh.cp_rank == 0) and (not staged or mesh.pp_rank == 0):
         items = rank_slice(task.prompts(r.prompts_per_step, seed=cfg.train.seed, offset=data_offset), mesh)
         prompts = [task.prompt_ids(it, tokenizer) for it in items]
+        g_plain = clone_generator(gen) if baseline else None  # the same keys: the plain decode's draws
         t0 = time.perf_counter()
         out = engine.generate(prompts, group_size=r.group_size, generator=gen)
         t_roll = time.perf_counter() - t0
@@ -187,6 +217,8 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
             # every choice of the call: per level entered and per re-choice within one (rows:k), e.g. a tail
             # that turned plain on its own rows' acceptance
             m["rollout/k_path"] = " ".join(f"{c.rows}:k{c.k}" for c in out.choices)
+        if baseline:
+            m.update(plain_baseline(engine, prompts, r.group_size, g_plain, out, t_roll))
         logprobs = out.logprobs.float().cpu()
         ro = Rollouts(rollout_pairs(prompts, out, comps), r.group_size, grpo_advantages(rewards, r.group_size),
                       [logprobs[i, :len(c)].tolist() for i, c in enumerate(comps)], m)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -332,6 +333,39 @@ def micro_batch_cuts(batch: TrainBatch, rows: int, width_multiple: int = 1) -> l
             for idx in longest_first(length, rows)]
 
 
+class SpanTimer:
+    """Seconds spent between `start()` and `stop()` pairs, summed, without a host sync inside the step: on CUDA
+    events on the current stream, read once by `seconds()` (after the step has synced anyway); on CPU the host
+    clock, since the work there is synchronous."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list = []
+        self.total = 0.0
+
+    def start(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.spans.append([ev, None])
+        else:
+            self.spans.append([time.perf_counter(), None])
+
+    def stop(self):
+        if self.cuda:
+            self.spans[-1][1] = torch.cuda.Event(enable_timing=True)
+            self.spans[-1][1].record()
+        else:
+            self.spans[-1][1] = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.cuda:
+            if self.spans:
+                self.spans[-1][1].synchronize()
+            return sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
+        return sum(b - a for a, b in self.spans)
+
+
 def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                  opt: torch.optim.Optimizer, sched, cfg: StepConfig, *,
                  train_policy: bool = True, grad_group=None, policy_norm_group=None,
@@ -364,6 +398,7 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     losses = {"policy/loss": 0.0, "draft/loss": 0.0}
     pol_stats = d_stats = None
     opt.zero_grad(set_to_none=True)
+    draft_time = SpanTimer(batch.tokens.device)  # the draft's forward and backward: its share of the step
     for d_rows, mb in micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride, cfg.width_multiple):
         # Forwards and losses under the step's precision; the backwards outside autocast (as torch advises).
         with amp_context(cfg, mb.tokens):
@@ -371,6 +406,7 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                 out = policy(mb.tokens, mb.positions, tap_layers=tap_ids, attn_core=attn_core)
             l_d = None
             if use_draft and picks_rows(d_rows, mb):
+                draft_time.start()
                 if is_block:
                     l_d, s = block_loss(draft, policy, out, mb, cfg, counts.draft, d_rows, block)
                 else:
@@ -379,6 +415,8 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                 losses["draft/loss"] += l_d.detach()
         if l_d is not None and l_d.requires_grad:  # its own backward: the draft's graph is disjoint from the policy's
             (weight * l_d).backward()
+        if l_d is not None:
+            draft_time.stop()
         if train_policy:
             with amp_context(cfg, mb.tokens):
                 l_pol, s = policy_loss(out.logits, mb, cfg, counts.policy_tokens, shift)
@@ -390,4 +428,7 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     for s in all_reduce_sums(stats, grad_group):
         metrics.update(s.metrics())
     metrics.update(optimizer_step(opt, sched, cfg, train_policy, grad_group, policy_norm_group))
-    return metrics_to_floats(metrics)
+    metrics = metrics_to_floats(metrics)
+    if use_draft:
+        metrics["time/draft_in_step"] = draft_time.seconds()
+    return metrics
