@@ -43,12 +43,12 @@ def test_report_speedups_and_plots(tmp_path):
     assert abs(summary["step 1"]["cotrained"]["tokens/s vs none"] - 1.5) < 1e-9
     assert summary["step 1"]["none"]["rollout s"] == 40.0
     assert co["tau (last 25%)"] == 3.0 and co["completion len (first 25%)"] == 500.0
-    assert co["same-token rollout speedup"] == pytest.approx(1.7)  # mean of 1.6, 1.7, 1.8
-    assert none["same-token rollout speedup"] != none["same-token rollout speedup"]  # nan: no controller
+    assert co["est. same-token rollout speedup"] == pytest.approx(1.7)  # mean of 1.6, 1.7, 1.8
+    assert none["est. same-token rollout speedup"] != none["est. same-token rollout speedup"]  # nan: no controller
     # steps 2-4 of the co-trained arm: step 3.37 s, rollout 2.0 s at 1.6 / 1.7 / 1.8x -> plain 3.37 + 2.0 * 0.6 ...
     want = sum(3.37 + 2.0 * (m - 1) for m in (1.6, 1.7, 1.8)) / (3 * 3.37)
-    assert co["same-token end-to-end speedup"] == pytest.approx(want, rel=1e-12)
-    assert none["same-token end-to-end speedup"] != none["same-token end-to-end speedup"]
+    assert co["est. same-token end-to-end speedup"] == pytest.approx(want, rel=1e-12)
+    assert none["est. same-token end-to-end speedup"] != none["est. same-token end-to-end speedup"]
     for png in ("tau_reward.png", "draft.png", "time_split.png"):
         assert (tmp_path / png).stat().st_size > 1000
     text = (tmp_path / "report.md").read_text()

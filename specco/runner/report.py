@@ -134,9 +134,10 @@ def same_token_end_to_end(rows: list[dict]) -> float:
     """The arm's whole-step speedup over plain decoding of its own tokens, over `steady_rows`: each step's
     rollout costs `rollout/measured_speedup` times more when decoded plainly, the rest of the step as it was,
         Σ (step + rollout · (measured_speedup − 1)) / Σ step.
-    Free of the work drift between arms (their policies write different lengths after step 1). For a
-    co-trained arm it is an upper bound: the plain baseline would not pay the draft's share of the train step.
-    nan without the engine's measurement (no speculation control)."""
+    Free of the work drift between arms (their policies write different lengths after step 1), but only as good
+    as `measured_speedup`, which reads low on long rollouts (its docstring); `plain_baseline_table` measures
+    instead. For a co-trained arm the draft's share of the train step stays on both sides. nan without the
+    engine's measurement (no speculation control)."""
     rs = [r for r in steady_rows(rows) if "rollout/measured_speedup" in r]
     steps = [sum(r.get(k, 0.0) for k, _ in TIME_PARTS) for r in rs]
     if not rs or not sum(steps):

@@ -130,7 +130,12 @@ def measured_speedup(out) -> float | None:
     """The call's decode time against plain decoding of the same tokens, level by level: a level of R rounds
     at τ_l tokens per live row-round would take about τ_l·R plain rounds at that level's measured plain cost,
     so  Σ_l τ_l R_l t_plain(l) / Σ_l seconds_l  (wall seconds: capture included on a level's first use).
-    None without the controller's cost measurements for every level (speculation control off)."""
+    An estimate, and a low one on long rollouts: t_plain(l) is timed once, when level l is first entered, at
+    that call's context length then (the root's: the prompts), while a plain round's attention over the KV
+    cache grows with the context. On the H200 long workload (bench/results/long_rl_ab_2026-12-02) it gave
+    1.23-1.89x for the co-trained EAGLE-3 where plain decoding of the same tokens in the same step measured
+    1.88-2.26x (config plain_baseline, which measures). None without the controller's cost measurements for
+    every level (speculation control off)."""
     plain_ms = {}
     for c in out.choices:  # the first choice at each level size carries its measured costs
         plain_ms.setdefault(c.rows, c.costs_ms.get(0))
