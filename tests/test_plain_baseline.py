@@ -17,7 +17,7 @@ from specco.config import load_config
 from specco.model.config import ConfigError
 from specco.rollout.engine import RolloutEngine
 from specco.rollout.generate import GenerateConfig
-from specco.runner.report import plain_baseline_table
+from specco.runner.report import baseline_split, plain_baseline_table, plot_time_split
 from specco.runner.rl import run_arm
 from specco.runner.warmstart import new_draft
 from test_coupled import COUPLED, _drafts, _prompts
@@ -103,6 +103,24 @@ def test_plain_baseline_table_arithmetic():
     assert c["draft train s/step"] == pytest.approx(0.5)
     assert got["frozen"]["rollout speedup"] == 1.0
     assert plain_baseline_table({"none": [{"time/rollout": 1.0}]}) is None
+    # the time-split bar of the no-draft step: the same no-draft step, phase by phase
+    split = baseline_split(rows["cotrained"])
+    assert split["rollout"] == pytest.approx(6.0) and split["train"] == pytest.approx(0.5)
+    assert sum(split.values()) == pytest.approx(c["no-draft step s"])
+    assert baseline_split([{"time/rollout": 1.0}]) is None
+
+
+def test_time_split_plot_has_the_baseline_bar(tmp_path, monkeypatch):
+    import specco.runner.report as report
+    if report._pyplot() is None:
+        pytest.skip("no matplotlib")
+    bars = []
+    plt = report._pyplot()
+    real_bar = plt.Axes.bar
+    monkeypatch.setattr(plt.Axes, "bar", lambda self, x, *a, **k: bars.append(list(x)) or real_bar(self, x, *a, **k))
+    rows = [{"time/rollout": 2.0, "time/rollout_plain": 4.0, "time/train": 1.0, "time/train_draft": 0.2}] * 3
+    assert plot_time_split({"cotrained": rows, "frozen": [{"time/rollout": 2.0}]}, tmp_path / "t.png").exists()
+    assert bars[0] == ["cotrained", "frozen", "cotrained\nplain, same tokens"]
 
 
 def test_config_base_and_plain_baseline_refusals(tmp_path):

@@ -176,6 +176,18 @@ def plain_baseline_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | 
     return markdown_table(["arm", *next(iter(out.values())).keys()], rows), out
 
 
+def baseline_split(rows: list[dict]) -> dict[str, float] | None:
+    """`time_split` of the no-draft step on the arm's own tokens (config plain_baseline): rollout the plain
+    baseline's, train without the draft's share (`time/train_draft`), the other phases the arm's own; over the
+    steady steps that measured it. None when none did."""
+    rs = [{**r, "time/rollout": r["time/rollout_plain"],
+           "time/train": r.get("time/train", 0.0) - r.get("time/train_draft", 0.0)}
+          for r in steady_rows(rows) if "time/rollout_plain" in r]
+    if not rs:
+        return None
+    return {name: sum(r.get(key, 0.0) for r in rs) / len(rs) for key, name in TIME_PARTS}
+
+
 def plot_time_split(arm_rows: dict[str, list[dict]], path: str | Path):
     """A stacked bar per arm: mean seconds per RL step in each phase. Returns the path or None."""
     plt = _pyplot()
@@ -183,6 +195,11 @@ def plot_time_split(arm_rows: dict[str, list[dict]], path: str | Path):
         return None
     arms = [a for a, rs in arm_rows.items() if rs]
     splits = [time_split(arm_rows[a]) for a in arms]
+    for a in list(arms):  # an arm's plain baseline (plain_baseline_table): the no-draft step on its own tokens
+        plain = baseline_split(arm_rows[a])
+        if plain is not None:
+            arms.append(f"{a}\nplain, same tokens")
+            splits.append(plain)
     fig, ax = plt.subplots(figsize=(1.6 * len(arms) + 2.5, 3.8))
     bottom = [0.0] * len(arms)
     for _, name in TIME_PARTS:
