@@ -157,3 +157,44 @@ def test_logprob_recompute_runs_the_train_steps_micro_batches():
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)
     m = cotrain_step(policy, None, batch, opt, None, cfg)
     assert m["policy/ratio_dev"] == 0.0 and m["policy/ratio_mean"] == 1.0, m
+
+
+def test_first_update_skips_its_recompute_and_trains_the_same():
+    """With ppo_epochs = 1 the first minibatch is trained once, on the sampling policy: its old log-probs are
+    its own forward's (logp_old None), bit-equal to a recompute (previous test), so the update is the same to
+    the bit; only the other minibatches are recomputed."""
+    import copy
+    from specco.runner.rollouts import Minibatch
+    from specco.train.cotrain import build_optimizer, cotrain_step
+    _, policy = _setup()
+    torch.manual_seed(1)
+    B, S = 4, 16
+    tokens = torch.randint(1, policy.cfg.vocab_size, (B, S))
+    mask = torch.zeros(B, S)
+    mask[:, 3:] = 1
+    cfg = dataclasses.replace(StepConfig(), micro_batch_rows=2)
+    results = []
+    for recompute in (True, False):
+        p = copy.deepcopy(policy)
+        batch = TrainBatch(tokens=tokens, target_mask=mask, advantages=torch.randn(B, generator=torch.Generator().manual_seed(2)))
+        if recompute:
+            batch.logp_old = Minibatch(batch, {}, list(range(B))).logprobs(p, cfg)
+        m = cotrain_step(p, None, batch, build_optimizer(p, None, 1e-2, 1e-2), None, cfg)
+        results.append((m, [t.detach().clone() for t in p.parameters()]))
+    (m_a, w_a), (m_b, w_b) = results
+    assert m_a["policy/loss"] == m_b["policy/loss"] and m_a["policy/grad_norm"] == m_b["policy/grad_norm"]
+    assert all(torch.equal(a, b) for a, b in zip(w_a, w_b))
+
+
+@pytest.mark.parametrize("epochs,recomputed", [(1, 1), (2, 2)])
+def test_recompute_count_per_step(tmp_path, monkeypatch, epochs, recomputed):
+    from specco.runner.rollouts import Minibatch
+    calls = []
+    real = Minibatch.logprobs
+    monkeypatch.setattr(Minibatch, "logprobs", lambda self, *a: calls.append(1) or real(self, *a))
+    tok, policy = _setup()
+    cfg = _cfg(tmp_path, "train.steps=1", f"train.ppo_epochs={epochs}", "train.minibatches=2",
+               "rollout.prompts_per_step=4")
+    (row,) = run_arm(cfg, "none", policy, None, DigitTask(), tok, tmp_path / "r", progress=False)
+    assert len(calls) == recomputed and row["ppo/updates"] == 2 * epochs
+    assert row["logprob_gap_engine_vs_trainer"] < 1e-4  # from the recomputed minibatches

@@ -192,10 +192,14 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     # the whole policy with the trainer's weights: under PP the engine's copy (refit after every step)
     whole_policy = st.engine.policy if st.pipeline is not None else st.policy
     if updates > 1:  # the policy moves between updates: freeze the sampling policy's log-probs first
-        for mb in mbs:
+        # ... except for the first update's minibatch when it is trained once (ppo_epochs = 1): that update runs
+        # on the sampling policy itself, so its own forward gives the old log-probs (logp_old None: ratio 1, the
+        # value a recompute gives, tests/test_grpo.py), and recomputing them would be a wasted forward
+        for mb in mbs[1:] if t.ppo_epochs == 1 else mbs:
             mb.batch.logp_old = mb.logprobs(whole_policy, scfg)
         if not mbs[0].fns:  # padded rows: compare with the engine's log-probs
-            m["logprob_gap_engine_vs_trainer"] = max(engine_logprob_gap(ro, mb) for mb in mbs)
+            m["logprob_gap_engine_vs_trainer"] = max(engine_logprob_gap(ro, mb) for mb in mbs
+                                                     if mb.batch.logp_old is not None)
     if st.ref is not None:
         for mb in mbs:
             mb.batch.logp_ref = mb.logprobs(st.ref, scfg)
