@@ -1,0 +1,115 @@
+"""BENCHMARKS.md's tables of a finished `specco train` run, read back from its out_dir (no model, no device).
+
+For every arm (arms/<arm>/metrics.jsonl), one row per RL step: completion length, rows at the token budget, the
+time split, the plain baseline where the arm ran one (config plain_baseline: plain rollout seconds, the speedup
+over it, the rows identical), τ, τ at the full k, first-position acceptance, the controller-cost estimate, the draft
+loss and the reward with its s.e. over prompts. Then the reward overlay: how many same-step pairs of arms differ
+by more than 1 and 2 combined s.e., and the per-level rollout phases of chosen steps. Markdown goes to stdout; the
+overlay counts and the plain-baseline sums go to a JSON file (default <run>/tables.json).
+
+    python bench/rl_tables.py bench/results/long_rl_ab_2026-12-02 --phases 2,6
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specco.runner.report import markdown_table, plain_baseline_table, read_jsonl  # noqa: E402
+
+
+def arm_rows(run: Path) -> dict[str, list[dict]]:
+    """{arm: its metrics rows}, arms in the run config's order (else by name)."""
+    cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+    names = [a for a in cfg.get("arms", []) if (run / "arms" / a / "metrics.jsonl").exists()]
+    names = names or sorted(p.name for p in (run / "arms").iterdir() if (p / "metrics.jsonl").exists())
+    return {a: read_jsonl(run / "arms" / a / "metrics.jsonl") for a in names}
+
+
+def _f(x, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def step_table(rows: dict[str, list[dict]]) -> str:
+    header = ["arm", "step", "completion len", "rows at budget", "rollout s", "plain rollout s", "rollout speedup",
+              "rows equal", "logprob s", "train s (draft)", "other s", "τ", "τ at full k", "accept pos1",
+              "est. speedup", "draft loss", "reward ± s.e."]
+    out = []
+    for arm, rs in rows.items():
+        for r in rs:
+            plain = r.get("time/rollout_plain")
+            n_rows, at_max = r.get("rows"), r.get("rollout/rows_at_max")
+            out.append([arm, r["step"], f"{r['completion_len']:.0f}",
+                        "–" if at_max is None else str(round(at_max * n_rows)) if n_rows else f"{at_max:.1%}",
+                        _f(r["time/rollout"]), _f(plain), _f(plain / r["time/rollout"]) if plain else "–",
+                        _f(r.get("rollout/plain_rows_equal"), 3) if plain else "–", _f(r.get("time/logprob")),
+                        _f(r.get("time/train")) + (f" ({_f(r['time/train_draft'])})" if "time/train_draft" in r else ""),
+                        _f(r.get("time/other")), _f(r.get("tau")), _f(r.get("rollout/tau_full_k")),
+                        _f(r.get("accept/pos1"), 3), _f(r.get("rollout/measured_speedup")), _f(r.get("draft/loss"), 3),
+                        f"{r['reward']:.3f} ± {r.get('reward_se', float('nan')):.3f}"])
+    return markdown_table(header, out)
+
+
+def overlay(rows: dict[str, list[dict]]) -> dict:
+    """Same-step pairs of arms whose rewards differ by more than 1 and 2 combined s.e. over prompts."""
+    steps = min(len(rs) for rs in rows.values())
+    pairs = over1 = over2 = 0
+    for s in range(steps):
+        for a, b in itertools.combinations(rows, 2):
+            ra, rb = rows[a][s], rows[b][s]
+            se = math.hypot(ra.get("reward_se", 0.0), rb.get("reward_se", 0.0))
+            d = abs(ra["reward"] - rb["reward"])
+            pairs += 1
+            over1 += se > 0 and d > se
+            over2 += se > 0 and d > 2 * se
+    return {"pairs": pairs, "over_1_se": over1, "over_2_se": over2}
+
+
+def phases(rows: dict[str, list[dict]], steps: list[int]) -> str:
+    out = []
+    for arm, rs in rows.items():
+        for r in rs:
+            if r["step"] in steps and "time/rollout_phases" in r:
+                cell = lambda text: text.replace(" | ", "; ")  # noqa: E731  (a table cell holds no '|')
+                out.append([arm, r["step"], "speculative" if r.get("tau", 1.0) > 1.0 else "plain",
+                            cell(r["time/rollout_phases"])])
+                if "time/rollout_plain_phases" in r:
+                    out.append([arm, r["step"], "plain baseline", cell(r["time/rollout_plain_phases"])])
+    return markdown_table(["arm", "step", "decode", "levels (rows x rounds, seconds, τ)"], out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", type=Path, help="a run's out_dir (or its copy under bench/results/)")
+    ap.add_argument("--phases", default="", help="steps whose per-level phases to print, e.g. 2,6")
+    ap.add_argument("--out", type=Path, default=None, help="JSON file (default <run>/tables.json)")
+    a = ap.parse_args(argv)
+    if not (a.run / "arms").is_dir():
+        ap.error(f"{a.run} has no arms/ directory: give the out_dir of a `specco train` run")
+    rows = arm_rows(a.run)
+    cfg = json.loads((a.run / "config.json").read_text()) if (a.run / "config.json").exists() else {}
+    n_rows = cfg.get("rollout", {}).get("prompts_per_step", 0) * cfg.get("rollout", {}).get("group_size", 0)
+    for rs in rows.values():  # rows per step: what "rows at budget" counts (a fraction without the config)
+        for r in rs:
+            r.setdefault("rows", n_rows or None)
+    print(step_table(rows))
+    ab = plain_baseline_table(rows)
+    if ab:
+        print("\nPlain baseline, steps 2..:\n\n" + ab[0])
+    ov = overlay(rows)
+    print(f"\nReward overlay: {ov['over_1_se']} of {ov['pairs']} same-step pairs of arms > 1 combined s.e., "
+          f"{ov['over_2_se']} > 2")
+    steps = [int(s) for s in a.phases.split(",") if s.strip()]
+    if steps:
+        print("\n" + phases(rows, steps))
+    out = a.out or a.run / "tables.json"
+    out.write_text(json.dumps({"run": str(a.run), "overlay": ov, "plain_baseline": ab[1] if ab else {}}, indent=1))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
