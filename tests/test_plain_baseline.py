@@ -147,3 +147,28 @@ def test_config_base_and_plain_baseline_refusals(tmp_path):
             load_config(tmp_path / "a.toml", overrides)
     assert not math.isnan(load_config("configs/long_ab.toml").train.lr)  # the committed config loads
     assert load_config("configs/long_ab.toml").plain_baseline == ("cotrained", "cotrained-dflash")
+
+
+TINY_LONG = ("device=cpu", "policy.hidden_size=64", "policy.num_layers=4", "policy.num_heads=4", "policy.num_kv_heads=2",
+             "policy.intermediate_size=128", "policy.max_positions=512", "task.min_terms=4", "task.max_terms=8",
+             "rollout.max_new_tokens=200", "rollout.prompts_per_step=4", "rollout.group_size=4", "train.steps=2",
+             "train.sft_steps=40", "train.warm_start_steps=8", "train.warm_start_prompts=8", "task.eval_size=8",
+             "train.amp=none", "train.micro_batch_rows=4", "train.compile=none", "rollout.spec_control=on")
+
+
+@pytest.mark.slow
+def test_committed_long_ab_config_runs_at_a_tiny_shape(tmp_path):
+    """`specco train configs/long_ab.toml` (base long.toml, coupled sampler, four arms, the plain baseline in the
+    co-trained two) end to end on CPU at a tiny shape: the report's plain-baseline table has both co-trained arms,
+    their baseline rows equal to the speculative ones (> 0.9: in fp32 a verify forward and a one-token step can
+    round a near-tie apart, which changes one of the 16 rows; the fp64 tests above require exact equality)."""
+    import json
+    from specco.cli import main
+    main(["train", "configs/long_ab.toml", f"out_dir={tmp_path / 'run'}", *TINY_LONG, "--force-new"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert set(summary["arms"]) == {"cotrained", "cotrained-dflash", "frozen", "frozen-dflash"}
+    base = summary["plain baseline"]
+    assert set(base) == {"cotrained", "cotrained-dflash"}
+    for arm in base.values():
+        assert arm["rows equal"] > 0.9 and arm["plain rollout s/step"] > 0 and arm["draft train s/step"] > 0
+    assert "Plain baseline" in (tmp_path / "run" / "report.md").read_text()
