@@ -22,9 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specco.runner.report import markdown_table, plain_baseline_table, read_jsonl  # noqa: E402
 
 
-def arm_rows(run: Path) -> dict[str, list[dict]]:
-    """{arm: its metrics rows}, arms in the run config's order (else by name)."""
-    cfg = json.loads((run / "config.json").read_text()) if (run / "config.json").exists() else {}
+def arm_rows(run: Path, cfg: dict) -> dict[str, list[dict]]:
+    """{arm: its metrics rows}, arms in the run config's (`cfg`, its config.json) order, else by name."""
     names = [a for a in cfg.get("arms", []) if (run / "arms" / a / "metrics.jsonl").exists()]
     names = names or sorted(p.name for p in (run / "arms").iterdir() if (p / "metrics.jsonl").exists())
     return {a: read_jsonl(run / "arms" / a / "metrics.jsonl") for a in names}
@@ -34,7 +33,8 @@ def _f(x, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
-def step_table(rows: dict[str, list[dict]]) -> str:
+def step_table(rows: dict[str, list[dict]], n_rows: int) -> str:
+    """One row per arm and step; rows at the budget counted out of `n_rows` per step (0: as a fraction)."""
     header = ["arm", "step", "completion len", "rows at budget", "rollout s", "plain rollout s", "rollout speedup",
               "rows equal", "logprob s", "train s (draft)", "other s", "τ", "τ at full k", "accept pos1",
               "est. speedup", "draft loss", "reward ± s.e."]
@@ -42,7 +42,7 @@ def step_table(rows: dict[str, list[dict]]) -> str:
     for arm, rs in rows.items():
         for r in rs:
             plain = r.get("time/rollout_plain")
-            n_rows, at_max = r.get("rows"), r.get("rollout/rows_at_max")
+            at_max = r.get("rollout/rows_at_max")
             out.append([arm, r["step"], f"{r['completion_len']:.0f}",
                         "–" if at_max is None else str(round(at_max * n_rows)) if n_rows else f"{at_max:.1%}",
                         _f(r["time/rollout"]), _f(plain), _f(plain / r["time/rollout"]) if plain else "–",
@@ -69,16 +69,20 @@ def overlay(rows: dict[str, list[dict]]) -> dict:
     return {"pairs": pairs, "over_1_se": over1, "over_2_se": over2}
 
 
+def _cell(text: str) -> str:
+    """A phases line as a table cell (which holds no '|')."""
+    return text.replace(" | ", "; ")
+
+
 def phases(rows: dict[str, list[dict]], steps: list[int]) -> str:
     out = []
     for arm, rs in rows.items():
         for r in rs:
             if r["step"] in steps and "time/rollout_phases" in r:
-                cell = lambda text: text.replace(" | ", "; ")  # noqa: E731  (a table cell holds no '|')
                 out.append([arm, r["step"], "speculative" if r.get("tau", 1.0) > 1.0 else "plain",
-                            cell(r["time/rollout_phases"])])
+                            _cell(r["time/rollout_phases"])])
                 if "time/rollout_plain_phases" in r:
-                    out.append([arm, r["step"], "plain baseline", cell(r["time/rollout_plain_phases"])])
+                    out.append([arm, r["step"], "plain baseline", _cell(r["time/rollout_plain_phases"])])
     return markdown_table(["arm", "step", "decode", "levels (rows x rounds, seconds, τ)"], out)
 
 
@@ -90,13 +94,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if not (a.run / "arms").is_dir():
         ap.error(f"{a.run} has no arms/ directory: give the out_dir of a `specco train` run")
-    rows = arm_rows(a.run)
     cfg = json.loads((a.run / "config.json").read_text()) if (a.run / "config.json").exists() else {}
+    rows = arm_rows(a.run, cfg)
     n_rows = cfg.get("rollout", {}).get("prompts_per_step", 0) * cfg.get("rollout", {}).get("group_size", 0)
-    for rs in rows.values():  # rows per step: what "rows at budget" counts (a fraction without the config)
-        for r in rs:
-            r.setdefault("rows", n_rows or None)
-    print(step_table(rows))
+    print(step_table(rows, n_rows))
     ab = plain_baseline_table(rows)
     if ab:
         print("\nPlain baseline, steps 2..:\n\n" + ab[0])

@@ -45,7 +45,7 @@ from . import compaction
 from .control import Choice, SpecController
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
-from .shapes import PromptBuffers, RunnerShape, execution_modes, pad_prompts, runner_shape
+from .shapes import PromptBuffers, RunnerShape, execution_modes, pad_prompts, runner_shape, speculation_control
 from .levels import Level, PlainSteps, new_state
 from .sampling import SamplingParams, keyed_gumbel, pick_tokens_logp
 from .block_spec import BlockSpeculativeSteps, block_prefill
@@ -161,7 +161,7 @@ class DecodeRunner:
         stops = cfg.eos_token_id if isinstance(cfg.eos_token_id, tuple) else (cfg.eos_token_id,)
         # (n_stop,) int64 on the device, read by the steps (and their graphs) to end rows; None: no stop token
         self.stop_ids = None if cfg.eos_token_id is None else torch.tensor(stops, dtype=torch.long, device=self.device)
-        control = self.use_graphs if cfg.spec_control is None else cfg.spec_control
+        control = speculation_control(cfg, self.device)
         self.controller = (controller or SpecController(self.k)) if control and draft is not None else None
         self.shape: RunnerShape | None = None
         self.io: PromptBuffers | None = None

@@ -60,6 +60,12 @@ def execution_modes(cfg: GenerateConfig, device: torch.device) -> tuple[bool, bo
     return use_graphs, use_graphs if cfg.bucket_shapes is None else cfg.bucket_shapes
 
 
+def speculation_control(cfg: GenerateConfig, device: torch.device) -> bool:
+    """Whether a speculative runner for `cfg` on `device` runs speculation control (GenerateConfig.spec_control;
+    None: on iff CUDA graphs are, since it times their captured steps)."""
+    return execution_modes(cfg, device)[0] if cfg.spec_control is None else cfg.spec_control
+
+
 def lookahead(cfg: GenerateConfig, draft) -> int:
     """How many positions past n a round may write: k (verify of k+1 tokens), or for a block drafter
     the block's last slot n+W-1 if that is further."""

@@ -23,6 +23,7 @@ from ..model.hf_io import load_policy, save_policy
 from ..model.policy import Policy
 from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
+from ..rollout.shapes import speculation_control
 from ..train.cotrain import AMP_DTYPES, StepConfig
 from ..train.sft import sft, tiny_policy_config
 from .report import (markdown_table, plain_baseline_table, plot_arms, plot_time_split, read_jsonl,
@@ -282,11 +283,11 @@ def _run_demo(cfg: RunConfig, mesh, rank: int, progress: bool, force_new: bool) 
         for p in remove_stale_temporaries(out):
             _say(f"removed {p}, left by an interrupted run", progress)
     device = mesh.device if mesh is not None and mesh.device.type == "cuda" else pick_device(cfg.device)
-    if cfg.plain_baseline and cfg.rollout.spec_control == "auto" and device.type != "cuda":
+    if cfg.plain_baseline and not speculation_control(generate_config(cfg, None, 0), device):
         from ..model.config import ConfigError
         raise ConfigError(f"plain_baseline={list(cfg.plain_baseline)} on {device.type}: speculation control, which "
                           "builds the plain step set the baseline decodes with, is off there under "
-                          "rollout.spec_control=auto; set rollout.spec_control=on")
+                          f"rollout.spec_control={cfg.rollout.spec_control}; set rollout.spec_control=on")
     if device.type == "cuda":  # fp32 policies train and decode with TF32 matmuls (10-bit mantissa products),
         # the engine's decode attention included (ops/decode_attention._ieee)
         torch.set_float32_matmul_precision("high")

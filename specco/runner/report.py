@@ -155,20 +155,20 @@ def plain_baseline_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | 
     where step = TIME_PARTS and the draft's train share (`time/train_draft`, timed inside the step; 0 for a
     frozen draft) is what a no-draft step would not pay. None when no arm ran it."""
     out, rows = {}, []
-    for arm, rs in arm_rows.items():
-        rs = [r for r in steady_rows(rs) if "time/rollout_plain" in r]
-        if not rs:
+    for arm, all_rows in arm_rows.items():
+        no_draft = baseline_split(all_rows)  # the no-draft step's phases, means over the measured steps
+        if no_draft is None:
             continue
-        step = sum(sum(r.get(k, 0.0) for k, _ in TIME_PARTS) for r in rs)
-        roll = sum(r["time/rollout"] for r in rs)
-        plain = sum(r["time/rollout_plain"] for r in rs)
-        draft = sum(r.get("time/train_draft", 0.0) for r in rs)
-        no_draft = step - roll + plain - draft
-        vals = {"steps": len(rs), "rows equal": sum(r["rollout/plain_rows_equal"] for r in rs) / len(rs),
-                "rollout s/step": roll / len(rs), "plain rollout s/step": plain / len(rs),
-                "draft train s/step": draft / len(rs), "step s": step / len(rs), "no-draft step s": no_draft / len(rs),
-                "no-draft rollout share": plain / no_draft, "rollout speedup": plain / roll,
-                "end-to-end speedup": no_draft / step}
+        rs = [r for r in steady_rows(all_rows) if "time/rollout_plain" in r]
+        mean = lambda key: sum(r.get(key, 0.0) for r in rs) / len(rs)  # noqa: E731
+        step = sum(mean(k) for k, _ in TIME_PARTS)
+        no_draft_step = sum(no_draft.values())
+        vals = {"steps": len(rs), "rows equal": mean("rollout/plain_rows_equal"),
+                "rollout s/step": mean("time/rollout"), "plain rollout s/step": no_draft["rollout"],
+                "draft train s/step": mean("time/train_draft"), "step s": step, "no-draft step s": no_draft_step,
+                "no-draft rollout share": no_draft["rollout"] / no_draft_step,
+                "rollout speedup": no_draft["rollout"] / mean("time/rollout"),
+                "end-to-end speedup": no_draft_step / step}
         out[arm] = vals
         rows.append([arm, *vals.values()])
     if not out:

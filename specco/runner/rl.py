@@ -232,11 +232,8 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
         m["nonfinite_skipped"] = 1
     st.sched.step()  # the LR schedule counts RL steps, however many updates each has
     m["time/train"] = time.perf_counter() - t0
-    for k in hist[0]:  # means over the updates (one update: its own values)
-        m[k] = sum(h[k] for h in hist) / len(hist)
-    if "time/draft_in_step" in m:  # seconds: summed over the updates (the draft's share of time/train)
-        m.pop("time/draft_in_step")
-        m["time/train_draft"] = sum(h["time/draft_in_step"] for h in hist)
+    for k in hist[0]:  # means over the updates (one update: its own values); seconds add up instead
+        m[k] = sum(h[k] for h in hist) / (1 if k.startswith("time/") else len(hist))
     m["ppo/updates"] = updates
     if st.mode == "frozen":  # metrics only, so outside the timed train step (and left out of time/other)
         t0 = time.perf_counter()

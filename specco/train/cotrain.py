@@ -340,30 +340,25 @@ class SpanTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.spans: list = []
-        self.total = 0.0
+        self.marks: list = []  # start, stop, start, stop, ...
 
-    def start(self):
+    def _mark(self):
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            self.spans.append([ev, None])
+            self.marks.append(ev)
         else:
-            self.spans.append([time.perf_counter(), None])
+            self.marks.append(time.perf_counter())
 
-    def stop(self):
-        if self.cuda:
-            self.spans[-1][1] = torch.cuda.Event(enable_timing=True)
-            self.spans[-1][1].record()
-        else:
-            self.spans[-1][1] = time.perf_counter()
+    start = stop = _mark
 
     def seconds(self) -> float:
-        if self.cuda:
-            if self.spans:
-                self.spans[-1][1].synchronize()
-            return sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
-        return sum(b - a for a, b in self.spans)
+        pairs = list(zip(self.marks[::2], self.marks[1::2]))
+        if not self.cuda:
+            return sum(b - a for a, b in pairs)
+        if pairs:
+            pairs[-1][1].synchronize()
+        return sum(a.elapsed_time(b) for a, b in pairs) / 1e3
 
 
 def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
@@ -430,5 +425,5 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     metrics.update(optimizer_step(opt, sched, cfg, train_policy, grad_group, policy_norm_group))
     metrics = metrics_to_floats(metrics)
     if use_draft:
-        metrics["time/draft_in_step"] = draft_time.seconds()
+        metrics["time/train_draft"] = draft_time.seconds()
     return metrics
