@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specco.runner.report import markdown_table, plain_baseline_table, read_jsonl  # noqa: E402
+from specco.runner.report import markdown_table, plain_baseline_table, read_jsonl, shadow_table  # noqa: E402
 
 
 def arm_rows(run: Path, cfg: dict) -> dict[str, list[dict]]:
@@ -33,11 +33,23 @@ def _f(x, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
+def _train(r: dict) -> str:
+    """The train step's seconds, then the draft's timed share and the plain train step (config plain_baseline)."""
+    parts = [_f(r[k]) for k in ("time/train_draft", "time/train_plain") if k in r]
+    return _f(r.get("time/train")) + (f" ({'; '.join(parts)})" if parts else "")
+
+
+def _shadow(r: dict) -> str:
+    """Config frozen_shadow: the co-trained draft's simulated tau and, in brackets, its frozen warm copy's."""
+    co, fr = r.get("shadow/cotrained/sim_accept_len"), r.get("shadow/frozen/sim_accept_len")
+    return "–" if fr is None else f"{co:.2f} ({fr:.2f})"
+
+
 def step_table(rows: dict[str, list[dict]], n_rows: int) -> str:
     """One row per arm and step; rows at the budget counted out of `n_rows` per step (0: as a fraction)."""
     header = ["arm", "step", "completion len", "rows at budget", "rollout s", "plain rollout s", "rollout speedup",
-              "rows equal", "logprob s", "train s (draft)", "other s", "τ", "τ at full k", "accept pos1",
-              "est. speedup", "draft loss", "reward ± s.e."]
+              "rows equal", "logprob s", "train s (draft; plain)", "other s", "τ", "τ at full k", "accept pos1",
+              "est. speedup", "draft loss", "sim τ (shadow: frozen)", "reward ± s.e."]
     out = []
     for arm, rs in rows.items():
         for r in rs:
@@ -47,10 +59,10 @@ def step_table(rows: dict[str, list[dict]], n_rows: int) -> str:
                         "–" if at_max is None else str(round(at_max * n_rows)) if n_rows else f"{at_max:.1%}",
                         _f(r["time/rollout"]), _f(plain), _f(plain / r["time/rollout"]) if plain else "–",
                         _f(r.get("rollout/plain_rows_equal"), 3) if plain else "–", _f(r.get("time/logprob")),
-                        _f(r.get("time/train")) + (f" ({_f(r['time/train_draft'])})" if "time/train_draft" in r else ""),
+                        _train(r),
                         _f(r.get("time/other")), _f(r.get("tau")), _f(r.get("rollout/tau_full_k")),
                         _f(r.get("accept/pos1"), 3), _f(r.get("rollout/measured_speedup")), _f(r.get("draft/loss"), 3),
-                        f"{r['reward']:.3f} ± {r.get('reward_se', float('nan')):.3f}"])
+                        _shadow(r), f"{r['reward']:.3f} ± {r.get('reward_se', float('nan')):.3f}"])
     return markdown_table(header, out)
 
 
@@ -101,6 +113,9 @@ def main(argv=None):
     ab = plain_baseline_table(rows)
     if ab:
         print("\nPlain baseline, steps 2..:\n\n" + ab[0])
+    sh = shadow_table(rows)
+    if sh:
+        print("\nFrozen shadow:\n\n" + sh[0])
     ov = overlay(rows)
     print(f"\nReward overlay: {ov['over_1_se']} of {ov['pairs']} same-step pairs of arms > 1 combined s.e., "
           f"{ov['over_2_se']} > 2")
@@ -108,7 +123,8 @@ def main(argv=None):
     if steps:
         print("\n" + phases(rows, steps))
     out = a.out or a.run / "tables.json"
-    out.write_text(json.dumps({"run": str(a.run), "overlay": ov, "plain_baseline": ab[1] if ab else {}}, indent=1))
+    out.write_text(json.dumps({"run": str(a.run), "overlay": ov, "plain_baseline": ab[1] if ab else {},
+                               "frozen_shadow": sh[1] if sh else {}}, indent=1))
     print(f"\nwrote {out}")
 
 

@@ -359,22 +359,38 @@ class RunConfig:
     # the arm's own tokens, in the same run. Needs rollout.sampler = "coupled" (else the plain decode draws
     # other text) and speculation control (its runner's plain step set). Costs one plain rollout per step.
     plain_baseline: tuple[str, ...] = ()
+    # Co-trained arms that keep a frozen copy of their warm draft and, every RL step, score it and the draft being
+    # trained on the step's rollouts under the sampling policy (runner/rl.shadow_eval): a frozen draft's
+    # acceptance on the co-trained arm's own policy and tokens, where a frozen arm of its own drifts elsewhere
+    # after step 1 on a GPU. Costs two draft evaluations per step (timed, left out of the step's time).
+    frozen_shadow: tuple[str, ...] = ()
 
     def measures_plain(self, arm: str) -> bool:
         """Whether `arm` runs the plain baseline (`plain_baseline`, compared as arms: `cotrained` is
         `cotrained-eagle3` under draft.kind = eagle3)."""
+        return self._lists(arm, self.plain_baseline)
+
+    def measures_shadow(self, arm: str) -> bool:
+        """Whether `arm` scores a frozen copy of its warm draft beside its own (`frozen_shadow`)."""
+        return self._lists(arm, self.frozen_shadow)
+
+    def _lists(self, arm: str, arms: tuple[str, ...]) -> bool:
         key = split_arm(arm, self.draft.kind)
-        return any(split_arm(a, self.draft.kind) == key for a in self.plain_baseline)
+        return any(split_arm(a, self.draft.kind) == key for a in arms)
 
     def __post_init__(self):
         object.__setattr__(self, "arms", tuple(self.arms))
-        object.__setattr__(self, "plain_baseline", tuple(self.plain_baseline))
         arm_keys = {split_arm(a, self.draft.kind) for a in self.arms}
-        for arm in self.plain_baseline:
-            _check(split_arm(arm, self.draft.kind) in arm_keys, f"plain_baseline: {arm!r} is not one of arms "
-                   f"{list(self.arms)}")
-            _check(split_arm(arm, self.draft.kind)[0] != "none", f"plain_baseline: {arm!r} decodes plainly already "
-                   "(no draft); list arms with a draft")
+        for name, modes, why in (("plain_baseline", ("frozen", "cotrained"), "decodes plainly already (no draft)"),
+                                 ("frozen_shadow", ("cotrained",), "has no draft in training to compare")):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+            for arm in getattr(self, name):
+                key = split_arm(arm, self.draft.kind)
+                _check(key in arm_keys, f"{name}: {arm!r} is not one of arms {list(self.arms)}")
+                _check(key[0] in modes, f"{name}: {arm!r} {why}; list {' or '.join(modes)} arms")
+        _check(not self.frozen_shadow or self.parallel.pp == 1,
+               f"frozen_shadow={list(self.frozen_shadow)} with parallel.pp={self.parallel.pp}: not supported (the "
+               "co-trained draft lives on the last stage only); drop frozen_shadow or run with pp = 1")
         _check(not self.plain_baseline or self.rollout.sampler == "coupled",
                f"plain_baseline={list(self.plain_baseline)} with rollout.sampler={self.rollout.sampler!r}: the plain "
                "decode would draw other tokens than the speculative one; set rollout.sampler=coupled")

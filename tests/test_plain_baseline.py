@@ -60,7 +60,9 @@ def test_plain_decode_needs_speculation_control():
 def test_rl_arm_measures_its_plain_baseline_without_changing_its_trajectory(tmp_path):
     tok, policy = _setup()
     draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), aux_layer_ids=(0, 1))
-    common = ("train.steps=2", "rollout.sampler=coupled", "rollout.max_new_tokens=12", "rollout.spec_control=on",
+    # three steps: the plain train step's undoing of the optimizer shows from step 3 on (with its moments left
+    # advanced, Adam's bias correction makes the first update the same; the second's differs)
+    common = ("train.steps=3", "rollout.sampler=coupled", "rollout.max_new_tokens=12", "rollout.spec_control=on",
               "arms=[cotrained]")
     rows = {}
     for name, extra in (("with", ("plain_baseline=[cotrained]",)), ("without", ())):
@@ -77,6 +79,35 @@ def test_rl_arm_measures_its_plain_baseline_without_changing_its_trajectory(tmp_
         assert "rows x" in a["time/rollout_plain_phases"]
         for r in (a, b):  # the draft's forward and backward: a part of the train step
             assert 0 < r["time/train_draft"] < r["time/train"]
+        assert a["time/train_plain"] > 0 and "time/train_plain" not in b  # the same updates without the draft
+
+
+def test_plain_train_step_reruns_the_updates_without_the_draft(tmp_path, monkeypatch):
+    """The plain train step starts where the real updates started: its policy loss and grad norm equal theirs,
+    update by update (the policy's gradients do not depend on the draft: disjoint graphs). Its seconds are left
+    out of the step's time/other (a plain pass made 2 s slower here does not show up there)."""
+    import time
+    import specco.runner.rl as rl
+    calls = []
+    real = rl.cotrain_step
+
+    def recording(policy, draft, *a, **k):
+        out = real(policy, draft, *a, **k)
+        calls.append((draft is None, out["policy/loss"], out["policy/grad_norm"]))
+        if draft is None:
+            time.sleep(1.0)
+        return out
+    monkeypatch.setattr(rl, "cotrain_step", recording)
+    tok, policy = _setup()
+    draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), aux_layer_ids=(0, 1))
+    cfg = _cfg(tmp_path, "train.steps=2", "rollout.sampler=coupled", "rollout.max_new_tokens=12",
+               "rollout.spec_control=on", "arms=[cotrained]", "plain_baseline=[cotrained]", "train.minibatches=2")
+    rows = run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp_path / "p", progress=False)
+    assert [c[0] for c in calls] == [False, False, True, True] * 2  # the real updates, then the plain ones
+    for i in range(0, len(calls), 4):
+        assert calls[i:i + 2] == [(False, *c[1:]) for c in calls[i + 2:i + 4]]
+    for r in rows:
+        assert r["time/train_plain"] > 2.0 and r["time/other"] < 2.0
 
 
 def test_frozen_arm_has_no_draft_train_time(tmp_path):
@@ -108,6 +139,12 @@ def test_plain_baseline_table_arithmetic():
     assert split["rollout"] == pytest.approx(6.0) and split["train"] == pytest.approx(0.5)
     assert sum(split.values()) == pytest.approx(c["no-draft step s"])
     assert baseline_split([{"time/rollout": 1.0}]) is None
+    # with the plain train step measured (time/train_plain) the no-draft step takes it instead of train - draft
+    measured = [{**r, "time/train_plain": 0.25} for r in rows["cotrained"]]
+    _, got = plain_baseline_table({"cotrained": measured})
+    no_draft = (3.0 + 4.0) - 5.0 + 12.0 - 2.0 + 0.5
+    assert got["cotrained"]["end-to-end speedup"] == pytest.approx(no_draft / step)
+    assert got["cotrained"]["no-draft train s/step"] == pytest.approx(0.25)
 
 
 def test_time_split_plot_has_the_baseline_bar(tmp_path, monkeypatch):

@@ -26,8 +26,8 @@ from ..rollout.engine import RolloutEngine
 from ..rollout.shapes import speculation_control
 from ..train.cotrain import AMP_DTYPES, StepConfig
 from ..train.sft import sft, tiny_policy_config
-from .report import (markdown_table, plain_baseline_table, plot_arms, plot_time_split, read_jsonl,
-                     same_token_end_to_end, steady_rows, time_split)
+from .report import (markdown_table, plain_baseline_table, plot_arms, plot_time_split, read_jsonl, same_token_end_to_end,
+                     shadow_table, steady_rows, time_split, window_mean)
 from .derive import arm_config, at_temperature, check_parallel, generate_config, step_config, warm_configs
 from .rl import run_arm
 from .stages import (RunLock, commit_dir, load_stage, record_config, remove_stale_temporaries, seed_stage,
@@ -333,15 +333,6 @@ def _run_demo(cfg: RunConfig, mesh, rank: int, progress: bool, force_new: bool) 
     return summary
 
 
-def _mean(rows, key, lo=0.0, hi=1.0):
-    """Mean of `key` over the fraction [lo, hi) of the steps."""
-    vals = [r[key] for r in rows if key in r]
-    if not vals:
-        return float("nan")
-    a, b = int(len(vals) * lo), max(int(len(vals) * lo) + 1, int(len(vals) * hi))
-    return sum(vals[a:b]) / len(vals[a:b])
-
-
 _FIRST_KEYS = (("completion_len", "completion len"), ("completion_len_max", "len max"),
                ("rollout/rows_at_max", "rows at max"), ("tau", "tau"), ("rollout/slowest_row_tau", "slowest row tau"),
                ("rollout/tau_rows_at_max", "tau of rows at max"), ("target_forwards", "target forwards"),
@@ -396,13 +387,13 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
     summary = {"arms": {}, "sft": sft_m, "warm_start": warm_m, "elapsed_s": elapsed,
                "warm_start_by_kind": warm_by_kind or {}}
     for arm, rs in arm_rows.items():
-        lr = [arm] + [_mean(rs, k, lo, hi) for k, lo, hi in learn_keys]
+        lr = [arm] + [window_mean(rs, k, lo, hi) for k, lo, hi in learn_keys]
         split = time_split(rs)  # means over steps 2.. (the first captures the CUDA graphs)
         step_s = sum(split.values())
-        tr = [arm, _mean(steady_rows(rs), "tokens_per_s"), split["rollout"], split["log-prob"], split["train"],
+        tr = [arm, window_mean(steady_rows(rs), "tokens_per_s"), split["rollout"], split["log-prob"], split["train"],
               split["refit"] + split["refit guard"], split["other"], step_s,
               split["rollout"] / step_s if step_s else float("nan"),
-              _mean(steady_rows(rs), "rollout/measured_speedup"), same_token_end_to_end(rs)]
+              window_mean(steady_rows(rs), "rollout/measured_speedup"), same_token_end_to_end(rs)]
         learn_rows.append(lr)
         time_rows.append(tr)
         summary["arms"][arm] = {**dict(zip(learn_header[1:], lr[1:])), **dict(zip(time_header[1:], tr[1:]))}
@@ -430,8 +421,15 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
     if ab:
         summary["plain baseline"] = ab[1]
         table += ("\n\nPlain baseline (config plain_baseline: every step's prompts also decoded without the draft on "
-                  "the same engine, coupled sampling, so the same tokens; steps 2..; the draft's train share is "
-                  "timed inside the step and left out of the no-draft step):\n\n" + ab[0])
+                  "the same engine, coupled sampling, so the same tokens, and every step's updates also run without "
+                  "the draft on the same minibatches, then undone; steps 2..; the no-draft step is the arm's step with "
+                  "those two in place of its rollout and train):\n\n" + ab[0])
+    shadow = shadow_table(arm_rows)
+    if shadow:
+        summary["frozen shadow"] = shadow[1]
+        table += ("\n\nFrozen shadow (config frozen_shadow: the co-trained draft and a frozen copy of its warm draft, both "
+                  "scored on the arm's own rollouts under the sampling policy before each update; simulated tau):\n\n"
+                  + shadow[0])
     acc = []
     if "after" in sft_m:  # accuracy of the RL starting policy (a pretrained one's also before its format SFT)
         b, a = sft_m.get("before"), sft_m["after"]

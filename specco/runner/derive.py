@@ -42,7 +42,8 @@ def arm_config(cfg: RunConfig, arm: str) -> tuple[RunConfig, str]:
     if kind in BLOCK_KINDS and rollout.block_k:
         rollout = dataclasses.replace(rollout, k=rollout.block_k)
     return dataclasses.replace(cfg, draft=draft, rollout=rollout, arms=(arm,),
-                               plain_baseline=(arm,) if cfg.measures_plain(arm) else ()), mode
+                               plain_baseline=(arm,) if cfg.measures_plain(arm) else (),
+                               frozen_shadow=(arm,) if cfg.measures_shadow(arm) else ()), mode
 
 
 def warm_configs(cfg: RunConfig) -> dict[str, RunConfig]:

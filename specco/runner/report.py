@@ -146,14 +146,48 @@ def same_token_end_to_end(rows: list[dict]) -> float:
     return sum(plain) / sum(steps)
 
 
+def window_mean(rows: list[dict], key: str, lo: float = 0.0, hi: float = 1.0) -> float:
+    """Mean of `key` over the fraction [lo, hi) of the steps that logged it (at least one step; nan if none)."""
+    vals = [r[key] for r in rows if key in r]
+    if not vals:
+        return float("nan")
+    a, b = int(len(vals) * lo), max(int(len(vals) * lo) + 1, int(len(vals) * hi))
+    return sum(vals[a:b]) / len(vals[a:b])
+
+
+def shadow_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | None:
+    """The arms that ran config `frozen_shadow`: simulated tau (`draft/sim_accept_len`, the same estimator for
+    both) of the co-trained draft and of the frozen warm copy on the arm's own rollouts, over the first and the
+    last 25% of the steps, and their ratio over the last 25%. None when no arm ran it."""
+    key = "shadow/{}/sim_accept_len"
+    out, rows = {}, []
+    for arm, rs in arm_rows.items():
+        if not any(key.format("frozen") in r for r in rs):
+            continue
+        co = [window_mean(rs, key.format("cotrained"), lo, hi) for lo, hi in ((0, .25), (.75, 1))]
+        fr = [window_mean(rs, key.format("frozen"), lo, hi) for lo, hi in ((0, .25), (.75, 1))]
+        vals = {"steps": sum(key.format("frozen") in r for r in rs),
+                "co-trained sim tau (first 25%)": co[0], "co-trained sim tau (last 25%)": co[1],
+                "frozen sim tau (first 25%)": fr[0], "frozen sim tau (last 25%)": fr[1],
+                "co-trained / frozen (last 25%)": co[1] / fr[1],
+                "co-trained last / first": co[1] / co[0]}
+        out[arm] = vals
+        rows.append([arm, *vals.values()])
+    if not out:
+        return None
+    return markdown_table(["arm", *next(iter(out.values())).keys()], rows), out
+
+
 def plain_baseline_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | None:
     """The arms that ran config `plain_baseline` (each step's prompts also decoded plainly, same tokens, same
     engine and policy): over `steady_rows`,
         rollout speedup   Σ plain rollout / Σ rollout
-        end-to-end        Σ (step − rollout + plain rollout − draft's train share) / Σ step
+        end-to-end        Σ (step − rollout + plain rollout − train + plain train) / Σ step
         no-draft share    Σ plain rollout / Σ (that no-draft step)
-    where step = TIME_PARTS and the draft's train share (`time/train_draft`, timed inside the step; 0 for a
-    frozen draft) is what a no-draft step would not pay. None when no arm ran it."""
+    where step = TIME_PARTS and the plain train step (`time/train_plain`) is the step's updates run without
+    the draft on the same minibatches, then undone (runner/rl.plain_train_seconds); a run without it (before
+    2026-12-02's eighth run, or under PP) takes train − the draft's timed forward and backward
+    (`time/train_draft`), which misses the rest of what the draft adds. None when no arm ran it."""
     out, rows = {}, []
     for arm, all_rows in arm_rows.items():
         no_draft = baseline_split(all_rows)  # the no-draft step's phases, means over the measured steps
@@ -165,7 +199,8 @@ def plain_baseline_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | 
         no_draft_step = sum(no_draft.values())
         vals = {"steps": len(rs), "rows equal": mean("rollout/plain_rows_equal"),
                 "rollout s/step": mean("time/rollout"), "plain rollout s/step": no_draft["rollout"],
-                "draft train s/step": mean("time/train_draft"), "step s": step, "no-draft step s": no_draft_step,
+                "draft train s/step": mean("time/train_draft"), "no-draft train s/step": no_draft["train"],
+                "step s": step, "no-draft step s": no_draft_step,
                 "no-draft rollout share": no_draft["rollout"] / no_draft_step,
                 "rollout speedup": no_draft["rollout"] / mean("time/rollout"),
                 "end-to-end speedup": no_draft_step / step}
@@ -178,10 +213,11 @@ def plain_baseline_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | 
 
 def baseline_split(rows: list[dict]) -> dict[str, float] | None:
     """`time_split` of the no-draft step on the arm's own tokens (config plain_baseline): rollout the plain
-    baseline's, train without the draft's share (`time/train_draft`), the other phases the arm's own; over the
-    steady steps that measured it. None when none did."""
+    baseline's, train the plain train step's (`time/train_plain`; where not logged, train without the draft's
+    timed share `time/train_draft`), the other phases the arm's own; over the steady steps that measured it.
+    None when none did."""
     rs = [{**r, "time/rollout": r["time/rollout_plain"],
-           "time/train": r.get("time/train", 0.0) - r.get("time/train_draft", 0.0)}
+           "time/train": r.get("time/train_plain", r.get("time/train", 0.0) - r.get("time/train_draft", 0.0))}
           for r in steady_rows(rows) if "time/rollout_plain" in r]
     if not rs:
         return None

@@ -115,6 +115,7 @@ class ArmState:
     step: int = 0
     data_offset: int = 0
     accept_history: list = field(default_factory=list)  # first-position acceptance per step (refit guard)
+    shadow: Eagle3Draft | BlockDraft | None = None  # config frozen_shadow: the warm draft, never trained
 
 
 def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | BlockDraft | None, gen_cfg,
@@ -149,7 +150,10 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
     # On the models' device: the engine draws its uniforms there (CUDA needs a CUDA generator).
     # Each data-parallel rank samples its own stream (rank 0's is the single-process one).
     gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(cfg.train.seed + 1 + 7919 * rank)
-    return ArmState(arm, mode, policy, draft, engine, opt, sched, gen, ref, pipeline)
+    st = ArmState(arm, mode, policy, draft, engine, opt, sched, gen, ref, pipeline)
+    if cfg.measures_shadow(arm):  # the warm draft as it came: a resumed run loads its checkpoint into `draft` only
+        st.shadow = copy.deepcopy(draft).eval().requires_grad_(False)
+    return st
 
 
 def _distributed(mesh: Mesh | None) -> bool:
@@ -204,9 +208,12 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
         for mb in mbs:
             mb.batch.logp_ref = mb.logprobs(st.ref, scfg)
     m["time/logprob"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
     train_draft = st.draft if st.mode == "cotrained" else None
     group = mesh.grad_group if _distributed(mesh) else None
+    # config plain_baseline: the weights and optimizer state the updates start from, for the plain train step
+    before = copy.deepcopy((st.policy.state_dict(), st.opt.state_dict())) if (
+        train_draft is not None and st.pipeline is None and cfg.measures_plain(st.arm)) else None
+    t0 = time.perf_counter()
     # on_nonfinite=skip: a copy to go back to (memory: one more copy of the weights and AdamW state)
     snap = copy.deepcopy((st.policy.state_dict(), train_draft and train_draft.state_dict(), st.opt.state_dict())
                          ) if t.on_nonfinite == "skip" else None
@@ -230,8 +237,10 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
             train_draft.load_state_dict(snap[1])
         st.opt.load_state_dict(snap[2])
         m["nonfinite_skipped"] = 1
-    st.sched.step()  # the LR schedule counts RL steps, however many updates each has
     m["time/train"] = time.perf_counter() - t0
+    if before is not None:  # before the schedule's step: the same learning rates as the updates just run
+        m["time/train_plain"] = plain_train_seconds(st, before, mbs, scfg, t.ppo_epochs, group)
+    st.sched.step()  # the LR schedule counts RL steps, however many updates each has
     for k in hist[0]:  # means over the updates (one update: its own values); seconds add up instead
         m[k] = sum(h[k] for h in hist) / (1 if k.startswith("time/") else len(hist))
     m["ppo/updates"] = updates
@@ -240,6 +249,49 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
         whole = minibatches(ro, 1, scfg, pad_id, device, mesh)[0]
         m.update(draft_eval(whole_policy, st.draft, whole.batch, scfg, group, whole.fns))
         m["time/draft_eval"] = time.perf_counter() - t0
+    return m
+
+
+def plain_train_seconds(st: ArmState, before: tuple, mbs: list, scfg: StepConfig, epochs: int, group) -> float:
+    """Config plain_baseline's train step: the step's PPO updates run again without the draft, on the same
+    minibatches from the same start (`before`: the policy's and the optimizer's state dicts when the real
+    updates began), timed, then undone: the weights and optimizer state the real updates left go back, bit for
+    bit (tests/test_plain_baseline.py: the arm trains as without the baseline). Everything the draft adds to a
+    train step (its forward and backward, its taps, its optimizer and clipping work) is the difference from
+    time/train; `time/train_draft` times only the first two.
+
+    It runs after the real updates, never before: the first train pass over a step's micro-batch widths pays
+    one-time costs (new attention plans, allocator growth). On the H200 a plain pass run first took as long as
+    the co-trained pass after it, draft included (ninth run, BENCHMARKS), so run first it reads high; run second
+    it leaves those costs in time/train, and the no-draft step, hence the end-to-end speedup, reads low if at all."""
+    after = copy.deepcopy((st.policy.state_dict(), st.opt.state_dict()))
+    st.policy.load_state_dict(before[0])
+    st.opt.load_state_dict(before[1])
+    t0 = time.perf_counter()
+    for _ in range(epochs):
+        for mb in mbs:  # cotrain_step's metrics read its results back to the host: the updates have finished
+            cotrain_step(st.policy, None, mb.batch, st.opt, None, scfg, grad_group=group, **mb.fns)
+    seconds = time.perf_counter() - t0
+    st.policy.load_state_dict(after[0])
+    st.opt.load_state_dict(after[1])
+    return seconds
+
+
+def shadow_eval(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device, mesh: Mesh | None = None) -> dict:
+    """Config frozen_shadow: the co-trained draft that decoded this step's rollouts and the arm's frozen copy of
+    its warm draft, each scored (`draft_eval`: simulated tau, loss, per-pass or per-slot agreement) on those
+    rollouts under the policy that sampled them, before the step's update. The same estimator, rows and teacher
+    for both, so their ratio is co-training's gain on this arm's own trajectory. Keys `shadow/cotrained/...`
+    and `shadow/frozen/...`; `time/shadow`, which the step's time leaves out."""
+    t0 = time.perf_counter()
+    scfg = step_config(cfg, st.mode)
+    whole = minibatches(ro, 1, scfg, pad_id, device, mesh)[0]
+    group = mesh.grad_group if _distributed(mesh) else None
+    m = {}
+    for tag, draft in (("cotrained", st.draft), ("frozen", st.shadow)):
+        m.update({f"shadow/{tag}/{k.partition('/')[2]}": v
+                  for k, v in draft_eval(st.policy, draft, whole.batch, scfg, group, whole.fns).items()})
+    m["time/shadow"] = time.perf_counter() - t0
     return m
 
 
@@ -256,7 +308,8 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
                           baseline=cfg.measures_plain(st.arm))
     if record is not None:
         record.append(ro)
-    m = {**ro.metrics, **train_on_rollouts(st, cfg, ro, tokenizer.pad_id, device, mesh)}
+    shadow = shadow_eval(st, cfg, ro, tokenizer.pad_id, device, mesh) if st.shadow is not None else {}
+    m = {**ro.metrics, **shadow, **train_on_rollouts(st, cfg, ro, tokenizer.pad_id, device, mesh)}
     t0 = time.perf_counter()
     if st.pipeline is not None:  # the engine needs the whole policy: gather the stages (and the last's draft)
         policy_sd, draft_sd = gather_for_refit(st, mesh)
@@ -285,10 +338,10 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
         m["time/refit_guard"] = time.perf_counter() - t0
     # the rest of the step's wall time: scoring and decoding the completions, building the micro-batches,
     # the finiteness checks, the metric reduction. It is part of what an RL step costs, so the report's step
-    # time counts it; the frozen arm's draft evaluation and the plain baseline's decode (measurements only) are
-    # left out
-    timed = sum(m.get(k, 0.0) for k, _ in TIME_PARTS if k != "time/other") + m.get("time/draft_eval", 0.0) \
-        + m.get("time/rollout_plain", 0.0)
+    # time counts it; the frozen arm's draft evaluation, the plain baseline's decode and train step and the frozen
+    # shadow's evaluation (measurements only) are left out
+    timed = sum(m.get(k, 0.0) for k, _ in TIME_PARTS if k != "time/other") + sum(
+        m.get(k, 0.0) for k in ("time/draft_eval", "time/rollout_plain", "time/train_plain", "time/shadow"))
     m["time/other"] = max(0.0, time.perf_counter() - t_step - timed)
     return m
 

@@ -1,0 +1,100 @@
+"""The frozen shadow (config `frozen_shadow`): a co-trained arm scores its own draft and a frozen copy of its warm
+draft on every step's rollouts, under the policy that sampled them.
+
+* the arm's trajectory is the one it has without the shadow (the evaluation runs under no_grad and draws nothing);
+* at step 1 both drafts are the warm draft, so the two scores are equal, and equal to `draft_eval` of the warm
+  draft on the recorded rollouts under the starting policy (recomputed here); after an update they part;
+* a resumed arm's shadow is still the warm draft (the checkpoint restores only the trained copy);
+* the report's table is the stated arithmetic; the field's refusals.
+"""
+import pytest
+import torch
+
+from specco.config import load_config
+from specco.model.config import ConfigError
+from specco.runner.derive import step_config
+from specco.runner.report import shadow_table
+from specco.runner.rl import draft_eval, run_arm
+from specco.runner.rollouts import minibatches
+from specco.runner.warmstart import new_block_draft, new_draft
+from test_grpo import DigitTask, _cfg, _setup
+
+TRAINED = ("reward", "completion_len", "policy/loss", "draft/loss", "policy/grad_norm", "draft/grad_norm")
+
+
+def _warm(kind, policy, tok):
+    tokens = torch.randint(0, tok.vocab_size, (4, 8))
+    if kind == "eagle3":
+        return new_draft(policy, tokens, aux_layer_ids=(0, 1))
+    return new_block_draft(policy, tokens, kind, gamma=2, aux_layer_ids=(0, 1))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_shadow_scores_both_drafts_without_changing_the_trajectory(tmp_path, kind):
+    tok, policy = _setup()
+    warm = _warm(kind, policy, tok)
+    arm = "cotrained" if kind == "eagle3" else f"cotrained-{kind}"
+    common = ("train.steps=3", "rollout.max_new_tokens=8", "train.draft_lr=1e-2", f"arms=[{arm}]")
+    rows, record = {}, []
+    for name, extra in (("with", (f"frozen_shadow=[{arm}]",)), ("without", ())):
+        cfg = _cfg(tmp_path, *common, *extra)
+        rows[name] = run_arm(cfg, arm, policy, warm, DigitTask(), tok, tmp_path / name, progress=False,
+                             record=record if name == "with" else None)
+    for a, b in zip(rows["with"], rows["without"]):
+        for key in TRAINED:
+            assert a[key] == b[key], (a["step"], key)
+        assert not any(k.startswith("shadow/") for k in b) and a["time/shadow"] > 0
+    first, later = rows["with"][0], rows["with"][1:]
+    sim = "shadow/{}/sim_accept_len"
+    keys = [k.partition("/frozen/")[2] for k in first if k.startswith("shadow/frozen/")]
+    assert "sim_accept_len" in keys and "loss" in keys
+    for k in keys:  # step 1: both are the warm draft
+        assert first[f"shadow/cotrained/{k}"] == first[f"shadow/frozen/{k}"], k
+    # ... scored as draft_eval scores it, on the step's rollouts under the starting policy
+    cfg = _cfg(tmp_path, *common, f"frozen_shadow=[{arm}]")
+    from specco.runner.derive import arm_config
+    acfg, mode = arm_config(cfg, arm)
+    scfg = step_config(acfg, mode)
+    whole = minibatches(record[0], 1, scfg, tok.pad_id, "cpu", None)[0]
+    ref = draft_eval(policy, warm, whole.batch, scfg, None, whole.fns)
+    assert first[sim.format("frozen")] == pytest.approx(ref["draft/sim_accept_len"], rel=1e-6)
+    assert first["shadow/frozen/loss"] == pytest.approx(ref["draft/loss"], rel=1e-6)
+    # after the first update the co-trained draft is another draft (a high draft LR: it moves visibly)
+    assert all(r["shadow/cotrained/loss"] != r["shadow/frozen/loss"] for r in later)
+
+
+def test_resumed_arm_keeps_the_warm_draft_as_its_shadow(tmp_path):
+    """A crash after step 2 and a resume: step 3's shadow scores equal the uninterrupted run's (the shadow is the
+    warm draft again, the co-trained copy comes back from the checkpoint)."""
+    tok, policy = _setup()
+    warm = _warm("eagle3", policy, tok)
+    cfg = _cfg(tmp_path, "train.steps=3", "rollout.max_new_tokens=8", "train.draft_lr=1e-2",
+               "frozen_shadow=[cotrained]", "train.checkpoint_every=1")
+    whole = run_arm(cfg, "cotrained", policy, warm, DigitTask(), tok, tmp_path / "a", progress=False)
+    run_arm(cfg, "cotrained", policy, warm, DigitTask(), tok, tmp_path / "b", progress=False, stop_after=2)
+    resumed = run_arm(cfg, "cotrained", policy, warm, DigitTask(), tok, tmp_path / "b", progress=False)
+    for k in ("shadow/frozen/sim_accept_len", "shadow/frozen/loss", "shadow/cotrained/loss"):
+        assert resumed[-1][k] == whole[-1][k], k
+
+
+def test_shadow_table_arithmetic():
+    def row(co, fr):
+        return {"shadow/cotrained/sim_accept_len": co, "shadow/frozen/sim_accept_len": fr}
+    rows = {"cotrained": [row(3.0, 3.0), row(3.2, 3.0), row(3.3, 2.9), row(3.6, 2.4)], "frozen": [{"tau": 2.0}]}
+    _, got = shadow_table(rows)
+    assert set(got) == {"cotrained"}
+    c = got["cotrained"]  # 4 steps: the first 25% is step 1, the last 25% step 4
+    assert c["steps"] == 4 and c["co-trained sim tau (first 25%)"] == 3.0 and c["frozen sim tau (last 25%)"] == 2.4
+    assert c["co-trained / frozen (last 25%)"] == pytest.approx(3.6 / 2.4)
+    assert c["co-trained last / first"] == pytest.approx(3.6 / 3.0)
+    assert shadow_table({"none": [{"tau": 1.0}]}) is None
+
+
+def test_frozen_shadow_refusals(tmp_path):
+    ok = _cfg(tmp_path, "arms=[none,frozen,cotrained-dflash]", "frozen_shadow=[cotrained-dflash]")
+    assert ok.measures_shadow("cotrained-dflash") and not ok.measures_shadow("frozen")
+    for overrides, match in ((["arms=[none,cotrained]", "frozen_shadow=[cotrained-dflash]"], "not one of arms"),
+                             (["arms=[frozen]", "frozen_shadow=[frozen]"], "no draft in training"),
+                             (["arms=[cotrained]", "frozen_shadow=[cotrained]", "parallel.pp=2"], "pp = 1")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(None, [f"out_dir={tmp_path}", *overrides])
