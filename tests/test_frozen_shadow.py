@@ -98,3 +98,15 @@ def test_frozen_shadow_refusals(tmp_path):
                              (["arms=[cotrained]", "frozen_shadow=[cotrained]", "parallel.pp=2"], "pp = 1")):
         with pytest.raises(ConfigError, match=match):
             load_config(None, [f"out_dir={tmp_path}", *overrides])
+
+
+def test_committed_long_eagle3_config_is_the_ninth_runs():
+    """configs/long_eagle3.toml is configs/long_ab.toml with the ninth H200 run's overrides (bench/results/
+    long_rl_shadow_2026-12-02/NOTES.md), out_dir aside."""
+    from specco.config import config_to_dict
+    mine = config_to_dict(load_config("configs/long_eagle3.toml"))
+    ran = config_to_dict(load_config("configs/long_ab.toml", ["arms=[cotrained]", "plain_baseline=[cotrained]",
+                                                             "frozen_shadow=[cotrained]", "train.draft_row_stride=8",
+                                                             "train.steps=7"]))
+    assert mine.pop("out_dir") == "runs/long_eagle3" and ran.pop("out_dir") == "runs/long_ab"
+    assert mine == ran

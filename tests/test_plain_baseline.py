@@ -208,4 +208,8 @@ def test_committed_long_ab_config_runs_at_a_tiny_shape(tmp_path):
     assert set(base) == {"cotrained", "cotrained-dflash"}
     for arm in base.values():
         assert arm["rows equal"] > 0.9 and arm["plain rollout s/step"] > 0 and arm["draft train s/step"] > 0
-    assert "Plain baseline" in (tmp_path / "run" / "report.md").read_text()
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "Plain baseline" in report and "Frozen shadow" in report  # long_ab.toml's frozen_shadow: both co-trained
+    assert set(summary["frozen shadow"]) == {"cotrained", "cotrained-dflash"}
+    for arm in base.values():
+        assert arm["no-draft train s/step"] > 0  # the plain train step ran

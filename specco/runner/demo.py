@@ -411,25 +411,20 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
             tr += [s["tokens/s vs none"], s["rollout speedup vs none"], s["train overhead vs none"],
                    s["end-to-end speedup vs none"]]
     table = markdown_table(learn_header, learn_rows) + "\n\n" + markdown_table(time_header, time_rows)
-    first = first_step_table(arm_rows)
-    if first:
-        summary["step 1"] = first[1]
-        table += ("\n\nStep 1 (every arm starts from the same policy and prompts; includes the engine's first-call "
-                  "setup, on a GPU its CUDA graph capture):\n\n"
-                  + first[0])
-    ab = plain_baseline_table(arm_rows)
-    if ab:
-        summary["plain baseline"] = ab[1]
-        table += ("\n\nPlain baseline (config plain_baseline: every step's prompts also decoded without the draft on "
-                  "the same engine, coupled sampling, so the same tokens, and every step's updates also run without "
-                  "the draft on the same minibatches, then undone; steps 2..; the no-draft step is the arm's step with "
-                  "those two in place of its rollout and train):\n\n" + ab[0])
-    shadow = shadow_table(arm_rows)
-    if shadow:
-        summary["frozen shadow"] = shadow[1]
-        table += ("\n\nFrozen shadow (config frozen_shadow: the co-trained draft and a frozen copy of its warm draft, both "
-                  "scored on the arm's own rollouts under the sampling policy before each update; simulated tau):\n\n"
-                  + shadow[0])
+    # the comparison tables, each when the run has its data: (summary key, caption, (markdown, values) or None)
+    for key, caption, made in (
+            ("step 1", "Step 1 (every arm starts from the same policy and prompts; includes the engine's first-call "
+             "setup, on a GPU its CUDA graph capture)", first_step_table(arm_rows)),
+            ("plain baseline", "Plain baseline (config plain_baseline: every step's prompts also decoded without the "
+             "draft on the same engine, coupled sampling, so the same tokens, and every step's updates also run "
+             "without the draft on the same minibatches, then undone; steps 2..; the no-draft step is the arm's step "
+             "with those two in place of its rollout and train)", plain_baseline_table(arm_rows)),
+            ("frozen shadow", "Frozen shadow (config frozen_shadow: the co-trained draft and a frozen copy of its warm "
+             "draft, both scored on the arm's own rollouts under the sampling policy before each update; simulated "
+             "tau)", shadow_table(arm_rows))):
+        if made:
+            summary[key] = made[1]
+            table += f"\n\n{caption}:\n\n" + made[0]
     acc = []
     if "after" in sft_m:  # accuracy of the RL starting policy (a pretrained one's also before its format SFT)
         b, a = sft_m.get("before"), sft_m["after"]
