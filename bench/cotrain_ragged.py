@@ -20,7 +20,16 @@ step (host clock after a device synchronize: planning is host time) for:
 
 `--reserve-gib` holds device memory for the whole run, as the rollout engine's caches do in `specco train`.
 
+`--paired` (exactly two variants, e.g. `policy,w128`) runs both on the *same* fresh batch every step, the order
+alternating (even steps the first variant first): what the draft adds to a train step on the very same rows,
+which an RL run can only bound (README "The long-reasoning workload": the draft's timed span misses part of it,
+and a pass run first pays the step's first-pass costs). It reports each variant's mean, its mean when run first
+and when run second, the draft's timed span (`time/train_draft`), and co-trained − policy − span: the draft's
+cost outside its span. `--compile inductor` compiles the policy's layers as `train.compile` does.
+
     python bench/cotrain_ragged.py --device cuda --steps 6
+    python bench/cotrain_ragged.py --device cuda --paired --variants policy,w128 --stride 8 --steps 8 \
+        --compile inductor --reserve-gib 40
     python bench/cotrain_ragged.py --device cpu --hidden 64 --layers 2 --rows 32 --max-len 300 --variants policy,auto
 """
 from __future__ import annotations
@@ -40,6 +49,7 @@ from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.ops.attention import ttt_attention  # noqa: E402
+from specco.train.compile import apply_compile, warm_up  # noqa: E402
 from specco.train.cotrain import AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step  # noqa: E402
 
 
@@ -62,6 +72,52 @@ def ragged_batch(rows: int, max_len: int, vocab: int, seed: int, device) -> Trai
                       logp_old=-torch.rand(rows, S, generator=g).to(device))
 
 
+def variant_step(name: str, a, policy, draft, opts, amp):
+    """The train step of one variant (module docstring) as a function of the batch."""
+    use_draft = name != "policy"
+    width = int(name[1:]) if name.startswith("w") else 1
+    cfg = StepConfig(draft_weight=1.0 if use_draft else 0.0, draft_row_stride=a.stride,
+                     micro_batch_rows=a.micro_batch_rows, width_multiple=width, amp_dtype=amp)
+    impl = "flash" if name == "flash" else "cudnn" if name == "cudnn" or width > 1 else None
+    attn = functools.partial(ttt_attention, impl=impl) if impl else ttt_attention
+    return functools.partial(cotrain_step, policy, draft if use_draft else None, opt=opts[use_draft], sched=None,
+                             cfg=cfg, attn=attn)
+
+
+def paired(a, steps: dict, dev) -> dict:
+    """`--paired`: both variants on one fresh batch per step, the order alternating; step 0 is a warm-up."""
+    if len(steps) != 2:
+        raise SystemExit(f"--paired needs exactly two variants, got {list(steps)} (e.g. --variants policy,w128)")
+    names = list(steps)
+    rec = {n: {"s": [], "first": [], "second": [], "span": []} for n in names}
+    for i in range(a.steps + 1):
+        b = ragged_batch(a.rows, a.max_len, a.vocab, seed=7000 + i, device=dev)
+        order = names if i % 2 == 0 else names[::-1]
+        for pos, name in enumerate(order):
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            m = steps[name](batch=b)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                dt = time.perf_counter() - t
+                rec[name]["s"].append(dt)
+                rec[name]["second" if pos else "first"].append(dt)
+                rec[name]["span"].append(m.get("time/train_draft", 0.0))
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    out = {n: {"step_s": r["s"], "mean_s": mean(r["s"]), "mean_first_s": mean(r["first"]),
+               "mean_second_s": mean(r["second"]), "draft_span_s": mean(r["span"])} for n, r in rec.items()}
+    plain, co = names
+    out["draft_outside_span_s"] = out[co]["mean_s"] - out[plain]["mean_s"] - out[co]["draft_span_s"]
+    for n in names:
+        r = out[n]
+        print(f"{n:>7}: mean {r['mean_s']:.3f} s  run first {r['mean_first_s']:.3f}  run second "
+              f"{r['mean_second_s']:.3f}  draft span {r['draft_span_s']:.3f}", flush=True)
+    print(f"the draft's cost outside its timed span: {out['draft_outside_span_s']:.3f} s/step", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -81,6 +137,8 @@ def main():
     ap.add_argument("--reserve-gib", type=float, default=0.0,
                     help="hold this much device memory for the whole run (what the rollout engine's KV caches and "
                          "CUDA graphs hold in `specco train`): the step then runs under the run's memory pressure")
+    ap.add_argument("--paired", action="store_true", help="two variants on the same batch each step, order alternating")
+    ap.add_argument("--compile", default="none", help="train.compile for the policy's layers (none, inductor)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device(a.device)
@@ -92,19 +150,16 @@ def main():
                       num_kv_heads=a.kv_heads, intermediate_size=a.intermediate,
                       max_position_embeddings=a.max_len)
     policy = Policy(pc).to(dev).train()
+    if a.compile != "none":
+        print(f"compiled ({a.compile}) in {warm_up(apply_compile(policy, a.compile), AMP_DTYPES[a.amp]):.0f} s", flush=True)
     draft = Eagle3Draft(DraftConfig.for_policy(pc)).to(dev)
     opts = {False: build_optimizer(policy, None, 1e-7, 1e-7), True: build_optimizer(policy, draft, 1e-7, 1e-7)}
     amp = AMP_DTYPES[a.amp]
     results = {}
-    for vi, name in enumerate(a.variants.split(",")):
-        use_draft = name != "policy"
-        width = int(name[1:]) if name.startswith("w") else 1
-        cfg = StepConfig(draft_weight=1.0 if use_draft else 0.0, draft_row_stride=a.stride,
-                         micro_batch_rows=a.micro_batch_rows, width_multiple=width, amp_dtype=amp)
-        impl = "flash" if name == "flash" else "cudnn" if name == "cudnn" or width > 1 else None
-        attn = functools.partial(ttt_attention, impl=impl) if impl else ttt_attention
-        step = functools.partial(cotrain_step, policy, draft if use_draft else None, opt=opts[use_draft], sched=None, cfg=cfg,
-                                 attn=attn)
+    steps = {name: variant_step(name, a, policy, draft, opts, amp) for name in a.variants.split(",")}
+    if a.paired:
+        results = paired(a, steps, dev)
+    for vi, (name, step) in enumerate(() if a.paired else steps.items()):
         times, tokens = [], []
         for i in range(a.steps + 1):  # step 0: warm-up (kernel compiles, allocator growth); not reported
             # every variant its own fresh shapes (seeds disjoint across variants): plan caches cannot carry over
@@ -124,8 +179,11 @@ def main():
     base = results.get("policy", {}).get("mean_s")
     if base:
         for name, r in results.items():
+            if not isinstance(r, dict):
+                continue
             r["vs_policy"] = r["mean_s"] / base
-        print("  vs policy-only: " + ", ".join(f"{k} {r['vs_policy']:.3f}" for k, r in results.items()), flush=True)
+        print("  vs policy-only: " + ", ".join(f"{k} {r['vs_policy']:.3f}" for k, r in results.items()
+                                                 if isinstance(r, dict)), flush=True)
     if dev.type == "cuda":
         st = torch.cuda.memory_stats(dev)
         print(f"peak allocated {torch.cuda.max_memory_allocated(dev) / 2 ** 30:.1f} GiB, cudaMalloc retries "
