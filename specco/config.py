@@ -364,13 +364,14 @@ class RunConfig:
     def measures_plain(self, arm: str) -> bool:
         """Whether `arm` runs the plain baseline (`plain_baseline`, compared as arms: `cotrained` is
         `cotrained-eagle3` under draft.kind = eagle3)."""
-        return self._lists(arm, self.plain_baseline)
+        return self._among(arm, self.plain_baseline)
 
     def measures_shadow(self, arm: str) -> bool:
         """Whether `arm` scores a frozen copy of its warm draft beside its own (`frozen_shadow`)."""
-        return self._lists(arm, self.frozen_shadow)
+        return self._among(arm, self.frozen_shadow)
 
-    def _lists(self, arm: str, arms: tuple[str, ...]) -> bool:
+    def _among(self, arm: str, arms: tuple[str, ...]) -> bool:
+        """Whether `arm` is one of `arms`, compared as arms (split_arm)."""
         key = split_arm(arm, self.draft.kind)
         return any(split_arm(a, self.draft.kind) == key for a in arms)
 

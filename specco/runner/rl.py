@@ -68,7 +68,6 @@ from .stages import seed_stage
 from .rollouts import Rollouts, collect_rollouts, engine_logprob_gap, longest_prompt, minibatches
 
 
-@torch.no_grad()
 def draft_eval(policy: Policy, draft: Eagle3Draft | BlockDraft, b: TrainBatch, cfg: StepConfig, count_group=None,
                fns: dict | None = None) -> dict:
     """Draft metrics without training it (frozen arm): TTT loss per pass, top-1, simulated tau for EAGLE-3;
@@ -77,27 +76,37 @@ def draft_eval(policy: Policy, draft: Eagle3Draft | BlockDraft, b: TrainBatch, c
     rank's share of the global mean (summed over ranks like the co-trained arm's). `fns`: the layout's
     step arguments (Minibatch.fns; None: padded rows, of which only the draft's rows are run, in
     cfg.micro_batch_rows micro-batches: a 256-row batch of 2,000-token rows in one forward was 9× its tokens)."""
+    return draft_evals(policy, {"draft": draft}, b, cfg, count_group, fns)["draft"]
+
+
+@torch.no_grad()
+def draft_evals(policy: Policy, drafts: dict, b: TrainBatch, cfg: StepConfig, count_group=None,
+                fns: dict | None = None) -> dict[str, dict]:
+    """`draft_eval` of several drafts of one kind and one set of aux layers ({name: draft}) on one policy forward
+    per micro-batch: {name: metrics} (config frozen_shadow scores the co-trained draft and its frozen copy)."""
     fns = fns or {}
     shift_kw = {k: fns[k] for k in ("shift", "attn") if k in fns}
-    block = isinstance(draft, BlockDraft)
+    first = next(iter(drafts.values()))
+    block = isinstance(first, BlockDraft)
     parts = [(None, b)]
     if not fns and b.cu_seqlens is None:  # padded rows: only the draft's, in micro-batches like the train step's
         b = b.take(torch.arange(b.tokens.shape[0], device=b.tokens.device)[draft_rows(b, cfg)])
         cfg = dataclasses.replace(cfg, draft_row_stride=1)
         parts = micro_batches(b, cfg.micro_batch_rows, width_multiple=cfg.width_multiple)
-    counts = step_counts(b, cfg, fns.get("shift", shift_left), count_group, draft if block else None,
+    counts = step_counts(b, cfg, fns.get("shift", shift_left), count_group, first if block else None,
                          fns.get("block") if block else None)
-    loss, stats = 0.0, None
+    loss, stats = dict.fromkeys(drafts, 0.0), dict.fromkeys(drafts)
     for rows, mb in parts:
         with amp_context(cfg, mb.tokens):
-            out = policy(mb.tokens, mb.positions, tap_layers=draft.cfg.aux_layer_ids, attn_core=fns.get("attn_core"))
-            if block:  # per-slot acceptance, probabilistic tau, confidence error (train/block_losses.BlockStats)
-                l_d, s = block_loss(draft, policy, out, mb, cfg, counts.draft, rows, block=fns.get("block"))
-            else:
-                l_d, s = draft_loss(draft, out, mb, cfg, counts.draft, rows=rows, **shift_kw)
-        loss, stats = loss + l_d, s if stats is None else stats + s
-    (stats,) = all_reduce_sums([stats], count_group)
-    return metrics_to_floats({**stats.metrics(), "draft/loss": loss})
+            out = policy(mb.tokens, mb.positions, tap_layers=first.cfg.aux_layer_ids, attn_core=fns.get("attn_core"))
+            for name, draft in drafts.items():
+                if block:  # per-slot acceptance, probabilistic tau, confidence error (train/block_losses.BlockStats)
+                    l_d, s = block_loss(draft, policy, out, mb, cfg, counts.draft, rows, block=fns.get("block"))
+                else:
+                    l_d, s = draft_loss(draft, out, mb, cfg, counts.draft, rows=rows, **shift_kw)
+                loss[name], stats[name] = loss[name] + l_d, s if stats[name] is None else stats[name] + s
+    reduced = all_reduce_sums(list(stats.values()), count_group)
+    return {name: metrics_to_floats({**st.metrics(), "draft/loss": loss[name]}) for name, st in zip(drafts, reduced)}
 
 
 @dataclass
@@ -210,13 +219,14 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     m["time/logprob"] = time.perf_counter() - t0
     train_draft = st.draft if st.mode == "cotrained" else None
     group = mesh.grad_group if _distributed(mesh) else None
-    # config plain_baseline: the weights and optimizer state the updates start from, for the plain train step
-    before = copy.deepcopy((st.policy.state_dict(), st.opt.state_dict())) if (
-        train_draft is not None and st.pipeline is None and cfg.measures_plain(st.arm)) else None
-    t0 = time.perf_counter()
-    # on_nonfinite=skip: a copy to go back to (memory: one more copy of the weights and AdamW state)
+    # on_nonfinite=skip: a copy to go back to (memory: one more copy of the weights and AdamW state); config
+    # plain_baseline: the policy's and optimizer's state the updates start from, for the plain train step. One
+    # copy serves both (loading a state dict copies out of it and leaves it as it was)
+    plain = train_draft is not None and st.pipeline is None and cfg.measures_plain(st.arm)
     snap = copy.deepcopy((st.policy.state_dict(), train_draft and train_draft.state_dict(), st.opt.state_dict())
-                         ) if t.on_nonfinite == "skip" else None
+                         ) if t.on_nonfinite == "skip" or plain else None
+    before = (snap[0], snap[2]) if plain else None
+    t0 = time.perf_counter()
     if st.pipeline is not None:  # this rank's stage; the metrics (hence the checks below) agree on every stage
         hist = pp_train_updates(st, train_draft, mbs, scfg, t.ppo_epochs, group)
     else:
@@ -228,7 +238,7 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
         check_finite(f"RL step {st.step + 1} of arm {st.arm}", modules=(st.policy, train_draft))
         m["nonfinite_skipped"] = 0
     except NonFiniteError as e:
-        if snap is None:
+        if t.on_nonfinite != "skip":
             raise
         # every rank sees the same reduced numbers, so every rank skips (the weights stay in sync)
         print(f"specco: skipping the update: {e}", flush=True)
@@ -287,10 +297,8 @@ def shadow_eval(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device,
     scfg = step_config(cfg, st.mode)
     whole = minibatches(ro, 1, scfg, pad_id, device, mesh)[0]
     group = mesh.grad_group if _distributed(mesh) else None
-    m = {}
-    for tag, draft in (("cotrained", st.draft), ("frozen", st.shadow)):
-        m.update({f"shadow/{tag}/{k.partition('/')[2]}": v
-                  for k, v in draft_eval(st.policy, draft, whole.batch, scfg, group, whole.fns).items()})
+    scores = draft_evals(st.policy, {"cotrained": st.draft, "frozen": st.shadow}, whole.batch, scfg, group, whole.fns)
+    m = {f"shadow/{tag}/{k.partition('/')[2]}": v for tag, ms in scores.items() for k, v in ms.items()}
     m["time/shadow"] = time.perf_counter() - t0
     return m
 

@@ -261,12 +261,12 @@ def clip_grad_norm(params, max_norm: float, norm_group=None) -> torch.Tensor:
     """Clip by the total gradient norm of a parameter group that may be split over `norm_group` (the
     ranks holding *different* parts of it, e.g. pipeline stages; None: this rank holds all of it):
     the squared norms are summed there, so every part is scaled by the same coefficient."""
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
-    if not grads:  # a group this step did not train (the plain train step's draft): get_total_norm would give a
-        # CPU tensor, which the metrics' one device-side stack then refuses beside CUDA ones
-        params = list(params)
-        return torch.zeros((), device=params[0].device if params else None)
-    total = torch.nn.utils.get_total_norm(grads)
+    # a group this step did not train (the plain train step's draft) has no gradients: get_total_norm would give a
+    # CPU zero, which the metrics' one device-side stack refuses beside CUDA ones; the all-reduce below still runs
+    total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(
+        (), device=params[0].device if params else None)
     if norm_group is not None:
         sq = total.double().square().reshape(1)
         dist.all_reduce(sq, group=norm_group)
