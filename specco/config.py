@@ -353,12 +353,15 @@ class RunConfig:
     # Arms (named as in `arms`, each with a draft) that, every RL step, also decode the step's prompts plainly
     # through the same engine and policy, timed and then discarded (runner/rollouts.py): a no-draft baseline on
     # the arm's own tokens, in the same run. Needs rollout.sampler = "coupled" (else the plain decode draws
-    # other text) and speculation control (its runner's plain step set). Costs one plain rollout per step.
+    # other text) and speculation control (its runner's plain step set). A co-trained one also reruns the step's
+    # updates without the draft, timed and undone (runner/rl.plain_train_seconds). Costs one plain rollout and
+    # one policy-only train step per step.
     plain_baseline: tuple[str, ...] = ()
     # Co-trained arms that keep a frozen copy of their warm draft and, every RL step, score it and the draft being
     # trained on the step's rollouts under the sampling policy (runner/rl.shadow_eval): a frozen draft's
     # acceptance on the co-trained arm's own policy and tokens, where a frozen arm of its own drifts elsewhere
-    # after step 1 on a GPU. Costs two draft evaluations per step (timed, left out of the step's time).
+    # after step 1 on a GPU. Costs one policy forward over the draft rows and both drafts on it per step (timed, left
+    # out of the step's time).
     frozen_shadow: tuple[str, ...] = ()
 
     def measures_plain(self, arm: str) -> bool:
