@@ -17,18 +17,23 @@ step (host clock after a device synchronize: planning is host time) for:
     cudnn    the trunk forced to cuDNN (plans per shape)
     flash    the trunk forced to FlashAttention-2 (no per-shape plans)
     w<N>     cuDNN, micro-batch widths rounded up to a multiple of N (`train.width_multiple`)
+    policy_w<N>, auto_w<N>, ...  any of the above with widths rounded up to a multiple of N: the long
+             configs' train step is auto_w128, its no-draft step policy_w128
 
 `--reserve-gib` holds device memory for the whole run, as the rollout engine's caches do in `specco train`.
 
-`--paired` (exactly two variants, e.g. `policy,w128`) runs both on the *same* fresh batch every step, the order
+`--paired` (exactly two variants, e.g. `policy_w128,auto_w128`) runs both on the *same* fresh batch every step, the order
 alternating (even steps the first variant first): what the draft adds to a train step on the very same rows,
 which an RL run can only bound (README "The long-reasoning workload": the draft's timed span misses part of it,
 and a pass run first pays the step's first-pass costs). It reports each variant's mean, its mean when run first
 and when run second, the draft's timed span (`time/train_draft`), and co-trained − policy − span: the draft's
-cost outside its span. `--compile inductor` compiles the policy's layers as `train.compile` does.
+cost outside its span; on CUDA also each pass's cudaMalloc calls and allocator retries (first and second), which
+say whether a first-pass cost is the caching allocator's. `--compile inductor` compiles the policy's layers as
+`train.compile` does; `--merge-bytes 0` runs the draft once per micro-batch instead of once per step
+(train/draft_rows.py). Run it again under `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` to compare.
 
     python bench/cotrain_ragged.py --device cuda --steps 6
-    python bench/cotrain_ragged.py --device cuda --paired --variants policy,w128 --stride 8 --steps 8 \
+    python bench/cotrain_ragged.py --device cuda --paired --variants policy_w128,auto_w128 --stride 8 --steps 8 \
         --compile inductor --reserve-gib 40
     python bench/cotrain_ragged.py --device cpu --hidden 64 --layers 2 --rows 32 --max-len 300 --variants policy,auto
 """
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import re
 import sys
 import time
 from pathlib import Path
@@ -49,6 +55,7 @@ from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.ops.attention import ttt_attention  # noqa: E402
+from specco.train import cotrain  # noqa: E402
 from specco.train.compile import apply_compile, warm_up  # noqa: E402
 from specco.train.cotrain import AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step  # noqa: E402
 
@@ -74,46 +81,68 @@ def ragged_batch(rows: int, max_len: int, vocab: int, seed: int, device) -> Trai
 
 def variant_step(name: str, a, policy, draft, opts, amp):
     """The train step of one variant (module docstring) as a function of the batch."""
-    use_draft = name != "policy"
-    width = int(name[1:]) if name.startswith("w") else 1
+    base, _, wpart = name.rpartition("_w") if "_w" in name else (name, "", "")
+    if base.startswith("w"):  # bare w<N>: the cuDNN trunk, as before policy_w<N> / auto_w<N> existed
+        base, wpart = "cudnn", base[1:]
+    if base not in ("policy", "auto", "cudnn", "flash") or not (wpart == "" or wpart.isdigit()):
+        raise SystemExit(f"unknown variant {name!r}: policy, auto, cudnn, flash, w<N>, or one of the first four "
+                         "with _w<N> (e.g. policy_w128, auto_w128)")
+    use_draft = base != "policy"
+    width = int(wpart) if wpart else 1
     cfg = StepConfig(draft_weight=1.0 if use_draft else 0.0, draft_row_stride=a.stride,
                      micro_batch_rows=a.micro_batch_rows, width_multiple=width, amp_dtype=amp)
-    impl = "flash" if name == "flash" else "cudnn" if name == "cudnn" or width > 1 else None
+    impl = base if base in ("flash", "cudnn") else None
     attn = functools.partial(ttt_attention, impl=impl) if impl else ttt_attention
     return functools.partial(cotrain_step, policy, draft if use_draft else None, opt=opts[use_draft], sched=None,
                              cfg=cfg, attn=attn)
 
 
+def alloc_counts(dev) -> tuple[int, int]:
+    """(cudaMalloc calls, allocator retries after a failed cudaMalloc) so far on `dev`; zeros off CUDA."""
+    if dev.type != "cuda":
+        return 0, 0
+    st = torch.cuda.memory_stats(dev)
+    return st.get("num_device_alloc", 0), st.get("num_alloc_retries", 0)
+
+
 def paired(a, steps: dict, dev) -> dict:
     """`--paired`: both variants on one fresh batch per step, the order alternating; step 0 is a warm-up."""
     if len(steps) != 2:
-        raise SystemExit(f"--paired needs exactly two variants, got {list(steps)} (e.g. --variants policy,w128)")
+        raise SystemExit(f"--paired needs exactly two variants, got {list(steps)} (e.g. --variants policy_w128,auto_w128)")
     names = list(steps)
-    rec = {n: {"s": [], "first": [], "second": [], "span": []} for n in names}
+    rec = {n: {"s": [], "first": [], "second": [], "span": [], "mallocs": ([], []), "retries": ([], [])} for n in names}
     for i in range(a.steps + 1):
         b = ragged_batch(a.rows, a.max_len, a.vocab, seed=7000 + i, device=dev)
         order = names if i % 2 == 0 else names[::-1]
         for pos, name in enumerate(order):
             if dev.type == "cuda":
                 torch.cuda.synchronize()
+            a0 = alloc_counts(dev)
             t = time.perf_counter()
             m = steps[name](batch=b)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             if i:
                 dt = time.perf_counter() - t
+                for key, n0, n1 in zip(("mallocs", "retries"), a0, alloc_counts(dev)):
+                    rec[name][key][pos].append(n1 - n0)
                 rec[name]["s"].append(dt)
                 rec[name]["second" if pos else "first"].append(dt)
                 rec[name]["span"].append(m.get("time/train_draft", 0.0))
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     out = {n: {"step_s": r["s"], "mean_s": mean(r["s"]), "mean_first_s": mean(r["first"]),
-               "mean_second_s": mean(r["second"]), "draft_span_s": mean(r["span"])} for n, r in rec.items()}
+               "mean_second_s": mean(r["second"]), "draft_span_s": mean(r["span"]),
+               "mallocs_first": mean(r["mallocs"][0]), "mallocs_second": mean(r["mallocs"][1]),
+               "alloc_retries_first": mean(r["retries"][0]), "alloc_retries_second": mean(r["retries"][1])}
+           for n, r in rec.items()}
     plain, co = names
     out["draft_outside_span_s"] = out[co]["mean_s"] - out[plain]["mean_s"] - out[co]["draft_span_s"]
     for n in names:
         r = out[n]
         print(f"{n:>7}: mean {r['mean_s']:.3f} s  run first {r['mean_first_s']:.3f}  run second "
-              f"{r['mean_second_s']:.3f}  draft span {r['draft_span_s']:.3f}", flush=True)
+              f"{r['mean_second_s']:.3f}  draft span {r['draft_span_s']:.3f}  cudaMallocs first/second "
+              f"{r['mallocs_first']:.1f}/{r['mallocs_second']:.1f}  retries {r['alloc_retries_first']:.1f}/"
+              f"{r['alloc_retries_second']:.1f}", flush=True)
     print(f"the draft's cost outside its timed span: {out['draft_outside_span_s']:.3f} s/step", flush=True)
     return out
 
@@ -139,8 +168,13 @@ def main():
                          "CUDA graphs hold in `specco train`): the step then runs under the run's memory pressure")
     ap.add_argument("--paired", action="store_true", help="two variants on the same batch each step, order alternating")
     ap.add_argument("--compile", default="none", help="train.compile for the policy's layers (none, inductor)")
+    ap.add_argument("--merge-bytes", type=int, default=None,
+                    help="train.cotrain.MERGE_BYTES: 0 runs the draft once per micro-batch (as before 2026-12-02), "
+                         "the default merges every micro-batch's draft rows into one draft call")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if a.merge_bytes is not None:
+        cotrain.MERGE_BYTES = a.merge_bytes
     dev = torch.device(a.device)
     if dev.type == "cuda":
         torch.set_float32_matmul_precision("high")

@@ -176,6 +176,16 @@ _SUM_DP_KEYS = ("tokens_per_s",)
 _MAX_KEYS = ("logprob_gap_engine_vs_trainer",)
 
 
+def _settled(device) -> float:
+    """The host clock once the device has finished what was queued on it. A phase's seconds end here: CUDA
+    runs asynchronously, and the log-prob recompute (whose results stay on the device) would otherwise leave
+    its queued forwards to be paid inside the train step's timing (on the H200 ~0.5 s a step, which the plain
+    train step run after the updates did not pay, so the no-draft step read low)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _reduce_metrics(m: dict, mesh: Mesh | None) -> dict:
     """Step metrics over the ranks (module docstring): one all-reduce per kind."""
     if not _distributed(mesh):
@@ -216,7 +226,7 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     if st.ref is not None:
         for mb in mbs:
             mb.batch.logp_ref = mb.logprobs(st.ref, scfg)
-    m["time/logprob"] = time.perf_counter() - t0
+    m["time/logprob"] = _settled(device) - t0
     train_draft = st.draft if st.mode == "cotrained" else None
     group = mesh.grad_group if _distributed(mesh) else None
     # on_nonfinite=skip: a copy to go back to (memory: one more copy of the weights and AdamW state); config
@@ -226,7 +236,7 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     snap = copy.deepcopy((st.policy.state_dict(), train_draft and train_draft.state_dict(), st.opt.state_dict())
                          ) if t.on_nonfinite == "skip" or plain else None
     before = (snap[0], snap[2]) if plain else None
-    t0 = time.perf_counter()
+    t0 = _settled(device)  # the copies above are not the train step's
     if st.pipeline is not None:  # this rank's stage; the metrics (hence the checks below) agree on every stage
         hist = pp_train_updates(st, train_draft, mbs, scfg, t.ppo_epochs, group)
     else:
@@ -270,14 +280,15 @@ def plain_train_seconds(st: ArmState, before: tuple, mbs: list, scfg: StepConfig
     train step (its forward and backward, its taps, its optimizer and clipping work) is the difference from
     time/train; `time/train_draft` times only the first two.
 
-    It runs after the real updates, never before: the first train pass over a step's micro-batch widths pays
-    one-time costs (new attention plans, allocator growth). On the H200 a plain pass run first took as long as
-    the co-trained pass after it, draft included (ninth run, BENCHMARKS), so run first it reads high; run second
-    it leaves those costs in time/train, and the no-draft step, hence the end-to-end speedup, reads low if at all."""
+    It runs after the real updates. Both clocks start on a settled device (`_settled`): before that, the log-prob
+    recompute's queued forwards ran on inside whichever train pass came first (on the H200 ~0.5 s a step: the
+    ninth run's plain pass, run first, read as long as the co-trained updates after it, draft included; the
+    tenth's, run second, 1.0 s shorter than them).
+    """
     after = copy.deepcopy((st.policy.state_dict(), st.opt.state_dict()))
     st.policy.load_state_dict(before[0])
     st.opt.load_state_dict(before[1])
-    t0 = time.perf_counter()
+    t0 = _settled(next(st.policy.parameters()).device)  # as the real updates' clock starts
     for _ in range(epochs):
         for mb in mbs:  # cotrain_step's metrics read its results back to the host: the updates have finished
             cotrain_step(st.policy, None, mb.batch, st.opt, None, scfg, grad_group=group, **mb.fns)
@@ -328,7 +339,7 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
         policy_sd, draft_sd = st.policy.state_dict(), st.draft.state_dict() if st.mode == "cotrained" else None
         guard = (st.policy.state_dict(), st.draft.state_dict() if st.draft is not None else None)
     st.engine.refit(policy_sd, draft_sd)
-    m["time/refit"] = time.perf_counter() - t0
+    m["time/refit"] = _settled(device) - t0
     if cuda:
         m["mem/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
         m["mem/alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries
