@@ -28,9 +28,10 @@ which an RL run can only bound (README "The long-reasoning workload": the draft'
 and a pass run first pays the step's first-pass costs). It reports each variant's mean, its mean when run first
 and when run second, the draft's timed span (`time/train_draft`), and co-trained − policy − span: the draft's
 cost outside its span; on CUDA also each pass's cudaMalloc calls and allocator retries (first and second), which
-say whether a first-pass cost is the caching allocator's. `--compile inductor` compiles the policy's layers as
-`train.compile` does; `--merge-bytes 0` runs the draft once per micro-batch instead of once per step
-(train/draft_rows.py). Run it again under `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` to compare.
+say whether a first-pass cost is the caching allocator's, and the first pass's mean over steps that brought a
+micro-batch shape no earlier pass ran against steps that did not (per-shape plans). `--policy-sdpa` pins the
+policy attention's SDPA backend. `--compile inductor` compiles the policy's layers as
+`train.compile` does. Run it again under `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` to compare.
 
     python bench/cotrain_ragged.py --device cuda --steps 6
     python bench/cotrain_ragged.py --device cuda --paired --variants policy_w128,auto_w128 --stride 8 --steps 8 \
@@ -55,9 +56,9 @@ from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.ops.attention import ttt_attention  # noqa: E402
-from specco.train import cotrain  # noqa: E402
 from specco.train.compile import apply_compile, warm_up  # noqa: E402
-from specco.train.cotrain import AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step  # noqa: E402
+from specco.train.cotrain import (AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step,  # noqa: E402
+                                  micro_batch_cuts)
 
 
 def ragged_batch(rows: int, max_len: int, vocab: int, seed: int, device) -> TrainBatch:
@@ -110,10 +111,15 @@ def paired(a, steps: dict, dev) -> dict:
     if len(steps) != 2:
         raise SystemExit(f"--paired needs exactly two variants, got {list(steps)} (e.g. --variants policy_w128,auto_w128)")
     names = list(steps)
-    rec = {n: {"s": [], "first": [], "second": [], "span": [], "mallocs": ([], []), "retries": ([], [])} for n in names}
+    rec = {n: {"s": [], "first": [], "second": [], "span": [], "mallocs": ([], []), "retries": ([], []),
+               "first_new": [], "first_seen": []} for n in names}
+    seen: set = set()  # the (rows, width) micro-batch shapes any earlier pass ran
     for i in range(a.steps + 1):
         b = ragged_batch(a.rows, a.max_len, a.vocab, seed=7000 + i, device=dev)
         order = names if i % 2 == 0 else names[::-1]
+        shapes = {(len(idx), w) for idx, w in micro_batch_cuts(b, a.micro_batch_rows, steps[order[0]].keywords["cfg"].width_multiple)}
+        new = bool(shapes - seen)
+        seen |= shapes
         for pos, name in enumerate(order):
             if dev.type == "cuda":
                 torch.cuda.synchronize()
@@ -128,10 +134,14 @@ def paired(a, steps: dict, dev) -> dict:
                     rec[name][key][pos].append(n1 - n0)
                 rec[name]["s"].append(dt)
                 rec[name]["second" if pos else "first"].append(dt)
+                if not pos:
+                    rec[name]["first_new" if new else "first_seen"].append(dt)
                 rec[name]["span"].append(m.get("time/train_draft", 0.0))
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     out = {n: {"step_s": r["s"], "mean_s": mean(r["s"]), "mean_first_s": mean(r["first"]),
                "mean_second_s": mean(r["second"]), "draft_span_s": mean(r["span"]),
+               "mean_first_new_shapes_s": mean(r["first_new"]), "n_first_new_shapes": len(r["first_new"]),
+               "mean_first_seen_shapes_s": mean(r["first_seen"]), "n_first_seen_shapes": len(r["first_seen"]),
                "mallocs_first": mean(r["mallocs"][0]), "mallocs_second": mean(r["mallocs"][1]),
                "alloc_retries_first": mean(r["retries"][0]), "alloc_retries_second": mean(r["retries"][1])}
            for n, r in rec.items()}
@@ -143,6 +153,9 @@ def paired(a, steps: dict, dev) -> dict:
               f"{r['mean_second_s']:.3f}  draft span {r['draft_span_s']:.3f}  cudaMallocs first/second "
               f"{r['mallocs_first']:.1f}/{r['mallocs_second']:.1f}  retries {r['alloc_retries_first']:.1f}/"
               f"{r['alloc_retries_second']:.1f}", flush=True)
+        print(f"{'':>7}  run first with a new micro-batch shape {r['mean_first_new_shapes_s']:.3f} "
+              f"({r['n_first_new_shapes']} steps), with only shapes seen before {r['mean_first_seen_shapes_s']:.3f} "
+              f"({r['n_first_seen_shapes']})", flush=True)
     print(f"the draft's cost outside its timed span: {out['draft_outside_span_s']:.3f} s/step", flush=True)
     return out
 
@@ -168,16 +181,16 @@ def main():
                          "CUDA graphs hold in `specco train`): the step then runs under the run's memory pressure")
     ap.add_argument("--paired", action="store_true", help="two variants on the same batch each step, order alternating")
     ap.add_argument("--compile", default="none", help="train.compile for the policy's layers (none, inductor)")
-    ap.add_argument("--merge-bytes", type=int, default=None,
-                    help="train.cotrain.MERGE_BYTES: 0 runs the draft once per micro-batch (as before 2026-12-02), "
-                         "the default merges every micro-batch's draft rows into one draft call")
+    ap.add_argument("--policy-sdpa", default="default", choices=("default", "flash", "cudnn", "efficient"),
+                    help="the only SDPA backend the policy's attention may use (default: torch's choice)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    if a.merge_bytes is not None:
-        cotrain.MERGE_BYTES = a.merge_bytes
     dev = torch.device(a.device)
     if dev.type == "cuda":
         torch.set_float32_matmul_precision("high")
+    if a.policy_sdpa != "default":  # global flags, set before compiling: the compiled graph picks its kernel
+        for name in ("flash", "cudnn", "mem_efficient", "math"):
+            getattr(torch.backends.cuda, f"enable_{name}_sdp")(name == a.policy_sdpa.replace("efficient", "mem_efficient"))
     torch.manual_seed(0)
     reserve = torch.empty(int(a.reserve_gib * 2 ** 30), dtype=torch.uint8, device=dev) if a.reserve_gib else None
     pc = PolicyConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers, num_heads=a.heads,

@@ -36,7 +36,6 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..model.ttt import shift_left, ttt_forward
 from ..ops.attention import ttt_attention
-from .draft_rows import DraftRows, merge_rows
 from .block_losses import BlockStats, block_draft_loss, block_slot_counts, local_plan
 from .losses import (DraftStats, PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, draft_loss_parts,
                      metrics_to_floats, normalize_draft_loss, pass_target_masks, pass_weights, token_logprobs)
@@ -211,21 +210,17 @@ def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig, deno
 
     Only the rows `rows` are used (a slice or index tensor; None: `draft_rows(batch, cfg)`): the policy
     forward that made `out` ran on all rows anyway; only the draft's own work shrinks."""
+    B, S = batch.tokens.shape
+    positions = batch.positions
+    if positions is None:
+        positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
     rows = draft_rows(batch, cfg) if rows is None else rows
-    return rows_draft_loss(draft, _rows_of(out, batch, rows), cfg, denominator, shift, attn)
-
-
-def rows_draft_loss(draft: Eagle3Draft, r: DraftRows, cfg: StepConfig, denominator: torch.Tensor | None = None,
-                    shift: Callable = shift_left, attn: Callable = ttt_attention) -> tuple[torch.Tensor, DraftStats]:
-    """`draft_loss` on the draft's rows as they are (train/draft_rows.py: one micro-batch's, or several merged)."""
-    outs = ttt_forward(draft, r.aux, r.embed, r.positions, cfg.ttt_passes, shift=shift, attn=attn)
-    parts = draft_loss_parts(draft, outs, r.logits, r.mask, cfg.loss_chunk, shift)
+    aux, embed, logits = out.taps.aux[rows], out.taps.embed[rows], out.logits[rows]
+    mask, positions = _draft_mask(batch)[rows], positions[rows]
+    outs = ttt_forward(draft, aux, embed, positions, cfg.ttt_passes, shift=shift, attn=attn)
+    parts = draft_loss_parts(draft, outs, logits, mask, cfg.loss_chunk, shift)
     loss = normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), denominator)
     return loss, DraftStats.of(parts)
-
-
-def _rows_of(out, batch: TrainBatch, rows) -> DraftRows:
-    return DraftRows.of(out, batch.tokens, _draft_mask(batch), batch.positions, rows)
 
 
 def _block_plan(block) -> Callable:
@@ -239,17 +234,15 @@ def block_loss(draft: BlockDraft, policy: Policy, out, batch: TrainBatch, cfg: S
     """`draft_loss` for a block drafter (train/block_losses.py): the same rows, taps and detached teacher;
     the logits use the policy's live head and the mask slots its embed_tokens[mask_id], both detached.
     `block`: parallel.block_cp.BlockCP under CP / for packed rows (cp.step_fns' "block"), None otherwise."""
+    B, S = batch.tokens.shape
+    positions = batch.positions
+    if positions is None:
+        positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
     rows = draft_rows(batch, cfg) if rows is None else rows
-    return rows_block_loss(draft, policy, _rows_of(out, batch, rows), cfg, denominator, block)
-
-
-def rows_block_loss(draft: BlockDraft, policy: Policy, r: DraftRows, cfg: StepConfig,
-                    denominator: torch.Tensor | None = None, block=None) -> tuple[torch.Tensor, BlockStats]:
-    """`block_loss` on the draft's rows as they are (train/draft_rows.py)."""
     mask_emb = policy.embed_tokens.weight[draft.cfg.mask_id].detach()
-    return block_draft_loss(draft, r.aux, r.embed, r.logits, r.tokens, r.mask, r.positions, policy.lm_head.weight,
-                            mask_emb, denominator, chunk=max(1, cfg.loss_chunk // draft.cfg.gamma),
-                            plan=_block_plan(block))
+    return block_draft_loss(draft, out.taps.aux[rows], out.taps.embed[rows], out.logits[rows], batch.tokens[rows],
+                            _draft_mask(batch)[rows], positions[rows], policy.lm_head.weight, mask_emb, denominator,
+                            chunk=max(1, cfg.loss_chunk // draft.cfg.gamma), plan=_block_plan(block))
 
 
 # -- the optimizer step ------------------------------------------------------------------------------
@@ -372,11 +365,6 @@ class SpanTimer:
         return sum(a.elapsed_time(b) for a, b in pairs) / 1e3
 
 
-# Bytes of merged draft inputs (taps, teacher logits, ...) held before the draft runs on them: bounds the
-# memory a merge adds (at a 49k vocabulary a 2,048-token row's teacher logits alone are 400 MB in fp32)
-MERGE_BYTES = 2 << 30
-
-
 def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                  opt: torch.optim.Optimizer, sched, cfg: StepConfig, *,
                  train_policy: bool = True, grad_group=None, policy_norm_group=None,
@@ -410,47 +398,30 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     pol_stats = d_stats = None
     opt.zero_grad(set_to_none=True)
     draft_time = SpanTimer(batch.tokens.device)  # the draft's forward and backward: its share of the step
-    # the draft's rows of every micro-batch, merged into one draft call (train/draft_rows.py: the draft is
-    # launch-bound) where rows are plain padded rows; under CP or on packed rows it runs per micro-batch
-    merge = use_draft and shift is shift_left and attn_core is None and block is None and not batch.packed
-    pending: list[DraftRows] = []
-
-    def draft_part(r: DraftRows):  # the draft's loss on rows `r`, its backward, its statistics
-        nonlocal d_stats
-        draft_time.start()
-        with amp_context(cfg, r.tokens):
-            if is_block:
-                l_d, s = rows_block_loss(draft, policy, r, cfg, counts.draft, block)
-            else:
-                l_d, s = rows_draft_loss(draft, r, cfg, counts.draft, shift, attn)
-        d_stats = s if d_stats is None else d_stats + s
-        losses["draft/loss"] += l_d.detach()
-        if l_d.requires_grad:  # its own backward: the draft's graph is disjoint from the policy's
-            (weight * l_d).backward()
-        draft_time.stop()
-
     for d_rows, mb in micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride, cfg.width_multiple):
         # Forwards and losses under the step's precision; the backwards outside autocast (as torch advises).
         with amp_context(cfg, mb.tokens):
             with torch.set_grad_enabled(train_policy):
                 out = policy(mb.tokens, mb.positions, tap_layers=tap_ids, attn_core=attn_core)
-        if use_draft and picks_rows(d_rows, mb):
-            r = _rows_of(out, mb, d_rows)
-            if merge:  # its own copy: this micro-batch's forward (and its graph) goes after its backward
-                pending.append(r.detached_copy())
-                if sum(p.nbytes() for p in pending) >= MERGE_BYTES:
-                    draft_part(merge_rows(pending))
-                    pending.clear()
-            else:
-                draft_part(r)
+            l_d = None
+            if use_draft and picks_rows(d_rows, mb):
+                draft_time.start()
+                if is_block:
+                    l_d, s = block_loss(draft, policy, out, mb, cfg, counts.draft, d_rows, block)
+                else:
+                    l_d, s = draft_loss(draft, out, mb, cfg, counts.draft, shift, attn, d_rows)
+                d_stats = s if d_stats is None else d_stats + s
+                losses["draft/loss"] += l_d.detach()
+        if l_d is not None and l_d.requires_grad:  # its own backward: the draft's graph is disjoint from the policy's
+            (weight * l_d).backward()
+        if l_d is not None:
+            draft_time.stop()
         if train_policy:
             with amp_context(cfg, mb.tokens):
                 l_pol, s = policy_loss(out.logits, mb, cfg, counts.policy_tokens, shift)
             pol_stats = s if pol_stats is None else pol_stats + s
             losses["policy/loss"] += l_pol.detach()
             l_pol.backward()
-    if pending:
-        draft_part(merge_rows(pending))
     metrics = {k: v for k, v in losses.items() if torch.is_tensor(v)}
     stats = [s for s in (pol_stats, d_stats) if s is not None]
     for s in all_reduce_sums(stats, grad_group):
