@@ -139,12 +139,15 @@ def test_plain_baseline_table_arithmetic():
     assert split["rollout"] == pytest.approx(6.0) and split["train"] == pytest.approx(0.5)
     assert sum(split.values()) == pytest.approx(c["no-draft step s"])
     assert baseline_split([{"time/rollout": 1.0}]) is None
-    # with the plain train step measured (time/train_plain) the no-draft step takes it instead of train - draft
+    assert math.isnan(c["plain train rerun s/step"])  # not rerun: no low bound
+    # with the updates rerun without the draft (time/train_plain): the no-draft step still takes train - draft,
+    # and the rerun gives the low-bound column
     measured = [{**r, "time/train_plain": 0.25} for r in rows["cotrained"]]
     _, got = plain_baseline_table({"cotrained": measured})
-    no_draft = (3.0 + 4.0) - 5.0 + 12.0 - 2.0 + 0.5
-    assert got["cotrained"]["end-to-end speedup"] == pytest.approx(no_draft / step)
-    assert got["cotrained"]["no-draft train s/step"] == pytest.approx(0.25)
+    g = got["cotrained"]
+    assert g["end-to-end speedup"] == pytest.approx(no_draft / step) and g["no-draft train s/step"] == pytest.approx(0.5)
+    assert g["plain train rerun s/step"] == pytest.approx(0.25)
+    assert g["end-to-end speedup, rerun train (low)"] == pytest.approx((no_draft - 2 * 0.5 + 2 * 0.25) / step)  # sums over 2 steps
 
 
 def test_time_split_plot_has_the_baseline_bar(tmp_path, monkeypatch):

@@ -182,12 +182,14 @@ def plain_baseline_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | 
     """The arms that ran config `plain_baseline` (each step's prompts also decoded plainly, same tokens, same
     engine and policy): over `steady_rows`,
         rollout speedup   Σ plain rollout / Σ rollout
-        end-to-end        Σ (step − rollout + plain rollout − train + plain train) / Σ step
+        end-to-end        Σ (step − rollout + plain rollout − draft) / Σ step
         no-draft share    Σ plain rollout / Σ (that no-draft step)
-    where step = TIME_PARTS and the plain train step (`time/train_plain`) is the step's updates run without
-    the draft on the same minibatches, then undone (runner/rl.plain_train_seconds); a run without it (before
-    2026-12-02's eighth run, or under PP) takes train − the draft's timed forward and backward
-    (`time/train_draft`), which misses the rest of what the draft adds. None when no arm ran it."""
+    where step = TIME_PARTS and draft = `time/train_draft`, the draft's timed forward and backward: the
+    no-draft train step is the arm's own less the draft's span (`baseline_split`). Where the run also reran the
+    step's updates without the draft (`time/train_plain`, runner/rl.plain_train_seconds), that rerun and the
+    end-to-end speedup with it in place of train − draft are two more columns: a low bound, since a second pass
+    over a minibatch runs faster than the first (bench/cotrain_ragged.py --paired, BENCHMARKS.md).
+    None when no arm ran it."""
     out, rows = {}, []
     for arm, all_rows in arm_rows.items():
         no_draft = baseline_split(all_rows)  # the no-draft step's phases, means over the measured steps
@@ -197,13 +199,16 @@ def plain_baseline_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | 
         mean = lambda key: sum(r.get(key, 0.0) for r in rs) / len(rs)  # noqa: E731
         step = sum(mean(k) for k, _ in TIME_PARTS)
         no_draft_step = sum(no_draft.values())
+        rerun = mean("time/train_plain") if all("time/train_plain" in r for r in rs) else float("nan")
         vals = {"steps": len(rs), "rows equal": mean("rollout/plain_rows_equal"),
                 "rollout s/step": mean("time/rollout"), "plain rollout s/step": no_draft["rollout"],
                 "draft train s/step": mean("time/train_draft"), "no-draft train s/step": no_draft["train"],
                 "step s": step, "no-draft step s": no_draft_step,
                 "no-draft rollout share": no_draft["rollout"] / no_draft_step,
                 "rollout speedup": no_draft["rollout"] / mean("time/rollout"),
-                "end-to-end speedup": no_draft_step / step}
+                "end-to-end speedup": no_draft_step / step,
+                "plain train rerun s/step": rerun,
+                "end-to-end speedup, rerun train (low)": (no_draft_step - no_draft["train"] + rerun) / step}
         out[arm] = vals
         rows.append([arm, *vals.values()])
     if not out:
@@ -213,11 +218,15 @@ def plain_baseline_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | 
 
 def baseline_split(rows: list[dict]) -> dict[str, float] | None:
     """`time_split` of the no-draft step on the arm's own tokens (config plain_baseline): rollout the plain
-    baseline's, train the plain train step's (`time/train_plain`; where not logged, train without the draft's
-    timed share `time/train_draft`), the other phases the arm's own; over the steady steps that measured it.
-    None when none did."""
+    baseline's, train the arm's train step less the draft's timed forward and backward (`time/train_draft`),
+    the other phases the arm's own; over the steady steps that measured it. None when none did.
+
+    Why train − draft and not the rerun of the updates without the draft (`time/train_plain`): on the H200 the
+    draft's cost outside its span measured 0.006-0.028 s per 64-row update, while any second pass over the
+    same minibatch ran 0.19-0.24 s faster than the first, with or without the draft (bench/cotrain_ragged.py
+    --paired, BENCHMARKS.md); a no-draft arm pays the first pass, and the rerun is a second one."""
     rs = [{**r, "time/rollout": r["time/rollout_plain"],
-           "time/train": r.get("time/train_plain", r.get("time/train", 0.0) - r.get("time/train_draft", 0.0))}
+           "time/train": r.get("time/train", 0.0) - r.get("time/train_draft", 0.0)}
           for r in steady_rows(rows) if "time/rollout_plain" in r]
     if not rs:
         return None
