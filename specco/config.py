@@ -354,8 +354,9 @@ class RunConfig:
     # through the same engine and policy, timed and then discarded (runner/rollouts.py): a no-draft baseline on
     # the arm's own tokens, in the same run. Needs rollout.sampler = "coupled" (else the plain decode draws
     # other text) and speculation control (its runner's plain step set). A co-trained one also reruns the step's
-    # updates without the draft, timed and undone (runner/rl.plain_train_seconds). Costs one plain rollout and
-    # one policy-only train step per step.
+    # updates without the draft, timed and undone (runner/rl.plain_train_seconds: a second pass, so the report's
+    # low bound; its no-draft train step is train less the draft's span). Costs one plain rollout and one
+    # policy-only train step per step.
     plain_baseline: tuple[str, ...] = ()
     # Co-trained arms that keep a frozen copy of their warm draft and, every RL step, score it and the draft being
     # trained on the step's rollouts under the sampling policy (runner/rl.shadow_eval): a frozen draft's

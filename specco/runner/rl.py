@@ -178,9 +178,9 @@ _MAX_KEYS = ("logprob_gap_engine_vs_trainer",)
 
 def _settled(device) -> float:
     """The host clock once the device has finished what was queued on it. A phase's seconds end here: CUDA
-    runs asynchronously, and the log-prob recompute (whose results stay on the device) would otherwise leave
-    its queued forwards to be paid inside the train step's timing (on the H200 ~0.5 s a step, which the plain
-    train step run after the updates did not pay, so the no-draft step read low)."""
+    runs asynchronously, and the log-prob recompute (whose results stay on the device) could otherwise leave
+    queued forwards to be paid inside the train step's timing. (On the H200 it moved nothing measurable: the
+    eleventh run's log-prob phase took 0.51 s a step against the tenth's 0.59 without it.)"""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -280,10 +280,11 @@ def plain_train_seconds(st: ArmState, before: tuple, mbs: list, scfg: StepConfig
     train step (its forward and backward, its taps, its optimizer and clipping work) is the difference from
     time/train; `time/train_draft` times only the first two.
 
-    It runs after the real updates. Both clocks start on a settled device (`_settled`): before that, the log-prob
-    recompute's queued forwards ran on inside whichever train pass came first (on the H200 ~0.5 s a step: the
-    ninth run's plain pass, run first, read as long as the co-trained updates after it, draft included; the
-    tenth's, run second, 1.0 s shorter than them).
+    It runs after the real updates, both clocks starting on a settled device (`_settled`), and reads low: any
+    second pass over a minibatch runs faster than the first, with or without the draft (on the H200 0.19-0.24 s
+    per 64-row update, bench/cotrain_ragged.py --paired; in the tenth and eleventh runs the rerun took ~1.0 s
+    less than the real updates whose draft span was 0.43 s). The report takes train − the draft's span as the
+    no-draft train step and this rerun as a low bound (report.baseline_split).
     """
     after = copy.deepcopy((st.policy.state_dict(), st.opt.state_dict()))
     st.policy.load_state_dict(before[0])
