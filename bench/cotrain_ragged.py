@@ -30,7 +30,8 @@ and when run second, the draft's timed span (`time/train_draft`), and co-trained
 cost outside its span; on CUDA also each pass's cudaMalloc calls and allocator retries (first and second), which
 say whether a first-pass cost is the caching allocator's, and the first pass's mean over steps that brought a
 micro-batch shape no earlier pass ran against steps that did not (per-shape plans). `--policy-sdpa` pins the
-policy attention's SDPA backend. `--compile inductor` compiles the policy's layers as
+policy attention's SDPA backend; `--fixed-lengths` gives every step the same row lengths (so no new shapes after
+step 0) and `--profile DIR` runs two more (untimed) steps with every pass profiled: each variant run first and second. `--compile inductor` compiles the policy's layers as
 `train.compile` does. Run it again under `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` to compare.
 
     python bench/cotrain_ragged.py --device cuda --steps 6
@@ -41,6 +42,7 @@ policy attention's SDPA backend. `--compile inductor` compiles the policy's laye
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import re
 import sys
@@ -61,9 +63,11 @@ from specco.train.cotrain import (AMP_DTYPES, StepConfig, TrainBatch, build_opti
                                   micro_batch_cuts)
 
 
-def ragged_batch(rows: int, max_len: int, vocab: int, seed: int, device) -> TrainBatch:
-    """`rows` right-padded rows with the long workload's length mix (module docstring), random tokens."""
-    g = torch.Generator().manual_seed(seed)
+def ragged_batch(rows: int, max_len: int, vocab: int, seed: int, device, length_seed: int | None = None
+                 ) -> TrainBatch:
+    """`rows` right-padded rows with the long workload's length mix (module docstring), random tokens
+    (`length_seed`: the lengths from that seed instead, so batches of one length_seed have one shape)."""
+    g = torch.Generator().manual_seed(seed if length_seed is None else length_seed)
     prompt = torch.randint(40, 67, (rows,), generator=g)
     worked = torch.rand(rows, generator=g) < 0.5
     scale = max_len / 2150  # the workload's lengths, scaled to --max-len
@@ -72,6 +76,8 @@ def ragged_batch(rows: int, max_len: int, vocab: int, seed: int, device) -> Trai
     comp = torch.where(worked, long_, short)
     lengths = (prompt + comp).clamp(max=max_len)
     S = int(lengths.max())
+    if length_seed is not None:
+        g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows, S), generator=g)
     col = torch.arange(S)
     mask = ((col[None] >= prompt[:, None]) & (col[None] < lengths[:, None])).float()
@@ -98,6 +104,21 @@ def variant_step(name: str, a, policy, draft, opts, amp):
                              cfg=cfg, attn=attn)
 
 
+def profiler(dev):
+    """torch.profiler over one pass (host and, on CUDA, device activity)."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    return torch.profiler.profile(activities=acts)
+
+
+def write_profile(prof, dev, path: Path) -> None:
+    """The pass's ops by self device time and by self host time (top 30 each) to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ka = prof.key_averages()
+    keys = (["self_cuda_time_total"] if dev.type == "cuda" else []) + ["self_cpu_time_total"]
+    path.write_text("\n\n".join(f"sorted by {k}\n" + ka.table(sort_by=k, row_limit=30) for k in keys))
+    print(f"wrote {path}", flush=True)
+
+
 def alloc_counts(dev) -> tuple[int, int]:
     """(cudaMalloc calls, allocator retries after a failed cudaMalloc) so far on `dev`; zeros off CUDA."""
     if dev.type != "cuda":
@@ -114,8 +135,10 @@ def paired(a, steps: dict, dev) -> dict:
     rec = {n: {"s": [], "first": [], "second": [], "span": [], "mallocs": ([], []), "retries": ([], []),
                "first_new": [], "first_seen": []} for n in names}
     seen: set = set()  # the (rows, width) micro-batch shapes any earlier pass ran
-    for i in range(a.steps + 1):
-        b = ragged_batch(a.rows, a.max_len, a.vocab, seed=7000 + i, device=dev)
+    for i in range(a.steps + 1 + (2 if a.profile else 0)):  # two more, profiled (untimed): each variant first and second
+        profiled = i > a.steps
+        b = ragged_batch(a.rows, a.max_len, a.vocab, seed=7000 + i, device=dev,
+                         length_seed=7000 if a.fixed_lengths else None)
         order = names if i % 2 == 0 else names[::-1]
         shapes = {(len(idx), w) for idx, w in micro_batch_cuts(b, a.micro_batch_rows, steps[order[0]].keywords["cfg"].width_multiple)}
         new = bool(shapes - seen)
@@ -124,11 +147,15 @@ def paired(a, steps: dict, dev) -> dict:
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             a0 = alloc_counts(dev)
+            prof = profiler(dev) if profiled else contextlib.nullcontext()
             t = time.perf_counter()
-            m = steps[name](batch=b)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            if i:
+            with prof:
+                m = steps[name](batch=b)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+            if profiled:
+                write_profile(prof, dev, Path(a.profile) / f"{['first', 'second'][pos]}_{name}.txt")
+            elif i:
                 dt = time.perf_counter() - t
                 for key, n0, n1 in zip(("mallocs", "retries"), a0, alloc_counts(dev)):
                     rec[name][key][pos].append(n1 - n0)
@@ -183,6 +210,9 @@ def main():
     ap.add_argument("--compile", default="none", help="train.compile for the policy's layers (none, inductor)")
     ap.add_argument("--policy-sdpa", default="default", choices=("default", "flash", "cudnn", "efficient"),
                     help="the only SDPA backend the policy's attention may use (default: torch's choice)")
+    ap.add_argument("--fixed-lengths", action="store_true",
+                    help="every step's batch has the same row lengths (fresh tokens): no new micro-batch shapes")
+    ap.add_argument("--profile", default=None, help="--paired: two more steps after the timed ones, each pass profiled into this folder")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device(a.device)
