@@ -264,8 +264,8 @@ def plot_time_split(arm_rows: dict[str, list[dict]], path: str | Path):
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
-    def fmt(x):
-        return f"{x:.3f}" if isinstance(x, float) else str(x)
+    def fmt(x):  # nan: not measured
+        return ("–" if math.isnan(x) else f"{x:.3f}") if isinstance(x, float) else str(x)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(x) for x in r) + " |" for r in rows]
     return "\n".join(lines)

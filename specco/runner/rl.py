@@ -276,9 +276,9 @@ def plain_train_seconds(st: ArmState, before: tuple, mbs: list, scfg: StepConfig
     """Config plain_baseline's train step: the step's PPO updates run again without the draft, on the same
     minibatches from the same start (`before`: the policy's and the optimizer's state dicts when the real
     updates began), timed, then undone: the weights and optimizer state the real updates left go back, bit for
-    bit (tests/test_plain_baseline.py: the arm trains as without the baseline). Everything the draft adds to a
-    train step (its forward and backward, its taps, its optimizer and clipping work) is the difference from
-    time/train; `time/train_draft` times only the first two.
+    bit (tests/test_plain_baseline.py: the arm trains as without the baseline). Its difference from time/train
+    is everything the draft adds to a train step (its forward and backward, which `time/train_draft` times, its
+    taps, its optimizer and clipping work) plus what a first pass over the minibatches costs more than a second.
 
     It runs after the real updates, both clocks starting on a settled device (`_settled`), and reads low: any
     second pass over a minibatch runs faster than the first, with or without the draft (on the H200 0.19-0.24 s
