@@ -242,6 +242,12 @@ class TrainSpec:
     # Mixed precision of the train step (and the log-prob recompute): "bf16" runs forwards and losses
     # under torch.autocast(bfloat16) with fp32 weights, gradients and optimizer state; "none" = off.
     amp: str = "none"
+    # DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13): a completion that runs into the last
+    # `overlong_buffer` tokens before rollout.max_new_tokens loses up to `overlong_penalty` of its reward,
+    # linearly, all of it at the budget (losses.overlong_penalty), so runaway rows get a gradient toward stopping.
+    # Shapes the advantages only: the logged `reward` stays the task's score. 0 = off
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     checkpoint_every: int = 10
     keep_checkpoints: int = 2  # newest checkpoints kept per arm (each holds the AdamW state too)
     # A NaN/inf loss, gradient norm or weight: "stop" the run with an error naming the step and the
@@ -295,6 +301,9 @@ class TrainSpec:
                ">= 0 (0 = the whole batch in one forward/backward)")
         _check(self.width_multiple >= 1, f"train.width_multiple={self.width_multiple}: must be >= 1 "
                "(1 = every micro-batch cut to its own longest row)")
+        _check(self.overlong_buffer >= 0 and self.overlong_penalty >= 0,
+               f"train.overlong_buffer={self.overlong_buffer}, train.overlong_penalty={self.overlong_penalty}: both "
+               "must be >= 0 (overlong_buffer 0 = no length penalty)")
         _check(self.draft_row_stride >= 1, f"train.draft_row_stride={self.draft_row_stride}: "
                "must be >= 1 (1 = the draft trains on every rollout row)")
 
@@ -398,6 +407,9 @@ class RunConfig:
         _check(not self.plain_baseline or self.rollout.spec_control != "off",
                f"plain_baseline={list(self.plain_baseline)} with rollout.spec_control='off': the plain decode runs the "
                "runner's plain step set, which only speculation control builds; set rollout.spec_control=on or auto")
+        _check(self.train.overlong_buffer <= self.rollout.max_new_tokens,
+               f"train.overlong_buffer={self.train.overlong_buffer} exceeds rollout.max_new_tokens="
+               f"{self.rollout.max_new_tokens}: the penalty ramps over the last overlong_buffer tokens of the budget")
         seen: dict[tuple, str] = {}  # (mode, kind) -> the arm that named it
         for arm in self.arms:
             key = split_arm(arm, self.draft.kind)

@@ -22,7 +22,7 @@ from ..parallel.mesh import Mesh
 from ..parallel.zigzag import ZigzagLayout
 from ..rollout.control import expected_tokens
 from ..train.cotrain import StepConfig, amp_context, micro_batch_cuts
-from ..train.losses import grpo_advantages, token_logprobs
+from ..train.losses import grpo_advantages, overlong_penalty, token_logprobs
 
 __all__ = ["Rollouts", "collect_rollouts", "Minibatch", "minibatches", "recompute_logprobs", "pad_pairs",
            "rollout_pairs", "completions", "build_batch", "rank_slice", "engine_logprob_gap"]
@@ -225,7 +225,11 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
         if baseline:
             m.update(plain_baseline(engine, prompts, r.group_size, g_plain, out, t_roll))
         logprobs = out.logprobs.float().cpu()
-        ro = Rollouts(rollout_pairs(prompts, out, comps), r.group_size, grpo_advantages(rewards, r.group_size),
+        ts = cfg.train  # train.overlong_buffer: the advantages see the length penalty, `reward` stays the score
+        shaped = rewards + overlong_penalty(out.lengths.cpu(), r.max_new_tokens, ts.overlong_buffer, ts.overlong_penalty)
+        if ts.overlong_buffer:
+            m["reward/overlong_penalty"] = (shaped - rewards).mean().item()
+        ro = Rollouts(rollout_pairs(prompts, out, comps), r.group_size, grpo_advantages(shaped, r.group_size),
                       [logprobs[i, :len(c)].tolist() for i, c in enumerate(comps)], m)
     if staged and mesh.cp_rank == 0:  # stage 0 -> the other stages' CP rank 0, then (below) their CP groups
         box = [ro]

@@ -203,6 +203,20 @@ def pass_weights(num_passes: int, decay: float) -> list[float]:
 
 # -- GRPO -----------------------------------------------------------------------------------
 
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, coef: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), scaled by `coef`: per completion of
+    `lengths` tokens (decoding stops at `max_len`),
+
+        0                                     if length <= max_len - buffer
+        -coef * (length - (max_len - buffer)) / buffer   in the last `buffer` tokens, down to -coef at max_len
+
+    added to the task's reward before the advantages. `buffer` 0: zeros (off)."""
+    if buffer <= 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32)
+    over = (lengths.float() - (max_len - buffer)) / buffer
+    return -coef * over.clamp(0.0, 1.0)
+
+
 def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
                     scale_by_std: bool = True) -> torch.Tensor:
     """A_{g,j} = (r_{g,j} - mean_j r_{g,j}) / (std_j r_{g,j} + eps) over each group of G samples.
