@@ -239,6 +239,10 @@ class TrainSpec:
     # elementwise kernels (norms, RoPE, SwiGLU, casts); "aot_eager" only checks that they compile; "none" =
     # eager. The rollout engine is never compiled (its decode path has its own fused kernels).
     compile: str = "none"
+    # ... and the co-trained EAGLE-3 draft's per-pass layer work with the same backend (train/compile.py
+    # apply_draft_compile: norms, q/k/v with RoPE, output projection, MLP; its attention and loss stay eager).
+    # Not yet measured on the GPU
+    compile_draft: bool = False
     # Mixed precision of the train step (and the log-prob recompute): "bf16" runs forwards and losses
     # under torch.autocast(bfloat16) with fp32 weights, gradients and optimizer state; "none" = off.
     amp: str = "none"
@@ -273,6 +277,8 @@ class TrainSpec:
         _check(self.compile == "none" or not self.activation_checkpointing,
                f"train.compile={self.compile!r} with train.activation_checkpointing: compiling checkpointed "
                "layers is not implemented; use one of the two")
+        _check(not self.compile_draft or self.compile != "none", "train.compile_draft=true with train.compile="
+               "'none': it compiles with train.compile's backend; set train.compile=inductor (or aot_eager)")
         _check(self.lr_schedule in LR_SCHEDULES, f"train.lr_schedule={self.lr_schedule!r}: use one of "
                f"{', '.join(repr(x) for x in LR_SCHEDULES)}")
         _check(self.steps >= 0 and self.sft_steps >= 0 and self.warm_start_steps >= 0,
@@ -407,6 +413,10 @@ class RunConfig:
         _check(not self.plain_baseline or self.rollout.spec_control != "off",
                f"plain_baseline={list(self.plain_baseline)} with rollout.spec_control='off': the plain decode runs the "
                "runner's plain step set, which only speculation control builds; set rollout.spec_control=on or auto")
+        blocks = [a for a in self.arms if split_arm(a, self.draft.kind)[0] == "cotrained"
+                  and split_arm(a, self.draft.kind)[1] != "eagle3"]
+        _check(not self.train.compile_draft or not blocks, f"train.compile_draft with arms {blocks}: compiling a "
+               "block drafter is not implemented (only the EAGLE-3 draft's layer); drop those arms or compile_draft")
         _check(self.train.overlong_buffer <= self.rollout.max_new_tokens,
                f"train.overlong_buffer={self.train.overlong_buffer} exceeds rollout.max_new_tokens="
                f"{self.rollout.max_new_tokens}: the penalty ramps over the last overlong_buffer tokens of the budget")

@@ -55,7 +55,7 @@ from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
 from .refit_guard import MIN_TRIES, check_acceptance
 from ..train.activation_checkpointing import apply_activation_checkpointing
-from ..train.compile import apply_compile, warm_up
+from ..train.compile import apply_compile, apply_draft_compile, warm_up, warm_up_draft
 from ..train.checkpoint import load_latest, remove_stale_temporaries, save_checkpoint, set_rng_state
 from ..train.cotrain import (StepConfig, amp_context, block_loss, build_optimizer, build_scheduler, cotrain_step,
                              draft_loss, draft_rows, micro_batches, step_counts)
@@ -153,6 +153,11 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
         secs = warm_up(apply_compile(policy, cfg.train.compile), step_config(cfg, mode).amp_dtype)
         if secs > 1.0:
             print(f"specco: arm {arm}: the trainer's layers compiled ({cfg.train.compile}) in {secs:.0f} s", flush=True)
+    if cfg.train.compile_draft and mode == "cotrained" and draft is not None:  # the trainer's draft (and shadow)
+        secs = warm_up_draft(apply_draft_compile(draft, cfg.train.compile), step_config(cfg, mode).amp_dtype,
+                             cfg.draft.ttt_passes)
+        if secs > 1.0:
+            print(f"specco: arm {arm}: the draft's layer compiled ({cfg.train.compile}) in {secs:.0f} s", flush=True)
     opt = build_optimizer(policy, draft if mode == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
     sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps,
                             cfg.train.lr_schedule)

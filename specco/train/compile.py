@@ -13,6 +13,11 @@ inputs, so 28 layers compile one graph per mode (train, no-grad), and `dynamic=T
 micro-batch widths from recompiling. Only the trainer's copy is compiled: the rollout engine decodes
 through its own fused kernels and never calls these forwards.
 
+`apply_draft_compile(draft, backend)` (config train.compile_draft) does the same for the co-trained EAGLE-3
+draft's per-pass layer work in its TTT forwards (`_DRAFT_METHODS`): on the H200 that draft's forward and backward
+took ~29 ms per micro-batch for two rows, and one call is ~3,200 aten ops (CPU count at a small shape), so most of
+it is likely dispatch and elementwise traffic rather than matmuls (not yet profiled on the GPU).
+
 Not exact: inductor reorders fp32 arithmetic (tests: outputs and gradients against eager within 1e-5 on CPU
 in fp32), so the PPO ratio of an unchanged policy is 1 to rounding rather than bit-exactly.
 """
@@ -25,20 +30,23 @@ import torch
 from torch import nn
 
 from ..config import COMPILE_BACKENDS
+from ..model.draft import Eagle3Draft
+from ..model.ttt import ttt_forward
 from .activation_checkpointing import _layers, unwrap_layers
 
-__all__ = ["COMPILE_BACKENDS", "apply_compile", "remove_compile", "warm_up"]
+__all__ = ["COMPILE_BACKENDS", "apply_compile", "remove_compile", "warm_up", "apply_draft_compile",
+           "remove_draft_compile", "warm_up_draft"]
 
 # COMPILE_BACKENDS: "inductor", the fast one (CUDA, or CPU with a C++ compiler); "aot_eager", torch's
 # debugging backend (the same graph capture and autograd, no code generation: no speedup), for checking
 # that a model compiles at all; "none"
-_COMPILED: dict = {}  # (layer class, backend) -> its compiled forward, shared by every layer and model
+_COMPILED: dict = {}  # (class, backend[, method]) -> its compiled method, shared by every instance and model
 
 
-def _compiled(cls: type, backend: str):
-    key = (cls, backend)
+def _compiled(cls: type, backend: str, name: str = "forward"):
+    key = (cls, backend) if name == "forward" else (cls, backend, name)
     if key not in _COMPILED:
-        _COMPILED[key] = torch.compile(cls.forward, backend=backend, dynamic=True)
+        _COMPILED[key] = torch.compile(getattr(cls, name), backend=backend, dynamic=True)
     return _COMPILED[key]
 
 
@@ -51,6 +59,69 @@ class _CompiledForward:
 
     def __call__(self, x, cos, sin, attn_core=None):  # DecoderLayer.forward's signature
         return _compiled(type(self.layer), self.backend)(self.layer, x, cos, sin, attn_core)
+
+
+class _CompiledMethod:
+    """An instance's method `name` through the shared compiled function of its class's method (the draft's:
+    `apply_draft_compile`). Holds the instance and the names only, so `copy.deepcopy` of the model rebinds it."""
+
+    def __init__(self, obj: nn.Module, name: str, backend: str):
+        self.obj, self.name, self.backend = obj, name, backend
+
+    def __call__(self, *args):
+        return _compiled(type(self.obj), self.backend, self.name)(self.obj, *args)
+
+
+# The EAGLE-3 draft's per-pass work around its attention (model/ttt.py ttt_forward): the norms and concat before
+# the projections, q/k/v with RoPE, the output projection, the residual and MLP. The trunk+branch attention (a
+# custom autograd function) and the chunked, checkpointed loss stay eager.
+_DRAFT_METHODS = (("midlayer", "attn_input"), ("midlayer.self_attn", "qkv"), ("midlayer.self_attn", "out"),
+                  ("midlayer", "finish"))
+
+
+def apply_draft_compile(draft: nn.Module, backend: str = "inductor") -> nn.Module:
+    """Compile the EAGLE-3 draft's per-pass layer work (`_DRAFT_METHODS`) for its TTT forwards (config
+    train.compile_draft): the draft's span of the train step is many small kernels, as the policy's eager
+    layers were. Returns the draft."""
+    if not isinstance(draft, Eagle3Draft):
+        raise ValueError(f"apply_draft_compile: {type(draft).__name__} is not an EAGLE-3 draft; compiling a block "
+                         "drafter is not implemented")
+    if backend not in COMPILE_BACKENDS or backend == "none":
+        raise ValueError(f"compile backend {backend!r}: use one of {', '.join(repr(b) for b in COMPILE_BACKENDS if b != 'none')}")
+    for path, name in _DRAFT_METHODS:
+        obj = draft.get_submodule(path)
+        setattr(obj, name, _CompiledMethod(obj, name, backend))
+    return draft
+
+
+def warm_up_draft(draft: nn.Module, amp_dtype: torch.dtype | None, passes: int, rows: int = 2, width: int = 64
+                  ) -> float:
+    """`warm_up` for a compiled draft: its TTT forward and backward and a no-grad forward on zero taps, under
+    the step's autocast; no gradient left behind. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    p = next(draft.parameters())
+    c = draft.cfg
+    aux = torch.zeros(rows, width, len(c.aux_layer_ids) * c.hidden_size, device=p.device)
+    embed = torch.zeros(rows, width, c.hidden_size, device=p.device)
+    positions = torch.arange(width, device=p.device).expand(rows, width)
+    amp = torch.autocast(p.device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
+    with amp:
+        sum(o.float().sum() for o in ttt_forward(draft, aux, embed, positions, passes)).backward()
+        with torch.no_grad():
+            ttt_forward(draft, aux, embed, positions, passes)
+    draft.zero_grad(set_to_none=True)
+    if p.is_cuda:
+        torch.cuda.synchronize(p.device)
+    return time.perf_counter() - t0
+
+
+def remove_draft_compile(draft: nn.Module) -> nn.Module:
+    """Undo `apply_draft_compile`."""
+    for path, name in _DRAFT_METHODS:
+        obj = draft.get_submodule(path)
+        if isinstance(obj.__dict__.get(name), _CompiledMethod):
+            del obj.__dict__[name]
+    return draft
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
