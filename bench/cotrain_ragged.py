@@ -32,7 +32,7 @@ say whether a first-pass cost is the caching allocator's, and the first pass's m
 micro-batch shape no earlier pass ran against steps that did not (per-shape plans). `--policy-sdpa` pins the
 policy attention's SDPA backend; `--fixed-lengths` gives every step the same row lengths (so no new shapes after
 step 0) and `--profile DIR` runs two more (untimed) steps with every pass profiled: each variant run first and second. `--compile inductor` compiles the policy's layers as
-`train.compile` does. Run it again under `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` to compare.
+`train.compile` does, `--compile-draft` the draft's layer as `train.compile_draft`. Run it again under `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` to compare.
 
     python bench/cotrain_ragged.py --device cuda --steps 6
     python bench/cotrain_ragged.py --device cuda --paired --variants policy_w128,auto_w128 --stride 8 --steps 8 \
@@ -58,7 +58,7 @@ from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.ops.attention import ttt_attention  # noqa: E402
-from specco.train.compile import apply_compile, warm_up  # noqa: E402
+from specco.train.compile import apply_compile, apply_draft_compile, warm_up, warm_up_draft  # noqa: E402
 from specco.train.cotrain import (AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step,  # noqa: E402
                                   micro_batch_cuts)
 
@@ -140,7 +140,8 @@ def paired(a, steps: dict, dev) -> dict:
         b = ragged_batch(a.rows, a.max_len, a.vocab, seed=7000 + i, device=dev,
                          length_seed=7000 if a.fixed_lengths else None)
         order = names if i % 2 == 0 else names[::-1]
-        shapes = {(len(idx), w) for idx, w in micro_batch_cuts(b, a.micro_batch_rows, steps[order[0]].keywords["cfg"].width_multiple)}
+        cuts = micro_batch_cuts(b, a.micro_batch_rows, steps[order[0]].keywords["cfg"].width_multiple)
+        shapes = {(len(idx), w) for idx, w in cuts} if cuts else {tuple(b.tokens.shape)}  # None: one micro-batch
         new = bool(shapes - seen)
         seen |= shapes
         for pos, name in enumerate(order):
@@ -210,6 +211,7 @@ def main():
     ap.add_argument("--compile", default="none", help="train.compile for the policy's layers (none, inductor)")
     ap.add_argument("--policy-sdpa", default="default", choices=("default", "flash", "cudnn", "efficient"),
                     help="the only SDPA backend the policy's attention may use (default: torch's choice)")
+    ap.add_argument("--compile-draft", action="store_true", help="train.compile_draft: the draft's layer work too")
     ap.add_argument("--fixed-lengths", action="store_true",
                     help="every step's batch has the same row lengths (fresh tokens): no new micro-batch shapes")
     ap.add_argument("--profile", default=None, help="--paired: two more steps after the timed ones, each pass profiled into this folder")
@@ -230,6 +232,11 @@ def main():
     if a.compile != "none":
         print(f"compiled ({a.compile}) in {warm_up(apply_compile(policy, a.compile), AMP_DTYPES[a.amp]):.0f} s", flush=True)
     draft = Eagle3Draft(DraftConfig.for_policy(pc)).to(dev)
+    if a.compile_draft:
+        if a.compile == "none":
+            raise SystemExit("--compile-draft compiles with --compile's backend: give --compile inductor")
+        print(f"draft compiled in {warm_up_draft(apply_draft_compile(draft, a.compile), AMP_DTYPES[a.amp], 3):.0f} s",
+              flush=True)
     opts = {False: build_optimizer(policy, None, 1e-7, 1e-7), True: build_optimizer(policy, draft, 1e-7, 1e-7)}
     amp = AMP_DTYPES[a.amp]
     results = {}
