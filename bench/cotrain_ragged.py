@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import re
 import sys
 import time
 from pathlib import Path

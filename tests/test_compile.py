@@ -102,7 +102,7 @@ def test_rl_step_with_compiled_layers_matches_eager(tmp_path):
     for backend in ("none", "aot_eager"):
         cfg = _cfg(tmp_path, "train.steps=1", f"train.compile={backend}")
         rows[backend] = run_arm(cfg, "none", policy, None, DigitTask(), tok, tmp_path / backend, progress=False)[0]
-    assert [b for _, b in _COMPILED] == ["aot_eager"]  # the arm's trainer ran through the compiled layers
+    assert [k[1] for k in _COMPILED] == ["aot_eager"]  # the arm's trainer ran through the compiled layers
     a, b = rows["none"], rows["aot_eager"]
     assert a["reward"] == b["reward"] and a["completion_len"] == b["completion_len"]
     for k in ("policy/loss", "policy/grad_norm"):

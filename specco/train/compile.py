@@ -40,36 +40,39 @@ __all__ = ["COMPILE_BACKENDS", "apply_compile", "remove_compile", "warm_up", "ap
 # COMPILE_BACKENDS: "inductor", the fast one (CUDA, or CPU with a C++ compiler); "aot_eager", torch's
 # debugging backend (the same graph capture and autograd, no code generation: no speedup), for checking
 # that a model compiles at all; "none"
-_COMPILED: dict = {}  # (class, backend[, method]) -> its compiled method, shared by every instance and model
+_COMPILED: dict = {}  # (class, backend, method name) -> its compiled method, shared by every instance and model
 
 
-def _compiled(cls: type, backend: str, name: str = "forward"):
-    key = (cls, backend) if name == "forward" else (cls, backend, name)
+def _compiled(cls: type, backend: str, name: str):
+    key = (cls, backend, name)
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(getattr(cls, name), backend=backend, dynamic=True)
     return _COMPILED[key]
 
 
-class _CompiledForward:
-    """A layer's forward through the shared compiled function. Holds the layer and the backend's name
-    only (the compiled function is looked up per call), so `copy.deepcopy` of the model rebinds it."""
-
-    def __init__(self, layer: nn.Module, backend: str):
-        self.layer, self.backend = layer, backend
-
-    def __call__(self, x, cos, sin, attn_core=None):  # DecoderLayer.forward's signature
-        return _compiled(type(self.layer), self.backend)(self.layer, x, cos, sin, attn_core)
-
-
 class _CompiledMethod:
-    """An instance's method `name` through the shared compiled function of its class's method (the draft's:
-    `apply_draft_compile`). Holds the instance and the names only, so `copy.deepcopy` of the model rebinds it."""
+    """An instance's method `name` (a decoder layer's forward, the draft's `_DRAFT_METHODS`) through the shared
+    compiled function of its class's method. Holds the instance and the names only (the compiled function is
+    looked up per call), so `copy.deepcopy` of the model rebinds it."""
 
     def __init__(self, obj: nn.Module, name: str, backend: str):
         self.obj, self.name, self.backend = obj, name, backend
 
     def __call__(self, *args):
         return _compiled(type(self.obj), self.backend, self.name)(self.obj, *args)
+
+
+def _warm(module: nn.Module, amp_dtype: torch.dtype | None, run) -> float:
+    """`run()` (a forward + backward and a no-grad forward that compile `module`'s graphs) under the step's
+    autocast, then no gradient left behind and the device settled; returns the seconds it took."""
+    t0 = time.perf_counter()
+    p = next(module.parameters())
+    with torch.autocast(p.device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext():
+        run()
+    module.zero_grad(set_to_none=True)
+    if p.is_cuda:
+        torch.cuda.synchronize(p.device)
+    return time.perf_counter() - t0
 
 
 # The EAGLE-3 draft's per-pass work around its attention (model/ttt.py ttt_forward): the norms and concat before
@@ -98,21 +101,16 @@ def warm_up_draft(draft: nn.Module, amp_dtype: torch.dtype | None, passes: int, 
                   ) -> float:
     """`warm_up` for a compiled draft: its TTT forward and backward and a no-grad forward on zero taps, under
     the step's autocast; no gradient left behind. Returns the seconds it took."""
-    t0 = time.perf_counter()
-    p = next(draft.parameters())
-    c = draft.cfg
-    aux = torch.zeros(rows, width, len(c.aux_layer_ids) * c.hidden_size, device=p.device)
-    embed = torch.zeros(rows, width, c.hidden_size, device=p.device)
-    positions = torch.arange(width, device=p.device).expand(rows, width)
-    amp = torch.autocast(p.device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
-    with amp:
+    dev, c = next(draft.parameters()).device, draft.cfg
+    aux = torch.zeros(rows, width, len(c.aux_layer_ids) * c.hidden_size, device=dev)
+    embed = torch.zeros(rows, width, c.hidden_size, device=dev)
+    positions = torch.arange(width, device=dev).expand(rows, width)
+
+    def run():
         sum(o.float().sum() for o in ttt_forward(draft, aux, embed, positions, passes)).backward()
         with torch.no_grad():
             ttt_forward(draft, aux, embed, positions, passes)
-    draft.zero_grad(set_to_none=True)
-    if p.is_cuda:
-        torch.cuda.synchronize(p.device)
-    return time.perf_counter() - t0
+    return _warm(draft, amp_dtype, run)
 
 
 def remove_draft_compile(draft: nn.Module) -> nn.Module:
@@ -132,10 +130,10 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
     if backend == "none":
         return model
     for layer in _layers(model):
-        if "forward" in layer.__dict__ and not isinstance(layer.__dict__["forward"], _CompiledForward):
+        if "forward" in layer.__dict__ and not isinstance(layer.__dict__["forward"], _CompiledMethod):
             raise ValueError("apply_compile: the layers' forward is already wrapped (activation checkpointing?); "
                              "compiling a checkpointed layer is not implemented")
-        layer.forward = _CompiledForward(layer, backend)
+        layer.forward = _CompiledMethod(layer, "forward", backend)
     return model
 
 
@@ -144,20 +142,15 @@ def warm_up(model: nn.Module, amp_dtype: torch.dtype | None, rows: int = 2, widt
     no-grad forward on a dummy batch (token 0), under the step's autocast. Leaves no gradient behind and
     touches no optimizer or RNG state; returns the seconds it took. With dynamic shapes, later widths and
     row counts reuse these graphs (tests/test_compile.py counts them)."""
-    t0 = time.perf_counter()
-    p = next(model.parameters())
-    tokens = torch.zeros(rows, width, dtype=torch.long, device=p.device)
-    amp = torch.autocast(p.device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext()
-    with amp:
+    tokens = torch.zeros(rows, width, dtype=torch.long, device=next(model.parameters()).device)
+
+    def run():
         model(tokens).logits.float().sum().backward()
         with torch.no_grad():
             model(tokens)
-    model.zero_grad(set_to_none=True)
-    if p.is_cuda:
-        torch.cuda.synchronize(p.device)
-    return time.perf_counter() - t0
+    return _warm(model, amp_dtype, run)
 
 
 def remove_compile(model: nn.Module) -> nn.Module:
     """Undo `apply_compile`."""
-    return unwrap_layers(model, _CompiledForward)
+    return unwrap_layers(model, _CompiledMethod)
