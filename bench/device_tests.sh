@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 if [ $# -eq 0 ]; then
   set -- tests/test_rollout.py tests/test_decode_path.py tests/test_block_rollout.py tests/test_block_runner.py \
          tests/test_attention_ops.py tests/test_compaction.py tests/test_speculative.py tests/test_compile.py \
-         tests/test_coupled.py \
+         tests/test_coupled.py tests/test_micro_batch_indices.py \
          -m "not slow"
 fi
 python3 -m pytest -q -p no:cacheprovider "$@" 2>&1 | tail -30

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..batch import TrainBatch, pack
+from ..batch import TrainBatch, device_indices, pack
 from ..model.policy import Policy
 from ..model.ttt import shift_left
 from ..parallel.cp import shard_batch, step_fns
@@ -273,8 +273,7 @@ class Minibatch:
             return recompute_logprobs(policy, b.tokens, cfg, b.positions, self.fns.get("shift", shift_left),
                                       self.fns.get("attn_core"))
         out = torch.zeros(b.tokens.shape, dtype=torch.float32, device=b.tokens.device)
-        for idx, width in cuts:
-            rows = torch.tensor(idx, dtype=torch.long, device=b.tokens.device)
+        for (_, width), rows in zip(cuts, device_indices([idx for idx, _ in cuts], b.tokens.device)):
             part = b.take(rows).trimmed(width)
             out[rows, :width] = recompute_logprobs(policy, part.tokens, cfg, part.positions).float()
         return out

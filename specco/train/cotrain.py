@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..batch import TrainBatch, longest_first
+from ..batch import TrainBatch, device_indices, longest_first
 from ..config import LR_SCHEDULES, DraftSpec, TrainSpec
 from ..model.dflash import BlockDraft, slot_weights
 from ..model.draft import Eagle3Draft
@@ -319,10 +319,10 @@ def micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1, width_mul
     if cuts is None:
         yield slice(0, None, draft_stride), batch
         return
-    for idx, width in cuts:
-        sel = [i for i, r in enumerate(idx) if r % draft_stride == 0]
-        yield (torch.tensor(sel, dtype=torch.long, device=batch.tokens.device),
-               batch.take(torch.tensor(idx, dtype=torch.long)).trimmed(width))
+    sels = [[i for i, r in enumerate(idx) if r % draft_stride == 0] for idx, _ in cuts]
+    on_dev = device_indices([idx for idx, _ in cuts] + sels, batch.tokens.device)  # no host sync (batch.py)
+    for (_, width), rows, sel in zip(cuts, on_dev[:len(cuts)], on_dev[len(cuts):]):
+        yield sel, batch.take(rows).trimmed(width)
 
 
 def micro_batch_cuts(batch: TrainBatch, rows: int, width_multiple: int = 1) -> list[tuple[list[int], int]] | None:
