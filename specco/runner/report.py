@@ -224,7 +224,8 @@ def baseline_split(rows: list[dict]) -> dict[str, float] | None:
     Why train − draft and not the rerun of the updates without the draft (`time/train_plain`): on the H200 the
     draft's cost outside its span measured 0.006-0.028 s per 64-row update, while any second pass over the
     same minibatch ran 0.19-0.24 s faster than the first, with or without the draft (bench/cotrain_ragged.py
-    --paired, BENCHMARKS.md); a no-draft arm pays the first pass, and the rerun is a second one."""
+    --paired, BENCHMARKS.md): cuDNN attention plans each new micro-batch shape once, so the rerun finds the
+    real updates' plans made, while a no-draft arm would make them itself."""
     rs = [{**r, "time/rollout": r["time/rollout_plain"],
            "time/train": r.get("time/train", 0.0) - r.get("time/train_draft", 0.0)}
           for r in steady_rows(rows) if "time/rollout_plain" in r]
