@@ -31,7 +31,8 @@ cost outside its span; on CUDA also each pass's cudaMalloc calls and allocator r
 say whether a first-pass cost is the caching allocator's, and the first pass's mean over steps that brought a
 micro-batch shape no earlier pass ran against steps that did not (per-shape plans). `--policy-sdpa` pins the
 policy attention's SDPA backend; `--fixed-lengths` gives every step the same row lengths (so no new shapes after
-step 0) and `--profile DIR` runs two more (untimed) steps with every pass profiled: each variant run first and second. `--compile inductor` compiles the policy's layers as
+step 0) and `--profile DIR` runs two more (untimed) steps with every pass profiled: each variant run first and second. `--loss-chunk N` sets train.loss_chunk (the draft loss's checkpointed sequence chunk; its per-step `draft_loss` is
+reported, so two chunk sizes can be checked to train the same loss). `--compile inductor` compiles the policy's layers as
 `train.compile` does, `--compile-draft` the draft's layer as `train.compile_draft`. Run it again under `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` to compare.
 
     python bench/cotrain_ragged.py --device cuda --steps 6
@@ -96,7 +97,7 @@ def variant_step(name: str, a, policy, draft, opts, amp):
     use_draft = base != "policy"
     width = int(wpart) if wpart else 1
     cfg = StepConfig(draft_weight=1.0 if use_draft else 0.0, draft_row_stride=a.stride,
-                     micro_batch_rows=a.micro_batch_rows, width_multiple=width, amp_dtype=amp)
+                     micro_batch_rows=a.micro_batch_rows, width_multiple=width, amp_dtype=amp, loss_chunk=a.loss_chunk)
     impl = base if base in ("flash", "cudnn") else None
     attn = functools.partial(ttt_attention, impl=impl) if impl else ttt_attention
     return functools.partial(cotrain_step, policy, draft if use_draft else None, opt=opts[use_draft], sched=None,
@@ -132,7 +133,7 @@ def paired(a, steps: dict, dev) -> dict:
         raise SystemExit(f"--paired needs exactly two variants, got {list(steps)} (e.g. --variants policy_w128,auto_w128)")
     names = list(steps)
     rec = {n: {"s": [], "first": [], "second": [], "span": [], "mallocs": ([], []), "retries": ([], []),
-               "first_new": [], "first_seen": []} for n in names}
+               "first_new": [], "first_seen": [], "loss": []} for n in names}
     seen: set = set()  # the (rows, width) micro-batch shapes any earlier pass ran
     for i in range(a.steps + 1 + (2 if a.profile else 0)):  # two more, profiled (untimed): each variant first and second
         profiled = i > a.steps
@@ -164,13 +165,15 @@ def paired(a, steps: dict, dev) -> dict:
                 if not pos:
                     rec[name]["first_new" if new else "first_seen"].append(dt)
                 rec[name]["span"].append(m.get("time/train_draft", 0.0))
+                rec[name]["loss"].append(m.get("draft/loss", 0.0))
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     out = {n: {"step_s": r["s"], "mean_s": mean(r["s"]), "mean_first_s": mean(r["first"]),
                "mean_second_s": mean(r["second"]), "draft_span_s": mean(r["span"]),
                "mean_first_new_shapes_s": mean(r["first_new"]), "n_first_new_shapes": len(r["first_new"]),
                "mean_first_seen_shapes_s": mean(r["first_seen"]), "n_first_seen_shapes": len(r["first_seen"]),
                "mallocs_first": mean(r["mallocs"][0]), "mallocs_second": mean(r["mallocs"][1]),
-               "alloc_retries_first": mean(r["retries"][0]), "alloc_retries_second": mean(r["retries"][1])}
+               "alloc_retries_first": mean(r["retries"][0]), "alloc_retries_second": mean(r["retries"][1]),
+               "draft_loss": r["loss"]}
            for n, r in rec.items()}
     plain, co = names
     out["draft_outside_span_s"] = out[co]["mean_s"] - out[plain]["mean_s"] - out[co]["draft_span_s"]
@@ -214,6 +217,9 @@ def main():
     ap.add_argument("--fixed-lengths", action="store_true",
                     help="every step's batch has the same row lengths (fresh tokens): no new micro-batch shapes")
     ap.add_argument("--profile", default=None, help="--paired: two more steps after the timed ones, each pass profiled into this folder")
+    ap.add_argument("--loss-chunk", type=int, default=StepConfig.loss_chunk,
+                    help="train.loss_chunk: the draft loss's sequence chunk (each one checkpointed; at a small "
+                         "vocabulary one chunk of the whole width is the same math in fewer ops)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device(a.device)

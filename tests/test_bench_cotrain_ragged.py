@@ -41,3 +41,32 @@ def test_fixed_lengths_bring_no_new_shapes_and_profile_writes_both_orders(tmp_pa
         assert len(res[name]["step_s"]) == 2  # the profiled steps are not timed
         for order in ("first", "second"):
             assert "aten::" in (prof / f"{order}_{name}.txt").read_text()
+
+
+def test_loss_chunk_changes_the_ops_not_the_draft_loss(tmp_path):
+    """--loss-chunk (train.loss_chunk) in the bench: small chunks and one chunk of the whole width train the same
+    draft loss (fp32 on CPU: to rounding), so the bench can time the difference on the GPU."""
+    losses = []
+    for chunk in ("7", "4096"):
+        out = tmp_path / f"r{chunk}.json"
+        subprocess.run([sys.executable, "bench/cotrain_ragged.py", "--device", "cpu", "--hidden", "32", "--heads", "2",
+                        "--kv-heads", "1", "--intermediate", "64", "--layers", "2", "--rows", "8", "--max-len", "120",
+                        "--micro-batch-rows", "4", "--stride", "2", "--amp", "none", "--steps", "2", "--paired",
+                        "--variants", "policy,auto", "--loss-chunk", chunk, "--out", str(out)],
+                       check=True, capture_output=True, text=True)
+        res = json.loads(out.read_text())
+        assert res["args"]["loss_chunk"] == int(chunk)
+        losses.append(res["results"]["auto"]["draft_loss"])
+    assert len(losses[0]) == 2 and all(x > 0 for x in losses[0])
+    for a, b in zip(*losses):
+        assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_loss_chunk_reaches_the_step_config():
+    import argparse
+    import pathlib
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    from cotrain_ragged import variant_step
+    a = argparse.Namespace(stride=2, micro_batch_rows=4, loss_chunk=4096)
+    step = variant_step("auto_w16", a, None, None, {False: None, True: None}, None)
+    assert step.keywords["cfg"].loss_chunk == 4096 and step.keywords["cfg"].width_multiple == 16
