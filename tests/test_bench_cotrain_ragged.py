@@ -43,7 +43,7 @@ def test_fixed_lengths_bring_no_new_shapes_and_profile_writes_both_orders(tmp_pa
             assert "aten::" in (prof / f"{order}_{name}.txt").read_text()
 
 
-def test_loss_chunk_changes_the_ops_not_the_draft_loss(tmp_path):
+def test_loss_chunk_keeps_the_draft_loss(tmp_path):
     """--loss-chunk (train.loss_chunk) in the bench: small chunks and one chunk of the whole width train the same
     draft loss (fp32 on CPU: to rounding), so the bench can time the difference on the GPU."""
     losses = []

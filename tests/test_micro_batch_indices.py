@@ -44,7 +44,7 @@ def test_micro_batches_take_the_cut_rows_and_the_draft_rows_of_the_stride():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: what it checks is a device sync")
-def test_micro_batches_do_not_synchronize_the_device_once_cut():
+def test_device_indices_and_take_do_not_synchronize_the_device():
     b = _batch(device="cuda")
     cuts = micro_batch_cuts(b, 4, width_multiple=8)  # the one host read of the lengths, before the loop
     torch.cuda.synchronize()

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specco.batch import longest_first
+from specco.batch import device_indices, longest_first
 from specco.model.config import PolicyConfig
 
 
@@ -83,8 +83,8 @@ def sft_micro_batches(input_ids, loss_mask, rows: int):
     cols = torch.arange(2, loss_mask.shape[1] + 2, device=loss_mask.device)
     # the mask marks the inputs that predict a completion token: a row needs its last marked input + 1
     length = ((loss_mask != 0) * cols).amax(1).clamp(max=loss_mask.shape[1]).cpu()
-    for chunk in longest_first(length, rows):
-        idx = torch.tensor(chunk, device=input_ids.device)
+    chunks = longest_first(length, rows)
+    for chunk, idx in zip(chunks, device_indices(chunks, input_ids.device)):  # one copy, no host sync (batch.py)
         cut = max(2, int(length[chunk[0]]))
         yield input_ids[idx, :cut], loss_mask[idx, :cut]
 
