@@ -25,8 +25,22 @@ on which a draft accepts far less than on the rest (H200, configs/long.toml: DFl
 per round on the row that decoded alone for 1,200 rounds, against a mean τ of 5.8, and its round cost
 1.8x a plain one there). The pooled α come from every row of this and earlier calls, so they would keep
 that tail speculating at a loss. So within a level the runner re-chooses every `recheck_rounds` rounds
-from the counts of the rounds run at that level alone (`choose(..., pooled=False)`), once its first
-position has `min_tries` tries there.
+from the counts of that level's rounds since its last choice alone (`LevelRecheck`: a window, not
+everything since the level began), once the window's first position has `min_tries` tries.
+
+A window, because the rows' acceptance changes within a level too, and a level cannot see deeper
+than its k. The rounds just after a level begins mix rows about to finish (3-token direct answers,
+high entropy) with the worked ones; a choice made then lowered k, and with counts kept since the
+level began the positions above that k were never tried again, so their early estimates stayed and
+pinned the level (H200, configs/long_cotrain.toml, 2026-12-03: DFlash's 256-row level sat at k = 2
+for 356 rounds at τ 2.84, 1.99 ms per token, where its k = 7 rounds had run at τ 6.5, ~1.5 ms per
+token, in another run; the next level, entered at k = 7, ran at τ 6.8). In a window the positions
+above the current k have no tries, so they take the optimistic prior capped by the deepest tried
+position (`alphas`): the level probes a deeper k, and the next window measures it. A probe that the
+next window undoes (a failed one) makes the level sit out re-checks before the next probe: 1 after the
+first failure, then 2, 4, 8, ... (a probe that holds resets this), so a level whose deep positions
+really are poor spends ever fewer windows probing; between probes the untried positions count as
+never accepted. Probing changes which k runs, never what is emitted (the paragraph below).
 
 Rule for levels: a generation that decodes plainly at some batch size has no draft state for its
 newest tokens (the draft's cache and its pass-1 output are kept up to date only by speculative
@@ -82,10 +96,11 @@ class SpecController:
         self.tried = torch.zeros(self.k_max, dtype=torch.float64)
         self.accepted = torch.zeros(self.k_max, dtype=torch.float64)
 
-    def alphas(self, live: tuple | None = None, pooled: bool = True) -> torch.Tensor:
+    def alphas(self, live: tuple | None = None, pooled: bool = True, probe: bool = True) -> torch.Tensor:
         """(k_max,) conditional acceptance per position from the pooled counts (unless not `pooled`) plus
         `live` ((n_accepted, n_tried) per position: the current call's so far, or one level's); positions
-        with too few tries use the prior, and such a position never exceeds the estimate of the one before it."""
+        with too few tries use the prior, and such a position never exceeds the estimate of the one before it.
+        probe False: a position with no tries at all counts as never accepted (LevelRecheck between probes)."""
         acc, tried = (self.accepted, self.tried) if pooled else \
             (torch.zeros_like(self.accepted), torch.zeros_like(self.tried))
         if live is not None:
@@ -95,11 +110,13 @@ class SpecController:
         for j in range(1, self.k_max):
             if tried[j] < self.min_tries:
                 est[j] = min(est[j], est[j - 1])
+        if not probe:
+            est = torch.where(tried > 0, est, torch.zeros_like(est))
         return est
 
-    def expected_tokens(self, k: int, live: tuple | None = None, pooled: bool = True) -> float:
+    def expected_tokens(self, k: int, live: tuple | None = None, pooled: bool = True, probe: bool = True) -> float:
         """E[τ_k] = 1 + Σ_{j<=k} Π_{i<=j} α_i."""
-        return expected_tokens(self.alphas(live, pooled)[:k]) if k > 0 else 1.0
+        return expected_tokens(self.alphas(live, pooled, probe)[:k]) if k > 0 else 1.0
 
     def update(self, accepted: torch.Tensor, tried: torch.Tensor) -> None:
         """Fold in one generation's counts (n_accepted, n_tried per position; state.py)."""
@@ -107,15 +124,48 @@ class SpecController:
         self.tried = self.memory * self.tried + tried.double().cpu()[: self.k_max]
 
     def choose(self, costs: dict[int, float], rows: int, allow_speculation: bool = True,
-               live: tuple | None = None, pooled: bool = True) -> Choice:
+               live: tuple | None = None, pooled: bool = True, probe: bool = True) -> Choice:
         """The k of largest predicted throughput among the measured candidates (`costs`: k -> s/round);
         live: acceptance counts (see `alphas`) — the current call's so far, added to the pooled ones, or
-        with pooled=False one level's alone (the re-check, module docstring)."""
+        with pooled=False one level's window alone (the re-check, module docstring); probe: see `alphas`."""
         t_step = costs[0]
         ms = {k: t * 1e3 for k, t in costs.items()}
-        speedups = {k: self.expected_tokens(k, live, pooled) * t_step / t for k, t in costs.items() if k > 0}
+        speedups = {k: self.expected_tokens(k, live, pooled, probe) * t_step / t for k, t in costs.items() if k > 0}
         if allow_speculation and speedups:
             k = max(speedups, key=speedups.get)
             if speedups[k] > self.margin:
                 return Choice(rows, k, speedups[k], ms)
         return Choice(rows, 0, 1.0, ms)
+
+
+class LevelRecheck:
+    """The re-check of one level's k (module docstring): counts in a window since the last choice, probes
+    of a deeper k, and the backoff after a failed probe. One per level entered; `counts` are the level's
+    running (n_accepted, n_tried) per position (state.py), on the device."""
+
+    def __init__(self, ctl: SpecController, counts: tuple[torch.Tensor, torch.Tensor]):
+        self.ctl = ctl
+        self.base = tuple(c.clone() for c in counts)  # the counts when the window began
+        self.backoff = 1  # re-checks to sit out after the next failed probe
+        self.wait = 0  # re-checks left before a probe may run
+        self.probe_k: int | None = None  # the k a running probe tries
+
+    def __call__(self, costs: dict[int, float], rows: int, k_now: int,
+                 counts: tuple[torch.Tensor, torch.Tensor]) -> Choice | None:
+        """The level's next choice, or None while the window's first position has fewer than `min_tries`
+        tries (the window then grows on; one small host read per call)."""
+        here = tuple((c - b).double().cpu() for c, b in zip(counts, self.base))
+        if float(here[1][0]) < self.ctl.min_tries:
+            return None
+        self.base = tuple(c.clone() for c in counts)
+        probe = self.wait == 0
+        choice = self.ctl.choose(costs, rows, True, here, pooled=False, probe=probe)
+        if self.probe_k is not None:  # this window ran the probe: did it hold?
+            failed = choice.k < self.probe_k
+            self.wait, self.backoff = (self.backoff, self.backoff * 2) if failed else (0, 1)
+            self.probe_k = None
+        elif not probe:
+            self.wait -= 1
+        if choice.k > k_now:  # deeper than this window could see: a probe, judged by the next window
+            self.probe_k = choice.k
+        return choice

@@ -42,7 +42,7 @@ from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from . import compaction
-from .control import Choice, SpecController
+from .control import Choice, LevelRecheck, SpecController
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
 from .shapes import PromptBuffers, RunnerShape, execution_modes, pad_prompts, runner_shape, speculation_control
@@ -173,7 +173,7 @@ class DecodeRunner:
         self.levels: dict[int, Level] = {}  # compacted levels by row count, kept across calls
         self.chain: list[tuple[Level, torch.Tensor]] = []  # active compactions: (level, parent rows)
         self.choices: list[Choice] = []  # one per level entered, and one per change of k within a level
-        self._entry_counts: tuple | None = None  # (n_accepted, n_tried) when the current level was chosen
+        self._recheck: LevelRecheck | None = None  # the current level's re-check of k (control.py)
         self.num_rows = self.group_size = 0
         self.num_target_forwards = 0
         self.phases: list[Phase] = []  # this call's levels entered, in order
@@ -316,19 +316,16 @@ class DecodeRunner:
         level.choice = self.controller.choose(level.costs, level.rows, allow_speculation, live)
         level.k = level.choice.k
         self.choices.append(level.choice)
-        self._entry_counts = (level.st.n_accepted.clone(), level.st.n_tried.clone())  # the re-check's zero
+        self._recheck = LevelRecheck(self.controller, (level.st.n_accepted, level.st.n_tried))
 
-    def _recheck(self):
-        """Re-choose the current level's k from the acceptance of the rounds run at this level alone
-        (control.py: the rows left are not the ones the pooled estimate came from). Once plain, the
-        level stays plain (its draft state is no longer kept up to date)."""
-        level, ctl = self.level, self.controller
-        acc0, tried0 = self._entry_counts
-        here = (level.st.n_accepted - acc0, level.st.n_tried - tried0)
-        if float(here[1][0]) < ctl.min_tries:  # one small host read per check
-            return
-        choice = ctl.choose(level.costs, level.rows, True, here, pooled=False)
-        if choice.k != level.k:
+    def _rechoose(self):
+        """Re-choose the current level's k from the acceptance of this level's latest rounds alone
+        (control.LevelRecheck: the rows left are not the ones the pooled estimate came from, and a level's
+        rows change as they go). Once plain, the level stays plain (its draft state is no longer kept up
+        to date)."""
+        level = self.level
+        choice = self._recheck(level.costs, level.rows, level.k, (level.st.n_accepted, level.st.n_tried))
+        if choice is not None and choice.k != level.k:
             level.k, level.choice = choice.k, choice
             self.choices.append(choice)
 
@@ -414,7 +411,7 @@ class DecodeRunner:
                 self._compact(size)
             elif (self.controller is not None and self.level.k > 0 and rounds > 0
                   and self.controller.recheck_rounds > 0 and rounds % self.controller.recheck_rounds == 0):
-                self._recheck()
+                self._rechoose()
             self.round()
             rounds += 1
         self._end_phase(rows, rounds, time.perf_counter() - t0, counts)
