@@ -17,6 +17,9 @@
 # it for SECONDS (default 540) and copies the log tail and, once the run is done, its outputs into $OUT as
 # one archive. A later call on the same (warm) machine finds the run still going and follows it again; on a
 # fresh machine it starts the run again, which resumes from whatever stage outputs and checkpoints exist.
+# Those live on the machine only: a machine left idle past its release time (30 s in this workplace) is handed
+# back with them, and the next call starts the run over, SFT included (the fourteenth run lost its first call's
+# 9 minutes so). Keep a call's SECONDS under its timeout by a margin and make the next call at once.
 set -u
 CONFIG=$1; WAIT=${2:-540}
 export PYTHONPATH=/tmp/site:$PWD/.whl/stubs:$PWD PYTHONUNBUFFERED=1
