@@ -225,6 +225,12 @@ class TrainSpec:
     # share of the train step shrinks ~n-fold while it still sees an unbiased sample of the
     # policy's outputs (the G samples of a prompt are i.i.d.). The demo: 64 of 512 rows.
     draft_row_stride: int = 8
+    # > 0: a floor on the completion tokens the draft co-trains on per RL step. The stride then shrinks, step by
+    # step, to the largest divisor of rollout.group_size (<= draft_row_stride) whose rows hold that many
+    # (train/cotrain.draft_stride; logged as draft/row_stride). Why: when the policy's answers shorten — 4 of 14
+    # long H200 runs, e.g. 615 -> 299 tokens in the fourteenth — a fixed stride starves the draft of tokens just
+    # when the text it must follow changes fastest. 0 = the fixed stride.
+    draft_min_tokens: int = 0
     # Rows per forward/backward of the train step (0 = all at once); gradients accumulate, the
     # update equals the whole-batch one. Lower it when the train step runs out of memory.
     micro_batch_rows: int = 0
@@ -312,6 +318,8 @@ class TrainSpec:
                "must be >= 0 (overlong_buffer 0 = no length penalty)")
         _check(self.draft_row_stride >= 1, f"train.draft_row_stride={self.draft_row_stride}: "
                "must be >= 1 (1 = the draft trains on every rollout row)")
+        _check(self.draft_min_tokens >= 0, f"train.draft_min_tokens={self.draft_min_tokens}: must be >= 0 "
+               "(0 = the fixed train.draft_row_stride)")
 
 
 @dataclass(frozen=True)
@@ -417,6 +425,12 @@ class RunConfig:
                                                                              ("cotrained", "dspark"))]
         _check(not self.train.compile_draft or not blocks, f"train.compile_draft with arms {blocks}: compiling a "
                "block drafter is not implemented (only the EAGLE-3 draft's layer); drop those arms or compile_draft")
+        # the adaptive stride picks sample i of every prompt group with i % n == 0, the same rows in every minibatch
+        # and on every data-parallel rank, only when n divides the group
+        _check(not self.train.draft_min_tokens or self.rollout.group_size % self.train.draft_row_stride == 0,
+               f"train.draft_min_tokens={self.train.draft_min_tokens} with train.draft_row_stride="
+               f"{self.train.draft_row_stride} and rollout.group_size={self.rollout.group_size}: the stride must divide "
+               "the group size (its strides are the group size's divisors); set draft_row_stride to one of them")
         _check(self.train.overlong_buffer <= self.rollout.max_new_tokens,
                f"train.overlong_buffer={self.train.overlong_buffer} exceeds rollout.max_new_tokens="
                f"{self.rollout.max_new_tokens}: the penalty ramps over the last overlong_buffer tokens of the budget")

@@ -54,14 +54,16 @@ def warm_configs(cfg: RunConfig) -> dict[str, RunConfig]:
     return {k: arm_config(cfg, f"cotrained-{k}")[0] for k in dict.fromkeys(kinds)}
 
 
-def step_config(cfg: RunConfig, mode: str = "cotrained") -> StepConfig:
-    """The co-training step's config for an arm of `mode` ('none' and 'frozen' train no draft: lambda = 0)."""
+def step_config(cfg: RunConfig, mode: str = "cotrained", draft_row_stride: int | None = None) -> StepConfig:
+    """The co-training step's config for an arm of `mode` ('none' and 'frozen' train no draft: lambda = 0);
+    `draft_row_stride`: this RL step's stride under train.draft_min_tokens (runner/rl.rl_step_config), None for
+    train.draft_row_stride."""
     t, d = cfg.train, cfg.draft
     return StepConfig(draft_weight=t.draft_weight if mode == "cotrained" else 0.0,
                       ttt_passes=d.ttt_passes, pass_decay=d.pass_decay, clip_eps=t.clip_eps,
                       kl_coef=t.kl_coef, temperature=max(cfg.rollout.temperature, 1e-6),
                       policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
-                      loss_chunk=t.loss_chunk, draft_row_stride=t.draft_row_stride,
+                      loss_chunk=t.loss_chunk, draft_row_stride=draft_row_stride or t.draft_row_stride,
                       micro_batch_rows=t.micro_batch_rows,
                       width_multiple=t.width_multiple, amp_dtype=AMP_DTYPES[t.amp])
 

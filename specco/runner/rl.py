@@ -58,7 +58,7 @@ from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.compile import apply_compile, apply_draft_compile, warm_up, warm_up_draft
 from ..train.checkpoint import load_latest, remove_stale_temporaries, save_checkpoint, set_rng_state
 from ..train.cotrain import (StepConfig, amp_context, block_loss, build_optimizer, build_scheduler, cotrain_step,
-                             draft_loss, draft_rows, micro_batches, step_counts)
+                             draft_loss, draft_rows, draft_stride, micro_batches, step_counts)
 from ..train.nonfinite import NonFiniteError, check_finite
 from ..train.losses import all_reduce_sums, metrics_to_floats
 from .derive import arm_config, engine_dtype, generate_config, step_config
@@ -207,15 +207,31 @@ def _reduce_metrics(m: dict, mesh: Mesh | None) -> dict:
     return m
 
 
+def rl_step_config(st: ArmState, cfg: RunConfig, ro: Rollouts, mesh: Mesh | None = None) -> StepConfig:
+    """The co-training step's config for this RL step of `st`'s arm: under train.draft_min_tokens a co-trained
+    arm's draft row stride comes from the rollouts' completion lengths (cotrain.draft_stride), the same on every
+    data-parallel rank; otherwise train.draft_row_stride."""
+    t = cfg.train
+    if not (t.draft_min_tokens and st.mode == "cotrained"):
+        return step_config(cfg, st.mode)
+    lengths = torch.tensor([len(c) for _, c in ro.pairs], dtype=torch.long)
+    dp = mesh.dp_group if mesh is not None and mesh.dp > 1 else None
+    n = draft_stride(lengths, ro.group_size, t.draft_row_stride, t.draft_min_tokens, dp,
+                     mesh.device if dp is not None else None)
+    return step_config(cfg, st.mode, draft_row_stride=n)
+
+
 def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device, mesh: Mesh | None = None
                       ) -> dict:
     """The PPO updates of one RL step on this rank's rollouts `ro`; returns this rank's metrics (before
     the reduction over ranks). Importable on its own: tests feed it the rollouts a distributed run saw."""
     t = cfg.train
-    scfg = step_config(cfg, st.mode)
+    scfg = rl_step_config(st, cfg, ro, mesh)
     mbs = minibatches(ro, t.minibatches, scfg, pad_id, device, mesh)
     updates = t.ppo_epochs * t.minibatches
     m: dict = {}
+    if t.draft_min_tokens and st.mode == "cotrained":
+        m["draft/row_stride"] = scfg.draft_row_stride
     t0 = time.perf_counter()
     # the whole policy with the trainer's weights: under PP the engine's copy (refit after every step)
     whole_policy = st.engine.policy if st.pipeline is not None else st.policy
@@ -311,7 +327,7 @@ def shadow_eval(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device,
     for both, so their ratio is co-training's gain on this arm's own trajectory. Keys `shadow/cotrained/...`
     and `shadow/frozen/...`; `time/shadow`, which the step's time leaves out."""
     t0 = time.perf_counter()
-    scfg = step_config(cfg, st.mode)
+    scfg = rl_step_config(st, cfg, ro, mesh)  # the rows the step's draft trains on
     whole = minibatches(ro, 1, scfg, pad_id, device, mesh)[0]
     group = mesh.grad_group if _distributed(mesh) else None
     scores = draft_evals(st.policy, {"cotrained": st.draft, "frozen": st.shadow}, whole.batch, scfg, group, whole.fns)

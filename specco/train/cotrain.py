@@ -151,6 +151,25 @@ def draft_rows(batch: TrainBatch, cfg: StepConfig) -> slice:
     return slice(0, None, cfg.draft_row_stride)
 
 
+def draft_stride(lengths: torch.Tensor, group_size: int, max_stride: int, min_tokens: int, group=None,
+                 device=None) -> int:
+    """The draft's row stride for one RL step under train.draft_min_tokens: the largest n <= `max_stride` that
+    divides `group_size` and whose rows hold >= `min_tokens` completion tokens, else 1.
+
+    lengths: (N*G,) completion tokens per rollout row, the G samples of a prompt contiguous. With n | G the rows
+    `draft_rows` takes from any minibatch of whole prompt groups are sample i of each group with i % n == 0, so
+    the count is lengths[:, ::n] of every group, summed here over `group` (the data-parallel ranks, which then
+    agree; `device`: where their all-reduce runs). A larger stride is cheaper (the draft's share of the train
+    step shrinks ~n-fold), so the largest that still meets the floor wins."""
+    strides = [n for n in range(max_stride, 0, -1) if group_size % n == 0]
+    per_group = lengths.reshape(-1, group_size)  # (N, G)
+    tokens = torch.stack([per_group[:, ::n].sum() for n in strides]).double()  # (len(strides),)
+    if group is not None:
+        tokens = tokens.to(device)
+        dist.all_reduce(tokens, group=group)
+    return next((n for n, t in zip(strides, tokens.tolist()) if t >= min_tokens), 1)
+
+
 def picks_rows(rows, batch: TrainBatch) -> bool:
     """Whether a draft row selection (slice or index tensor) picks any row of `batch`."""
     return len(range(batch.tokens.shape[0])[rows]) > 0 if isinstance(rows, slice) else rows.numel() > 0
