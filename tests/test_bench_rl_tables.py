@@ -43,10 +43,32 @@ def test_synthetic_run(tmp_path):
     assert got["overlay"] == {"pairs": 6, "over_1_se": 2, "over_2_se": 1}
     c = got["plain_baseline"]["c"]  # step 2 only: step 3.2 s, no-draft step 3.2 - 2 + 6 - 0.2 = 7.0
     assert c["rollout speedup"] == pytest.approx(3.0) and c["end-to-end speedup"] == pytest.approx(7.0 / 3.2)
+    # every synthetic step has 25% of its rows at the budget: only the "with" regime, holding the same sums
+    by = got["plain_baseline_by_budget_rows"]
+    assert list(by) == ["with rows at the budget"] and by["with rows at the budget"]["c"] == c
     lines = out.splitlines()
     assert lines[2].startswith("| c | 1 | 10 | 2 | 2.00 | 4.00 | 2.00 | 1.000 |")  # config order; 25% of 8 rows
     assert "| c | 2 | speculative | 256 rows x 10 rounds 1.00 s tau 3.00; 8 rows x 2 rounds" in out
     assert "| c | 2 | plain baseline | 256 rows x 30 rounds" in out
+
+
+def test_budget_split_separates_the_steps(tmp_path):
+    """Two steady steps, one with a row at the budget and one without: each regime's sums are its own step's."""
+    run = tmp_path / "run"
+    plain = {"time/rollout_plain": 6.0, "rollout/plain_rows_equal": 1.0, "time/train_draft": 0.2}
+    rows = [_row(1, 0.5, 0.1, **plain),
+            _row(2, 0.5, 0.1, **{**plain, "rollout/rows_at_max": 0.0}),  # rollout 2 s: 3x
+            _row(3, 0.5, 0.1, **{**plain, "time/rollout": 4.0})]  # 25% at the budget, rollout 4 s: 1.5x
+    (run / "arms" / "c").mkdir(parents=True)
+    (run / "arms" / "c" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _run(run, "--out", tmp_path / "t.json")
+    by = json.loads((tmp_path / "t.json").read_text())["plain_baseline_by_budget_rows"]
+    without, with_ = by["without a row at the budget"]["c"], by["with rows at the budget"]["c"]
+    assert without["steps"] == with_["steps"] == 1
+    assert without["rollout speedup"] == pytest.approx(3.0) and with_["rollout speedup"] == pytest.approx(1.5)
+    # step 3.2 s -> no-draft 3.2 - 2 + 6 - 0.2 = 7.0; step 5.2 s -> 5.2 - 4 + 6 - 0.2 = 7.0
+    assert without["end-to-end speedup"] == pytest.approx(7.0 / 3.2)
+    assert with_["end-to-end speedup"] == pytest.approx(7.0 / 5.2)
 
 
 def test_committed_run(tmp_path):

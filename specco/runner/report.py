@@ -5,6 +5,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Callable
 
 
 class MetricsLog:
@@ -178,7 +179,8 @@ def shadow_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | None:
     return markdown_table(["arm", *next(iter(out.values())).keys()], rows), out
 
 
-def plain_baseline_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | None:
+def plain_baseline_table(arm_rows: dict[str, list[dict]], select: Callable[[dict], bool] | None = None
+                         ) -> tuple[str, dict] | None:
     """The arms that ran config `plain_baseline` (each step's prompts also decoded plainly, same tokens, same
     engine and policy): over `steady_rows`,
         rollout speedup   Σ plain rollout / Σ rollout
@@ -189,13 +191,14 @@ def plain_baseline_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | 
     step's updates without the draft (`time/train_plain`, runner/rl.plain_train_seconds), that rerun and the
     end-to-end speedup with it in place of train − draft are two more columns: a low bound, since a second pass
     over a minibatch runs faster than the first (bench/cotrain_ragged.py --paired, BENCHMARKS.md).
-    None when no arm ran it."""
+    `select`: only the steady steps it accepts (e.g. those without a row at the token budget). None when no arm
+    ran it (or no step was selected)."""
     out, rows = {}, []
     for arm, all_rows in arm_rows.items():
-        no_draft = baseline_split(all_rows)  # the no-draft step's phases, means over the measured steps
+        no_draft = baseline_split(all_rows, select)  # the no-draft step's phases, means over the measured steps
         if no_draft is None:
             continue
-        rs = [r for r in steady_rows(all_rows) if "time/rollout_plain" in r]
+        rs = [r for r in steady_rows(all_rows) if "time/rollout_plain" in r and (select is None or select(r))]
         mean = lambda key: sum(r.get(key, 0.0) for r in rs) / len(rs)  # noqa: E731
         step = sum(mean(k) for k, _ in TIME_PARTS)
         no_draft_step = sum(no_draft.values())
@@ -216,7 +219,7 @@ def plain_baseline_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | 
     return markdown_table(["arm", *next(iter(out.values())).keys()], rows), out
 
 
-def baseline_split(rows: list[dict]) -> dict[str, float] | None:
+def baseline_split(rows: list[dict], select: Callable[[dict], bool] | None = None) -> dict[str, float] | None:
     """`time_split` of the no-draft step on the arm's own tokens (config plain_baseline): rollout the plain
     baseline's, train the arm's train step less the draft's timed forward and backward (`time/train_draft`),
     the other phases the arm's own; over the steady steps that measured it. None when none did.
@@ -228,7 +231,7 @@ def baseline_split(rows: list[dict]) -> dict[str, float] | None:
     real updates' plans made, while a no-draft arm would make them itself."""
     rs = [{**r, "time/rollout": r["time/rollout_plain"],
            "time/train": r.get("time/train", 0.0) - r.get("time/train_draft", 0.0)}
-          for r in steady_rows(rows) if "time/rollout_plain" in r]
+          for r in steady_rows(rows) if "time/rollout_plain" in r and (select is None or select(r))]
     if not rs:
         return None
     return {name: sum(r.get(key, 0.0) for r in rs) / len(rs) for key, name in TIME_PARTS}
