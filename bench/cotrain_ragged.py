@@ -31,7 +31,8 @@ cost outside its span; on CUDA also each pass's cudaMalloc calls and allocator r
 say whether a first-pass cost is the caching allocator's, and the first pass's mean over steps that brought a
 micro-batch shape no earlier pass ran against steps that did not (per-shape plans). `--policy-sdpa` pins the
 policy attention's SDPA backend; `--fixed-lengths` gives every step the same row lengths (so no new shapes after
-step 0) and `--profile DIR` runs two more (untimed) steps with every pass profiled: each variant run first and second. `--loss-chunk N` sets train.loss_chunk (the draft loss's checkpointed sequence chunk; its per-step `draft_loss` is
+step 0), `--batch-multiple N` pads every batch's width to a multiple of N as the RL loop does (so with N = the
+variants' width multiple no micro-batch keeps a row's exact length), and `--profile DIR` runs two more (untimed) steps with every pass profiled: each variant run first and second. `--loss-chunk N` sets train.loss_chunk (the draft loss's checkpointed sequence chunk; its per-step `draft_loss` is
 reported, so two chunk sizes can be checked to train the same loss). `--compile inductor` compiles the policy's layers as
 `train.compile` does, `--compile-draft` the draft's layer as `train.compile_draft`. Run it again under `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` to compare.
 
@@ -63,10 +64,11 @@ from specco.train.cotrain import (AMP_DTYPES, StepConfig, TrainBatch, build_opti
                                   micro_batch_cuts)
 
 
-def ragged_batch(rows: int, max_len: int, vocab: int, seed: int, device, length_seed: int | None = None
-                 ) -> TrainBatch:
+def ragged_batch(rows: int, max_len: int, vocab: int, seed: int, device, length_seed: int | None = None,
+                 multiple: int = 1) -> TrainBatch:
     """`rows` right-padded rows with the long workload's length mix (module docstring), random tokens
-    (`length_seed`: the lengths from that seed instead, so batches of one length_seed have one shape)."""
+    (`length_seed`: the lengths from that seed instead, so batches of one length_seed have one shape); the
+    width padded up to a multiple of `multiple`, as the RL loop's batches are (runner/rollouts.build_batch)."""
     g = torch.Generator().manual_seed(seed if length_seed is None else length_seed)
     prompt = torch.randint(40, 67, (rows,), generator=g)
     worked = torch.rand(rows, generator=g) < 0.5
@@ -75,7 +77,7 @@ def ragged_batch(rows: int, max_len: int, vocab: int, seed: int, device, length_
     long_ = torch.randint(int(300 * scale) + 1, int(2083 * scale) + 2, (rows,), generator=g)
     comp = torch.where(worked, long_, short)
     lengths = (prompt + comp).clamp(max=max_len)
-    S = int(lengths.max())
+    S = -(-int(lengths.max()) // multiple) * multiple
     if length_seed is not None:
         g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows, S), generator=g)
@@ -138,7 +140,7 @@ def paired(a, steps: dict, dev) -> dict:
     for i in range(a.steps + 1 + (2 if a.profile else 0)):  # two more, profiled (untimed): each variant first and second
         profiled = i > a.steps
         b = ragged_batch(a.rows, a.max_len, a.vocab, seed=7000 + i, device=dev,
-                         length_seed=7000 if a.fixed_lengths else None)
+                         length_seed=7000 if a.fixed_lengths else None, multiple=a.batch_multiple)
         order = names if i % 2 == 0 else names[::-1]
         cuts = micro_batch_cuts(b, a.micro_batch_rows, steps[order[0]].keywords["cfg"].width_multiple)
         shapes = {(len(idx), w) for idx, w in cuts} if cuts else {tuple(b.tokens.shape)}  # None: one micro-batch
@@ -220,6 +222,10 @@ def main():
     ap.add_argument("--loss-chunk", type=int, default=StepConfig.loss_chunk,
                     help="train.loss_chunk: the draft loss's sequence chunk (each one checkpointed; at a small "
                          "vocabulary one chunk of the whole width is the same math in fewer ops)")
+    ap.add_argument("--batch-multiple", type=int, default=1,
+                    help="pad each batch's width to a multiple of N, as the RL loop does since 2026-12-03 with N = "
+                         "train.width_multiple (1: the batch as wide as its longest row, so the micro-batch holding "
+                         "that row keeps its exact length, a new shape every step)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     dev = torch.device(a.device)
@@ -252,7 +258,7 @@ def main():
         times, tokens = [], []
         for i in range(a.steps + 1):  # step 0: warm-up (kernel compiles, allocator growth); not reported
             # every variant its own fresh shapes (seeds disjoint across variants): plan caches cannot carry over
-            b = ragged_batch(a.rows, a.max_len, a.vocab, seed=1000 * (vi + 1) + i, device=dev)
+            b = ragged_batch(a.rows, a.max_len, a.vocab, seed=1000 * (vi + 1) + i, device=dev, multiple=a.batch_multiple)
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 
 def test_paired_mode_reports_both_orders_and_the_outside_span_cost(tmp_path):
     out = tmp_path / "r.json"
@@ -70,3 +72,23 @@ def test_loss_chunk_reaches_the_step_config():
     a = argparse.Namespace(stride=2, micro_batch_rows=4, loss_chunk=4096)
     step = variant_step("auto_w16", a, None, None, {False: None, True: None}, None)
     assert step.keywords["cfg"].loss_chunk == 4096 and step.keywords["cfg"].width_multiple == 16
+
+
+def test_batch_multiple_leaves_only_multiples_of_the_width():
+    """--batch-multiple N (the RL loop's padding, runner/rollouts.build_batch): every micro-batch is cut to a
+    multiple of N; with 1 the micro-batch holding the longest row keeps that row's exact length (a new shape
+    whenever the longest row changes), which is what the bench measured before 2026-12-03."""
+    import pathlib
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "bench"))
+    from cotrain_ragged import micro_batch_cuts, ragged_batch
+    odd = 0
+    for seed in range(20):
+        padded = ragged_batch(16, 300, 50, seed, "cpu", multiple=16)
+        assert padded.tokens.shape[1] % 16 == 0
+        assert all(w % 16 == 0 for _, w in micro_batch_cuts(padded, 4, 16))
+        exact = ragged_batch(16, 300, 50, seed, "cpu")
+        odd += any(w % 16 for _, w in micro_batch_cuts(exact, 4, 16))
+        # the same rows and trained tokens, only wider
+        w = exact.tokens.shape[1]
+        assert torch.equal(padded.target_mask[:, :w], exact.target_mask) and padded.target_mask[:, w:].sum() == 0
+    assert odd >= 15  # nearly every batch's longest row is not a multiple of 16

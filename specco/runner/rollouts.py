@@ -28,9 +28,10 @@ __all__ = ["Rollouts", "collect_rollouts", "Minibatch", "minibatches", "recomput
            "rollout_pairs", "completions", "build_batch", "rank_slice", "engine_logprob_gap"]
 
 
-def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int):
-    """(prompt, completion) id lists -> right-padded tokens (B, S) and completion mask (B, S)."""
-    S = max(len(p) + len(c) for p, c in pairs)
+def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int, width_multiple: int = 1):
+    """(prompt, completion) id lists -> right-padded tokens (B, S) and completion mask (B, S), S the longest
+    row rounded up to a multiple of `width_multiple`."""
+    S = -(-max(len(p) + len(c) for p, c in pairs) // width_multiple) * width_multiple
     tokens = torch.full((len(pairs), S), pad_id, dtype=torch.long)
     mask = torch.zeros(len(pairs), S)
     for b, (p, c) in enumerate(pairs):
@@ -53,9 +54,16 @@ def rollout_pairs(prompts: list[list[int]], out, comps: list[list[int]] | None =
     return [(prompts[r // G], c) for r, c in enumerate(completions(out) if comps is None else comps)]
 
 
-def build_batch(pairs, pad_id: int, device) -> TrainBatch:
-    """Sequences prompt + completion (right-padded); target_mask marks completion tokens (EOS included)."""
-    tokens, mask = pad_pairs(pairs, pad_id)
+def build_batch(pairs, pad_id: int, device, width_multiple: int = 1) -> TrainBatch:
+    """Sequences prompt + completion (right-padded); target_mask marks completion tokens (EOS included).
+
+    width_multiple (train.width_multiple): the batch's width too is a multiple of it. A micro-batch is cut to
+    its longest row rounded up to that multiple but never past the batch (cotrain.micro_batch_cuts), so with
+    the batch as wide as its longest row, the micro-batch holding that row kept the row's exact length: a new
+    width, hence new cuDNN attention plans (an update's first pass over new widths spent 104 + 158 ms of host time
+    in them on the H200, bench/results/cotrain_syncfree_2026-12-02), in every minibatch of every step, for the train step, the log-prob recompute and the frozen shadow alike. The padding columns are
+    masked, and trimming is exact (TrainBatch.trimmed), so only the shapes change."""
+    tokens, mask = pad_pairs(pairs, pad_id, width_multiple)
     return TrainBatch(tokens=tokens.to(device), target_mask=mask.to(device))
 
 
@@ -307,7 +315,7 @@ def minibatches(ro: Rollouts, n: int, cfg: StepConfig, pad_id: int, device, mesh
     for j in range(n):
         rows = [g * G + i for g in range(j, n_groups, n) for i in range(G)]
         pairs = [ro.pairs[r] for r in rows]
-        batch = build_batch(pairs, pad_id, device)
+        batch = build_batch(pairs, pad_id, device, cfg.width_multiple)
         batch.advantages = ro.advantages[rows].to(device)
         out.append(_layout(batch, [len(p) + len(c) for p, c in pairs], rows, cfg, mesh))
     return out
