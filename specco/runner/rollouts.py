@@ -60,8 +60,9 @@ def build_batch(pairs, pad_id: int, device, width_multiple: int = 1) -> TrainBat
     width_multiple (train.width_multiple): the batch's width too is a multiple of it. A micro-batch is cut to
     its longest row rounded up to that multiple but never past the batch (cotrain.micro_batch_cuts), so with
     the batch as wide as its longest row, the micro-batch holding that row kept the row's exact length: a new
-    width, hence new cuDNN attention plans (an update's first pass over new widths spent 104 + 158 ms of host time
-    in them on the H200, bench/results/cotrain_syncfree_2026-12-02), in every minibatch of every step, for the train step, the log-prob recompute and the frozen shadow alike. The padding columns are
+    width, hence new cuDNN attention plans (an update's first pass over new widths spent 104 + 158 ms of host
+    time in them on the H200, bench/results/cotrain_syncfree_2026-12-02), in nearly every minibatch of every
+    step, for the train step, the log-prob recompute and the frozen shadow alike. The padding columns are
     masked, and trimming is exact (TrainBatch.trimmed), so only the shapes change."""
     tokens, mask = pad_pairs(pairs, pad_id, width_multiple)
     return TrainBatch(tokens=tokens.to(device), target_mask=mask.to(device))
