@@ -249,6 +249,12 @@ class TrainSpec:
     # apply_draft_compile: norms, q/k/v with RoPE, output projection, MLP; its attention and loss stay eager).
     # Not yet measured on the GPU
     compile_draft: bool = False
+    # Before an arm's first RL step, the trainer's policy runs a forward + backward and a no-grad forward once at
+    # every micro-batch shape the run can bring (runner/derive.train_shapes, train/compile.warm_shapes), so the
+    # one-time work per shape (cuDNN attention plans: 104 + 158 ms of host time in an update's first pass over new
+    # widths on the H200) lands before the timed steps, as a long run pays it once, not inside a short run's
+    # first steps. Needs width_multiple >= 64 (a few dozen shapes at most); not with CP or PP (other layouts).
+    warm_widths: bool = False
     # Mixed precision of the train step (and the log-prob recompute): "bf16" runs forwards and losses
     # under torch.autocast(bfloat16) with fp32 weights, gradients and optimizer state; "none" = off.
     amp: str = "none"
@@ -318,6 +324,9 @@ class TrainSpec:
                "must be >= 0 (overlong_buffer 0 = no length penalty)")
         _check(self.draft_row_stride >= 1, f"train.draft_row_stride={self.draft_row_stride}: "
                "must be >= 1 (1 = the draft trains on every rollout row)")
+        _check(not self.warm_widths or self.width_multiple >= 64,
+               f"train.warm_widths with train.width_multiple={self.width_multiple}: every width up to the longest row "
+               "would be a shape to warm; set width_multiple >= 64 (the long configs use 128)")
         _check(self.draft_min_tokens >= 0, f"train.draft_min_tokens={self.draft_min_tokens}: must be >= 0 "
                "(0 = the fixed train.draft_row_stride)")
 
@@ -431,6 +440,9 @@ class RunConfig:
                f"train.draft_min_tokens={self.train.draft_min_tokens} with train.draft_row_stride="
                f"{self.train.draft_row_stride} and rollout.group_size={self.rollout.group_size}: the stride must divide "
                "the group size (its strides are the group size's divisors); set draft_row_stride to one of them")
+        _check(not self.train.warm_widths or (self.parallel.cp == 1 and self.parallel.pp == 1),
+               f"train.warm_widths with parallel.cp={self.parallel.cp}, parallel.pp={self.parallel.pp}: not implemented "
+               "(context parallelism packs rows into other shapes, a pipeline stage holds part of the policy); drop it")
         _check(self.train.overlong_buffer <= self.rollout.max_new_tokens,
                f"train.overlong_buffer={self.train.overlong_buffer} exceeds rollout.max_new_tokens="
                f"{self.rollout.max_new_tokens}: the penalty ramps over the last overlong_buffer tokens of the budget")

@@ -68,6 +68,24 @@ def step_config(cfg: RunConfig, mode: str = "cotrained", draft_row_stride: int |
                       width_multiple=t.width_multiple, amp_dtype=AMP_DTYPES[t.amp])
 
 
+def train_shapes(cfg: RunConfig, prompt_len: int) -> list[tuple[int, int]]:
+    """The (rows, width) micro-batch shapes this rank's RL trainer can run (config train.warm_widths): rows from
+    cutting a minibatch — and, with frozen_shadow, the whole step's rows — into train.micro_batch_rows (the last
+    cut holds the rest); widths every multiple of train.width_multiple up to the longest possible row,
+    `prompt_len` + rollout.max_new_tokens, rounded up as the minibatches are (runner/rollouts.build_batch)."""
+    t, r = cfg.train, cfg.rollout
+    step_rows = r.prompts_per_step * r.group_size // cfg.parallel.dp
+
+    def cuts(n: int) -> set[int]:  # the row counts of cotrain.micro_batch_cuts on n rows
+        m = t.micro_batch_rows
+        return {n} if m <= 0 or m >= n else {m} | ({n % m} - {0})
+
+    rows = cuts(step_rows // t.minibatches) | (cuts(step_rows) if cfg.frozen_shadow else set())
+    w = t.width_multiple
+    top = -(-(prompt_len + r.max_new_tokens) // w) * w
+    return sorted((b, width) for b in rows for width in range(w, top + 1, w))
+
+
 def generate_config(cfg: RunConfig, eos_id: int | tuple[int, ...] | None, pad_id: int) -> GenerateConfig:
     """The rollout engine's config: sampling, k, length budget and compaction from `cfg.rollout`."""
     r = cfg.rollout

@@ -55,13 +55,13 @@ from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
 from .refit_guard import MIN_TRIES, check_acceptance
 from ..train.activation_checkpointing import apply_activation_checkpointing
-from ..train.compile import apply_compile, apply_draft_compile, warm_up, warm_up_draft
+from ..train.compile import apply_compile, apply_draft_compile, warm_shapes, warm_up, warm_up_draft
 from ..train.checkpoint import load_latest, remove_stale_temporaries, save_checkpoint, set_rng_state
 from ..train.cotrain import (StepConfig, amp_context, block_loss, build_optimizer, build_scheduler, cotrain_step,
                              draft_loss, draft_rows, draft_stride, micro_batches, step_counts)
 from ..train.nonfinite import NonFiniteError, check_finite
 from ..train.losses import all_reduce_sums, metrics_to_floats
-from .derive import arm_config, engine_dtype, generate_config, step_config
+from .derive import arm_config, engine_dtype, generate_config, step_config, train_shapes
 from .rl_pp import PipelineArm, gather_for_refit, pp_checkpoint_state, pp_restore, pp_train_updates
 from .report import TIME_PARTS, MetricsLog
 from .stages import seed_stage
@@ -158,6 +158,10 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
                              cfg.draft.ttt_passes)
         if secs > 1.0:
             print(f"specco: arm {arm}: the draft's layer compiled ({cfg.train.compile}) in {secs:.0f} s", flush=True)
+    if cfg.train.warm_widths:  # the trainer's copy; the plans are the process's, so a later arm finds them made
+        shapes = train_shapes(cfg, gen_cfg.min_prompt_len)
+        secs = warm_shapes(policy, step_config(cfg, mode).amp_dtype, shapes)
+        print(f"specco: arm {arm}: the trainer warmed at {len(shapes)} micro-batch shapes in {secs:.1f} s", flush=True)
     opt = build_optimizer(policy, draft if mode == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
     sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps,
                             cfg.train.lr_schedule)

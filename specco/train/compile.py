@@ -151,6 +151,23 @@ def warm_up(model: nn.Module, amp_dtype: torch.dtype | None, rows: int = 2, widt
     return _warm(model, amp_dtype, run)
 
 
+def warm_shapes(model: nn.Module, amp_dtype: torch.dtype | None, shapes: list[tuple[int, int]]) -> float:
+    """One forward + backward and one no-grad forward of `model` on a dummy batch (token 0) at each (rows, width)
+    of `shapes`, under the step's autocast (config train.warm_widths): kernels that plan per shape (cuDNN
+    attention) plan now, before the timed RL steps. Leaves no gradient behind and touches no optimizer or RNG
+    state; returns the seconds it took."""
+    dev = next(model.parameters()).device
+
+    def run():
+        for rows, width in shapes:
+            tokens = torch.zeros(rows, width, dtype=torch.long, device=dev)
+            model(tokens).logits.float().sum().backward()
+            model.zero_grad(set_to_none=True)  # one shape's gradients at a time
+            with torch.no_grad():
+                model(tokens)
+    return _warm(model, amp_dtype, run)
+
+
 def remove_compile(model: nn.Module) -> nn.Module:
     """Undo `apply_compile`."""
     return unwrap_layers(model, _CompiledMethod)
