@@ -60,6 +60,7 @@ from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.ops.attention import ttt_attention  # noqa: E402
 from specco.train.compile import apply_compile, apply_draft_compile, warm_up, warm_up_draft  # noqa: E402
+from specco.batch import round_up  # noqa: E402
 from specco.train.cotrain import (AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step,  # noqa: E402
                                   micro_batch_cuts)
 
@@ -77,7 +78,7 @@ def ragged_batch(rows: int, max_len: int, vocab: int, seed: int, device, length_
     long_ = torch.randint(int(300 * scale) + 1, int(2083 * scale) + 2, (rows,), generator=g)
     comp = torch.where(worked, long_, short)
     lengths = (prompt + comp).clamp(max=max_len)
-    S = -(-int(lengths.max()) // multiple) * multiple
+    S = round_up(int(lengths.max()), multiple)
     if length_seed is not None:
         g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (rows, S), generator=g)

@@ -109,6 +109,12 @@ def device_indices(groups: list[list[int]], device) -> list[torch.Tensor]:
     return list(torch.split(flat, [len(g) for g in groups]))
 
 
+def round_up(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple`: the trainer's widths (train.width_multiple: the minibatch, its
+    micro-batch cuts and the shapes `train.warm_widths` warms all round the same way) and the engine's buckets."""
+    return -(-n // multiple) * multiple
+
+
 def longest_first(lengths: torch.Tensor, rows: int) -> list[list[int]]:
     """Row indices in chunks of `rows`, the longest rows first (stable: equal lengths keep their order), for
     micro-batches whose rows are alike in length (train.cotrain.micro_batches, train.sft)."""

@@ -12,14 +12,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from ..batch import round_up
 from ..model.dflash import BlockDraft
 
 if TYPE_CHECKING:  # generate.py imports this module
     from .generate import GenerateConfig
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 @dataclass(frozen=True)
@@ -35,12 +32,12 @@ class RunnerShape:
                k: int, bucketed: bool) -> "RunnerShape":
         B0, S = num_prompts, prompt_len
         if bucketed:  # few distinct shapes, so graphs captured once serve many calls
-            B0 = 1 << (B0 - 1).bit_length() if B0 <= 32 else _round_up(B0, 32)
-            S = _round_up(max(S, cfg.min_prompt_len), 16)
+            B0 = 1 << (B0 - 1).bit_length() if B0 <= 32 else round_up(B0, 32)
+            S = round_up(max(S, cfg.min_prompt_len), 16)
         # Verify writes up to n + k with n <= L + T - 2 while a row is live; + slack.
         cache_len = S + cfg.max_new_tokens + k + 1
         if bucketed:  # 16-aligned rows for the attention kernels
-            cache_len = _round_up(cache_len, 16)
+            cache_len = round_up(cache_len, 16)
         return cls(B0, group_size, S, cache_len)
 
     def holds(self, other: "RunnerShape") -> bool:

@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 
+from ..batch import longest_first, round_up
 from ..config import BLOCK_KINDS, RunConfig, split_arm
 from ..model.config import ConfigError
 from ..rollout.generate import GenerateConfig
@@ -76,13 +77,13 @@ def train_shapes(cfg: RunConfig, prompt_len: int) -> list[tuple[int, int]]:
     t, r = cfg.train, cfg.rollout
     step_rows = r.prompts_per_step * r.group_size // cfg.parallel.dp
 
-    def cuts(n: int) -> set[int]:  # the row counts of cotrain.micro_batch_cuts on n rows
+    def cuts(n: int) -> set[int]:  # the row counts of cotrain.micro_batch_cuts on n rows (None there: all n)
         m = t.micro_batch_rows
-        return {n} if m <= 0 or m >= n else {m} | ({n % m} - {0})
+        return {n} if m <= 0 or m >= n else {len(idx) for idx in longest_first(torch.zeros(n), m)}
 
     rows = cuts(step_rows // t.minibatches) | (cuts(step_rows) if cfg.frozen_shadow else set())
     w = t.width_multiple
-    top = -(-(prompt_len + r.max_new_tokens) // w) * w
+    top = round_up(prompt_len + r.max_new_tokens, w)
     return sorted((b, width) for b in rows for width in range(w, top + 1, w))
 
 

@@ -225,12 +225,13 @@ def rl_step_config(st: ArmState, cfg: RunConfig, ro: Rollouts, mesh: Mesh | None
     return step_config(cfg, st.mode, draft_row_stride=n)
 
 
-def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device, mesh: Mesh | None = None
-                      ) -> dict:
+def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device, mesh: Mesh | None = None,
+                      scfg: StepConfig | None = None) -> dict:
     """The PPO updates of one RL step on this rank's rollouts `ro`; returns this rank's metrics (before
-    the reduction over ranks). Importable on its own: tests feed it the rollouts a distributed run saw."""
+    the reduction over ranks). Importable on its own: tests feed it the rollouts a distributed run saw.
+    `scfg`: the step's `rl_step_config` when the caller has it (None: made here)."""
     t = cfg.train
-    scfg = rl_step_config(st, cfg, ro, mesh)
+    scfg = scfg or rl_step_config(st, cfg, ro, mesh)
     mbs = minibatches(ro, t.minibatches, scfg, pad_id, device, mesh)
     updates = t.ppo_epochs * t.minibatches
     m: dict = {}
@@ -324,14 +325,15 @@ def plain_train_seconds(st: ArmState, before: tuple, mbs: list, scfg: StepConfig
     return seconds
 
 
-def shadow_eval(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device, mesh: Mesh | None = None) -> dict:
+def shadow_eval(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device, mesh: Mesh | None = None,
+                scfg: StepConfig | None = None) -> dict:
     """Config frozen_shadow: the co-trained draft that decoded this step's rollouts and the arm's frozen copy of
     its warm draft, each scored (`draft_eval`: simulated tau, loss, per-pass or per-slot agreement) on those
     rollouts under the policy that sampled them, before the step's update. The same estimator, rows and teacher
     for both, so their ratio is co-training's gain on this arm's own trajectory. Keys `shadow/cotrained/...`
     and `shadow/frozen/...`; `time/shadow`, which the step's time leaves out."""
     t0 = time.perf_counter()
-    scfg = rl_step_config(st, cfg, ro, mesh)  # the rows the step's draft trains on
+    scfg = scfg or rl_step_config(st, cfg, ro, mesh)  # the rows the step's draft trains on
     whole = minibatches(ro, 1, scfg, pad_id, device, mesh)[0]
     group = mesh.grad_group if _distributed(mesh) else None
     scores = draft_evals(st.policy, {"cotrained": st.draft, "frozen": st.shadow}, whole.batch, scfg, group, whole.fns)
@@ -353,8 +355,9 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
                           baseline=cfg.measures_plain(st.arm))
     if record is not None:
         record.append(ro)
-    shadow = shadow_eval(st, cfg, ro, tokenizer.pad_id, device, mesh) if st.shadow is not None else {}
-    m = {**ro.metrics, **shadow, **train_on_rollouts(st, cfg, ro, tokenizer.pad_id, device, mesh)}
+    scfg = rl_step_config(st, cfg, ro, mesh)  # once: under train.draft_min_tokens it all-reduces over DP ranks
+    shadow = shadow_eval(st, cfg, ro, tokenizer.pad_id, device, mesh, scfg) if st.shadow is not None else {}
+    m = {**ro.metrics, **shadow, **train_on_rollouts(st, cfg, ro, tokenizer.pad_id, device, mesh, scfg)}
     t0 = time.perf_counter()
     if st.pipeline is not None:  # the engine needs the whole policy: gather the stages (and the last's draft)
         policy_sd, draft_sd = gather_for_refit(st, mesh)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..batch import TrainBatch, device_indices, pack
+from ..batch import TrainBatch, device_indices, pack, round_up
 from ..model.policy import Policy
 from ..model.ttt import shift_left
 from ..parallel.cp import shard_batch, step_fns
@@ -31,7 +31,7 @@ __all__ = ["Rollouts", "collect_rollouts", "Minibatch", "minibatches", "recomput
 def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int, width_multiple: int = 1):
     """(prompt, completion) id lists -> right-padded tokens (B, S) and completion mask (B, S), S the longest
     row rounded up to a multiple of `width_multiple`."""
-    S = -(-max(len(p) + len(c) for p, c in pairs) // width_multiple) * width_multiple
+    S = round_up(max(len(p) + len(c) for p, c in pairs), width_multiple)
     tokens = torch.full((len(pairs), S), pad_id, dtype=torch.long)
     mask = torch.zeros(len(pairs), S)
     for b, (p, c) in enumerate(pairs):

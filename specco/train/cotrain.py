@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..batch import TrainBatch, device_indices, longest_first
+from ..batch import TrainBatch, device_indices, longest_first, round_up
 from ..config import LR_SCHEDULES, DraftSpec, TrainSpec
 from ..model.dflash import BlockDraft, slot_weights
 from ..model.draft import Eagle3Draft
@@ -352,7 +352,7 @@ def micro_batch_cuts(batch: TrainBatch, rows: int, width_multiple: int = 1) -> l
     if rows <= 0 or rows >= B:
         return None
     length = batch.trained_lengths()
-    return [(idx, min(S, -(-int(length[idx[0]]) // width_multiple) * width_multiple))
+    return [(idx, min(S, round_up(int(length[idx[0]]), width_multiple)))
             for idx in longest_first(length, rows)]
 
 
