@@ -131,6 +131,11 @@ class RolloutSpec:
     # Live-row compaction: once live rows are <= this fraction of the batch, decode on with just them
     # (rollout/compaction.py; outputs unchanged). 0 disables.
     compact_below: float = 0.25
+    # The smallest compacted state, in rows (a power of two). 8 keeps the tail in one 8-row level; 1 decodes a
+    # lone runaway row by itself, whose rounds cost less there (H200, the long workload's 316M policy: a plain
+    # step 1.11 against 1.80 ms, a DFlash verify 1.65 against 2.01 ms; bench/results/rounds_tail_2026-12-03/),
+    # for the plain baseline and the speculative call alike, at the price of more levels to capture once.
+    compact_min_rows: int = 8
     # Speculation control (rollout/control.py): k chosen per call and compaction level in 0..k from
     # costs measured on the engine's CUDA graphs and the live acceptance. "auto": on with CUDA graphs
     # (GPU), off on CPU, where the demo reports τ at fixed k; "on" / "off" force it.
@@ -180,6 +185,9 @@ class RolloutSpec:
         _check(self.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
         _check(0 <= self.compact_below < 1, f"rollout.compact_below={self.compact_below}: must be in [0, 1) "
                "(0 disables live-row compaction)")
+        _check(self.compact_min_rows >= 1 and self.compact_min_rows & (self.compact_min_rows - 1) == 0,
+               f"rollout.compact_min_rows={self.compact_min_rows}: must be a power of two >= 1 (the compacted "
+               "states' sizes are powers of two)")
 
 
 @dataclass(frozen=True)

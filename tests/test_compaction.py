@@ -17,6 +17,7 @@ from test_rollout_helpers import one_thread, random_draft, sigma_perm, structure
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=1.0)
+COUPLED = SamplingParams(temperature=1.0, coupled=True)
 
 
 def _prompts(V, n=12, seed=0):
@@ -145,9 +146,65 @@ def test_compact_size_and_pick_rows():
         compaction.pick_rows(finished, 1)
 
 
+def test_compact_size_down_to_min_rows():
+    # rollout.compact_min_rows = 1: a lone tail row gets a level of its own
+    assert compaction.compact_size(1, 8, 0.25, min_rows=1) == 1
+    assert compaction.compact_size(2, 8, 0.25, min_rows=1) == 2
+    assert compaction.compact_size(3, 16, 0.25, min_rows=1) == 4
+    assert compaction.compact_size(3, 16, 0.25, min_rows=8) == 8
+    assert compaction.compact_size(1, 1, 0.99, min_rows=1) is None  # nothing smaller than one row
+
+
 def test_compact_below_is_validated():
     with pytest.raises(ValueError, match="compact_below"):
         GenerateConfig(compact_below=1.0)
+    with pytest.raises(ValueError, match="compact_min_rows"):
+        GenerateConfig(compact_min_rows=6)
+    with pytest.raises(ValueError, match="compact_min_rows"):
+        GenerateConfig(compact_min_rows=0)
+
+
+def test_compact_min_rows_reaches_the_engine_from_the_run_config():
+    from specco.config import ConfigError, load_config
+    from specco.runner.derive import generate_config
+    cfg = load_config("configs/long_cotrain.toml", ["rollout.compact_min_rows=1"])
+    assert generate_config(cfg, 1, 0).compact_min_rows == 1
+    assert generate_config(load_config("configs/long_cotrain.toml"), 1, 0).compact_min_rows == 8
+    with pytest.raises(ConfigError, match="compact_min_rows=3"):
+        load_config("configs/long_cotrain.toml", ["rollout.compact_min_rows=3"])
+
+
+@pytest.mark.parametrize("kind,control", [("plain", False), ("structured_draft", False), ("dflash", False),
+                                          ("structured_draft", True), ("dflash", True)])  # control: k per level
+def test_compaction_down_to_one_row_changes_no_output(kind, control):
+    """compact_min_rows = 1: the chain of compacted states goes below 8 rows (the default floor) down to the
+    last live row's own 1-row state, and the result (tokens, log-probs, τ, per-row rounds) equals a generation
+    without compaction. With speculation control (k chosen per level, as the RL runs decode) under coupled
+    sampling, the tokens, lengths and log-probs must still equal (τ and rounds then depend on the k chosen)."""
+    if kind == "dflash":
+        from test_block_rollout import _block_draft
+        policy = tiny_policy(V=16, h=32, layers=3, seed=5)
+        draft = _block_draft(policy, kind, gamma=3, scale=3.0)
+        g = torch.Generator().manual_seed(3)
+        prompts = [torch.randint(0, 15, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g)
+                   for _ in range(24)]
+        base, eos, G = GenerateConfig(max_new_tokens=40, sampling=SAMPLED, num_draft_tokens=3), 2, 2
+    else:
+        policy, draft, prompts, eos, base = compaction_case(kind, SAMPLED)
+        G = 1 if kind == "structured_draft" else 4  # its 2 never-ending prompts: 2 * G rows run to the end
+    if control:
+        base = GenerateConfig(**{**base.__dict__, "sampling": COUPLED, "spec_control": True})
+    on = GenerateConfig(**{**base.__dict__, "eos_token_id": eos, "compact_below": 0.6, "compact_min_rows": 1})
+    off = GenerateConfig(**{**base.__dict__, "eos_token_id": eos, "compact_below": 0.0})
+    ref, _ = _run(policy, draft, prompts, off, G, seed=5)
+    got, runner = _run(policy, draft, prompts, on, G, seed=5)
+    assert min(runner.levels) < 8, f"no level below 8 rows ({sorted(runner.levels)}): the test would prove nothing"
+    assert [p.rows for p in runner.phases][-1] < 8
+    if control:
+        assert torch.equal(got.lengths, ref.lengths) and torch.equal(got.tokens, ref.tokens)
+        torch.testing.assert_close(got.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    else:
+        _assert_same(got, ref)
 
 
 def test_compaction_with_bucket_padding_rows():

@@ -74,6 +74,7 @@ class GenerateConfig:
     # Live-row compaction (compaction.py): when live rows <= this fraction of the batch, continue on a
     # smaller batch holding just them. 0 disables.
     compact_below: float = _R.compact_below
+    compact_min_rows: int = _R.compact_min_rows  # the smallest compacted state (compaction.compact_size)
     # With bucketed shapes (CUDA graphs): the prompt bucket is at least this long. An RL loop sets it to its
     # run's longest prompt (runner.rollouts.longest_prompt), so steps whose prompts fall in different length
     # buckets share one runner from the first step on (RunnerShape.holds covers the shorter ones).
@@ -90,6 +91,8 @@ class GenerateConfig:
             object.__setattr__(self, "eos_token_id", tuple(int(i) for i in self.eos_token_id))
         if not 0 <= self.compact_below < 1:
             raise ValueError(f"compact_below must be in [0, 1) (0 disables compaction), got {self.compact_below}")
+        if self.compact_min_rows < 1 or self.compact_min_rows & (self.compact_min_rows - 1):
+            raise ValueError(f"compact_min_rows must be a power of two >= 1, got {self.compact_min_rows}")
 
 
 class Phase(NamedTuple):
@@ -403,7 +406,8 @@ class DecodeRunner:
             live = int((~self.st.finished).sum())  # the one host sync per round
             if live == 0:
                 break
-            size = compaction.compact_size(live, self.st.finished.numel(), self.cfg.compact_below)
+            size = compaction.compact_size(live, self.st.finished.numel(), self.cfg.compact_below,
+                                           self.cfg.compact_min_rows)
             if size is not None:
                 t = time.perf_counter()
                 counts = self._end_phase(rows, rounds, t - t0, counts)

@@ -94,7 +94,7 @@ def generate_config(cfg: RunConfig, eos_id: int | tuple[int, ...] | None, pad_id
                           sampling=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                                   coupled=r.sampler == "coupled"),
                           num_draft_tokens=r.k, eos_token_id=eos_id, pad_token_id=pad_id,
-                          compact_below=r.compact_below,
+                          compact_below=r.compact_below, compact_min_rows=r.compact_min_rows,
                           spec_control={"auto": None, "on": True, "off": False}[r.spec_control])
 
 
