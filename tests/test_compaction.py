@@ -122,7 +122,7 @@ def test_compaction_nests():
         live = int((~runner.st.finished).sum())
         if live == 0:
             break
-        size = compaction.compact_size(live, runner.st.finished.numel(), on.compact_below)
+        size = compaction.compact_size(live, runner.st.finished.numel(), on.compact_below, on.compact_min_rows)
         if size is not None:
             runner._compact(size)
         depth = max(depth, len(runner.chain))
@@ -134,11 +134,11 @@ def test_compaction_nests():
 
 
 def test_compact_size_and_pick_rows():
-    assert compaction.compact_size(10, 1024, 0.25) == 16
-    assert compaction.compact_size(300, 1024, 0.25) is None  # not below the threshold
-    assert compaction.compact_size(3, 1024, 0.25) == 8  # at least min_rows
-    assert compaction.compact_size(5, 12, 0.5) is None  # 8 rows would not halve 12
-    assert compaction.compact_size(0, 64, 0.25) is None and compaction.compact_size(4, 64, 0.0) is None
+    assert compaction.compact_size(10, 1024, 0.25, 8) == 16
+    assert compaction.compact_size(300, 1024, 0.25, 8) is None  # not below the threshold
+    assert compaction.compact_size(3, 1024, 0.25, 8) == 8  # at least min_rows
+    assert compaction.compact_size(5, 12, 0.5, 8) is None  # 8 rows would not halve 12
+    assert compaction.compact_size(0, 64, 0.25, 8) is None and compaction.compact_size(4, 64, 0.0, 8) is None
     finished = torch.tensor([True, False, True, True, False, True])
     rows = compaction.pick_rows(finished, 4)
     assert rows.tolist() == [1, 4, 0, 2]  # live rows first, then distinct finished rows

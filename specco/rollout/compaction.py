@@ -29,10 +29,10 @@ COUNTERS = ("n_emitted", "n_row_forwards", "n_accepted", "n_proposed", "n_tried"
 OUTPUTS = ("out_tokens", "out_logp", "out_len", "finished", "row_rounds")
 
 
-def compact_size(live: int, current: int, below: float, min_rows: int = 8) -> int | None:
+def compact_size(live: int, current: int, below: float, min_rows: int) -> int | None:
     """Rows of the smaller state to move `live` live rows into, or None to stay at `current` rows:
     compact when live <= below · current and the new size (next power of two >= live, at least
-    min_rows) at least halves the batch."""
+    min_rows: GenerateConfig.compact_min_rows) at least halves the batch."""
     if below <= 0 or live == 0 or live > below * current:
         return None
     size = max(min_rows, 1 << (live - 1).bit_length())

@@ -198,7 +198,7 @@ def plain_baseline_table(arm_rows: dict[str, list[dict]], select: Callable[[dict
         no_draft = baseline_split(all_rows, select)  # the no-draft step's phases, means over the measured steps
         if no_draft is None:
             continue
-        rs = [r for r in steady_rows(all_rows) if "time/rollout_plain" in r and (select is None or select(r))]
+        rs = baseline_rows(all_rows, select)
         mean = lambda key: sum(r.get(key, 0.0) for r in rs) / len(rs)  # noqa: E731
         step = sum(mean(k) for k, _ in TIME_PARTS)
         no_draft_step = sum(no_draft.values())
@@ -219,6 +219,11 @@ def plain_baseline_table(arm_rows: dict[str, list[dict]], select: Callable[[dict
     return markdown_table(["arm", *next(iter(out.values())).keys()], rows), out
 
 
+def baseline_rows(rows: list[dict], select: Callable[[dict], bool] | None = None) -> list[dict]:
+    """The steady steps that measured the plain baseline (`time/rollout_plain`), those `select` accepts."""
+    return [r for r in steady_rows(rows) if "time/rollout_plain" in r and (select is None or select(r))]
+
+
 def baseline_split(rows: list[dict], select: Callable[[dict], bool] | None = None) -> dict[str, float] | None:
     """`time_split` of the no-draft step on the arm's own tokens (config plain_baseline): rollout the plain
     baseline's, train the arm's train step less the draft's timed forward and backward (`time/train_draft`),
@@ -231,7 +236,7 @@ def baseline_split(rows: list[dict], select: Callable[[dict], bool] | None = Non
     real updates' plans made, while a no-draft arm would make them itself."""
     rs = [{**r, "time/rollout": r["time/rollout_plain"],
            "time/train": r.get("time/train", 0.0) - r.get("time/train_draft", 0.0)}
-          for r in steady_rows(rows) if "time/rollout_plain" in r and (select is None or select(r))]
+          for r in baseline_rows(rows, select)]
     if not rs:
         return None
     return {name: sum(r.get(key, 0.0) for r in rs) / len(rs) for key, name in TIME_PARTS}

@@ -211,12 +211,17 @@ def _reduce_metrics(m: dict, mesh: Mesh | None) -> dict:
     return m
 
 
+def _adaptive_stride(st: ArmState, cfg: RunConfig) -> bool:
+    """Whether this arm's draft row stride is chosen per RL step (train.draft_min_tokens, co-trained arms)."""
+    return bool(cfg.train.draft_min_tokens) and st.mode == "cotrained"
+
+
 def rl_step_config(st: ArmState, cfg: RunConfig, ro: Rollouts, mesh: Mesh | None = None) -> StepConfig:
     """The co-training step's config for this RL step of `st`'s arm: under train.draft_min_tokens a co-trained
     arm's draft row stride comes from the rollouts' completion lengths (cotrain.draft_stride), the same on every
     data-parallel rank; otherwise train.draft_row_stride."""
     t = cfg.train
-    if not (t.draft_min_tokens and st.mode == "cotrained"):
+    if not _adaptive_stride(st, cfg):
         return step_config(cfg, st.mode)
     lengths = torch.tensor([len(c) for _, c in ro.pairs], dtype=torch.long)
     dp = mesh.dp_group if mesh is not None and mesh.dp > 1 else None
@@ -235,7 +240,7 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     mbs = minibatches(ro, t.minibatches, scfg, pad_id, device, mesh)
     updates = t.ppo_epochs * t.minibatches
     m: dict = {}
-    if t.draft_min_tokens and st.mode == "cotrained":
+    if _adaptive_stride(st, cfg):
         m["draft/row_stride"] = scfg.draft_row_stride
     t0 = time.perf_counter()
     # the whole policy with the trainer's weights: under PP the engine's copy (refit after every step)
