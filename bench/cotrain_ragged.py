@@ -24,7 +24,7 @@ step (host clock after a device synchronize: planning is host time) for:
 
 `--paired` (exactly two variants, e.g. `policy_w128,auto_w128`) runs both on the *same* fresh batch every step, the order
 alternating (even steps the first variant first): what the draft adds to a train step on the very same rows,
-which an RL run can only bound (README "The long-reasoning workload": the draft's timed span misses part of it,
+which an RL run can only bound (docs/experiments/long_workload.md: the draft's timed span misses part of it,
 and a pass run first pays the step's first-pass costs). It reports each variant's mean, its mean when run first
 and when run second, the draft's timed span (`time/train_draft`), and co-trained − policy − span: the draft's
 cost outside its span; on CUDA also each pass's cudaMalloc calls and allocator retries (first and second), which

@@ -1,4 +1,4 @@
-"""Pipeline co-training with the TapChannel against the alternatives (issue 13, DESIGN §5).
+"""Pipeline co-training with the TapChannel against the alternatives (issue 13, docs/DESIGN.md §5).
 
 One PP co-training step (1F1B over --pp stages, the draft on the last stage) timed per tap transport:
 
@@ -9,7 +9,7 @@ One PP co-training step (1F1B over --pp stages, the draft on the last stage) tim
     blocking   (b) taps with blocking send/recv on the schedule's own group, inside the schedule: a source
                sends them right after its activation, the last stage receives them right after the
                activation (sent inside the forward itself, before the activation, 1F1B deadlocks: gloo's
-               send is a rendezvous — the failure DESIGN §5 describes)
+               send is a rendezvous — the failure docs/DESIGN.md §5 describes)
     host       (c) taps staged through host memory: serialised into a c10d FileStore by the source,
                read back (blocking get) by the last stage before each draft step
 

@@ -2,7 +2,7 @@
 
 Reports per batch size: plain step time and tokens/s, speculative tokens/s, τ, t_verify, t_draft
 (= (t_propose + t_catch_up) / k: k draft forwards per round), measured speedup (spec tok/s over plain
-tok/s, both graphed on CUDA — never against an eager loop, DESIGN §6) and the ideal speedup
+tok/s, both graphed on CUDA — never against an eager loop, docs/DESIGN.md §6) and the ideal speedup
 τ·t_step / (t_verify + k·t_draft). On CUDA, in the same run:
   * the ANCHOR (bench/anchor.py): an independent minimal plain-PyTorch decoder of the same shapes,
     torch.compile'd and CUDA-graphed (and the same eager-graphed), timed at the same KV position —

@@ -96,7 +96,7 @@ def cmd_export(a):
     from .model.hf_io import load_policy_config
     policy_cfg = load_policy_config(a.policy) if a.policy else None
     draft = load_any_draft(a.draft, policy_cfg)
-    if isinstance(draft, BlockDraft):  # one layout for both engines (FORMATS.md, "DFlash")
+    if isinstance(draft, BlockDraft):  # one layout for both engines (specco/export/FORMATS.md, "DFlash")
         if policy_cfg is None:
             raise SystemExit("specco export: a block drafter needs --policy (the target's depth goes into its config)")
         out = export_dflash(draft, a.out, policy_cfg, dtype=a.dtype, overwrite=a.force)

@@ -207,7 +207,7 @@ class TrainSpec:
     warm_start_lr: float = 1e-3  # offline draft training (decays to 10% over the warm start)
     # The draft's own LR while co-training (public runs use ~50x the policy's). Lower than the warm
     # start's: each RL step brings a few noisy rows, and at 1e-3 the co-trained draft's loss rose
-    # above the frozen draft's (bench/results/gpu_rl_deep_lr1e-3, DESIGN §6).
+    # above the frozen draft's (bench/results/gpu_rl_deep_lr1e-3, docs/DESIGN.md §6).
     draft_lr: float = 2e-4
     draft_weight: float = 1.0  # lambda in L_policy + lambda * L_draft
     clip_eps: float = 0.2

@@ -1,4 +1,4 @@
-"""Trunk + branch attention vs the dense-mask reference (DESIGN §3), outputs and gradients.
+"""Trunk + branch attention vs the dense-mask reference (docs/DESIGN.md §3), outputs and gradients.
 
 Tolerances (why):
 * fp64: 1e-10 abs/rel — same math as the reference, only fp64 rounding and summation order differ.

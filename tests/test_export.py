@@ -1,7 +1,7 @@
 """EAGLE-3 export for vLLM / SGLang and import of published layouts (specco/export/FORMATS.md).
 
 One test per engine checks the written config and tensor names against that engine's loader as
-FORMATS.md writes it down (including the loader's own name mapping, so a name the loader would drop
+specco/export/FORMATS.md writes it down (including the loader's own name mapping, so a name the loader would drop
 or fail on shows up here); export -> import gives bit-identical draft logits; published layouts
 (EAGLE, SpecForge) import; and every refusal names what is wrong.
 """
@@ -56,7 +56,7 @@ def _written(out):
     return json.loads((out / "config.json").read_text()), load_file(str(out / "model.safetensors"))
 
 
-# What each loader builds (FORMATS.md): its parameter names and the name mapping of load_weights.
+# What each loader builds (specco/export/FORMATS.md): its parameter names and the name mapping of load_weights.
 STACKED = ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),
            (".gate_proj", ".gate_up_proj"), (".up_proj", ".gate_up_proj"))
 LAYER_PARAMS = ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",

@@ -1,6 +1,6 @@
-"""DFlash export for vLLM / SGLang and import of that layout (specco/export/dflash.py, FORMATS.md "DFlash").
+"""DFlash export for vLLM / SGLang and import of that layout (specco/export/dflash.py, specco/export/FORMATS.md "DFlash").
 
-The written config and tensor names are checked against the readers as FORMATS.md writes them down
+The written config and tensor names are checked against the readers as specco/export/FORMATS.md writes them down
 (vLLM's stacking and `model.` prefix, SGLang's module names); export -> import is bit-identical and
 generates the same tokens; DSpark and everything that would compute differently are refused by name.
 """
@@ -35,7 +35,7 @@ def _draft(kind="dflash", layers=2, seed=0):
     return d.eval()
 
 
-# The readers' module names (FORMATS.md): vLLM stacks q/k/v and gate/up and prefixes `model.`; SGLang's
+# The readers' module names (specco/export/FORMATS.md): vLLM stacks q/k/v and gate/up and prefixes `model.`; SGLang's
 # DFlashDraftModel has the same modules without the prefix (its loader stacks alike).
 def _reader_param(name: str, prefix: str) -> str:
     for a, b in ((".q_proj", ".qkv_proj"), (".k_proj", ".qkv_proj"), (".v_proj", ".qkv_proj"),

@@ -1,4 +1,4 @@
-"""Co-training under pipeline parallelism equals the unsplit step (DESIGN §5).
+"""Co-training under pipeline parallelism equals the unsplit step (docs/DESIGN.md §5).
 
 Reference: `cotrain_step` on one process, the unsplit Policy and the draft, the same micro-batches.
 PP: `split_stage` per rank, `pp_cotrain_step` (1F1B, the draft on the last stage fed by the TapChannel

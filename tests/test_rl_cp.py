@@ -181,7 +181,7 @@ def test_packed_rows_on_one_device_attend_within_sequences_or_are_refused():
 
 
 def test_parallel_imports_no_train_or_runner():
-    """DESIGN §7: parallel/ is applied from outside; it never imports train/ or runner/."""
+    """docs/DESIGN.md §7: parallel/ is applied from outside; it never imports train/ or runner/."""
     import ast
     root = Path(__file__).resolve().parents[1] / "specco" / "parallel"
     for f in root.glob("*.py"):

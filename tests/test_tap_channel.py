@@ -1,4 +1,4 @@
-"""The TapChannel on gloo (DESIGN §5): taps land equal to the unsplit model's, in micro-batch order, with
+"""The TapChannel on gloo (docs/DESIGN.md §5): taps land equal to the unsplit model's, in micro-batch order, with
 more micro-batches than slots; a slow consumer never sees a slot overwritten; a silent source makes the
 last stage raise the named error within the timeout; a wrong stamp raises. Stages come from
 `split_stage`; the reference is the unsplit Policy's own `taps` (fp64; the stage forwards run the same

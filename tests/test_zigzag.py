@@ -1,4 +1,4 @@
-"""Zigzag layout (DESIGN §4): shard/unshard round trip, positions, local borders, padding — no processes.
+"""Zigzag layout (docs/DESIGN.md §4): shard/unshard round trip, positions, local borders, padding — no processes.
 
 Also the CP shift's *index plan* for cp > 1, checked without processes by emulating the all_gather
 (every rank's heads are computable here), and cp = 1 packing semantics of `cp_shift`. All exact

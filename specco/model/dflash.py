@@ -1,4 +1,4 @@
-"""Block drafters: DFlash and DSpark (DESIGN §2b). One module, two kinds.
+"""Block drafters: DFlash and DSpark (docs/DESIGN.md §2b). One module, two kinds.
 
     trunk = hidden_norm(fc(taps))                       (B, S, h)   once per sequence, no decoder pass
     per draft layer l:  trunk K/V = k_norm(K_l trunk), V_l trunk, RoPE at the trunk's absolute positions
@@ -226,6 +226,6 @@ def slot_weight_decay(block_size: int) -> float:
 
 
 def slot_weights(cfg: BlockDraftConfig) -> list[float]:
-    """w_j = exp(-j/γ_d), j = 0..γ-1, γ_d from the block size W (DESIGN §2b)."""
+    """w_j = exp(-j/γ_d), j = 0..γ-1, γ_d from the block size W (docs/DESIGN.md §2b)."""
     g = slot_weight_decay(cfg.block_size)
     return [math.exp(-j / g) for j in range(cfg.gamma)]

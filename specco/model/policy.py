@@ -45,7 +45,7 @@ class Taps:
 
 @dataclass
 class StageTaps:
-    """The taps one model or pipeline stage holds, all detached (DESIGN §5: each stage emits only its own).
+    """The taps one model or pipeline stage holds, all detached (docs/DESIGN.md §5: each stage emits only its own).
 
     embed: (B, S, h) embedding output, only on the stage with the embedding (else None);
     layers: {layer_id: (B, S, h)} outputs of the requested tap layers this stage holds. The draft joins

@@ -1,4 +1,4 @@
-"""Exact trunk + branch attention for EAGLE-3 training-time test (DESIGN §2, §3).
+"""Exact trunk + branch attention for EAGLE-3 training-time test (docs/DESIGN.md §2, §3).
 
 Every attention *part* (a set of keys a query attends to) returns `(out, lse)`; parts over disjoint key
 sets combine exactly with `merge_lse`, and each part's backward is its ordinary attention backward
@@ -89,7 +89,7 @@ def _branch_fwd(q, k_br, v_br, scale):
 
 
 def _branch_bwd(dout, q, k_br, v_br, out_joint, lse_joint, scale):
-    """Branch share of the joint gradient (DESIGN §3 identity), fp32/fp64 results, dk/dv (B,Hkv,S,P,D)."""
+    """Branch share of the joint gradient (docs/DESIGN.md §3 identity), fp32/fp64 results, dk/dv (B,Hkv,S,P,D)."""
     md = _branch_math_dtype(q)
     B, H, S, D = q.shape
     hkv = k_br.shape[1]

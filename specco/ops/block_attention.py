@@ -1,4 +1,4 @@
-"""Exact block attention for the DFlash / DSpark block drafters (DESIGN §2b, §3).
+"""Exact block attention for the DFlash / DSpark block drafters (docs/DESIGN.md §2b, §3).
 
 A block drafter trains N blocks per sequence, each of W query slots at positions p, p+1, ..., p+W-1 for
 its anchor p. A query of block n sees two disjoint key sets:
@@ -9,7 +9,7 @@ its anchor p. A query of block n sees two disjoint key sets:
 
 Blocks never see each other. Each part returns `(out, lse)`; `merge_lse` (ops/attention.py, the one
 definition) combines them, and the backward evaluates each part's ordinary attention backward with the
-*joint* (out, lse) — the contract of TTT attention and of the ring (DESIGN §3), so under context
+*joint* (out, lse) — the contract of TTT attention and of the ring (docs/DESIGN.md §3), so under context
 parallelism the trunk part below is simply one ring step's work with the visiting shard's key positions.
 
 Trunk visibility is stated through positions, not indices: key j of the trunk is visible to query m iff
@@ -85,7 +85,7 @@ def trunk_prefix_fwd(q, k, v, key_pos, limit, scale=None):
 
 
 def trunk_prefix_bwd(dout, q, k, v, key_pos, limit, out_joint, lse_joint, scale=None):
-    """Trunk share of the joint gradient (DESIGN §3): p = exp(s - lse_joint), D = rowsum(dout ⊙ out_joint),
+    """Trunk share of the joint gradient (docs/DESIGN.md §3): p = exp(s - lse_joint), D = rowsum(dout ⊙ out_joint),
     dv = pᵀ dout, ds = p ⊙ (dout vᵀ - D)·scale, dq = ds k, dk = dsᵀ q (summed over the G heads of a kv head).
     Returns dq (B, H, M, D), dk, dv (B, Hkv, S, D) in the inputs' dtypes."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

@@ -44,7 +44,7 @@ def ttt_mask(S: int, P: int, device=None) -> torch.Tensor:
 def dense_ttt_reference(q_d: torch.Tensor, k_trunk: torch.Tensor, v_trunk: torch.Tensor,
                         k_branch: torch.Tensor | None, v_branch: torch.Tensor | None,
                         scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """TTT pass-d attention over the explicit key set [trunk; branch] with `ttt_mask` (DESIGN §2, §3).
+    """TTT pass-d attention over the explicit key set [trunk; branch] with `ttt_mask` (docs/DESIGN.md §2, §3).
 
     q_d (B, H, S, D); k_trunk, v_trunk (B, Hkv, S, D); k_branch, v_branch (B, Hkv, S, P, D) or None.
     Returns (out, lse) in the input dtype; differentiable w.r.t. every input.

@@ -15,7 +15,7 @@ refuse that case instead of silently picking one. Non-causal blocks may have Sq 
 what a ring step needs.
 
 Forward:  s = scale · q kᵀ (masked),  lse = logsumexp_j s,  out = softmax(s) v.
-Backward (evaluated with the *joint* statistics of all parts a query attends to, DESIGN §3):
+Backward (evaluated with the *joint* statistics of all parts a query attends to, docs/DESIGN.md §3):
     D = rowsum(dout ⊙ out_joint),  p = exp(s - lse_joint),
     dv = pᵀ dout,  ds = p ⊙ (dout vᵀ - D) · scale,  dq = ds k,  dk = dsᵀ q.
 Every flash-style kernel's backward recomputes p from the lse it is *given* and D from the out it is

@@ -1,4 +1,4 @@
-"""Block drafters (DFlash / DSpark) under context parallelism and on packed rows (DESIGN §2b, §4).
+"""Block drafters (DFlash / DSpark) under context parallelism and on packed rows (docs/DESIGN.md §2b, §4).
 
     plan = BlockCP(cp_group, layout).plan(tokens, target_mask, N, γ)     # cp.step_fns passes it as `block`
 

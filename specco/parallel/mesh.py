@@ -12,7 +12,7 @@ stages are the outermost dimension (they may sit on different nodes: only activa
     dp_group    ranks with the same (pp, cp)        metrics of the DP replicas
     pp_group    ranks with the same (dp, cp)        the pipeline schedule's point-to-point traffic
     grad_group  all dp × cp ranks of one stage      gradient sums and loss counts (CP ranks hold disjoint tokens)
-    tap_group   the same ranks as pp_group, its OWN communicator: the tap channel (DESIGN §5) must never
+    tap_group   the same ranks as pp_group, its OWN communicator: the tap channel (docs/DESIGN.md §5) must never
                 share ordering with the schedule's traffic. None when pp = 1 (no channel).
 
 Also `spawn_local`: run a function on N local gloo processes (tests, CPU benches), each with the

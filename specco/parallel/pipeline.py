@@ -9,7 +9,7 @@ The schedule is the non-interleaved 1F1B of PipeDream-Flush / Megatron: stage s 
 forwards, then alternates one forward and one backward, then drains the remaining backwards. Each stage
 keeps at most pp - s micro-batches' activations alive. Its point-to-point traffic goes through
 `PipeComm` on the pipeline group only, and every op is recorded in `PipeComm.log`, so a test can check
-that the schedule's own traffic is byte-for-byte the same with and without the tap channel (DESIGN §5).
+that the schedule's own traffic is byte-for-byte the same with and without the tap channel (docs/DESIGN.md §5).
 
 Why not `torch.distributed.pipelining`: its `Schedule1F1B` owns the loss call (`loss_fn(output, target)`)
 and the micro-batch split, but the co-training step needs per-micro-batch batch fields in the loss (mask,

@@ -1,4 +1,4 @@
-"""Zigzag ring attention: causal trunk over the CP group ⊕ rank-local TTT branch (DESIGN §3, §4).
+"""Zigzag ring attention: causal trunk over the CP group ⊕ rank-local TTT branch (docs/DESIGN.md §3, §4).
 
 Each rank holds, per sequence, its front chunk F (global chunk r) and back chunk Bk (chunk 2cp−1−r)
 of q, k, v (zigzag.py). The pass-1 trunk K/V shards ride the ring; at step s rank r holds the shard

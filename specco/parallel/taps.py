@@ -1,6 +1,6 @@
 """The TapChannel: taps from the pipeline stages to the draft on the last stage, off the schedule's path.
 
-DESIGN §5. The draft lives whole on the last stage; the embedding tap comes from stage 0 and each aux
+docs/DESIGN.md §5. The draft lives whole on the last stage; the embedding tap comes from stage 0 and each aux
 tap from the stage holding that layer. Sending them with blocking send/recv inside the schedule shares
 ordering with its activation traffic (and can deadlock against it), so the channel has its own process
 group (the mesh's `tap_group`: the same ranks as the pp group, a different communicator) and its own

@@ -1,4 +1,4 @@
-"""The zigzag context-parallel layout — the one definition used by data, model and tests (DESIGN §4).
+"""The zigzag context-parallel layout — the one definition used by data, model and tests (docs/DESIGN.md §4).
 
 Packed sequences (THD): a flat token stream whose sequence borders are `cu_seqlens` (cumulative
 lengths, `cu_seqlens[0] == 0`). Each sequence of length L is padded to 2·cp·c tokens with

@@ -1,4 +1,4 @@
-"""THE acceptance rule of speculative decoding (DESIGN §6). One home; everything else calls these.
+"""THE acceptance rule of speculative decoding (docs/DESIGN.md §6). One home; everything else calls these.
 
 Setting. The committed sequence ends in x_n. The draft proposed x̂_1..x̂_k, x̂_j drawn from q_j
 (the draft's processed distribution at depth j, on the target vocabulary). One target forward over

@@ -1,4 +1,4 @@
-"""Block speculation with a DFlash / DSpark drafter (model/dflash.py, DESIGN §2b): one draft forward
+"""Block speculation with a DFlash / DSpark drafter (model/dflash.py, docs/DESIGN.md §2b): one draft forward
 proposes a whole block of k tokens; verification is EAGLE-3's, unchanged.
 
 Invariant between rounds, for every live row (x_n = last_tok, state.py):

@@ -103,7 +103,7 @@ class RolloutEngine:
 
     @staticmethod
     def _check_draft_fits(policy: Policy, draft: Eagle3Draft):
-        """The tap contract between policy and draft (DESIGN §2), checked once at the boundary."""
+        """The tap contract between policy and draft (docs/DESIGN.md §2), checked once at the boundary."""
         pc, dc = policy.cfg, draft.cfg
         if dc.hidden_size != pc.hidden_size:
             raise ValueError(f"draft hidden_size {dc.hidden_size} != policy hidden_size {pc.hidden_size}")

@@ -11,7 +11,7 @@ both modes because speculative sampling is exact. For temperature == 0 that p is
 = 0, useless to RL), so we report log_softmax(raw logits) instead. A trainer that recomputes
 log-probs must apply the same processing to compare like with like.
 
-Speed (DESIGN §6): every step — the prefill (target prefill, first token, draft prompt catch-up)
+Speed (docs/DESIGN.md §6): every step — the prefill (target prefill, first token, draft prompt catch-up)
 and each decode step — is an in-place function over static buffers, captured as a CUDA graph on
 GPU (graphs.py); the host syncs once per round to test whether all rows finished.
 

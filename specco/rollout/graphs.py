@@ -2,7 +2,7 @@
 
 Why graphs: a decode step of a 0.5B model is ~1000 small kernels (1037 counted, eager, H200);
 launched from Python that is ~12.7 ms at batch 1, against ~2.6 ms replayed from a CUDA graph here
-(DESIGN §6 quotes 1.41 ms for a leaner PyTorch model; the gap is kernel count, not attention). So every
+(docs/DESIGN.md §6 quotes 1.41 ms for a leaner PyTorch model; the gap is kernel count, not attention). So every
 per-token step (plain decode, draft proposal, verify, draft catch-up) is written as a function that
 reads and writes *only* preallocated static buffers in place — no `.item()`, no data-dependent
 shapes, no host-side randomness — and is captured once per DecodeRunner, i.e. once per shape

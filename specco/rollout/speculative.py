@@ -6,7 +6,7 @@ Invariant between rounds, for every live row (x_n = last_tok, see state.py):
                   step(hidden = fc(taps_i), emb(x_{i+1}), RoPE position i) and writes position i.
     d_logits0 / d_hidden0: that pass-1 step's output at anchor n-1 — the draft's guess for x_{n+1}.
 
-One round (DESIGN §2 table, §6):
+One round (docs/DESIGN.md §2 table, §6):
   propose   x̂_1 from d_logits0; then chained passes d = 2..k at anchor n-1: hidden = previous pass's
             output (pre-norm), token input emb(x̂_{d-1}), RoPE position n+d-2, writing draft cache
             position n+d-2. A pass-d query thus sees trunk anchors <= n-1 plus its branch n..n+d-2 —

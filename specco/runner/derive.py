@@ -1,4 +1,4 @@
-"""Every configuration derived from the run config, built here and only here (DESIGN §7).
+"""Every configuration derived from the run config, built here and only here (docs/DESIGN.md §7).
 
     arm_config(cfg, arm)               -> (the run config as `arm` sees it, the arm's mode)
     warm_configs(cfg)                  -> {draft kind: the config its warm start runs with}

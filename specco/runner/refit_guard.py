@@ -1,4 +1,4 @@
-"""The refit guard (DESIGN §6): after every refit, check that the rollout engine holds exactly the
+"""The refit guard (docs/DESIGN.md §6): after every refit, check that the rollout engine holds exactly the
 trainer's policy and draft, and watch the live acceptance for the signature of a broken weight sync.
 
 Why. The bug class peers report most (NeMo-RL #2646, SGLang #31674, miles #1926): the draft's — or the

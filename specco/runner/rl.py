@@ -1,4 +1,4 @@
-"""The GRPO loop with speculative rollouts and online draft co-training (DESIGN §1).
+"""The GRPO loop with speculative rollouts and online draft co-training (docs/DESIGN.md §1).
 
 Each step:  rollout (speculative with the engine's draft; once per data-parallel group) -> rewards
             -> group advantages -> [log-prob recompute] -> PPO updates (co-training steps)

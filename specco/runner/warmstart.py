@@ -74,7 +74,7 @@ def new_draft(policy: Policy, tokens: torch.Tensor, draft_vocab_size: int = 0,
 
 
 def mask_token_id(tokens: torch.Tensor, vocab_size: int, fallback: int | None = None) -> int:
-    """A block drafter's mask token: the highest id never seen in the warm-start pool `tokens` (DESIGN §2b: a
+    """A block drafter's mask token: the highest id never seen in the warm-start pool `tokens` (docs/DESIGN.md §2b: a
     reserved token that data never contain; its frozen embedding row is the mask embedding). A tiny char
     policy's samples can cover its whole ~100-token vocabulary; then `fallback` (the tokenizer's pad id: a
     fixed row the drafter learns to read as "mask" — only the quality of the cue depends on it being unused)."""

@@ -1,4 +1,4 @@
-"""Losses of the block drafters DFlash and DSpark (DESIGN §2b), the twin of losses.py's TTT loss.
+"""Losses of the block drafters DFlash and DSpark (docs/DESIGN.md §2b), the twin of losses.py's TTT loss.
 
 Per sequence, N anchors p are sampled among positions whose next token is generated; the block of anchor p
 has γ predictions j = 0..γ-1, each with label x_{p+1+j} and teacher = the detached policy logits at p+j.

@@ -61,7 +61,7 @@ class StepConfig:
     loss_chunk: int = _T.loss_chunk
     # The draft trains on rollout rows 0, n, 2n, ... (1 = every row; at least row 0). GRPO rows are G i.i.d.
     # samples per prompt, so a stride that divides G keeps an unbiased sample of the policy's
-    # outputs while cutting the draft's share of the step ~n-fold (DESIGN §6: the overhead goal).
+    # outputs while cutting the draft's share of the step ~n-fold (docs/DESIGN.md §6: the overhead goal).
     draft_row_stride: int = _T.draft_row_stride
     # Rows per forward/backward (0 = the whole batch at once): gradients accumulate over
     # micro-batches with the whole batch's token counts as denominators, so the update is the
