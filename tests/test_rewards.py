@@ -263,8 +263,10 @@ def test_bad_values_name_function_row_and_value(user_file, ret, message):
 def test_batch_errors_raise_or_skip_the_step(user_file):
     for name, message in [("raises", r"raised RuntimeError: boom"), ("wrong_length", r"returned 1 values for 2 rows")]:
         with Rewards([RewardSpec(fn=f"{user_file}:{name}")]) as r:
-            with pytest.raises(RewardError, match=rf"fn='my_rewards.py:{name}': {message}"):
+            with pytest.raises(RewardError, match=rf"fn='my_rewards.py:{name}': {message}") as err:
                 r(["p0", "p1"], ["a", "b"], [[1], [2]], [{}, {}])
+            if name == "raises":  # the user's traceback stays attached
+                assert isinstance(err.value.__cause__, RuntimeError)
         with Rewards([RewardSpec(fn=f"{user_file}:{name}", on_error="skip"), RewardSpec(name="exact")]) as r:
             b = r(["p0", "p1"], ["a", "b"], [[1], [2]], [{"answer": "a"}] * 2)
             assert not b.valid.any() and b.metrics["reward/skipped_rows"] == 2 and b.rewards.tolist() == [0.0, 0.0]
@@ -280,7 +282,7 @@ def test_verl_raise_names_row_and_skip_drops_only_it(user_file):
         assert b.valid.tolist() == [True, False] and b.metrics["reward/skipped_rows"] == 1
 
 
-def test_construction_errors(user_file, tmp_path):
+def test_construction_errors(user_file, tmp_path, monkeypatch):
     cases = [
         (dict(fn="missing.py:f"), r"fn='missing.py:f': no file .*missing.py"),
         (dict(fn=f"{user_file}:trl_rewrd"), r"'trl_rewrd' not found in my_rewards.py; did you mean 'trl_reward'"),
@@ -304,5 +306,8 @@ def test_construction_errors(user_file, tmp_path):
         Rewards([RewardSpec(fn="broken.py:f")])
     with pytest.raises(RewardError, match="no rewards"):
         Rewards([])
-    # an absolute path and a module path resolve too
+    # an absolute path and a module on sys.path resolve too
     Rewards([RewardSpec(fn=f"{tmp_path / user_file}:trl_reward")]).close()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with Rewards([RewardSpec(fn="my_rewards:verl_no_extra")]) as r:
+        assert r(["p"], ["x"], [[1]], [{"answer": "1"}]).rewards.tolist() == [0.5]

@@ -209,6 +209,7 @@ class ReasoningGymReward:
                 scores.values[row] = float(self._score_fn(name)(extract_answer(text, fmt), entry))
             except Exception as e:  # reasoning_gym's scorer on an unexpected entry, or the checks above
                 scores.errors[row] = f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)
+                scores.causes[row] = e
         return scores
 
     def close(self):

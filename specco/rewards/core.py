@@ -106,12 +106,14 @@ class Scores:
 
     values: one per row, a float or None (not applicable). errors: row -> message for rows it failed
     on. batch_error: a message when no row can be blamed (the whole step failed for it). extras: verl
-    dict keys -> {row: value}. counts: summed metrics (math's timeouts)."""
+    dict keys -> {row: value}. counts: summed metrics (math's timeouts). causes: the exception behind an
+    error (row, or -1 for the batch), chained to the RewardError so the user's traceback is kept."""
     values: list[float | None]
     errors: dict[int, str] = field(default_factory=dict)
     batch_error: str | None = None
     extras: dict[str, dict[int, float]] = field(default_factory=dict)
     counts: dict[str, float] = field(default_factory=dict)
+    causes: dict[int, BaseException] = field(default_factory=dict)
 
 
 def shorten(value, n: int = 80) -> str:
@@ -185,12 +187,12 @@ class Rewards:
             metrics[f"time/reward/{label}"] = time.perf_counter() - t
             if s.batch_error is not None:
                 if spec.on_error == "stop":
-                    raise RewardError(f"reward {spec.label_hint}: {s.batch_error}")
+                    raise RewardError(f"reward {spec.label_hint}: {s.batch_error}") from s.causes.get(-1)
                 skipped = [True] * n
             for row in sorted(s.errors):
                 if spec.on_error == "stop":
                     raise RewardError(f"reward {spec.label_hint} row {row} (prompt {shorten(prompts[row])}): "
-                                      f"{s.errors[row]}")
+                                      f"{s.errors[row]}") from s.causes.get(row)
                 skipped[row] = True
             for row, v in enumerate(s.values):
                 if v is not None and row not in s.errors:

@@ -140,6 +140,7 @@ class TrlFunction:
             out = self.fn(**kwargs)
         except Exception as e:
             scores.batch_error = f"raised {type(e).__name__}: {e} (a batch function: no row to blame)"
+            scores.causes[-1] = e
             return scores
         try:
             out = list(out)
@@ -183,6 +184,7 @@ class VerlFunction:
                 out = self.fn(**kwargs)
             except Exception as e:
                 scores.errors[row] = f"raised {type(e).__name__}: {e}"
+                scores.causes[row] = e
                 continue
             try:
                 if isinstance(out, dict):
