@@ -12,7 +12,8 @@ Combination (TRL's rule): reward_r = sum_i weight_i * r_i(row r) over the functi
 a function returns None for a row it does not apply to (TRL's "not applicable", its nansum). A row for
 which every function returned None is *excluded*: valid[r] = False, reward 0, counted in
 `reward/excluded_rows`. The trainer must give invalid rows no gradient (drop them from the GRPO group
-statistics and mask their loss); their 0 is only a placeholder.
+statistics and mask their loss); their 0 is only a placeholder. (TRL instead warns and scores such a row
+nansum([]) = 0, which would pull a GRPO group's mean towards rows no function could judge.)
 
 Errors. Everything about a spec -- the built-in's name, the user file, the function's name and signature,
 weights -- is resolved in the constructor, before any training. What a function does at run time (raises,

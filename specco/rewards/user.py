@@ -4,10 +4,11 @@ from verl's, and calling each the way its own framework does.
 TRL (GRPOTrainer's convention): `fn(prompts, completions, completion_ids, **kwargs) -> list[float | None]`,
 called once per step with every other dataset column as a keyword holding a row-aligned list. With
 conversational prompts (lists of {"role", "content"} messages) each completion is
-`[{"role": "assistant", "content": text}]`, else the text. TRL always passes every column, so there a
-function without **kwargs fails as soon as the data has a column it does not name; specco passes a
-function without **kwargs only the parameters it declares (a declared column the data lacks, with no
-default, is an error naming it). TRL's `trainer_state` keyword has no specco counterpart and is not passed.
+`[{"role": "assistant", "content": text}]`, else the text. TRL (GRPOTrainer._calculate_rewards) passes
+every column of inputs[0] plus `trainer_state`, so there a function without **kwargs fails with a
+TypeError; specco passes a function without **kwargs only the parameters it declares (a declared column
+the data lacks, with no default, is an error naming it), so `def f(completions, answer)` works here.
+`trainer_state` has no specco counterpart and is not passed.
 
 verl (its `compute_score`): `compute_score(data_source, solution_str, ground_truth, extra_info=None,
 **kwargs) -> float | dict`, called once per row with columns["data_source"], the completion text,
