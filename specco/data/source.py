@@ -268,6 +268,9 @@ def load_data(spec: DataSpec, tokenizer, *, need_reference: bool = False
     elif spec.eval:
         eval_table = files.read_table(spec.eval, "data.eval")
         _check_table(eval_table, spec, spec.eval, "data.eval")
+        for key_name, key in (("data.answer_key", answer_key), ("data.completion_key", completion_key)):
+            if key and not files.has_key(eval_table, key):  # the eval file must carry what the train file does
+                raise files.missing_column(eval_table, key_name, key, spec.eval)
         eval_src = source(Path(spec.eval).name, eval_table, np.arange(len(eval_table)), False)
     train = source(name, table, rows, spec.shuffle)
     train.rows = _measure(train, spec, stats, "")
