@@ -18,12 +18,10 @@ Two prompt modes:
   default system prompt, the tokenizer's chat template; the answer is read from
   `<answer>...</answer>` tags as reasoning_gym's own evaluation does.
 
-Determinism and resumption. reasoning_gym item `idx` of a dataset with seed `s` is generated from
-`random.Random(s + idx)`, so streams with nearby seeds would be shifted copies of one another
-(seed 1 item 0 == seed 0 item 1). We therefore hand reasoning_gym the seed `seed << 32`: streams
-of different seeds are disjoint for the first 2**32 items. Item `offset + i` depends only on
-(task config, seed, offset + i), so a resumed run that stores its data position continues the
-same stream exactly.
+Determinism and resumption. Item `offset + i` of stream `seed` depends only on (task config, seed,
+offset + i), so a resumed run that stores its data position continues the same stream exactly; streams of
+different seeds are disjoint for their first 2**32 items. The stream is `procedural.RGStream`: reasoning_gym
+block datasets in bounded memory (its docstring has the seeding).
 """
 from __future__ import annotations
 
@@ -31,8 +29,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-import reasoning_gym
-from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
+from reasoning_gym.utils import SYSTEM_PROMPTS
+
+from specco.data.procedural import (RGStream, extract_answer, rewrite_steps, shows_steps, tiny_completion,
+                                    worked_steps)
 
 # Easy presets: what a ~0.3M-parameter model learns in about a minute on two CPU cores.
 # Values are reasoning_gym config kwargs; `get_task(name, **overrides)` changes them.
@@ -45,55 +45,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                              allow_negation=False, whitespace="no_space"),
 }
 MODES = ("compact", "cot", "rewrite", "chat")
-
-
-def worked_steps(expression: str) -> str:
-    """Left-to-right partial sums of a +/- chain: '4 - 1 - 7' -> '4-1=3,3-7=-4>-4'.
-
-    The 'cot' mode's completion: a short chain of thought the tiny policy writes before its answer
-    (after '>'). It makes completions long enough (~8-16 tokens) for speculative decoding to matter,
-    and much of it (copied operands, separators) is predictable for a draft.
-    """
-    toks = expression.split()
-    if len(toks) % 2 == 0 or any(op not in "+-" for op in toks[1::2]):
-        raise ValueError(f"cot mode needs a +/- chain like '4 - 1 - 7', got {expression!r}")
-    acc, steps = int(toks[0]), []
-    for op, x in zip(toks[1::2], toks[2::2]):
-        new = acc + int(x) if op == "+" else acc - int(x)
-        steps.append(f"{acc}{op}{x}={new}")
-        acc = new
-    return ",".join(steps) + f">{acc}"
-def rewrite_steps(expression: str, max_terms: int | None = None) -> str:
-    """The chain restated, then rewritten line by line, each line folding its first two terms into one
-    value; every value is a 4-character signed number and every line is padded with '.' to one width,
-    4 + 2 * (max_terms - 1) characters:
-
-        '4 - 1 - 7 + 3', max_terms=4 -> '+004-1-7+3\n+003-7+3..\n-004+3....\n>-1'
-
-    The 'rewrite' mode's completion, the long-reasoning workload (issue 15): an n-term chain takes n
-    lines, so 6-32 one-digit terms give completions of ~400 to ~2,100 tokens with a long tail, as
-    reasoning RL's responses have. The fixed layout puts every copied character exactly one line width
-    minus two back (each line drops one 2-character term), and the one new value per line is a local
-    one-digit step: a from-scratch model learns it in minutes, which it did not with unpadded lines
-    (there the copy offset changes every line; a 316M policy stayed at the bigram loss after 500 SFT
-    steps). Most tokens are copies or padding, so the text is far more predictable than natural chains
-    of thought: drafts accept more here than they would on a real reasoning model.
-    """
-    toks = expression.split()
-    if len(toks) % 2 == 0 or any(op not in "+-" for op in toks[1::2]):
-        raise ValueError(f"rewrite mode needs a +/- chain like '4 - 1 - 7', got {expression!r}")
-    n = len(toks) // 2 + 1
-    width = 4 + 2 * (max(n, max_terms or n) - 1)
-    acc, rest = int(toks[0]), toks[1:]
-    lines = [f"{acc:+04d}" + "".join(rest)]
-    while rest:
-        op, x, rest = rest[0], int(rest[1]), rest[2:]
-        acc = acc + x if op == "+" else acc - x
-        lines.append(f"{acc:+04d}" + "".join(rest))
-    return "".join(line.ljust(width, ".") + "\n" for line in lines[:-1]) + f">{acc}"
-
-
-_STREAM_SIZE = 2**31  # reasoning_gym's datasets are virtual; `size` only bounds iteration
 
 
 @dataclass(frozen=True)
@@ -124,38 +75,22 @@ class Task:
         self.cot_fraction = cot_fraction
         self.config = dict(config or {})
         self.system_prompt = SYSTEM_PROMPTS["default"] if system_prompt is None else system_prompt
-        self._datasets: dict[int, Any] = {}
-        self._dataset(0)  # fail now, not mid-run, on an unknown name or a bad config key
-
-    def _dataset(self, seed: int):
-        ds = self._datasets.get(seed)
-        if ds is None:
-            try:
-                ds = reasoning_gym.create_dataset(self.name, seed=seed << 32, size=_STREAM_SIZE,
-                                                  **self.config)
-            except (TypeError, AssertionError) as e:
-                raise ValueError(f"task {self.name!r} rejected config {self.config}: {e}") from None
-            self._datasets[seed] = ds
-        return ds
+        try:  # fails now, not mid-run, on an unknown name or a bad config key
+            self._stream = RGStream(name, self.config)  # bounded memory: see data/procedural.py
+        except ValueError as e:
+            raise ValueError(f"task {self.name!r} rejected config {self.config}: {e}") from None
 
     # -- the stream ---------------------------------------------------------------------------------
     def item(self, index: int, seed: int) -> Item:
-        entry = self._dataset(seed)[index]
+        entry = self._stream.entry(seed, index)
         q, a = entry["question"], entry["answer"]
         if self.mode in ("compact", "cot", "rewrite"):
-            expr = entry.get("metadata", {}).get("expression")
-            if expr is None:
-                raise ValueError(f"task {self.name!r} has no metadata['expression']; compact "
-                                 "prompts exist only for arithmetic tasks (use mode='chat')")
-            if self.mode == "compact":
-                completion = a
-            else:
-                steps = (worked_steps(expr) if self.mode == "cot" else
-                         rewrite_steps(expr, self.config.get("max_terms")))
-                # or a direct answer: the same '>answer' ending without the worked steps
-                completion = steps if self.shows_steps(index, seed) else ">" + steps.rsplit(">", 1)[1]
-            return Item(index, q, a, prompt=expr.replace(" ", "") + "=", completion=completion,
-                        entry=entry)
+            try:
+                prompt, completion = tiny_completion(entry, self.mode, self.config.get("max_terms"),
+                                                     self.shows_steps(index, seed))
+            except ValueError as e:
+                raise ValueError(f"task {self.name!r} {e}") from None
+            return Item(index, q, a, prompt=prompt, completion=completion, entry=entry)
         prompt = self.tokenizer.chat_prompt(q, system=self.system_prompt or None)
         return Item(index, q, a, prompt=prompt, completion=f"<answer>{a}</answer>", entry=entry)
 
@@ -168,9 +103,7 @@ class Task:
         far more accurate, so RL has a strong, learnable signal to move the policy towards it
         (completions grow longer, the drift real RL shows). Deterministic in (seed, index).
         """
-        if self.cot_fraction >= 1.0:
-            return True
-        return random.Random(f"{seed}:{index}").random() < self.cot_fraction
+        return shows_steps(index, seed, self.cot_fraction)
 
     def prompts(self, n: int, seed: int, offset: int = 0) -> list[Item]:
         """Items offset .. offset+n-1 of stream `seed` (deterministic; resumable by offset)."""
@@ -190,11 +123,7 @@ class Task:
     # -- reward -------------------------------------------------------------------------------------
     def extract(self, completion_text: str) -> str | None:
         """The answer string inside a completion (decoded text, special tokens removed)."""
-        if self.mode == "chat":
-            return extract_answer(completion_text)
-        if self.mode in ("cot", "rewrite"):  # the answer follows the last '>'; no '>' means no answer
-            return completion_text.rsplit(">", 1)[1].strip() if ">" in completion_text else None
-        return completion_text.strip()
+        return extract_answer(completion_text, self.mode)
 
     def score(self, completion_text: str, item: Item) -> float:
         """reasoning_gym's score_answer on the extracted answer: 1.0 exact (numerically), 0.0 wrong.
@@ -203,7 +132,7 @@ class Task:
         oracle is a substring of a wrong answer ("14" for oracle "4" -> 0.5); accuracy metrics
         should count `score == 1.0`.
         """
-        return float(self._dataset(0).score_answer(self.extract(completion_text), item.entry))
+        return self._stream.score(self.extract(completion_text), item.entry)
 
 
 def get_task(name: str, mode: str = "compact", tokenizer=None, cot_fraction: float = 1.0,
@@ -219,4 +148,4 @@ def task_info(task: Task) -> dict:
     return {"name": task.name, "mode": task.mode, "config": cfg}
 
 
-__all__ = ["Item", "Task", "get_task", "task_info", "PRESETS", "MODES"]
+__all__ = ["Item", "Task", "get_task", "task_info", "worked_steps", "rewrite_steps", "PRESETS", "MODES"]

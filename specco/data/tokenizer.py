@@ -127,22 +127,31 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # -- chat (pretrained policies) ---------------------------------------------------------------
-    def chat_prompt(self, user: str, system: str | None = None) -> str:
-        """The chat-templated prompt text (generation prompt appended): transformers' own
-        `apply_chat_template` when transformers is installed and the tokenizer came from a directory,
-        else the same template rendered by `_render_template` (jinja2)."""
-        if self.chat_template is None:
+    def chat_prompt(self, user: str | list[dict], system: str | None = None, template: str | None = None) -> str:
+        """The chat-templated prompt text (generation prompt appended) of a user message, or of chat messages
+        [{role, content}, ...] used as given (`system` is then put first only if they have no system message).
+
+        `template`: a Jinja chat template to use instead of the tokenizer's own (data.chat_template's file).
+        Rendered by transformers' own `apply_chat_template` when transformers is installed and the tokenizer
+        came from a directory, else by `_render_template` (jinja2, set up as transformers sets it up)."""
+        template = template if template is not None else self.chat_template
+        if template is None:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' "
                              "or chat_template.jinja); use a plain prompt or the task's compact mode")
-        msgs = ([{"role": "system", "content": system}] if system else []) + \
-            [{"role": "user", "content": user}]
+        if isinstance(user, str):
+            msgs = [{"role": "user", "content": user}]
+        else:
+            msgs = [dict(m) for m in user]
+        if system and not any(m.get("role") == "system" for m in msgs):
+            msgs = [{"role": "system", "content": system}] + msgs
         if self._hf is None and self._hf_dir is not None and importlib.util.find_spec("transformers"):
             from transformers import AutoTokenizer  # heavy import, only for pretrained policies
             self._hf = AutoTokenizer.from_pretrained(str(self._hf_dir))
         if self._hf is not None:
-            return self._hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            extra = {} if template == self.chat_template else {"chat_template": template}
+            return self._hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **extra)
         specials = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
-        return _render_template(self.chat_template, msgs, add_generation_prompt=True, **specials)
+        return _render_template(template, msgs, add_generation_prompt=True, **specials)
 
     # -- files ----------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
