@@ -45,7 +45,8 @@ def _logits(draft, seed=1):
     aux = torch.randn(2, 5, 3 * h, generator=g)
     emb = torch.randn(2, 5, h, generator=g)
     pos = torch.arange(5).expand(2, 5)
-    rope = RopeTable.build(draft.cfg.head_dim, draft.cfg.rope_theta, 8, "cpu", torch.float32)
+    rope = RopeTable.build(draft.cfg.head_dim, draft.cfg.rope_theta, 8, "cpu", torch.float32,
+                           scaling=draft.cfg.rope_scaling)
     with torch.no_grad():
         logits, out = draft_step(draft, draft.project_taps(aux), emb, pos, draft.new_cache(2, 8), rope, prefill=True)
         logits2, _ = draft_step(draft, out[:, -1:], emb[:, -1:], pos[:, -1:] + 1, draft.new_cache(2, 8), rope)
@@ -226,7 +227,7 @@ def test_import_published_layouts(tmp_path):
     ({"fc_norm": True}, "fc_norm=True"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings=True"),
     ({"attention_bias": True}, "attention_bias=True"),
-    ({"rope_scaling": {"rope_type": "llama3"}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "longrope"}}, "rope_scaling.rope_type='longrope'"),
     ({"target_hidden_size": 64}, "target_hidden_size=64"),
     ({"architectures": ["Eagle3Speculator"]}, "architectures"),
     ({"eagle_aux_hidden_state_layer_ids": [2, 4, 5],
