@@ -341,12 +341,12 @@ def test_draft_init_config_key(tmp_path):
 def test_generate_with_exported_draft(tmp_path, capsys):
     """`specco generate --draft` reads an exported (or published) layout: same greedy text as with
     specco's own draft directory."""
-    from specco.data.tokenizer import build_char_tokenizer
+    from cli_helpers import save_char_tokenizer
     from specco.model.hf_io import save_policy
     from specco.model.policy import Policy
     torch.manual_seed(0)
     save_policy(Policy(POLICY), tmp_path / "pol")
-    build_char_tokenizer().save(tmp_path / "pol")  # 100 ids, the policy's vocabulary
+    save_char_tokenizer(tmp_path / "pol", POLICY.vocab_size)  # ids 0..99, the policy's vocabulary
     draft = _draft()
     draft.save(tmp_path / "native")
     export_draft(draft, tmp_path / "vllm", "vllm", POLICY)
