@@ -199,7 +199,7 @@ def graph_floor(policy, batch, cache_len, pos_at, device, iters):
     sampling or bookkeeping) at KV position `pos_at`."""
     cache = policy.new_cache(batch, cache_len)
     rope = RopeTable.build(policy.cfg.head_dim, policy.cfg.rope_theta, cache_len, device,
-                           policy.embed_tokens.weight.dtype)
+                           policy.embed_tokens.weight.dtype, scaling=policy.cfg.rope_scaling)
     tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
     pos = torch.full((batch, 1), pos_at, dtype=torch.long, device=device)
     fn = lambda: policy_forward(policy, tok, pos, cache, rope)  # noqa: E731

@@ -60,11 +60,13 @@ def cmd_generate(a):
 
     from .data.tokenizer import load_tokenizer, stop_token_ids, truncate_at_stop
     from .export import load_any_draft
-    from .model.hf_io import load_policy
+    from .devices import resolve_device
+    from .model.hf_io import check_tokenizer_fits, load_policy
     from .rollout.engine import RolloutEngine
     from .config import load_config
     from .runner.derive import generate_config
-    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(a.device)  # before any work: a bad --device is one line, not a traceback
+    check_tokenizer_fits(a.policy)  # the checkpoint's files and its tokenizer, before loading weights
     policy = load_policy(a.policy, device=device)
     tok = load_tokenizer(a.policy)
     draft = load_any_draft(a.draft, policy.cfg, device=device) if a.draft else None
@@ -155,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     p.set_defaults(fn=cmd_generate)
 
     p = sub.add_parser("export", help="write an EAGLE-3 or DFlash draft in the layout vLLM or SGLang loads",

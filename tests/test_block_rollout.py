@@ -48,7 +48,8 @@ def test_serving_block_equals_training_forward(kind):
     cache_len = 16
     cache = type(policy.new_cache(1, 1))(torch.zeros(2, B, 2, cache_len, 8, dtype=torch.float64),
                                          torch.zeros(2, B, 2, cache_len, 8, dtype=torch.float64))
-    rope = RopeTable.build(draft.cfg.head_dim, draft.cfg.rope_theta, cache_len, "cpu", torch.float64)
+    rope = RopeTable.build(draft.cfg.head_dim, draft.cfg.rope_theta, cache_len, "cpu", torch.float64,
+                           scaling=draft.cfg.rope_scaling)
     block_trunk_write(draft, taps, torch.arange(S).expand(B, S), cache, rope)
     emb = policy.embed_tokens.weight
     got = block_propose_hidden(draft, emb[ids.gather(1, n[:, None]).squeeze(1)], emb[draft.cfg.mask_id], n,

@@ -126,7 +126,7 @@ def test_rope_qkv_write_matches_twin(qk_norm):
     g = torch.Generator().manual_seed(2)
     B, T, H, Hkv, D, S = 3, 4, 6, 2, 16, 40
     qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g).to(DEV)
-    rope = RopeTable.build(D, 10000.0, S, DEV, torch.float32)
+    rope = RopeTable.build(D, 10000.0, S, DEV, torch.float32, scaling=None)
     pos = (torch.randint(0, S - T, (B, 1), generator=g) + torch.arange(T)).to(DEV)
     qn = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV) if qk_norm else None
     kn = (1 + 0.1 * torch.randn(D, generator=g)).to(DEV) if qk_norm else None
@@ -161,7 +161,8 @@ def test_policy_forward_equals_training_forward(qk_norm, bias):
     aux = (1, 2)
     full = policy(ids, tap_layers=aux)
     cache = policy.new_cache(3, 20, dtype=torch.float64)
-    rope = RopeTable.build(policy.cfg.head_dim, policy.cfg.rope_theta, 20, "cpu", torch.float64)
+    rope = RopeTable.build(policy.cfg.head_dim, policy.cfg.rope_theta, 20, "cpu", torch.float64,
+                           scaling=policy.cfg.rope_scaling)
     pos = torch.arange(14).expand(3, 14)
     pieces = [policy_forward(policy, ids[:, :6], pos[:, :6], cache, rope, aux, prefill=True),
               policy_forward(policy, ids[:, 6:11], pos[:, 6:11], cache, rope, aux)]
@@ -183,7 +184,8 @@ def test_draft_step_equals_ttt_pass_one():
     embed = policy.embed_tokens(ids)
     emb = torch.cat([embed[:, 1:], torch.zeros_like(embed[:, :1])], 1)  # emb(x_{i+1}), as TTT pass 1
     cache = draft.new_cache(2, 12, dtype=torch.float64)
-    rope = RopeTable.build(draft.cfg.head_dim, draft.cfg.rope_theta, 12, "cpu", torch.float64)
+    rope = RopeTable.build(draft.cfg.head_dim, draft.cfg.rope_theta, 12, "cpu", torch.float64,
+                           scaling=draft.cfg.rope_scaling)
     pos = torch.arange(9).expand(2, 9)
     a = draft_step(draft, hidden[:, :5], emb[:, :5], pos[:, :5], cache, rope, prefill=True)
     b = draft_step(draft, hidden[:, 5:], emb[:, 5:], pos[:, 5:], cache, rope)

@@ -45,7 +45,8 @@ def _logits(draft, seed=1):
     aux = torch.randn(2, 5, 3 * h, generator=g)
     emb = torch.randn(2, 5, h, generator=g)
     pos = torch.arange(5).expand(2, 5)
-    rope = RopeTable.build(draft.cfg.head_dim, draft.cfg.rope_theta, 8, "cpu", torch.float32)
+    rope = RopeTable.build(draft.cfg.head_dim, draft.cfg.rope_theta, 8, "cpu", torch.float32,
+                           scaling=draft.cfg.rope_scaling)
     with torch.no_grad():
         logits, out = draft_step(draft, draft.project_taps(aux), emb, pos, draft.new_cache(2, 8), rope, prefill=True)
         logits2, _ = draft_step(draft, out[:, -1:], emb[:, -1:], pos[:, -1:] + 1, draft.new_cache(2, 8), rope)
@@ -226,7 +227,7 @@ def test_import_published_layouts(tmp_path):
     ({"fc_norm": True}, "fc_norm=True"),
     ({"tie_word_embeddings": True}, "tie_word_embeddings=True"),
     ({"attention_bias": True}, "attention_bias=True"),
-    ({"rope_scaling": {"rope_type": "llama3"}}, "rope_scaling"),
+    ({"rope_scaling": {"rope_type": "longrope"}}, "rope_scaling.rope_type='longrope'"),
     ({"target_hidden_size": 64}, "target_hidden_size=64"),
     ({"architectures": ["Eagle3Speculator"]}, "architectures"),
     ({"eagle_aux_hidden_state_layer_ids": [2, 4, 5],
@@ -340,12 +341,12 @@ def test_draft_init_config_key(tmp_path):
 def test_generate_with_exported_draft(tmp_path, capsys):
     """`specco generate --draft` reads an exported (or published) layout: same greedy text as with
     specco's own draft directory."""
-    from specco.data.tokenizer import build_char_tokenizer
+    from cli_helpers import save_char_tokenizer
     from specco.model.hf_io import save_policy
     from specco.model.policy import Policy
     torch.manual_seed(0)
     save_policy(Policy(POLICY), tmp_path / "pol")
-    build_char_tokenizer().save(tmp_path / "pol")  # 100 ids, the policy's vocabulary
+    save_char_tokenizer(tmp_path / "pol", POLICY.vocab_size)  # ids 0..99, the policy's vocabulary
     draft = _draft()
     draft.save(tmp_path / "native")
     export_draft(draft, tmp_path / "vllm", "vllm", POLICY)

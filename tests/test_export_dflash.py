@@ -139,13 +139,13 @@ def test_cli_export_generate_and_draft_init(tmp_path, capsys):
     """`specco export` of a specco block-draft dir needs --policy and writes the DFlash layout; `specco generate`
     and `draft.init` read it back, generating as the native directory does."""
     from specco.config import load_config
-    from specco.data.tokenizer import build_char_tokenizer
+    from cli_helpers import save_char_tokenizer
     from specco.model.hf_io import save_policy
     from specco.runner.warmstart import initial_draft
     torch.manual_seed(0)
     policy = Policy(POLICY)
     save_policy(policy, tmp_path / "pol")
-    build_char_tokenizer().save(tmp_path / "pol")  # 100 ids, the policy's vocabulary
+    save_char_tokenizer(tmp_path / "pol", POLICY.vocab_size)  # ids 0..99, the policy's vocabulary
     _draft().save(tmp_path / "native")
     with pytest.raises(SystemExit, match="needs --policy"):
         main(["export", "--draft", str(tmp_path / "native"), "--out", str(tmp_path / "x"), "--engine", "vllm"])

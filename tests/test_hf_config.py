@@ -23,9 +23,10 @@ def _cfg(model_type, **over):
 @pytest.mark.parametrize("model_type,over,needle", [
     ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("qwen3", {"hidden_act": "relu"}, "hidden_act='relu'"),
-    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.rope_type='llama3'"),
-    ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
+    ("llama", {"rope_scaling": {"rope_type": "longrope", "factor": 8.0}}, "rope_scaling.rope_type='longrope'"),
+    ("qwen2", {"rope_scaling": {"type": "su", "factor": 4.0}}, "rope_scaling.rope_type='su'"),
     ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_parameters.rope_type='dynamic'"),
+    ("qwen2", {"rope_scaling": {"type": "yarn", "factor": 4.0, "mrope_section": [1, 2]}}, "rope_scaling.mrope_section"),
     ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor=0.5"),
     ("llama", {"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per-layer-type RoPE"),

@@ -60,7 +60,7 @@ def test_cached_decode_matches_full_forward(tmp_path):
     with torch.no_grad():
         full = m(ids).logits
         cache = m.new_cache(2, 32)
-        rope = RopeTable.build(m.cfg.head_dim, m.cfg.rope_theta, 32, "cpu", torch.float32)
+        rope = RopeTable.build(m.cfg.head_dim, m.cfg.rope_theta, 32, "cpu", torch.float32, scaling=None)
         pos = torch.arange(12).expand(2, 12)
         a = policy_forward(m, ids[:, :7], pos[:, :7], cache, rope, prefill=True)[0]  # the prompt
         b = policy_forward(m, ids[:, 7:10], pos[:, 7:10], cache, rope)[0]  # a verify-like block

@@ -204,7 +204,7 @@ def test_caches_equal_fresh_recompute(params, group_size):
         # target: a fresh cached prefill of x_0..x_{n-1}
         t_cache = policy.new_cache(1, st.t_cache.max_len)
         rope = RopeTable.build(policy.cfg.head_dim, policy.cfg.rope_theta, st.t_cache.max_len, "cpu",
-                               torch.float32)
+                               torch.float32, scaling=policy.cfg.rope_scaling)
         _, _, taps = policy_forward(policy, seq[None, :n], torch.arange(n)[None], t_cache, rope,
                                     tap_layers=draft.cfg.aux_layer_ids, prefill=True)
         torch.testing.assert_close(st.t_cache.k[:, b, :, :n], t_cache.k[:, 0, :, :n],

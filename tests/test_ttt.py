@@ -46,7 +46,8 @@ def naive_ttt_loss(draft, aux, embed, logits, target_mask, K, weights):
     teacher_all = logits[..., draft.draft_to_target]
     for d in range(1, K + 1):
         emb = torch.cat([embed[:, d:], torch.zeros_like(embed[:, :d])], 1)
-        cos, sin = rope_cos_sin(pos + d - 1, sa.head_dim, draft.cfg.rope_theta, hidden.dtype)
+        cos, sin = rope_cos_sin(pos + d - 1, sa.head_dim, draft.cfg.rope_theta, hidden.dtype,
+                                scaling=draft.cfg.rope_scaling)
         q, k, v = sa.qkv(layer.attn_input(hidden, emb), cos, sin)
         ks.append(k)
         vs.append(v)

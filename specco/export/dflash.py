@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.config import ConfigError, PolicyConfig
+from ..model.config import ConfigError, PolicyConfig, hf_rope_fields, rope_config_from_hf
 from ..model.dflash import BlockDraft, BlockDraftConfig
 from .eagle3 import _DTYPES, _check_against_policy, _read_tensors, _refuse, load_draft, write_checked
 
@@ -53,7 +53,7 @@ def serving_config(dc: BlockDraftConfig, num_target_layers: int, max_position_em
         "hidden_size": dc.hidden_size, "intermediate_size": dc.intermediate_size,
         "num_hidden_layers": dc.num_layers, "num_attention_heads": dc.num_heads,
         "num_key_value_heads": dc.num_kv_heads, "head_dim": dc.head_dim, "hidden_act": "silu",
-        "rms_norm_eps": dc.rms_norm_eps, "rope_theta": dc.rope_theta, "rope_scaling": None,
+        "rms_norm_eps": dc.rms_norm_eps, **hf_rope_fields(dc.rope_theta, dc.rope_scaling),
         "max_position_embeddings": max_position_embeddings, "vocab_size": dc.target_vocab_size,
         "attention_bias": False, "tie_word_embeddings": False,
         "layer_types": ["full_attention"] * dc.num_layers,
@@ -133,22 +133,22 @@ def import_dflash(path: str | os.PathLike, policy_cfg: PolicyConfig | None = Non
                              ("target_hidden_size", cfg.get("target_hidden_size", cfg["hidden_size"]), cfg["hidden_size"])):
         if value != ok:
             _refuse(path, field, value, f"specco's DFlash drafter has {field}={ok!r}")
-    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if rs.get("rope_type", rs.get("type", "default")) != "default":
-        _refuse(path, "rope_scaling", rs, "plain RoPE only")
     if (path / "mask_embedding.pt").exists():
         _refuse(path, "mask_embedding.pt", "present", "the mask slots use the target's embedding of mask_token_id")
     for key in ("target_layer_ids", "mask_token_id"):
         if dfc.get(key) is None:
             _refuse(path, f"dflash_config.{key}", None, "it must be given (specco does not guess a default)")
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    rp = cfg.get("rope_parameters") or {}
+    try:  # the policy reader's RoPE rules: refused types and keys are named
+        theta, scaling = rope_config_from_hf(cfg, cfg.get("max_position_embeddings") or 32768)
+    except ConfigError as e:
+        raise ConfigError(f"{path / 'config.json'}: {e}") from None
     dc = BlockDraftConfig(
         kind="dflash", hidden_size=h, intermediate_size=cfg["intermediate_size"], num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or h // heads,
         num_layers=cfg["num_hidden_layers"], target_vocab_size=cfg["vocab_size"], gamma=int(cfg["block_size"]) - 1,
         mask_id=int(dfc["mask_token_id"]), aux_layer_ids=tuple(int(i) for i in dfc["target_layer_ids"]),
-        rope_theta=float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0))), rms_norm_eps=cfg.get("rms_norm_eps", 1e-6))
+        rope_theta=theta, rope_scaling=scaling, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6))
     if policy_cfg is not None:
         _check_against_policy(dc, policy_cfg, f"DFlash draft {path}", rope=True)
         if cfg.get("num_target_layers", policy_cfg.num_layers) != policy_cfg.num_layers:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.config import ConfigError, DraftConfig, PolicyConfig
+from ..model.config import ConfigError, DraftConfig, PolicyConfig, rope_config_from_hf
 from ..model.draft import Eagle3Draft
 from . import formats
 
@@ -98,9 +98,10 @@ def _check_against_policy(dc, pc: PolicyConfig, what: str, rope: bool = False):
     out_of_range = [i for i in dc.aux_layer_ids if not 0 <= i < pc.num_layers]
     if out_of_range:
         bad.append(f"aux layers {out_of_range} outside the policy's 0..{pc.num_layers - 1}")
-    if rope and (dc.head_dim, dc.rope_theta) != (pc.head_dim, pc.rope_theta):
-        bad.append(f"RoPE (head_dim {dc.head_dim}, theta {dc.rope_theta}) != the policy's ({pc.head_dim}, "
-                   f"{pc.rope_theta}): the engines rotate the draft's queries and keys as the target's")
+    if rope and (dc.head_dim, dc.rope_theta, dc.rope_scaling) != (pc.head_dim, pc.rope_theta, pc.rope_scaling):
+        bad.append(f"RoPE (head_dim {dc.head_dim}, theta {dc.rope_theta}, rope_scaling {dc.rope_scaling}) != the "
+                   f"policy's ({pc.head_dim}, {pc.rope_theta}, {pc.rope_scaling}): the engines rotate the draft's "
+                   "queries and keys as the target's")
     if bad:
         raise ConfigError(f"{what} does not fit the policy: {'; '.join(bad)}")
 
@@ -160,9 +161,6 @@ def import_draft(path: str | os.PathLike, policy_cfg: PolicyConfig | None = None
                       ("fc_norm", False), ("tie_word_embeddings", False)):
         if cfg.get(field, ok) != ok:
             _refuse(path, field, cfg[field], f"specco's EAGLE-3 draft has {field}={ok!r}")
-    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if rs.get("rope_type", rs.get("type", "default")) != "default":
-        _refuse(path, "rope_scaling", rs, "plain RoPE only")
     if (cfg.get("eagle_config") or {}).get("use_aux_hidden_state", True) is not True:
         _refuse(path, "eagle_config.use_aux_hidden_state", False, "EAGLE-3 drafts consume aux hidden states")
     h = cfg["hidden_size"]
@@ -171,15 +169,18 @@ def import_draft(path: str | os.PathLike, policy_cfg: PolicyConfig | None = None
                 "specco's draft concatenates the policy's embedding (target size) with its hidden state")
     V = cfg["vocab_size"]
     heads = cfg["num_attention_heads"]
-    rp = cfg.get("rope_parameters") or {}
+    max_pos = cfg.get("max_position_embeddings", 4096)
+    try:  # the policy reader's RoPE rules: refused types and keys are named
+        theta, scaling = rope_config_from_hf(cfg, max_pos)
+    except ConfigError as e:
+        raise ConfigError(f"{path / 'config.json'}: {e}") from None
     dc = DraftConfig(
         hidden_size=h, intermediate_size=cfg["intermediate_size"], num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=cfg.get("head_dim") or h // heads,
         target_vocab_size=V, draft_vocab_size=cfg.get("draft_vocab_size") or V,
         aux_layer_ids=aux_layer_ids_from_config(cfg, policy_cfg.num_layers if policy_cfg else None, path),
-        rope_theta=float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096))
+        rope_theta=theta, rope_scaling=scaling, rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=max_pos)
     if len(dc.aux_layer_ids) != formats.NUM_AUX:
         _refuse(path, "eagle_aux_hidden_state_layer_ids", list(dc.aux_layer_ids), "exactly 3 aux layers")
     if policy_cfg is not None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model.config import ConfigError, DraftConfig
+from ..model.config import ConfigError, DraftConfig, hf_rope_fields
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 NUM_AUX = 3  # both loaders size fc as 3 * target_hidden_size
@@ -88,9 +88,9 @@ def engine_config(dc: DraftConfig, eng: Engine, max_position_embeddings: int, dt
         "num_hidden_layers": 1, "num_attention_heads": dc.num_heads,
         "num_key_value_heads": dc.num_kv_heads, "head_dim": dc.head_dim,
         "hidden_act": "silu", "rms_norm_eps": dc.rms_norm_eps,
-        # Both spellings: transformers < 5 reads rope_theta / rope_scaling, 5.x rope_parameters.
-        "rope_theta": dc.rope_theta, "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": dc.rope_theta},
+        # The policy's RoPE, scaling included (the engines rotate the draft's q/k with these fields),
+        # in both spellings: transformers < 5 reads rope_theta / rope_scaling, 5.x rope_parameters.
+        **hf_rope_fields(dc.rope_theta, dc.rope_scaling),
         "max_position_embeddings": int(max_position_embeddings),
         "vocab_size": dc.target_vocab_size, "draft_vocab_size": dc.draft_vocab_size,
         "target_hidden_size": dc.hidden_size,

@@ -2,7 +2,9 @@
 
 `PolicyConfig` mirrors the Hugging Face `config.json` fields of Llama / Qwen2 / Qwen3 models
 (the names differ slightly between families; `from_hf_dict` is the one place that maps them).
-`DraftConfig` describes an EAGLE-3 draft attached to a policy.
+`DraftConfig` describes an EAGLE-3 draft attached to a policy. `RopeScaling` is a RoPE frequency
+scaling (Llama-3.x's `llama3`, `linear`, `yarn`) as a config.json states it; its formula is
+`layers.rope_frequencies`.
 """
 from __future__ import annotations
 
@@ -25,6 +27,144 @@ def aux_layer_ids_default(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
+
+# The keys each rope_type reads (besides rope_type/type, rope_theta and partial_rotary_factor, which
+# every type has); any other key is refused, since a key specco does not read may change the rotation.
+_ROPE_KEYS = {
+    "linear": {"factor"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "truncate"},
+}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency scaling, with the defaults transformers fills in already resolved, so these are
+    the numbers the frequencies are computed from (`layers.rope_frequencies`, the one home of the math).
+
+    None in a config (`PolicyConfig.rope_scaling`) means plain RoPE (rope_type 'default'). Fields a type
+    does not read stay at their defaults. `attention_factor` None means "derive it from factor / mscale"
+    (yarn), which `rope_frequencies` does.
+    """
+    rope_type: str  # one of ROPE_SCALING_TYPES
+    factor: float
+    original_max_position_embeddings: int | None = None  # llama3, yarn: the pretraining context
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    attention_factor: float | None = None  # yarn: multiplies cos and sin
+    beta_fast: float = 32.0  # yarn: correction range, in rotations
+    beta_slow: float = 1.0
+    mscale: float | None = None  # yarn: attention_factor = m(factor, mscale) / m(factor, mscale_all_dim)
+    mscale_all_dim: float | None = None
+    truncate: bool = True  # yarn: floor/ceil the correction range
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise ConfigError(f"rope_scaling.rope_type={self.rope_type!r}: expected one of {ROPE_SCALING_TYPES}")
+        if self.rope_type in ("llama3", "yarn") and not self.original_max_position_embeddings:
+            raise ConfigError(f"rope_scaling ({self.rope_type}) needs original_max_position_embeddings")
+        if self.rope_type == "llama3" and (self.low_freq_factor is None or self.high_freq_factor is None):
+            raise ConfigError("rope_scaling (llama3) needs low_freq_factor and high_freq_factor")
+
+    @classmethod
+    def from_hf(cls, name: str, rp: dict, d: dict, max_position_embeddings: int) -> "RopeScaling | None":
+        """The scaling in config.json's field `name` (`rope_parameters` or `rope_scaling`, holding `rp`)
+        of config `d`, read as transformers 5 reads it (`standardize_rope_params` and the rope init
+        functions): `type` is the old spelling of `rope_type`; for llama3 and yarn a top-level
+        `original_max_position_embeddings` wins over the dict's (transformers re-standardizes at rope
+        init, where the attribute overrides), else the dict's, else max_position_embeddings; yarn's
+        factor None is max_position_embeddings / original; yarn's beta_fast/beta_slow falsy are 32/1.
+        None for plain RoPE. Raises ConfigError naming the field on a type or key specco does not compute."""
+        rtype = rp.get("rope_type", rp.get("type", "default"))
+        if rtype in (None, "default"):
+            return None
+        if rtype == "dynamic":
+            raise _refused(f"{name}.rope_type", rtype, _DYNAMIC_REFUSAL)
+        if rtype not in ROPE_SCALING_TYPES:
+            raise _refused(f"{name}.rope_type", rtype, f"specco implements {', '.join(ROPE_SCALING_TYPES)} "
+                           "and plain RoPE ('default'); longrope and the others are not implemented")
+        unknown = sorted(set(rp) - _ROPE_KEYS[rtype] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+        if unknown:
+            raise _refused(f"{name}.{unknown[0]}", rp[unknown[0]], f"{rtype} RoPE reads only "
+                           f"{sorted(_ROPE_KEYS[rtype])}; remove the key if it is inert")
+        required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                    "yarn": ()}[rtype]
+        missing = [k for k in required if rp.get(k) is None]
+        if missing:
+            raise ConfigError(f"config.json {name} ({rtype} RoPE) has no {missing}; transformers requires "
+                              f"{list(required)}: add them (Llama-3.1 uses factor 8, low_freq_factor 1, "
+                              "high_freq_factor 4)" if rtype == "llama3" else
+                              f"config.json {name} ({rtype} RoPE) has no {missing}; transformers requires it")
+        kw = {"rope_type": rtype, "factor": rp.get("factor")}
+        if rtype in ("llama3", "yarn"):
+            kw["original_max_position_embeddings"] = int(
+                d.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings")
+                or max_position_embeddings)
+        if rtype == "llama3":
+            kw.update(low_freq_factor=rp.get("low_freq_factor"), high_freq_factor=rp.get("high_freq_factor"))
+        if rtype == "yarn":
+            if kw["factor"] is None:
+                kw["factor"] = max_position_embeddings / kw["original_max_position_embeddings"]
+            kw.update(attention_factor=rp.get("attention_factor"), beta_fast=rp.get("beta_fast") or 32,
+                      beta_slow=rp.get("beta_slow") or 1, mscale=rp.get("mscale"),
+                      mscale_all_dim=rp.get("mscale_all_dim"), truncate=bool(rp.get("truncate", True)))
+        return cls(**kw)
+
+    def to_hf(self) -> dict:
+        """config.json's `rope_scaling` dict: `from_hf` reads it back to an equal RopeScaling and
+        transformers to the same frequencies (every default resolved and written out)."""
+        keys = _ROPE_KEYS[self.rope_type]
+        return {"rope_type": self.rope_type, **{k: v for k, v in dataclasses.asdict(self).items()
+                                                 if k in keys and v is not None}}
+
+
+# Why `dynamic` (NTK) is refused rather than implemented: transformers recomputes its inverse
+# frequencies from seq_len = max(position_ids) + 1 over the *whole batch of the current call*, keeps
+# the largest seen (`max_seq_len_cached`) and resets only when a later call is short again. A row's
+# logits then depend on the other rows' lengths and on the history of calls, and in a KV-cached decode
+# the cached keys keep the rotation of the call that wrote them while new queries use the current one.
+# RL needs the trainer's log-probs of a sequence to be a function of that sequence and to equal the
+# rollout's; no fixed rotation in specco equals transformers' stateful one in both the full forward
+# and the cached speculative decode (multi-token verify blocks, rows of different lengths), so loading
+# it would silently compute a different model.
+_DYNAMIC_REFUSAL = ("dynamic NTK RoPE recomputes its frequencies from the longest sequence of each batch "
+                    "call in transformers (stateful and batch-dependent, different between a full forward "
+                    "and a KV-cached decode), so no fixed rotation specco could use matches it; specco "
+                    "implements default, linear, llama3 and yarn")
+
+
+def rope_config_from_hf(d: dict, max_position_embeddings: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) of a HF config dict, refusing by name what specco does not compute
+    (per-layer-type parameters, partial_rotary_factor != 1, conflicting thetas, dynamic, longrope...).
+    The one reader of RoPE fields: the policy's config.json and imported drafts' go through it."""
+    name, rp = _rope_params(d)
+    if any(isinstance(v, dict) for v in rp.values()):
+        raise _refused(name, rp, "per-layer-type RoPE parameters are not implemented (one RoPE for all layers)")
+    prf = rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if prf not in (None, 1, 1.0):
+        raise _refused("partial_rotary_factor", prf, "RoPE over the whole head (1.0) only")
+    if rp.get("rope_theta") is not None and d.get("rope_theta") is not None and \
+            float(rp["rope_theta"]) != float(d["rope_theta"]):
+        raise _refused("rope_theta", d["rope_theta"], f"it differs from {name}.rope_theta="
+                       f"{rp['rope_theta']!r}; transformers versions disagree on which wins, remove one")
+    return _rope_theta(d), RopeScaling.from_hf(name, rp, d, max_position_embeddings)
+
+
+def hf_rope_fields(theta: float, scaling: RopeScaling | None) -> dict:
+    """The RoPE fields of a config.json specco writes, in both spellings: transformers < 5 reads
+    rope_theta / rope_scaling, 5.x rope_parameters (and takes rope_scaling first when both are set)."""
+    scaled = scaling.to_hf() if scaling is not None else None
+    return {"rope_theta": theta, "rope_scaling": scaled,
+            "rope_parameters": {**(scaled or {"rope_type": "default"}), "rope_theta": theta}}
+
+
+def _scaling_from_dict(v):
+    """A RopeScaling given as a dict (a draft config read back from JSON) -> RopeScaling."""
+    return RopeScaling(**v) if isinstance(v, dict) else v
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     vocab_size: int
@@ -35,6 +175,7 @@ class PolicyConfig:
     num_kv_heads: int
     head_dim: int = 0  # 0 -> hidden_size // num_heads
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     qk_norm: bool = False  # Qwen3 normalises q and k per head before RoPE
@@ -45,6 +186,7 @@ class PolicyConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "rope_scaling", _scaling_from_dict(self.rope_scaling))
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(
@@ -85,6 +227,8 @@ class PolicyConfig:
 
         heads = req("num_attention_heads")
         kv = d.get("num_key_value_heads", fam["num_key_value_heads"])
+        max_pos = d.get("max_position_embeddings") or fam["max_position_embeddings"]
+        theta, scaling = rope_config_from_hf(d, max_pos)
         eos = d.get("eos_token_id")
         if isinstance(eos, list):  # stop tokens for generation come from generation_config.json
             eos = eos[0] if eos else None
@@ -92,15 +236,14 @@ class PolicyConfig:
             vocab_size=req("vocab_size"), hidden_size=req("hidden_size"),
             intermediate_size=req("intermediate_size"), num_layers=req("num_hidden_layers"),
             num_heads=heads, num_kv_heads=kv if kv is not None else heads,
-            head_dim=d.get("head_dim") or fam["head_dim"], rope_theta=_rope_theta(d),
+            head_dim=d.get("head_dim") or fam["head_dim"], rope_theta=theta, rope_scaling=scaling,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             qk_norm=(mt == "qwen3"),
             # Qwen2Attention always has q/k/v biases (transformers ignores `attention_bias` there);
             # Llama and Qwen3 with attention_bias=true are refused above (o_proj bias).
             attention_bias=(mt == "qwen2"),
-            max_position_embeddings=d.get("max_position_embeddings") or fam["max_position_embeddings"],
-            model_type=mt, bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
+            max_position_embeddings=max_pos, model_type=mt, bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
 
     def to_hf_dict(self) -> dict:
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -110,10 +253,10 @@ class PolicyConfig:
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "rope_theta": self.rope_theta,
+            "head_dim": self.head_dim, **hf_rope_fields(self.rope_theta, self.rope_scaling),
             "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias, "hidden_act": "silu", "mlp_bias": False,
-            "attention_dropout": 0.0, "rope_scaling": None,
+            "attention_dropout": 0.0,
             "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
             "torch_dtype": "float32",
@@ -145,8 +288,10 @@ def _refused(field: str, value, supported: str):
 
 def _rope_params(d: dict) -> tuple[str, dict]:
     """(field name, dict) of the RoPE parameters: transformers 5 writes `rope_parameters`, older
-    versions `rope_scaling` (which held only the scaling, `rope_theta` being top-level)."""
-    for name in ("rope_parameters", "rope_scaling"):
+    versions `rope_scaling` (which held only the scaling, `rope_theta` being top-level). When both are
+    non-empty transformers 5 takes `rope_scaling` (`convert_rope_params_to_dict`: rope_scaling or
+    rope_parameters), so this does too."""
+    for name in ("rope_scaling", "rope_parameters"):
         if d.get(name):
             return name, d[name]
     return "rope_parameters", {}
@@ -178,20 +323,7 @@ def _refuse_unsupported(d: dict, mt: str):
     act = d.get("hidden_act", "silu")
     if act not in _SILU:
         raise _refused("hidden_act", act, "specco's MLP is SwiGLU with SiLU (hidden_act='silu')")
-    name, rp = _rope_params(d)
-    if any(isinstance(v, dict) for v in rp.values()):
-        raise _refused(name, rp, "per-layer-type RoPE parameters are not implemented (one plain RoPE)")
-    rtype = rp.get("rope_type", rp.get("type", "default"))
-    if rtype not in (None, "default"):
-        raise _refused(f"{name}.rope_type", rtype, "only plain RoPE (rope_type='default') is "
-                       "implemented; linear/dynamic/yarn/llama3/longrope scaling is not")
-    prf = rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if prf not in (None, 1, 1.0):
-        raise _refused("partial_rotary_factor", prf, "RoPE over the whole head (1.0) only")
-    if rp.get("rope_theta") is not None and d.get("rope_theta") is not None and \
-            float(rp["rope_theta"]) != float(d["rope_theta"]):
-        raise _refused("rope_theta", d["rope_theta"], f"it differs from {name}.rope_theta="
-                       f"{rp['rope_theta']!r}; transformers versions disagree on which wins, remove one")
+    # RoPE fields are read, or refused by name, by `rope_config_from_hf`, which from_hf_dict calls.
     if mt in ("llama", "qwen3") and d.get("attention_bias", False):
         raise _refused("attention_bias", d["attention_bias"], f"{mt} puts that bias on q/k/v *and* "
                        "o_proj; specco's o_proj has no bias (Qwen2's q/k/v-only bias is supported)")
@@ -230,9 +362,11 @@ class DraftConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
+    rope_scaling: RopeScaling | None = None  # the policy's: the draft rotates as its target does
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        object.__setattr__(self, "rope_scaling", _scaling_from_dict(self.rope_scaling))
         if not self.aux_layer_ids:
             raise ConfigError("draft.aux_layer_ids is empty; use aux_layer_ids_default(num_layers)")
         if list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
@@ -255,8 +389,8 @@ class DraftConfig:
                    num_heads=pc.num_heads, num_kv_heads=pc.num_kv_heads, head_dim=pc.head_dim,
                    target_vocab_size=pc.vocab_size,
                    draft_vocab_size=min(draft_vocab_size or pc.vocab_size, pc.vocab_size),
-                   aux_layer_ids=aux, rope_theta=pc.rope_theta, rms_norm_eps=pc.rms_norm_eps,
-                   max_position_embeddings=pc.max_position_embeddings)
+                   aux_layer_ids=aux, rope_theta=pc.rope_theta, rope_scaling=pc.rope_scaling,
+                   rms_norm_eps=pc.rms_norm_eps, max_position_embeddings=pc.max_position_embeddings)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops.block_attention import block_attention
-from .config import ConfigError, PolicyConfig, aux_layer_ids_default
+from .config import ConfigError, PolicyConfig, RopeScaling, aux_layer_ids_default
 from .draft_io import load_draft_weights, read_draft_config, save_draft_dir
 from .layers import Attention, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
@@ -54,9 +54,12 @@ class BlockDraftConfig:
     num_anchors: int = 16  # blocks trained per sequence (losses.sample_anchors)
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    rope_scaling: RopeScaling | None = None  # the policy's: the trunk keys are rotated as the target's
 
     def __post_init__(self):
         object.__setattr__(self, "aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
+        if isinstance(self.rope_scaling, dict):  # read back from a saved config.json
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.kind not in KINDS:
             raise ConfigError(f"block draft kind={self.kind!r}: expected one of {KINDS}")
         if not self.aux_layer_ids or list(self.aux_layer_ids) != sorted(set(self.aux_layer_ids)):
@@ -83,7 +86,7 @@ class BlockDraftConfig:
         return self.target_vocab_size
 
     def to_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(self).items()}  # rope_scaling -> dict
 
     @classmethod
     def from_dict(cls, d: dict) -> "BlockDraftConfig":
@@ -100,7 +103,8 @@ class BlockDraftConfig:
         return cls(kind=kind, hidden_size=pc.hidden_size, intermediate_size=pc.intermediate_size,
                    num_heads=pc.num_heads, num_kv_heads=pc.num_kv_heads, head_dim=pc.head_dim,
                    num_layers=num_layers, target_vocab_size=pc.vocab_size, gamma=gamma, mask_id=mask_id,
-                   aux_layer_ids=aux, rope_theta=pc.rope_theta, rms_norm_eps=pc.rms_norm_eps, **kw)
+                   aux_layer_ids=aux, rope_theta=pc.rope_theta, rope_scaling=pc.rope_scaling,
+                   rms_norm_eps=pc.rms_norm_eps, **kw)
 
 
 class BlockDraftLayer(nn.Module):
@@ -185,8 +189,8 @@ class BlockDraft(nn.Module):
         trunk = self.hidden_norm(self.fc(taps.to(dt)))  # (B, S, h)
         x = mask_emb.to(dt).expand(B, N, W, c.hidden_size).clone()
         x[:, :, 0] = anchor_emb.to(dt)  # (B, N, W, h): [emb(x_p), mask, ..., mask]
-        cos_t, sin_t = rope_cos_sin(trunk_pos, c.head_dim, c.rope_theta, dt)  # (B, S, D)
-        cos_b, sin_b = rope_cos_sin(slot_pos.reshape(B, N * W), c.head_dim, c.rope_theta, dt)
+        cos_t, sin_t = rope_cos_sin(trunk_pos, c.head_dim, c.rope_theta, dt, scaling=c.rope_scaling)  # (B, S, D)
+        cos_b, sin_b = rope_cos_sin(slot_pos.reshape(B, N * W), c.head_dim, c.rope_theta, dt, scaling=c.rope_scaling)
         anchor_pos = slot_pos[:, :, 0]
         x = x.reshape(B, N * W, c.hidden_size)
         for layer in self.layers:

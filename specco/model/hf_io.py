@@ -1,4 +1,7 @@
-"""Load and save Hugging Face checkpoints (config.json + model.safetensors) for the policy.
+"""Load and save Hugging Face checkpoints (config.json + model.safetensors, or shards named by
+model.safetensors.index.json) for the policy, and check them at the boundary (`check_policy_dir`,
+`check_tokenizer_fits`): every bad input raises FileNotFoundError or ConfigError naming the file and
+the fix, never a bare traceback from inside safetensors or torch.
 
 The policy's module names mirror transformers', so the mapping is a prefix: HF `model.X` <->
 specco `X`, and `lm_head.weight` stays as it is. Tied heads are saved without `lm_head.weight`,
@@ -8,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from .config import PolicyConfig
+from .config import ConfigError, PolicyConfig
 from .policy import Policy
 
 
@@ -45,23 +50,145 @@ def save_policy(model: Policy, path: str | os.PathLike) -> None:
 
 
 def load_policy_config(path: str | os.PathLike) -> PolicyConfig:
-    f = Path(path) / "config.json"
+    """The PolicyConfig of checkpoint directory `path` (`check_policy_dir`: the files are checked too)."""
+    return check_policy_dir(path)
+
+
+def _read_json(f: Path, what: str) -> dict:
+    """json.loads of `f`, a ConfigError naming the file, line and column when it is not JSON."""
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{f} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); "
+                          f"{what}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{f} is not UTF-8 text ({e.reason} at byte {e.start}); {what}") from None
+
+
+def _safetensors_header(f: Path) -> dict:
+    """The JSON header of safetensors file `f`, after checking the file holds every byte it promises.
+
+    Layout: 8 bytes little-endian header length n, n bytes of JSON {name: {dtype, shape,
+    data_offsets: [begin, end]}, "__metadata__": ...}, then the data, offsets relative to its start.
+    Checked here so a truncated download fails with the file's name, not inside the loader."""
+    size = f.stat().st_size
+    fix = "re-download or re-save it (the file is truncated or corrupt)"
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ConfigError(f"{f}: {size} bytes, too short for a safetensors header; {fix}")
+        n = struct.unpack("<Q", head)[0]
+        if n > size - 8:
+            raise ConfigError(f"{f}: header length {n} exceeds the file's {size} bytes; {fix}")
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ConfigError(f"{f}: the safetensors header is not readable JSON; {fix}") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{f}: the safetensors header is not a JSON object; {fix}")
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise ConfigError(f"{f}: the header says the data is {end} bytes but the file holds {size - 8 - n}; {fix}")
+    return header
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a policy directory: the shards `model.safetensors.index.json` names
+    (transformers' sharded layout, how 1B+ checkpoints come), else every *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = _read_json(index, "re-download it or re-save the checkpoint").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConfigError(f"{index} has no 'weight_map'; re-download it or re-save the checkpoint")
+        files = [path / s for s in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards missing from {path}: {missing[:5]}; "
+                                    "download every shard of the checkpoint")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        other = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".gguf"))
+        instead = f" (it has {other[:5]})" if other else ""
+        raise FileNotFoundError(
+            f"no *.safetensors in {path}{instead}: specco loads safetensors only (pickled .bin files can "
+            "run code when loaded); convert with transformers: AutoModelForCausalLM.from_pretrained(dir)"
+            ".save_pretrained(out_dir, safe_serialization=True)")
+    return files
+
+
+def check_policy_dir(path: str | os.PathLike) -> PolicyConfig:
+    """The PolicyConfig of HF checkpoint directory `path`, after checking what can be checked without
+    reading the weights: the directory, config.json (present, JSON, a supported config), and the
+    safetensors files (single or sharded via model.safetensors.index.json) with complete headers.
+    Raises FileNotFoundError or ConfigError whose message names the file and the fix; `load_policy`
+    goes through it, and commands call it before doing any work."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"policy directory {path} does not exist (or is not a directory); pass a "
+                                "Hugging Face checkpoint directory holding config.json and *.safetensors")
+    f = path / "config.json"
     if not f.exists():
         raise FileNotFoundError(f"{f} not found: a policy directory needs config.json and "
                                 "model.safetensors (a Hugging Face checkpoint)")
-    return PolicyConfig.from_hf_dict(json.loads(f.read_text()))
+    d = _read_json(f, "fix the file or re-download the checkpoint")
+    try:
+        cfg = PolicyConfig.from_hf_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"{f}: {e}") from None
+    for w in _weight_files(path):
+        _safetensors_header(w)
+    return cfg
+
+
+def check_tokenizer_fits(policy_dir: str | os.PathLike) -> int:
+    """Raise ConfigError unless every id of `policy_dir`/tokenizer.json (added tokens included) is below
+    config.json's vocab_size: an id past the embedding table would index out of range on the first
+    forward. Returns the number of ids the tokenizer uses (max id + 1). Commands call this before
+    doing any work."""
+    path = Path(policy_dir)
+    cfg = check_policy_dir(path)
+    f = path / "tokenizer.json"
+    if not f.exists():
+        raise FileNotFoundError(f"{f} not found: a policy directory needs tokenizer.json next to config.json "
+                                "(save the model's tokenizer there)")
+    d = _read_json(f, "re-save the tokenizer (tokenizer.save_pretrained(dir))")
+    vocab = (d.get("model") or {}).get("vocab") or {}
+    # WordLevel/BPE/WordPiece keep {token: id}; Unigram keeps [[token, score], ...] with ids = positions.
+    ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1] if vocab else []
+    ids += [t["id"] for t in d.get("added_tokens") or []]
+    used = max(ids) + 1 if ids else 0
+    if used > cfg.vocab_size:
+        raise ConfigError(f"{f} uses token ids up to {used - 1} ({used} ids, added tokens included) but "
+                          f"{path / 'config.json'} has vocab_size={cfg.vocab_size}: the tokenizer is not this "
+                          "model's; use the tokenizer saved with the model, or resize the embeddings and "
+                          "save the model again")
+    return used
+
+
+def _load_checked(f: Path) -> dict[str, torch.Tensor]:
+    """load_file(f), its errors re-raised naming the file, refusing NaN or inf weights by tensor name."""
+    try:
+        sd = load_file(str(f))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ConfigError(f"{f} could not be read as safetensors ({e}); re-download or re-save it") from None
+    for k, v in sd.items():
+        if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+            bad = int((~torch.isfinite(v)).sum())
+            raise ConfigError(f"{f}: tensor {k!r} holds {bad} NaN/inf values; the checkpoint is corrupt "
+                              "(re-download it) or was saved from a diverged run (use an earlier checkpoint)")
+    return sd
 
 
 def load_policy(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu") -> Policy:
+    """The policy in HF checkpoint directory `path` (single or sharded safetensors), checked by
+    `check_policy_dir` first; unreadable files and NaN/inf weights raise ConfigError naming them."""
     path = Path(path)
-    cfg = load_policy_config(path)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
+    cfg = check_policy_dir(path)
     sd = {}
-    for f in files:
-        sd.update({_from_hf_key(k): v for k, v in load_file(str(f)).items()})
+    for f in _weight_files(path):
+        sd.update({_from_hf_key(k): v for k, v in _load_checked(f).items()})
     # Rotary inverse-frequency buffers some exporters write are recomputed here, not loaded.
     sd = {k: v for k, v in sd.items() if "rotary_emb" not in k}
     if cfg.tie_word_embeddings:
@@ -73,7 +200,7 @@ def load_policy(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         expected.discard("lm_head.weight")
     missing, unexpected = expected - set(sd), set(sd) - expected
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the config: missing "
+        raise ConfigError(f"checkpoint {path} does not match the config: missing "
                          f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     model = model.to_empty(device=device)
     model.load_state_dict(sd, strict=False, assign=False)

@@ -9,7 +9,9 @@ twins are the formulas here.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +20,9 @@ from torch import nn
 # The formulas live beside their fused decode kernels (ops/decode_kernels.py), one home each.
 from ..ops.decode_kernels import rms_norm_reference as rms_norm
 from ..ops.decode_kernels import rope_reference
+
+if TYPE_CHECKING:
+    from .config import RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -32,18 +37,83 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(head_dim: int, theta: float, scaling: "RopeScaling | None",
+                     device=None) -> tuple[torch.Tensor, float]:
+    """(inv_freq (head_dim/2,) fp32, attention_factor): the one home of RoPE's frequencies, for every
+    rope type specco implements, computed as transformers' rope init functions compute them
+    (`modeling_rope_utils._compute_*_parameters`, transformers 5.x), op for op so fp32 results are equal.
+
+    default: inv_freq_i = theta^(-2i/D), i = 0..D/2-1.
+    linear:  inv_freq / factor (position interpolation; same as dividing positions by factor).
+    llama3:  wavelength w_i = 2π / inv_freq_i against the pretraining context C (original_max_position_
+             embeddings): w > C/low_freq_factor -> inv_freq/factor; w < C/high_freq_factor -> inv_freq;
+             between, (1-s)·inv_freq/factor + s·inv_freq with s = (C/w - low) / (high - low).
+    yarn:    per dim a blend of interpolation (inv_freq/factor) and extrapolation (inv_freq), with the
+             extrapolated share 1 - ramp(i) where ramp rises linearly from 0 to 1 between the dims
+             that turn beta_fast and beta_slow times over C (floored/ceiled when truncate); and
+             attention_factor = 0.1·ln(factor)+1 (or mscale(factor, mscale)/mscale(factor, mscale_all_dim),
+             or the configured attention_factor), which multiplies cos and sin (YaRN eq. 21).
+    attention_factor is 1.0 for every type but yarn.
+    """
+    base = theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # (D/2,)
+    inv_freq = 1.0 / base
+    if scaling is None:
+        return inv_freq, 1.0
+    kind, factor = scaling.rope_type, scaling.factor
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    if kind == "llama3":
+        C, low, high = scaling.original_max_position_embeddings, scaling.low_freq_factor, scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > C / low, inv_freq / factor, inv_freq)
+        smooth = (C / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < C / high) * ~(wavelen > C / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        att = scaling.attention_factor
+        if att is None:
+            if scaling.mscale and scaling.mscale_all_dim:
+                att = float(_yarn_mscale(factor, scaling.mscale) / _yarn_mscale(factor, scaling.mscale_all_dim))
+            else:
+                att = _yarn_mscale(factor)
+        C = scaling.original_max_position_embeddings
+
+        def dim_of(rotations):  # the (fractional) dim index whose wavelength turns `rotations` times over C
+            return head_dim * math.log(C / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        lo, hi = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+        if scaling.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        if lo == hi:
+            hi += 0.001  # transformers' guard against a zero-width ramp
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1).to(device)
+        extrapolated = 1 - ramp  # (D/2,): 1 for fast (high-frequency) dims, 0 for slow ones
+        inv_interp = 1.0 / (factor * base)
+        return inv_interp * (1 - extrapolated) + inv_freq * extrapolated, float(att)
+    raise ValueError(f"rope_type {kind!r} has no formula here")  # RopeScaling refuses others on construction
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature, eq. 21: 0.1·mscale·ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, *,
+                 scaling: "RopeScaling | None") -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables for integer `positions` (any shape P) -> (P..., head_dim).
 
     Same convention as transformers (the two halves of the head dim are rotated together,
-    `rotate_half`), so HF checkpoints need no permutation. Computed in fp32 then cast.
+    `rotate_half`), so HF checkpoints need no permutation. Computed in fp32, multiplied by the
+    scaling's attention factor (yarn; transformers folds it into cos and sin the same way, so q·k
+    scales by its square), then cast. `scaling` is keyword-only and required so no consumer can
+    forget the model's scaling: pass the config's `rope_scaling` (None for plain RoPE).
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device,
-                                             dtype=torch.float32) / head_dim))
+    inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # (P..., head_dim/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (P..., head_dim)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

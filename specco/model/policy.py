@@ -142,7 +142,8 @@ class Policy(nn.Module):
         B, S, _ = x.shape
         if positions is None:
             positions = torch.arange(S, device=x.device).expand(B, S)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype,
+                                scaling=self.cfg.rope_scaling)
         # Only the stage that embeds reports an embedding tap: elsewhere x is the previous stage's residual.
         embed_tap = x.detach() if (tap_layers is not None and self.embed_tokens is not None) else None
         held = {}

@@ -59,7 +59,8 @@ def ttt_forward(draft: Eagle3Draft, aux: torch.Tensor, embed: torch.Tensor,
     outs = []
     for d in range(1, num_passes + 1):
         emb = shift(embed, d).to(hidden.dtype)  # emb(x_{i+d})
-        cos, sin = rope_cos_sin(positions + (d - 1), sa.head_dim, draft.cfg.rope_theta, hidden.dtype)
+        cos, sin = rope_cos_sin(positions + (d - 1), sa.head_dim, draft.cfg.rope_theta, hidden.dtype,
+                                scaling=draft.cfg.rope_scaling)
         q, k, v = sa.qkv(layer.attn_input(hidden, emb), cos, sin)  # q (B,H,S,D), k/v (B,Hkv,S,D)
         if d == 1:
             trunk_k, trunk_v = k, v

@@ -43,9 +43,11 @@ class RopeTable:
     sin: torch.Tensor
 
     @classmethod
-    def build(cls, head_dim: int, theta: float, length: int, device, dtype) -> "RopeTable":
+    def build(cls, head_dim: int, theta: float, length: int, device, dtype, *, scaling) -> "RopeTable":
+        """`scaling`: the model config's rope_scaling (None: plain RoPE); its attention factor is in
+        the tables, so the fused rope kernel needs nothing else."""
         pos = torch.arange(length, device=device)
-        cos, sin = rope_cos_sin(pos, head_dim, theta, dtype)  # (L, D)
+        cos, sin = rope_cos_sin(pos, head_dim, theta, dtype, scaling=scaling)  # (L, D)
         return cls(cos.contiguous(), sin.contiguous())
 
     @property

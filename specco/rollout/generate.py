@@ -272,13 +272,15 @@ class DecodeRunner:
                           f"max_new_tokens {self.cfg.max_new_tokens} + lookahead), past the policy's "
                           f"max_position_embeddings={pc.max_position_embeddings}: RoPE extrapolates there and the "
                           "model was not trained for it", stacklevel=3)
-        rope = RopeTable.build(pc.head_dim, pc.rope_theta, shape.cache_len, dev, self.policy.embed_tokens.weight.dtype)
+        rope = RopeTable.build(pc.head_dim, pc.rope_theta, shape.cache_len, dev, self.policy.embed_tokens.weight.dtype,
+                               scaling=pc.rope_scaling)
         d_rope = None
         if self.draft is not None:
             dc = self.draft.cfg
-            d_rope = rope if (dc.head_dim, dc.rope_theta) == (pc.head_dim, pc.rope_theta) and \
+            d_rope = rope if (dc.head_dim, dc.rope_theta, dc.rope_scaling) == (pc.head_dim, pc.rope_theta, pc.rope_scaling) and \
                 self.draft.fc.weight.dtype == rope.cos.dtype else \
-                RopeTable.build(dc.head_dim, dc.rope_theta, shape.cache_len, dev, self.draft.fc.weight.dtype)
+                RopeTable.build(dc.head_dim, dc.rope_theta, shape.cache_len, dev, self.draft.fc.weight.dtype,
+                                scaling=dc.rope_scaling)
         self.ropes = (rope, d_rope)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.root = self.level = self._new_level(N, None)
