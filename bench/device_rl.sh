@@ -45,7 +45,7 @@ if ! pgrep -f "specco train $CONFIG" >/dev/null; then
 fi
 t0=$(date +%s)
 snapshot() {  # what the run has written so far, as one archive in $OUT (a call cut short still returns it)
-  [ -n "${OUT:-}" ] && tar czf "$OUT/run.tgz" -C "$OUTDIR" --exclude=ckpt --exclude=sft_policy --exclude='warm_draft*' \
+  [ -n "${OUT:-}" ] && tar czf "$OUT/run.tgz" -C "$OUTDIR" --exclude=ckpt --exclude=start_policy --exclude='warm_draft*' \
     --exclude=tb . 2>/dev/null
 }
 while pgrep -f "specco train $CONFIG" >/dev/null && [ $(( $(date +%s) - t0 )) -lt "$WAIT" ]; do
@@ -60,7 +60,7 @@ if [ -n "${OUT:-}" ]; then
     [ -f "$d/warm_metrics.json" ] && cp "$d/warm_metrics.json" "$OUT/$(basename $d)_metrics.json"
     [ -f "$d/warm_history.jsonl" ] && cp "$d/warm_history.jsonl" "$OUT/$(basename $d)_history.jsonl"
   done
-  [ -f "$OUTDIR/sft_policy/sft_metrics.json" ] && cp "$OUTDIR/sft_policy/sft_metrics.json" "$OUT/"
+  [ -f "$OUTDIR/start_policy/sft_metrics.json" ] && cp "$OUTDIR/start_policy/sft_metrics.json" "$OUT/"
 fi
 if [ -n "${TAIL:-}" ] && [ -f "$OUTDIR/summary.json" ] && [ ! -f "$OUTDIR/tail_rows.json" ]; then
   # shellcheck disable=SC2086  # OVERRIDES is a list of overrides

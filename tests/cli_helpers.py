@@ -1,5 +1,11 @@
-"""CLI helpers shared by the export tests (no tests here)."""
+"""Helpers shared by tests (no tests here): the demo config, the CLI's generated texts."""
+from pathlib import Path
+
 from specco.cli import main
+
+# configs/demo.toml: the from-scratch tiny model's job (SFT on chain_sum, three arms), the base of tests that
+# run the pipeline; the run config's own defaults suit a pretrained policy
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
 
 def generate_texts(capsys, policy_dir, draft_dirs, max_new_tokens: int, k: int) -> list[str]:

@@ -17,6 +17,7 @@ from specco.model.policy import Policy
 from specco.parallel.ring_attention import ring_ttt_attention
 from specco.parallel.zigzag import ZigzagLayout
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+from cli_helpers import DEMO  # noqa: E402
 
 V = 67
 
@@ -93,10 +94,10 @@ def test_autocast_inputs_casts_to_one_dtype_and_disables_autocast():
 
 
 def _cp_amp_worker(rank, world, amp, out_path):
-    from specco.config import load_config
+    from specco.config_load import load_config
     from specco.runner.cotrain_cp import run_cotrain_step_cp
     from specco.parallel.mesh import Mesh
-    cfg = load_config(None, [f"parallel.cp={world}", "policy.hidden_size=64", "policy.num_layers=2",
+    cfg = load_config(DEMO, [f"parallel.cp={world}", "policy.hidden_size=64", "policy.num_layers=2",
                              "policy.num_heads=4", "policy.num_kv_heads=2", "policy.intermediate_size=96",
                              "draft.ttt_passes=3", f"train.amp={amp}",
                              f"train.activation_checkpointing={'true' if amp == 'bf16' else 'false'}"])

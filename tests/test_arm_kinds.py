@@ -6,13 +6,14 @@ import shutil
 
 import pytest
 
-from specco.config import load_config
+from specco.config_load import load_config
 from specco.model.config import ConfigError
 from specco.model.dflash import BlockDraft
 from specco.model.draft import Eagle3Draft
 from specco.runner.derive import arm_config, check_parallel, step_config, warm_configs
 
 from test_run_safety import _cfg, _prepare
+from cli_helpers import DEMO  # noqa: E402
 
 ALL_KINDS = "arms=none,frozen,cotrained,cotrained-dflash,frozen-dflash,cotrained-dspark"
 
@@ -28,11 +29,11 @@ ALL_KINDS = "arms=none,frozen,cotrained,cotrained-dflash,frozen-dflash,cotrained
 ])
 def test_bad_arms_are_refused_naming_the_choices(overrides, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(None, overrides)
+        load_config(DEMO, overrides)
 
 
 def test_arm_config_per_arm():
-    cfg = load_config(None, [ALL_KINDS, "rollout.block_k=6", "draft.draft_vocab_size=50", "draft.init=/some/eagle3"])
+    cfg = load_config(DEMO, [ALL_KINDS, "rollout.block_k=6", "draft.draft_vocab_size=50", "draft.init=/some/eagle3"])
     seen = {}
     for arm in cfg.arms:
         acfg, mode = arm_config(cfg, arm)
@@ -47,28 +48,28 @@ def test_arm_config_per_arm():
                     "cotrained": ("cotrained", "eagle3", 3), "cotrained-dflash": ("cotrained", "dflash", 6),
                     "frozen-dflash": ("frozen", "dflash", 6), "cotrained-dspark": ("cotrained", "dspark", 6)}
     # block_k = 0: block drafters propose rollout.k tokens like EAGLE-3
-    assert arm_config(load_config(None, [ALL_KINDS]), "cotrained-dspark")[0].rollout.k == 3
+    assert arm_config(load_config(DEMO, [ALL_KINDS]), "cotrained-dspark")[0].rollout.k == 3
     # the mode decides the step: only co-trained arms train their draft
     assert step_config(*arm_config(cfg, "cotrained-dflash")).draft_weight == cfg.train.draft_weight
     assert step_config(*arm_config(cfg, "frozen-dflash")).draft_weight == 0.0
 
 
 def test_warm_configs_one_per_kind_the_run_kind_first():
-    cfg = load_config(None, [ALL_KINDS, "rollout.block_k=5"])
+    cfg = load_config(DEMO, [ALL_KINDS, "rollout.block_k=5"])
     w = warm_configs(cfg)
     assert [(k, c.draft.kind, c.rollout.k) for k, c in w.items()] == [
         ("eagle3", "eagle3", 3), ("dflash", "dflash", 5), ("dspark", "dspark", 5)]
     # draft.kind always has its warm draft (warm_draft/), even when no arm uses it
-    assert list(warm_configs(load_config(None, ["draft.kind=dflash", "arms=none,cotrained-eagle3"]))) == [
+    assert list(warm_configs(load_config(DEMO, ["draft.kind=dflash", "arms=none,cotrained-eagle3"]))) == [
         "dflash", "eagle3"]
 
 
 def test_block_arms_under_pp_are_refused_by_name():
     with pytest.raises(ConfigError, match=r"arms \['cotrained-dflash', 'frozen-dspark'\] with parallel.pp=2.*"
                                           "EAGLE-3 drafts only"):
-        check_parallel(load_config(None, ["parallel.pp=2", "arms=none,cotrained,cotrained-dflash,frozen-dspark"]),
+        check_parallel(load_config(DEMO, ["parallel.pp=2", "arms=none,cotrained,cotrained-dflash,frozen-dspark"]),
                        2)
-    check_parallel(load_config(None, ["parallel.pp=2", "arms=none,cotrained-eagle3"]), 2)
+    check_parallel(load_config(DEMO, ["parallel.pp=2", "arms=none,cotrained-eagle3"]), 2)
 
 
 def test_make_arm_uses_the_mode():
@@ -77,7 +78,7 @@ def test_make_arm_uses_the_mode():
     from specco.model.policy import Policy
     from specco.runner.derive import generate_config
     from specco.runner.rl import make_arm
-    cfg = load_config(None, [ALL_KINDS])
+    cfg = load_config(DEMO, [ALL_KINDS])
     policy = Policy(PolicyConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
                                  num_kv_heads=2))
     draft = BlockDraft(BlockDraftConfig.for_policy(policy.cfg, "dflash", gamma=3, mask_id=49))
@@ -108,7 +109,7 @@ MIXED = ("arms=" + ",".join(ARMS), "rollout.block_k=4")
 @pytest.fixture(scope="module")
 def mixed_run(tmp_path_factory):
     """A tiny run (~10 s on CPU) with an EAGLE-3 and a DFlash arm, block_k = 4 against rollout.k = 3."""
-    from specco.runner.demo import run_demo
+    from specco.runner.pipeline import run as run_demo
     out = tmp_path_factory.mktemp("mixed")
     summary = run_demo(_cfg(out, *MIXED), progress=False)
     return out, summary
@@ -144,39 +145,39 @@ def test_the_run_kinds_warm_draft_is_a_single_kind_runs(mixed_run, tmp_path):
     """Adding a DFlash arm changes nothing of the run's EAGLE-3 warm draft (same RNG stream, same pool)."""
     out, _ = mixed_run
     _prepare(tmp_path, _cfg(tmp_path))  # the default arms: none, frozen, cotrained
-    for f in ("sft_policy/model.safetensors", "warm_draft/model.safetensors"):
+    for f in ("start_policy/model.safetensors", "warm_draft/model.safetensors"):
         assert (tmp_path / f).read_bytes() == (out / f).read_bytes(), f
 
 
 def test_rerun_skips_every_warm_start(mixed_run, monkeypatch):
-    import specco.runner.demo as demo
+    import specco.runner.prepare as prep
+    from specco.runner.pipeline import run
     out, summary = mixed_run
 
     def refuse(*a, **k):
         raise AssertionError("a finished run sampled a warm-start pool or trained a warm draft again")
-    monkeypatch.setattr(demo, "sample_pool", refuse)
-    monkeypatch.setattr(demo, "warm_start", refuse)
-    again = demo.run_demo(_cfg(out, *MIXED), progress=False)
+    monkeypatch.setattr(prep, "sample_pool", refuse)
+    monkeypatch.setattr(prep, "warm_start", refuse)
+    again = run(_cfg(out, *MIXED), progress=False)
     assert again["warm_start_by_kind"] == summary["warm_start_by_kind"]
 
 
 def test_one_missing_warm_draft_is_recomputed_alone_to_the_same_bytes(mixed_run, tmp_path, monkeypatch):
     """A run interrupted between the two warm starts: the second kind's is recomputed from a pool sampled
     once more, to the same bytes (the pool and the kind's RNG stream depend on the run seed only)."""
-    import specco.runner.demo as demo
+    import specco.runner.prepare as prep
+    from specco.runner.validate import check_job
     src, _ = mixed_run
     out = tmp_path / "run"
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("arms", ".lock"))
     shutil.rmtree(out / "warm_draft_dflash")
     calls = []
-    real = demo.sample_pool
-    monkeypatch.setattr(demo, "sample_pool", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = prep.sample_pool
+    monkeypatch.setattr(prep, "sample_pool", lambda *a, **k: calls.append(1) or real(*a, **k))
     cfg = _cfg(out, *MIXED)
-    policy, tok, _ = demo.prepare_policy(cfg, out, "cpu", progress=False)
-    from specco.data.tasks import get_task
-    task = get_task(cfg.task.name, mode=cfg.task.mode, tokenizer=tok, cot_fraction=cfg.task.cot_fraction,
-                    **demo.task_overrides(cfg))
-    drafts, _ = demo.prepare_drafts(cfg, policy, tok, task, out, progress=False)
+    data = check_job(cfg)
+    policy, tok, _ = prep.prepare_policy(cfg, data, out, "cpu", progress=False)
+    drafts, _ = prep.prepare_drafts(cfg, policy, tok, data, out, progress=False)
     assert len(calls) == 1 and isinstance(drafts["dflash"], BlockDraft)
     f = "warm_draft_dflash/model.safetensors"
     assert (out / f).read_bytes() == (src / f).read_bytes()

@@ -6,6 +6,7 @@ from specco.model.config import PolicyConfig
 from specco.model.dflash import BlockDraft, BlockDraftConfig
 from specco.model.policy import Policy
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+from cli_helpers import DEMO  # noqa: E402
 
 
 def _models(kind, seed=0):
@@ -102,22 +103,22 @@ def test_frozen_block_draft_eval_in_micro_batches_equals_one_forward(kind):
 def test_block_layers_and_anchors_from_the_config(tmp_path):
     """draft.block_layers / draft.num_anchors reach a new block drafter (0 keeps 1 layer and 16 anchors); with
     draft.init they must be 0 or match the loaded drafter, and a mismatch is refused by name."""
-    from specco.config import load_config
+    from specco.config_load import load_config
     from specco.model.config import ConfigError
     from specco.runner.warmstart import initial_draft
     policy, _ = _models("dflash")
     policy = policy.float()
     tokens = torch.randint(0, policy.cfg.vocab_size - 2, (4, 8))
-    spec = load_config(None, ["draft.kind=dflash", "draft.block_layers=2", "draft.num_anchors=40"]).draft
+    spec = load_config(DEMO, ["draft.kind=dflash", "draft.block_layers=2", "draft.num_anchors=40"]).draft
     d = initial_draft(policy, tokens, spec, gamma=3)
     assert (d.cfg.num_layers, d.cfg.num_anchors, len(d.layers)) == (2, 40, 2)
-    plain = initial_draft(policy, tokens, load_config(None, ["draft.kind=dflash"]).draft, gamma=3)
+    plain = initial_draft(policy, tokens, load_config(DEMO, ["draft.kind=dflash"]).draft, gamma=3)
     assert (plain.cfg.num_layers, plain.cfg.num_anchors) == (1, 16)
     d.save(tmp_path / "d")
-    same = load_config(None, ["draft.kind=dflash", f"draft.init={tmp_path / 'd'}", "draft.block_layers=2"]).draft
+    same = load_config(DEMO, ["draft.kind=dflash", f"draft.init={tmp_path / 'd'}", "draft.block_layers=2"]).draft
     assert initial_draft(policy, tokens, same, gamma=3).cfg.num_layers == 2
-    other = load_config(None, ["draft.kind=dflash", f"draft.init={tmp_path / 'd'}", "draft.num_anchors=8"]).draft
+    other = load_config(DEMO, ["draft.kind=dflash", f"draft.init={tmp_path / 'd'}", "draft.num_anchors=8"]).draft
     with pytest.raises(ConfigError, match="draft.num_anchors=8"):
         initial_draft(policy, tokens, other, gamma=3)
     with pytest.raises(ConfigError, match="block_layers"):
-        load_config(None, ["draft.block_layers=-1"])
+        load_config(DEMO, ["draft.block_layers=-1"])

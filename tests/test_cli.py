@@ -5,11 +5,12 @@ import json
 import pytest
 
 from specco.cli import main
+from cli_helpers import DEMO  # noqa: E402
 
 SMALL = ["policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2", "policy.num_kv_heads=1",
-         "policy.intermediate_size=64", "train.sft_steps=10", "train.warm_start_steps=3",
+         "policy.intermediate_size=64", "sft.steps=10", "train.warm_start_steps=3",
          "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
-         "rollout.max_new_tokens=8", "task.eval_size=4"]
+         "rollout.max_new_tokens=8", "data.eval_size=4"]
 
 
 @pytest.mark.slow
@@ -17,7 +18,7 @@ def test_demo_then_generate(tmp_path, capsys):
     out = tmp_path / "run"
     main(["demo", "--quiet", "--out", str(out), *SMALL])
     for f in ("report.md", "summary.json", "tau_reward.png", "draft.png", "config.json",
-              "sft_policy/config.json", "sft_policy/tokenizer.json", "warm_draft/draft_config.json"):
+              "start_policy/config.json", "start_policy/tokenizer.json", "warm_draft/draft_config.json"):
         assert (out / f).exists(), f
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["arms"]) == {"none", "frozen", "cotrained"}
@@ -29,7 +30,7 @@ def test_demo_then_generate(tmp_path, capsys):
     # a rerun finds every stage done and every arm finished: it only rewrites the report
     main(["demo", "--quiet", "--out", str(out), *SMALL])
     capsys.readouterr()
-    main(["generate", "--policy", str(out / "sft_policy"), "--draft", str(out / "warm_draft"),
+    main(["generate", "--policy", str(out / "start_policy"), "--draft", str(out / "warm_draft"),
           "--prompt", "1+2+3=", "--k", "2", "--max-new-tokens", "6"])
     captured = capsys.readouterr()
     assert captured.out.startswith("1+2+3=") and "tau =" in captured.err
@@ -55,35 +56,36 @@ def test_help_lists_commands(capsys):
 
 def test_rl_loop_refuses_inconsistent_parallel_settings(tmp_path, monkeypatch):
     """`specco train` runs under torchrun with parallel.pp x parallel.dp x parallel.cp = WORLD_SIZE; anything else is a clear error (not N independent copies writing one out_dir)."""
-    from specco.config import load_config
+    from specco.config_load import load_config
     from specco.model.config import ConfigError
-    from specco.runner.demo import run_demo
+    from specco.runner.pipeline import run as run_demo
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
-        run_demo(load_config(None, ["parallel.dp=2", f"out_dir={tmp_path}"]), progress=False)
+        run_demo(load_config(DEMO, ["parallel.dp=2", f"out_dir={tmp_path}"]), progress=False)
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 4"):
-        run_demo(load_config(None, ["parallel.cp=2", "parallel.dp=2", f"out_dir={tmp_path}"]), progress=False)
+        run_demo(load_config(DEMO, ["parallel.cp=2", "parallel.dp=2", f"out_dir={tmp_path}"]), progress=False)
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
-        run_demo(load_config(None, ["parallel.pp=2", f"out_dir={tmp_path}"]), progress=False)
+        run_demo(load_config(DEMO, ["parallel.pp=2", f"out_dir={tmp_path}"]), progress=False)
     from specco.runner.derive import check_parallel
     with pytest.raises(ConfigError, match="parallel.pp=2: pipeline parallelism runs in `specco train` only"):
-        check_parallel(load_config(None, ["parallel.pp=2"]), 2, "cotrain-cp")
+        check_parallel(load_config(DEMO, ["parallel.pp=2"]), 2, "cotrain-cp")
     with pytest.raises(ConfigError, match="train.amp='bf16' with parallel.pp=2"):
-        check_parallel(load_config(None, ["parallel.pp=2", "train.amp=bf16"]), 2)
+        check_parallel(load_config(DEMO, ["parallel.pp=2", "train.amp=bf16"]), 2)
     with pytest.raises(ConfigError, match="set parallel.dp=2 \\(with parallel.pp=2\\)"):
-        check_parallel(load_config(None, ["parallel.pp=2"]), 4)
+        check_parallel(load_config(DEMO, ["parallel.pp=2"]), 4)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match="divisible by parallel.dp=3"):
-        run_demo(load_config(None, ["parallel.dp=3", "rollout.prompts_per_step=4", f"out_dir={tmp_path}"]),
+        run_demo(load_config(DEMO, ["parallel.dp=3", "rollout.prompts_per_step=4", f"out_dir={tmp_path}"]),
                  progress=False)
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="set parallel.dp=2"):
-        run_demo(load_config(None, [f"out_dir={tmp_path}"]), progress=False)
+        run_demo(load_config(DEMO, [f"out_dir={tmp_path}"]), progress=False)
     assert not any(tmp_path.iterdir())  # refused before writing anything
 
 
 def test_block_drafter_under_pp_is_refused_by_name():
-    from specco.config import ConfigError, load_config
+    from specco.config import ConfigError
+    from specco.config_load import load_config
     from specco.runner.derive import check_parallel
-    cfg = load_config(None, ["parallel.pp=2", "draft.kind=dflash"])
+    cfg = load_config(DEMO, ["parallel.pp=2", "draft.kind=dflash"])
     with pytest.raises(ConfigError, match="draft.kind='dflash' with parallel.pp=2"):
         check_parallel(cfg, 2)

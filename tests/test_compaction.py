@@ -165,7 +165,8 @@ def test_compact_below_is_validated():
 
 
 def test_compact_min_rows_reaches_the_engine_from_the_run_config():
-    from specco.config import ConfigError, load_config
+    from specco.config import ConfigError
+    from specco.config_load import load_config
     from specco.runner.derive import generate_config
     cfg = load_config("configs/long_cotrain.toml", ["rollout.compact_min_rows=1"])
     assert generate_config(cfg, 1, 0).compact_min_rows == 1

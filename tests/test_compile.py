@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from specco.config import load_config
+from specco.config_load import load_config
 from specco.model.config import ConfigError
 from specco.runner.derive import check_parallel
 from specco.runner.rl import run_arm
@@ -22,6 +22,7 @@ from specco.train.activation_checkpointing import apply_activation_checkpointing
 from specco.train.compile import _COMPILED, apply_compile, remove_compile, warm_up
 from test_grpo import DigitTask, _cfg, _setup
 from test_rollout_helpers import tiny_policy
+from cli_helpers import DEMO  # noqa: E402
 
 
 def _loss_and_grads(policy, tokens):
@@ -111,14 +112,14 @@ def test_rl_step_with_compiled_layers_matches_eager(tmp_path):
 
 def test_compile_refusals():
     with pytest.raises(ConfigError, match="train.compile='fast'"):
-        load_config(None, ["train.compile=fast"])
+        load_config(DEMO, ["train.compile=fast"])
     with pytest.raises(ConfigError, match="activation_checkpointing"):
-        load_config(None, ["train.compile=inductor", "train.activation_checkpointing=true"])
-    cfg = load_config(None, ["train.compile=inductor", "parallel.cp=2"])
+        load_config(DEMO, ["train.compile=inductor", "train.activation_checkpointing=true"])
+    cfg = load_config(DEMO, ["train.compile=inductor", "parallel.cp=2"])
     with pytest.raises(ConfigError, match="context parallelism is not implemented"):
         check_parallel(cfg, 2, "train")
     with pytest.raises(ConfigError, match="specco cotrain-cp"):
-        check_parallel(load_config(None, ["train.compile=inductor"]), 1, "cotrain-cp")
+        check_parallel(load_config(DEMO, ["train.compile=inductor"]), 1, "cotrain-cp")
     policy = apply_activation_checkpointing(tiny_policy(V=32, h=32, layers=2))
     with pytest.raises(ValueError, match="already wrapped"):
         apply_compile(policy, "aot_eager")

@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from specco.config import load_config
+from specco.config_load import load_config
 from specco.model.config import ConfigError, DraftConfig
 from specco.model.draft import Eagle3Draft
 from specco.runner.rl import run_arm
@@ -22,6 +22,7 @@ from specco.train.compile import _COMPILED, apply_draft_compile, remove_draft_co
 from specco.train.cotrain import StepConfig, TrainBatch, draft_loss
 from test_grpo import DigitTask, _cfg, _setup
 from test_rollout_helpers import tiny_policy
+from cli_helpers import DEMO  # noqa: E402
 
 
 def _draft_loss_and_grads(policy, draft, batch):
@@ -91,9 +92,9 @@ def test_rl_step_with_a_compiled_draft_matches_eager(tmp_path):
 
 def test_compile_draft_refusals():
     with pytest.raises(ConfigError, match="train.compile_draft=true with train.compile='none'"):
-        load_config(None, ["train.compile_draft=true"])
+        load_config(DEMO, ["train.compile_draft=true"])
     with pytest.raises(ConfigError, match="compiling a block drafter is not implemented"):
-        load_config(None, ["train.compile=inductor", "train.compile_draft=true", "arms=[none,cotrained-dflash]"])
-    load_config(None, ["train.compile=inductor", "train.compile_draft=true", "arms=[none,frozen-dflash,cotrained]"])
+        load_config(DEMO, ["train.compile=inductor", "train.compile_draft=true", "arms=[none,cotrained-dflash]"])
+    load_config(DEMO, ["train.compile=inductor", "train.compile_draft=true", "arms=[none,frozen-dflash,cotrained]"])
     with pytest.raises(ValueError, match="not an EAGLE-3 draft"):
         apply_draft_compile(torch.nn.Linear(2, 2), "aot_eager")

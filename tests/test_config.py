@@ -1,12 +1,14 @@
 """Config errors say what to change; overrides coerce types; a round-trip keeps values."""
 import pytest
 
-from specco.config import RunConfig, config_to_dict, load_config
+from specco.config import RunConfig
+from specco.config_load import config_to_dict, load_config
 from specco.model.config import ConfigError, DraftConfig, PolicyConfig
+from cli_helpers import DEMO  # noqa: E402
 
 
 def test_defaults_and_overrides():
-    cfg = load_config(None, ["train.steps=7", "rollout.k=2", "draft.aux_layer_ids=1,2",
+    cfg = load_config(DEMO, ["train.steps=7", "rollout.k=2", "draft.aux_layer_ids=1,2",
                              "draft.init_head_from_policy=false", "train.lr=3e-4"])
     assert cfg.train.steps == 7 and cfg.rollout.k == 2 and cfg.draft.aux_layer_ids == (1, 2)
     assert cfg.draft.init_head_from_policy is False and cfg.train.lr == 3e-4
@@ -37,14 +39,14 @@ def test_toml_file(tmp_path):
 ])
 def test_bad_values_are_clear_errors(override, needle):
     with pytest.raises(ConfigError, match=needle):
-        load_config(None, [override])
+        load_config(DEMO, [override])
 
 
 def test_missing_file_and_bad_override():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/no/such.toml")
     with pytest.raises(ConfigError, match="key.sub=value"):
-        load_config(None, ["train.steps"])
+        load_config(DEMO, ["train.steps"])
 
 
 def test_aux_layer_out_of_range():
@@ -57,17 +59,17 @@ def test_aux_layer_out_of_range():
 
 
 def test_list_overrides_accept_toml_syntax():
-    from specco.config import load_config
+    from specco.config_load import load_config
     for text in ('arms=["none", "cotrained-dflash"]', "arms=[none,cotrained-dflash]", "arms=none,cotrained-dflash"):
-        assert load_config(None, [text]).arms == ("none", "cotrained-dflash")
-    assert load_config(None, ["draft.aux_layer_ids=[0, 2]"]).draft.aux_layer_ids == (0, 2)
+        assert load_config(DEMO, [text]).arms == ("none", "cotrained-dflash")
+    assert load_config(DEMO, ["draft.aux_layer_ids=[0, 2]"]).draft.aux_layer_ids == (0, 2)
 
 
 @pytest.mark.parametrize("path", sorted(str(p) for p in __import__("pathlib").Path(__file__).parents[1].glob("configs/*.toml")))
 def test_committed_configs_load_and_derive(path):
     """Every committed config loads, and every arm's derived configs build (a typo in a config nobody runs
     on CPU would otherwise surface only on the GPU)."""
-    from specco.config import load_config
+    from specco.config_load import load_config
     from specco.runner.derive import arm_config, check_parallel, generate_config, step_config, warm_configs
     cfg = load_config(path)
     check_parallel(cfg, cfg.parallel.pp * cfg.parallel.dp * cfg.parallel.cp, "train")

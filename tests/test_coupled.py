@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from specco.config import load_config
+from specco.config_load import load_config
 from specco.model.config import ConfigError
 from specco.rollout import sampling
 from specco.rollout.engine import RolloutEngine
@@ -29,6 +29,7 @@ from test_block_rollout import _block_draft
 from test_grpo import DigitTask, _cfg, _setup
 from test_rollout_helpers import random_draft, structured_pair, tiny_policy
 from test_speculative import _chi_square_pvalue, _exact_joint
+from cli_helpers import DEMO  # noqa: E402
 
 COUPLED = SamplingParams(temperature=1.0, coupled=True)
 
@@ -116,11 +117,11 @@ def test_coupled_speculation_emits_plain_tokens(kind, k):
 
 
 def test_sampler_config():
-    cfg = load_config(None, ["rollout.sampler=coupled"])
+    cfg = load_config(DEMO, ["rollout.sampler=coupled"])
     assert generate_config(cfg, None, 0).sampling.coupled
-    assert not generate_config(load_config(None, []), None, 0).sampling.coupled
+    assert not generate_config(load_config(DEMO, []), None, 0).sampling.coupled
     with pytest.raises(ConfigError, match="rollout.sampler='gumbel'"):
-        load_config(None, ["rollout.sampler=gumbel"])
+        load_config(DEMO, ["rollout.sampler=gumbel"])
     assert not SamplingParams(temperature=0.0, coupled=True).keyed  # greedy is already deterministic
 
 

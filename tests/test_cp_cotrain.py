@@ -27,6 +27,7 @@ from specco.parallel.zigzag import ZigzagLayout
 from specco.train.activation_checkpointing import apply_activation_checkpointing
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
 from cp_reference import pack_rows
+from cli_helpers import DEMO  # noqa: E402
 
 LENS = (11, 3, 17)
 V = 61
@@ -124,10 +125,10 @@ def test_shift_refactor_keeps_single_process_policy_loss():
 
 
 def _launch_worker(rank, world):
-    from specco.config import load_config
+    from specco.config_load import load_config
     from specco.runner.cotrain_cp import run_cotrain_step_cp
     from specco.parallel.mesh import Mesh
-    cfg = load_config(None, ["parallel.dp=2", "parallel.cp=2", "policy.hidden_size=32", "policy.num_layers=2",
+    cfg = load_config(DEMO, ["parallel.dp=2", "parallel.cp=2", "policy.hidden_size=32", "policy.num_layers=2",
                              "policy.intermediate_size=32", "draft.ttt_passes=2"])
     mesh = Mesh.build(2, 2)
     assert (mesh.dp_rank, mesh.cp_rank) == divmod(rank, 2)

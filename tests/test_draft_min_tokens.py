@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specco.config import ConfigError, load_config
+from specco.config import ConfigError
+from specco.config_load import load_config
 from specco.train.cotrain import draft_stride
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"

@@ -20,6 +20,7 @@ from specco.export import export_draft, import_draft, load_draft
 from specco.export import formats
 from specco.model.config import ConfigError, DraftConfig, PolicyConfig
 from specco.model.draft import Eagle3Draft, build_vocab_maps
+from cli_helpers import DEMO  # noqa: E402
 
 POLICY = PolicyConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_layers=8, num_heads=4,
                       num_kv_heads=2, max_position_embeddings=256, rope_theta=5e5)
@@ -313,29 +314,29 @@ def test_export_reads_state_dict_not_parameters(tmp_path):
 
 def test_draft_init_config_key(tmp_path):
     """`draft.init=DIR` starts the warm start from an imported draft, checked against the policy."""
-    from specco.config import load_config
+    from specco.config_load import load_config
     from specco.model.policy import Policy
     from specco.runner.warmstart import initial_draft
     policy = Policy(POLICY)
     tokens = torch.randint(0, 100, (2, 8))
     src = _draft()
     out = export_draft(src, tmp_path / "sg", "sglang", POLICY)
-    assert load_config(None).draft.init == ""
-    got = initial_draft(policy, tokens, load_config(None, [f"draft.init={out}"]).draft)
+    assert load_config(DEMO).draft.init == ""
+    got = initial_draft(policy, tokens, load_config(DEMO, [f"draft.init={out}"]).draft)
     assert torch.equal(_logits(got)[0], _logits(src)[0])
-    same = load_config(None, [f"draft.init={out}", "draft.aux_layer_ids=1,3,4", "draft.draft_vocab_size=40"])
+    same = load_config(DEMO, [f"draft.init={out}", "draft.aux_layer_ids=1,3,4", "draft.draft_vocab_size=40"])
     assert initial_draft(policy, tokens, same.draft).cfg.aux_layer_ids == (1, 3, 4)
     for bad, needle in (("draft.aux_layer_ids=1,2,3", "draft.aux_layer_ids=(1, 2, 3)"),
                         ("draft.draft_vocab_size=10", "draft.draft_vocab_size=10")):
         with pytest.raises(ConfigError, match=re.escape(needle)):
-            initial_draft(policy, tokens, load_config(None, [f"draft.init={out}", bad]).draft)
+            initial_draft(policy, tokens, load_config(DEMO, [f"draft.init={out}", bad]).draft)
     with pytest.raises(FileNotFoundError, match="not a draft directory"):
-        initial_draft(policy, tokens, load_config(None, [f"draft.init={tmp_path / 'nope'}"]).draft)
+        initial_draft(policy, tokens, load_config(DEMO, [f"draft.init={tmp_path / 'nope'}"]).draft)
     other = Policy(PolicyConfig(vocab_size=120, hidden_size=32, intermediate_size=48, num_layers=8,
                                 num_heads=4, num_kv_heads=2))
     with pytest.raises(ConfigError, match="vocab_size 100 != policy vocab_size 120"):
-        initial_draft(other, tokens, load_config(None, [f"draft.init={out}"]).draft)
-    assert initial_draft(policy, tokens, load_config(None).draft).cfg.draft_vocab_size == 100  # new draft
+        initial_draft(other, tokens, load_config(DEMO, [f"draft.init={out}"]).draft)
+    assert initial_draft(policy, tokens, load_config(DEMO).draft).cfg.draft_vocab_size == 100  # new draft
 
 
 def test_generate_with_exported_draft(tmp_path, capsys):

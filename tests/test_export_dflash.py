@@ -19,6 +19,7 @@ from specco.model.dflash import BlockDraft, BlockDraftConfig
 from specco.model.policy import Policy
 from specco.rollout.generate import GenerateConfig, generate
 from specco.rollout.sampling import SamplingParams
+from cli_helpers import DEMO  # noqa: E402
 
 POLICY = PolicyConfig(vocab_size=100, hidden_size=32, intermediate_size=48, num_layers=6, num_heads=4,
                       num_kv_heads=2, max_position_embeddings=256, rope_theta=5e5)
@@ -138,7 +139,7 @@ def test_import_tensor_and_mask_refusals(tmp_path):
 def test_cli_export_generate_and_draft_init(tmp_path, capsys):
     """`specco export` of a specco block-draft dir needs --policy and writes the DFlash layout; `specco generate`
     and `draft.init` read it back, generating as the native directory does."""
-    from specco.config import load_config
+    from specco.config_load import load_config
     from cli_helpers import save_char_tokenizer
     from specco.model.hf_io import save_policy
     from specco.runner.warmstart import initial_draft
@@ -154,6 +155,6 @@ def test_cli_export_generate_and_draft_init(tmp_path, capsys):
     assert "DFlash draft written" in capsys.readouterr().out
     texts = generate_texts(capsys, tmp_path / "pol", [tmp_path / "native", tmp_path / "x"], 8, 4)
     assert texts[0] == texts[1] and texts[0].startswith("3+4=")
-    spec = load_config(None, ["draft.kind=dflash", f"draft.init={tmp_path / 'x'}"]).draft
+    spec = load_config(DEMO, ["draft.kind=dflash", f"draft.init={tmp_path / 'x'}"]).draft
     got = initial_draft(policy, torch.zeros(1, 4, dtype=torch.long), spec, gamma=4)
     assert torch.equal(got.state_dict()["norm.weight"], _draft().state_dict()["norm.weight"])

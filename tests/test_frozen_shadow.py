@@ -10,7 +10,7 @@ draft on every step's rollouts, under the policy that sampled them.
 import pytest
 import torch
 
-from specco.config import load_config
+from specco.config_load import load_config
 from specco.model.config import ConfigError
 from specco.runner.derive import step_config
 from specco.runner.report import shadow_table
@@ -18,6 +18,7 @@ from specco.runner.rl import draft_eval, run_arm
 from specco.runner.rollouts import minibatches
 from specco.runner.warmstart import new_block_draft, new_draft
 from test_grpo import DigitTask, _cfg, _setup
+from cli_helpers import DEMO  # noqa: E402
 
 TRAINED = ("reward", "completion_len", "policy/loss", "draft/loss", "policy/grad_norm", "draft/grad_norm")
 
@@ -97,13 +98,13 @@ def test_frozen_shadow_refusals(tmp_path):
                              (["arms=[frozen]", "frozen_shadow=[frozen]"], "no draft in training"),
                              (["arms=[cotrained]", "frozen_shadow=[cotrained]", "parallel.pp=2"], "pp = 1")):
         with pytest.raises(ConfigError, match=match):
-            load_config(None, [f"out_dir={tmp_path}", *overrides])
+            load_config(DEMO, [f"out_dir={tmp_path}", *overrides])
 
 
 def test_committed_long_eagle3_config_is_the_ninth_runs():
     """configs/long_eagle3.toml is configs/long_ab.toml with the ninth H200 run's overrides (bench/results/
     long_rl_shadow_2026-12-02/NOTES.md), out_dir aside."""
-    from specco.config import config_to_dict
+    from specco.config_load import config_to_dict
     mine = config_to_dict(load_config("configs/long_eagle3.toml"))
     ran = config_to_dict(load_config("configs/long_ab.toml", ["arms=[cotrained]", "plain_baseline=[cotrained]",
                                                              "frozen_shadow=[cotrained]", "train.draft_row_stride=8",

@@ -6,14 +6,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from specco.config import load_config
+from specco.config_load import load_config
 from specco.data.tokenizer import build_char_tokenizer
 from specco.model.policy import Policy
 from specco.runner.rl import run_arm
 from specco.runner.warmstart import new_draft
 from resume_helpers import assert_same_final_weights
 from specco.train.losses import clipped_surrogate, grpo_advantages
+from specco.data.source import Example
+from specco.rewards.core import RewardBatch
 from specco.train.sft import tiny_policy_config
+from cli_helpers import DEMO  # noqa: E402
 
 
 def test_advantages_hand_computed():
@@ -46,22 +49,25 @@ def test_clipped_surrogate_hand_computed():
     assert abs(loss_kl.item() - (expect + 0.5 * kl)) < 1e-6
 
 
-@dataclass(frozen=True)
-class _Item:
-    index: int
-    prompt: str
-
-
 class DigitTask:
-    """An easy task for a from-scratch policy: reward = fraction of digits in the completion."""
-    def prompts(self, n, seed, offset=0):
-        return [_Item(offset + i, "ab"[(offset + i) % 2]) for i in range(n)]
+    """An easy job for a from-scratch policy: prompts 'a' / 'b', reward = fraction of digits in the completion.
+    It has a job's data shape (runner.validate.JobData): `train` (a PromptSource: itself) and `rewards`."""
+    name, num_rows, eval, sft = "digits", None, None, None
 
-    def prompt_ids(self, item, tok):
-        return tok.encode(item.prompt, add_bos=True)
+    def __init__(self):
+        self.tok = build_char_tokenizer()
+        self.train = self
+
+    def examples(self, n, seed, offset=0):
+        prompts = ["ab"[(offset + i) % 2] for i in range(n)]
+        return [Example(offset + i, p, self.tok.encode(p, add_bos=True), {}, None) for i, p in enumerate(prompts)]
 
     def score(self, text, item):
         return sum(c.isdigit() for c in text) / max(1, len(text)) if text else 0.0
+
+    def rewards(self, prompts, completions, completion_ids, columns):
+        r = torch.tensor([self.score(t, p) for t, p in zip(completions, prompts)], dtype=torch.float32)
+        return RewardBatch(rewards=r, valid=torch.ones(len(r), dtype=torch.bool), metrics={}, full_marks=r >= 1)
 
 
 def _setup(seed=0):
@@ -73,7 +79,7 @@ def _setup(seed=0):
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(None, ["train.lr=3e-3", "rollout.max_new_tokens=6", "rollout.group_size=4",
+    return load_config(DEMO, ["train.lr=3e-3", "rollout.max_new_tokens=6", "rollout.group_size=4",
                               "rollout.prompts_per_step=4", "rollout.k=2", "train.checkpoint_every=2",
                               "draft.ttt_passes=2", f"out_dir={tmp_path}", *extra])
 
@@ -277,7 +283,7 @@ def test_measure_tau_runs_at_the_fixed_k(monkeypatch):
     monkeypatch.setattr(ws, "RolloutEngine", Engine)
     cfg = GenerateConfig(max_new_tokens=5, num_draft_tokens=2, spec_control=True, eos_token_id=tok.eos_id)
     draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), aux_layer_ids=(0, 1))
-    res = ws.measure_tau(policy, draft, DigitTask(), tok, 3, cfg, seed=0)
+    res = ws.measure_tau(policy, draft, DigitTask(), 3, cfg, seed=0)
     assert [c.spec_control for c in seen] == [False, False] and all(c.num_draft_tokens == 2 for c in seen)
     assert res["plain"]["tau"] == 1.0 and 1.0 <= res["draft"]["tau"] <= 3.0
 

@@ -30,7 +30,7 @@ def test_advantages_see_the_penalty_and_the_reward_metric_does_not(tmp_path, mon
     cfg = _cfg(tmp_path, "train.overlong_buffer=3", "train.overlong_penalty=0.5", "rollout.max_new_tokens=6")
     seen = {}
     real_adv, real_pen = rollouts.grpo_advantages, rollouts.overlong_penalty
-    monkeypatch.setattr(rollouts, "grpo_advantages", lambda r, g: seen.setdefault("shaped", r) is None or real_adv(r, g))
+    monkeypatch.setattr(rollouts, "grpo_advantages", lambda r, g, **kw: seen.setdefault("shaped", r) is None or real_adv(r, g, **kw))
     monkeypatch.setattr(rollouts, "overlong_penalty",
                         lambda lengths, *a: seen.setdefault("lengths", lengths) is None or real_pen(lengths, *a))
 
@@ -41,7 +41,8 @@ def test_advantages_see_the_penalty_and_the_reward_metric_does_not(tmp_path, mon
             return s
 
     engine = RolloutEngine(policy, None, generate_config(cfg, tok.stop_ids, tok.pad_id))
-    ro = rollouts.collect_rollouts(engine, torch.Generator().manual_seed(0), cfg, Scored(), tok, 0, None)
+    task = Scored()
+    ro = rollouts.collect_rollouts(engine, torch.Generator().manual_seed(0), cfg, task.train, task.rewards, tok, 0, None)
     scores, lengths = torch.tensor(seen["scores"]), seen["lengths"]
     assert (lengths >= 4).any(), lengths  # some rows reach the buffer (the last 3 of 6 tokens): the test bites
     want = scores + overlong_penalty(lengths, 6, 3, 0.5)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specco.batch import TrainBatch
-from specco.config import load_config
+from specco.config_load import load_config
 from specco.model.config import ConfigError
 from specco.runner.derive import generate_config, step_config
 from specco.runner.rl import run_arm
@@ -23,6 +23,7 @@ from specco.runner.warmstart import new_draft
 from resume_helpers import assert_same_final_weights
 from specco.train.cotrain import StepConfig, policy_loss
 from test_grpo import DigitTask, _cfg, _setup
+from cli_helpers import DEMO  # noqa: E402
 
 
 def test_kl_penalty_matches_hand_computation():
@@ -113,7 +114,7 @@ def test_kl_run_uses_the_frozen_starting_policy(tmp_path):
 
 
 def test_derived_configs_come_from_the_run_config():
-    cfg = load_config(None, ["train.draft_row_stride=4", "train.micro_batch_rows=16", "rollout.temperature=0.5",
+    cfg = load_config(DEMO, ["train.draft_row_stride=4", "train.micro_batch_rows=16", "rollout.temperature=0.5",
                              "train.kl_coef=0.2", "train.amp=bf16", "rollout.k=2", "rollout.max_new_tokens=9",
                              "rollout.top_p=0.9", "draft.ttt_passes=2"])
     s = step_config(cfg, "cotrained")
@@ -126,10 +127,10 @@ def test_derived_configs_come_from_the_run_config():
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.clip_eps = 1.0  # immutable
     # one set of defaults: a StepConfig built without the run config has the run config's values
-    d = step_config(load_config(None, []))
+    d = step_config(load_config(DEMO, []))
     assert dataclasses.replace(StepConfig(), temperature=d.temperature) == d
     with pytest.raises(ConfigError, match="unknown config key 'draft.enabled'"):
-        load_config(None, ["draft.enabled=false"])  # a key that did nothing is gone
+        load_config(DEMO, ["draft.enabled=false"])  # a key that did nothing is gone
 
 
 def test_logprob_recompute_runs_the_train_steps_micro_batches():

@@ -8,6 +8,7 @@ from specco.rollout import engine as engine_mod
 from specco.rollout.engine import RefitError, RolloutEngine, weights_fingerprint
 from specco.runner.refit_guard import check_acceptance
 from test_rollout_helpers import random_draft, tiny_policy
+from cli_helpers import DEMO  # noqa: E402
 
 
 def test_fingerprint_sees_a_changed_or_permuted_tensor():
@@ -48,11 +49,11 @@ def test_acceptance_collapse_rule():
 def test_rl_loop_stops_on_a_broken_draft_refit(tmp_path, monkeypatch):
     """Two co-trained RL steps where the engine's refit silently keeps its old draft: the guard raises at
     step 1, naming it."""
-    from specco.config import load_config
-    from specco.runner.demo import run_demo
-    cfg = load_config(None, [f"out_dir={tmp_path}", "arms=cotrained", "train.steps=2", "train.sft_steps=4",
+    from specco.config_load import load_config
+    from specco.runner.pipeline import run as run_demo
+    cfg = load_config(DEMO, [f"out_dir={tmp_path}", "arms=cotrained", "train.steps=2", "sft.steps=4",
                              "train.warm_start_steps=2", "train.warm_start_prompts=8", "rollout.prompts_per_step=4",
-                             "rollout.group_size=2", "rollout.max_new_tokens=6", "task.eval_size=4",
+                             "rollout.group_size=2", "rollout.max_new_tokens=6", "data.eval_size=4",
                              "policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2",
                              "policy.num_kv_heads=1", "policy.intermediate_size=64"])
     real = RolloutEngine.refit
@@ -88,27 +89,27 @@ def test_a_bf16_engine_holds_the_trainers_weights_as_refit_cast_them(monkeypatch
 
 
 def test_rollout_dtype_is_checked():
-    from specco.config import load_config
+    from specco.config_load import load_config
     from specco.model.config import ConfigError
     with pytest.raises(ConfigError, match="rollout.dtype='bf16'"):
-        load_config(None, ["rollout.dtype=bf16"])
+        load_config(DEMO, ["rollout.dtype=bf16"])
     with pytest.raises(ConfigError, match="parallel.pp=2: not supported"):
-        load_config(None, ["rollout.dtype=bfloat16", "parallel.pp=2"])
-    assert load_config(None, ["rollout.dtype=bfloat16"]).rollout.dtype == "bfloat16"
+        load_config(DEMO, ["rollout.dtype=bfloat16", "parallel.pp=2"])
+    assert load_config(DEMO, ["rollout.dtype=bfloat16"]).rollout.dtype == "bfloat16"
 
 
 def test_rl_loop_with_a_bf16_engine(tmp_path, monkeypatch):
     """rollout.dtype=bfloat16 end to end: the engine's copies are bf16, every refit casts into them and the
     guard (weights and acceptance) stays silent over two co-trained steps."""
-    from specco.config import load_config
+    from specco.config_load import load_config
     from specco.runner import rl
-    from specco.runner.demo import run_demo
+    from specco.runner.pipeline import run as run_demo
     built = []
     real = rl.RolloutEngine
     monkeypatch.setattr(rl, "RolloutEngine", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
-    cfg = load_config(None, [f"out_dir={tmp_path}", "arms=cotrained", "train.steps=2", "train.sft_steps=4",
+    cfg = load_config(DEMO, [f"out_dir={tmp_path}", "arms=cotrained", "train.steps=2", "sft.steps=4",
                              "train.warm_start_steps=2", "train.warm_start_prompts=8", "rollout.prompts_per_step=4",
-                             "rollout.group_size=2", "rollout.max_new_tokens=6", "task.eval_size=4",
+                             "rollout.group_size=2", "rollout.max_new_tokens=6", "data.eval_size=4",
                              "policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2",
                              "policy.num_kv_heads=1", "policy.intermediate_size=64", "rollout.dtype=bfloat16"])
     run_demo(cfg, progress=False)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from specco.config import RunConfig
-from specco.runner.demo import write_report
+from specco.runner.experiment import write_report
 from specco.runner.report import plot_arms, plot_time_split, steady_rows, time_split
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from specco.config import load_config
+from specco.config_load import load_config
 from specco.parallel.mesh import Mesh, spawn_local
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"

@@ -6,23 +6,24 @@ import json
 import pytest
 import torch
 
-from specco.config import load_config
+from specco.config_load import load_config
 from specco.faults import SimulatedCrash, crash_at, inject
 from specco.model.config import ConfigError
+from cli_helpers import DEMO  # noqa: E402
 
 TINY = ["policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2", "policy.num_kv_heads=1",
-        "policy.intermediate_size=64", "train.sft_steps=4", "train.sft_batch=8", "train.warm_start_steps=2",
+        "policy.intermediate_size=64", "sft.steps=4", "sft.batch=8", "train.warm_start_steps=2",
         "train.warm_start_prompts=4", "train.warm_start_batch=4", "train.steps=2", "train.checkpoint_every=1",
-        "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6", "task.eval_size=2"]
+        "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6", "data.eval_size=2"]
 
 
 def _cfg(out, *extra):
-    return load_config(None, [*TINY, f"out_dir={out}", *extra])
+    return load_config(DEMO, [*TINY, f"out_dir={out}", *extra])
 
 
 def _fingerprint(out, arms):
     """Everything a run computes, bytes for the weights and numbers for the logs (no timings)."""
-    fp = {f: (out / f).read_bytes() for f in ("sft_policy/model.safetensors", "warm_draft/model.safetensors")}
+    fp = {f: (out / f).read_bytes() for f in ("start_policy/model.safetensors", "warm_draft/model.safetensors")}
     fp["warm"] = {k: v for k, v in json.loads((out / "warm_draft/warm_metrics.json").read_text()).items()
                   if "time" not in k and k != "real"}
     for arm in arms:
@@ -35,15 +36,14 @@ def _fingerprint(out, arms):
 
 def _prepare(out, cfg):
     """The demo's first two stages (the fast part of the demo)."""
-    from specco.data.tasks import get_task
-    from specco.runner.demo import prepare_draft, prepare_policy, task_overrides
-    policy, tok, _ = prepare_policy(cfg, out, "cpu", progress=False)
-    task = get_task(cfg.task.name, mode=cfg.task.mode, tokenizer=tok, cot_fraction=cfg.task.cot_fraction,
-                    **task_overrides(cfg))
-    prepare_draft(cfg, policy, tok, task, out, progress=False)
+    from specco.runner.prepare import prepare_draft, prepare_policy
+    from specco.runner.validate import check_job
+    data = check_job(cfg)
+    policy, tok, _ = prepare_policy(cfg, data, out, "cpu", progress=False)
+    prepare_draft(cfg, policy, tok, data, out, progress=False)
 
 
-STAGE_POINTS = ["sft_policy/model", "sft_policy/tokenizer", "sft_policy/written", "warm_draft/start",
+STAGE_POINTS = ["start_policy/model", "start_policy/tokenizer", "start_policy/written", "warm_draft/start",
                 "warm_draft/draft", "warm_draft/written"]
 
 
@@ -71,7 +71,7 @@ def test_kill_between_files_of_a_stage_reruns_to_the_same_stage(tmp_path, point)
     remove_stale_temporaries(b)
     assert not list(b.glob(".tmp_*"))
     _prepare(b, _cfg(b))
-    for f in ("sft_policy/model.safetensors", "sft_policy/tokenizer.json", "warm_draft/model.safetensors"):
+    for f in ("start_policy/model.safetensors", "start_policy/tokenizer.json", "warm_draft/model.safetensors"):
         assert (tmp_path / "a" / f).read_bytes() == (b / f).read_bytes(), f
 
 
@@ -86,13 +86,13 @@ def _fresh_process():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("point,nth", [("sft_policy/tokenizer", 1), ("warm_draft/start", 1),
+@pytest.mark.parametrize("point,nth", [("start_policy/tokenizer", 1), ("warm_draft/start", 1),
                                        ("warm_draft/written", 1), ("checkpoint/state", 2),
                                        ("checkpoint/renamed", 3), ("checkpoint/pointer", 4)])
 def test_interrupted_demo_equals_uninterrupted_demo(tmp_path, point, nth):
     """The whole demo (tiny settings), killed at a stage boundary, an RL checkpoint write or a Ctrl-C in
     the warm start, then re-run: every weight byte and logged number equals the uninterrupted demo's."""
-    from specco.runner.demo import run_demo
+    from specco.runner.pipeline import run as run_demo
     arms = ("none", "cotrained")
     a, b = tmp_path / "a", tmp_path / "b"
     for out, crash in ((a, None), (b, point), (b, None)):
@@ -135,7 +135,7 @@ def test_metrics_log_rewrite_is_atomic(tmp_path, monkeypatch):
 
 
 def test_second_concurrent_run_is_refused(tmp_path):
-    from specco.runner.demo import run_demo
+    from specco.runner.pipeline import run as run_demo
     from specco.runner.stages import RunLock, RunLockedError
     with RunLock(tmp_path):
         with pytest.raises(RunLockedError, match=str(tmp_path)):
@@ -146,18 +146,18 @@ def test_second_concurrent_run_is_refused(tmp_path):
 def test_changed_config_is_refused_listing_keys(tmp_path):
     from specco.runner.stages import record_config
     record_config(tmp_path, _cfg(tmp_path))
-    (tmp_path / "sft_policy").mkdir()
+    (tmp_path / "start_policy").mkdir()
     record_config(tmp_path, _cfg(tmp_path))  # the same config: a resume
     with pytest.raises(ConfigError, match=r"train.steps: 2 -> 3.*--force-new"):
         record_config(tmp_path, _cfg(tmp_path, "train.steps=3"))
     record_config(tmp_path, _cfg(tmp_path, "train.steps=3"), force_new=True)
-    assert not (tmp_path / "sft_policy").exists()
+    assert not (tmp_path / "start_policy").exists()
     assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 3
     # --force-new with the same config starts over too (it used to resume: found re-running a CPU rehearsal)
-    (tmp_path / "sft_policy").mkdir()
+    (tmp_path / "start_policy").mkdir()
     (tmp_path / "arms").mkdir()
     record_config(tmp_path, _cfg(tmp_path, "train.steps=3"), force_new=True)
-    assert not (tmp_path / "sft_policy").exists() and not (tmp_path / "arms").exists()
+    assert not (tmp_path / "start_policy").exists() and not (tmp_path / "arms").exists()
 
 
 def test_a_key_added_since_the_run_started_resumes_at_its_default(tmp_path):
@@ -188,7 +188,7 @@ def test_bad_values_are_named_before_any_stage(tmp_path, override, match):
 def test_one_token_cp_pack_is_refused():
     from specco.runner.cotrain_cp import run_cotrain_step_cp
     with pytest.raises(ConfigError, match="seq-lens 1.*>= 2 tokens"):
-        run_cotrain_step_cp(load_config(None, []), seq_lens=(1,))
+        run_cotrain_step_cp(load_config(DEMO, []), seq_lens=(1,))
 
 
 def _nan_on_step(monkeypatch, bad_call: int):
@@ -235,7 +235,7 @@ def test_cli_refuses_a_changed_config_with_status_2(tmp_path, capsys):
     from specco.cli import main
     from specco.runner.stages import record_config
     out = tmp_path / "run"
-    record_config(out, load_config(None, [*TINY, f"out_dir={out}"]))
+    record_config(out, load_config(DEMO, [*TINY, f"out_dir={out}"]))
     with pytest.raises(SystemExit) as e:
         main(["demo", "--quiet", "--out", str(out), *TINY, "train.steps=3"])
     assert e.value.code == 2 and "train.steps: 2 -> 3" in capsys.readouterr().err

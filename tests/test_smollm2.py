@@ -5,22 +5,23 @@ loads the 135M model."""
 import pytest
 import torch
 
-from specco.cli import SMOLLM2_CONFIG, main
-from specco.config import load_config
+from specco.cli import CONFIGS, main
+from specco.config_load import load_config
 from specco.model.config import ConfigError, PolicyConfig
 from specco.model.policy import Policy
 from specco.runner.warmstart import AUTO_DRAFT_VOCAB, FULL_VOCAB_MAX, new_draft, resolve_draft_vocab
+from cli_helpers import DEMO  # noqa: E402
 
 
 def test_batch_fields_default_and_validate():
-    t = load_config(None).train
+    t = load_config(DEMO).train
     assert t.warm_start_batch == 64 and t.sft_batch == 128  # the tiny demo's values, unchanged
-    assert load_config(None, ["train.warm_start_batch=4"]).train.warm_start_batch == 4
+    assert load_config(DEMO, ["train.warm_start_batch=4"]).train.warm_start_batch == 4
     for key in ("warm_start_batch", "sft_batch", "warm_start_prompts"):
         with pytest.raises(ConfigError, match=f"train.{key}=0"):
-            load_config(None, [f"train.{key}=0"])
+            load_config(DEMO, [f"train.{key}=0"])
     with pytest.raises(ConfigError, match="did you mean 'train.warm_start_batch'"):
-        load_config(None, ["train.warm_start_bach=4"])
+        load_config(DEMO, ["train.warm_start_bach=4"])
 
 
 @pytest.mark.parametrize("requested,target,expected", [
@@ -68,19 +69,20 @@ def test_new_draft_small_vocab_is_full():
 
 def test_cli_policy_smollm2_uses_its_config(monkeypatch, tmp_path):
     """`specco demo --policy smollm2` starts from configs/smollm2.toml; overrides still win."""
-    import specco.runner.demo as demo
+    import specco.runner.pipeline as pipeline
     seen = []
-    monkeypatch.setattr(demo, "run_demo", lambda cfg, progress=True, force_new=False: seen.append(cfg))
+    monkeypatch.setattr(pipeline, "run", lambda cfg, progress=True, force_new=False: seen.append(cfg))
     main(["demo", "--policy", "smollm2", "--out", str(tmp_path), "train.steps=2"])
     main(["demo", "--out", str(tmp_path)])
     smol, tiny = seen
-    file_cfg = load_config(SMOLLM2_CONFIG)
+    file_cfg = load_config(CONFIGS / "smollm2.toml")
     assert smol.policy.source == "smollm2" and smol.out_dir == str(tmp_path) and smol.train.steps == 2
     assert smol.train.warm_start_batch == file_cfg.train.warm_start_batch <= 8
-    assert smol.train.sft_lr == file_cfg.train.sft_lr < 1e-3 and smol.task.mode == "chat"
+    assert smol.sft.lr == file_cfg.sft.lr < 1e-3 and smol.data.format == "chat"
     assert smol.policy.dtype == "float32"
-    # the tiny demo keeps the built-in defaults
-    assert tiny.policy.source == "tiny" and tiny.train.warm_start_batch == 64
+    # the tiny demo: configs/demo.toml
+    assert tiny.policy.source == "tiny" and tiny.train.warm_start_batch == 64 and tiny.arms == ("none", "frozen",
+                                                                                                 "cotrained")
 
 
 @pytest.fixture(scope="module")
@@ -102,17 +104,22 @@ def smol_tokenizer(tmp_path_factory):
 
 def test_smollm2_chat_sft_batch(smol_tokenizer):
     """Chat-mode SFT batches train exactly `<answer>{a}</answer><eos>`, and that text scores 1."""
-    from specco.data.tasks import get_task
+    from specco.data.config import DataSpec
+    from specco.data.source import load_data
+    from specco.rewards import RewardSpec, Rewards
     from specco.train.sft import sft_batch
     tok = smol_tokenizer
     assert tok.vocab_size == 49152 and tok.chat_template is not None
-    task = get_task("chain_sum", mode="chat", tokenizer=tok)
-    items = task.prompts(3, seed=3000)
-    ids, mask = sft_batch(task, tok, items)
-    for b, it in enumerate(items):
-        assert "<|im_start|>assistant" in it.prompt and it.completion == f"<answer>{it.answer}</answer>"
+    spec = DataSpec(format="chat", options={"min_terms": 2, "max_terms": 3})
+    examples = load_data(spec, tok, need_reference=True)[0].examples(3, seed=3000)
+    ids, mask = sft_batch(examples, tok)
+    score = Rewards([RewardSpec(name="reasoning_gym")])
+    for b, e in enumerate(examples):
+        assert "<|im_start|>assistant" in tok.decode(e.prompt_ids, skip_special_tokens=False)
+        assert e.reference == f"<answer>{e.columns['answer']}</answer>"
         targets = ids[b, 1:][mask[b, :-1].bool()].tolist()  # tokens the loss trains on
         assert targets[-1] == tok.eos_id
-        assert tok.decode(targets) == it.completion
-        assert task.score(tok.decode(targets), it) == 1.0
-        assert task.score(f"The answer is {it.answer}.", it) == 0.0  # why the format SFT exists
+        assert tok.decode(targets) == e.reference
+        texts = [tok.decode(targets), f"The answer is {e.columns['answer']}."]  # the second: why the format SFT
+        got = score([e.prompt] * 2, texts, [targets, []], [e.columns] * 2).rewards.tolist()
+        assert got == [1.0, 0.0]

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from specco.config import ConfigError, load_config
+from specco.config import ConfigError
+from specco.config_load import load_config
 from specco.runner.derive import step_config, train_shapes
 from specco.runner.rollouts import Rollouts, minibatches
 from specco.train.compile import warm_shapes

@@ -24,6 +24,9 @@ PROMPT_LIKE = ("prompt", "messages", "question", "problem", "input", "query", "i
 def read_table(path: str, key: str = "data.source"):
     """The rows of a data file or save_to_disk directory as a `datasets.Dataset` (memory-mapped Arrow)."""
     import datasets
+    # datasets' own progress bars ("Generating train split") would interleave with specco's stage lines and land
+    # in front of an error message; a file of prompts loads in well under a second
+    datasets.disable_progress_bars()
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"{key}={path!r}: no such file or directory (relative paths are from "

@@ -95,10 +95,13 @@ class RewardSpec:
 @dataclass
 class RewardBatch:
     """One step's rewards. rewards: (N,) float32, the weighted sum (0 where invalid); valid: (N,) bool,
-    False for excluded (all None) and skipped rows; metrics: scalars for the step's log (see `Rewards`)."""
+    False for excluded (all None) and skipped rows; metrics: scalars for the step's log (see `Rewards`);
+    full_marks: (N,) bool, every function that scored the row gave it >= 1 (the `accuracy` metrics count these:
+    a built-in's 1 is a correct answer)."""
     rewards: torch.Tensor
     valid: torch.Tensor
     metrics: dict[str, float]
+    full_marks: torch.Tensor | None = None
 
 
 @dataclass
@@ -179,6 +182,7 @@ class Rewards:
         t0 = time.perf_counter()
         total = [0.0] * n
         scored = [False] * n  # some function returned a number for the row
+        perfect = [True] * n  # every function that scored the row gave it >= 1
         skipped = [False] * n  # on_error="skip" dropped the row
         per_fn: list[tuple[str, Scores]] = []
         metrics: dict[str, float] = {}
@@ -199,6 +203,7 @@ class Rewards:
                 if v is not None and row not in s.errors:
                     total[row] += spec.weight * v
                     scored[row] = True
+                    perfect[row] = perfect[row] and v >= 1.0
             for k, c in s.counts.items():
                 metrics[k] = metrics.get(k, 0.0) + c
             per_fn.append((label, s))
@@ -216,7 +221,8 @@ class Rewards:
         valid_t = torch.tensor(valid, dtype=torch.bool)
         rewards = torch.tensor(total, dtype=torch.float32).masked_fill(~valid_t, 0.0)
         metrics["time/reward"] = time.perf_counter() - t0
-        return RewardBatch(rewards=rewards, valid=valid_t, metrics=metrics)
+        return RewardBatch(rewards=rewards, valid=valid_t, metrics=metrics,
+                           full_marks=torch.tensor(perfect, dtype=torch.bool) & valid_t)
 
     def close(self):
         """Stop the worker processes (math). Idempotent; the object is unusable afterwards for math."""

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ..batch import TrainBatch
-from ..config import RunConfig, load_config
+from ..config import RunConfig
+from ..config_load import load_config
 from ..model.config import ConfigError, DraftConfig, PolicyConfig
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy

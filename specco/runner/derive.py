@@ -66,7 +66,7 @@ def step_config(cfg: RunConfig, mode: str = "cotrained", draft_row_stride: int |
                       policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
                       loss_chunk=t.loss_chunk, draft_row_stride=draft_row_stride or t.draft_row_stride,
                       micro_batch_rows=t.micro_batch_rows,
-                      width_multiple=t.width_multiple, amp_dtype=AMP_DTYPES[t.amp])
+                      width_multiple=t.width_multiple, amp_dtype=AMP_DTYPES.get(t.amp))
 
 
 def train_shapes(cfg: RunConfig, prompt_len: int) -> list[tuple[int, int]]:
@@ -98,9 +98,23 @@ def generate_config(cfg: RunConfig, eos_id: int | tuple[int, ...] | None, pad_id
                           spec_control={"auto": None, "on": True, "off": False}[r.spec_control])
 
 
+def on_device(cfg: RunConfig, device: torch.device) -> RunConfig:
+    """`cfg` with its "auto" precision keys decided for `device`, once, at the start of a run: train.amp and
+    rollout.dtype "auto" are bf16 (autocast over fp32 master weights; an engine copy in bf16) for a pretrained
+    policy on a GPU, and off elsewhere (the tiny demo model, CPUs, where bf16 matmuls are slow). Under pipeline
+    parallelism the engine copy stays in the trainer's dtype (config.py says why) and autocast is refused."""
+    pretrained_gpu = torch.device(device).type == "cuda" and cfg.policy.source != "tiny"
+    pp = cfg.parallel.pp > 1
+    amp = cfg.train.amp if cfg.train.amp != "auto" else ("bf16" if pretrained_gpu and not pp else "none")
+    dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else ("bfloat16" if pretrained_gpu and not pp else "")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp),
+                               rollout=dataclasses.replace(cfg.rollout, dtype=dtype))
+
+
 def engine_dtype(cfg: RunConfig) -> torch.dtype | None:
-    """The dtype of the rollout engine's model copies (rollout.dtype), None to keep the policy's."""
-    return getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype else None
+    """The dtype of the rollout engine's model copies (rollout.dtype), None to keep the policy's ("auto" left
+    unresolved, as in a test that builds an arm directly: the policy's)."""
+    return getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype not in ("", "auto") else None
 
 
 def at_temperature(gen_cfg: GenerateConfig, temperature: float) -> GenerateConfig:
@@ -144,7 +158,7 @@ def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[
                           "compiling the layers of a pipeline stage or under context parallelism is not "
                           "implemented; set train.compile=none")
     if command == "train" and p.pp > 1:
-        if cfg.train.amp != "none":
+        if cfg.train.amp == "bf16":
             raise ConfigError(f"train.amp={cfg.train.amp!r} with parallel.pp={p.pp}: not supported yet (the schedule "
                               "sends activations in the weights' dtype); set train.amp=none")
         why = "the pipeline co-trains EAGLE-3 drafts only (block drafters under PP are not implemented)"

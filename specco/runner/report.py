@@ -16,10 +16,10 @@ class MetricsLog:
     later ones (a crash between a log write and the next checkpoint never leaves duplicate steps).
     """
 
-    def __init__(self, out_dir: str | Path, resume_step: int = 0, tensorboard: bool = True):
+    def __init__(self, out_dir: str | Path, resume_step: int = 0, tensorboard: bool = True, name: str = "metrics.jsonl"):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.dir / "metrics.jsonl"
+        self.path = self.dir / name
         rows = read_jsonl(self.path) if self.path.exists() else []
         rows = [r for r in rows if r.get("step", -1) <= resume_step]
         # rewritten whole and renamed into place: a crash here keeps the old log, never a truncated one

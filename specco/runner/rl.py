@@ -347,7 +347,7 @@ def shadow_eval(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device,
     return m
 
 
-def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | None = None,
+def rl_step(st: ArmState, cfg: RunConfig, data, tokenizer, device, mesh: Mesh | None = None,
             record: list | None = None) -> dict:
     """One GRPO step for one arm; returns its metrics (reduced over ranks). `mesh`: module docstring.
     `record`: a list that receives this rank's Rollouts (tests replay them on one process)."""
@@ -356,7 +356,7 @@ def rl_step(st: ArmState, cfg: RunConfig, task, tokenizer, device, mesh: Mesh | 
     if cuda:  # memory diagnostics of the step (a train step near the GPU's capacity retries cudaMalloc)
         torch.cuda.reset_peak_memory_stats(device)
         retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
-    ro = collect_rollouts(st.engine, st.gen, cfg, task, tokenizer, st.data_offset, mesh,
+    ro = collect_rollouts(st.engine, st.gen, cfg, data.train, data.rewards, tokenizer, st.data_offset, mesh,
                           baseline=cfg.measures_plain(st.arm))
     if record is not None:
         record.append(ro)
@@ -452,10 +452,19 @@ def _restore(st: ArmState, s: dict, mesh: Mesh | None = None) -> None:
     st.engine.refit(s["policy"], s["draft"] if st.mode == "cotrained" else None)
 
 
-def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | BlockDraft | None, task, tokenizer,
+def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
+    """The arm's whole policy and draft as of its last refit, for evaluation and saving: the trainer's own
+    copies, or under pipeline parallelism (a rank trains one stage) the engine's, which the refit fills from
+    every stage in the trainer's dtype (config.py keeps rollout.dtype at the policy's under PP)."""
+    if st.pipeline is not None:
+        return st.engine.policy, st.engine.draft
+    return st.policy, st.draft
+
+
+def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | BlockDraft | None, data, tokenizer,
             out_dir, device="cpu", resume: bool = True, progress: bool = True,
             stop_after: int | None = None, mesh: Mesh | None = None, state_out: dict | None = None,
-            record: list | None = None) -> list[dict]:
+            record: list | None = None, on_step=None) -> list[dict]:
     """Run (or resume) the RL loop of one arm in `out_dir`; returns the per-step metrics.
 
     `cfg`: the run config or the arm's own (derive.arm_config); `draft`: the warm draft of the arm's kind.
@@ -464,13 +473,16 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Block
     `mesh`: data parallelism; call on every rank (rank 0 writes the log and the checkpoints).
     `state_out`: a dict that receives the arm's final ArmState under "state" (models, optimizer).
     `record`: a list that receives this rank's Rollouts of every step (tests).
+    `on_step(st, metrics)`: the caller's hook (pipeline.Outputs: evaluation, saved outputs), called on every
+    rank before the first step of a fresh arm (metrics None) and after every step and its checkpoint.
+    `data`: the job's data (validate.JobData: training prompts and rewards).
     """
     out_dir = Path(out_dir)
     rank = mesh.rank if mesh is not None else 0
     cfg, _ = arm_config(cfg, arm)  # the arm's view (its draft kind, its k); a no-op on an arm config
     seed_stage(cfg.train.seed, f"rl/{arm}")  # a fresh arm starts from its own RNG state; a resumed one restores it
     gen_cfg = dataclasses.replace(generate_config(cfg, tokenizer.stop_ids, tokenizer.pad_id),
-                                  min_prompt_len=longest_prompt(task, tokenizer, cfg))  # one runner for every step
+                                  min_prompt_len=longest_prompt(data.train, cfg))  # one runner for every step
     st = make_arm(cfg, arm, policy, draft, gen_cfg, rank=mesh.dp_rank if mesh is not None else 0, mesh=mesh)
     if rank == 0:  # crashed writes' leftovers (the run lock, runner/stages.py, excludes a live writer)
         remove_stale_temporaries(out_dir / "ckpt")
@@ -482,8 +494,10 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Block
     done = 0
     bar = tqdm(total=cfg.train.steps, initial=st.step, desc=f"RL [{arm}]", disable=not progress or rank != 0,
                leave=False)
+    if on_step is not None and st.step == 0:
+        on_step(st, None)
     while st.step < cfg.train.steps and (stop_after is None or done < stop_after):
-        m = rl_step(st, cfg, task, tokenizer, device, mesh, record)
+        m = rl_step(st, cfg, data, tokenizer, device, mesh, record)
         if log is not None:
             log.log(st.step, m)
         rows.append({"step": st.step, **m})
@@ -496,6 +510,10 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Block
                 save_checkpoint(out_dir / "ckpt", st.step, state, keep=cfg.train.keep_checkpoints)
             if _distributed(mesh):
                 dist.barrier()  # no rank (of any stage) runs ahead of a half-written checkpoint
+        if on_step is not None:
+            on_step(st, m)
+    if on_step is not None and done == 0 and st.step > 0:  # a finished arm run again: outputs it may lack (a
+        on_step(st, {})  # crash after its last checkpoint); the hook skips what is already there
     bar.close()
     if log is not None:
         log.close()

@@ -89,15 +89,19 @@ class Rollouts:
     advantages: torch.Tensor
     engine_logprobs: list[list[float]]
     metrics: dict = field(default_factory=dict)
+    valid: torch.Tensor | None = None  # (N,) bool: rows the rewards scored; the others train no token (None: all)
 
 
-def longest_prompt(task, tokenizer, cfg, cap: int = 65536) -> int:
-    """Tokens of the longest prompt of the run's prompt stream (its first `cap` prompts; items are cheap to
-    make, ~50 us each for chain_sum): the engine's prompt bucket (GenerateConfig.min_prompt_len), so the RL
-    steps share one decode runner. Without it, configs/long.toml's longest prompts of 63 and 65 tokens fell
-    in buckets 64 and 80 by turns, and each change recaptured every graph (0.3-1.6 s per step on the H200)."""
+def longest_prompt(source, cfg, cap: int = 65536) -> int:
+    """Tokens of the longest prompt the run will see (a procedural stream's first `cap` prompts, items are cheap
+    to make, ~50 us each for chain_sum; a dataset's rows, up to `cap`): the engine's prompt bucket
+    (GenerateConfig.min_prompt_len), so the RL steps share one decode runner. Without it, configs/long.toml's
+    longest prompts of 63 and 65 tokens fell in buckets 64 and 80 by turns, and each change recaptured every
+    graph (0.3-1.6 s per step on the H200)."""
     n = min(cap, cfg.train.steps * cfg.rollout.prompts_per_step)
-    return max(len(task.prompt_ids(it, tokenizer)) for it in task.prompts(n, seed=cfg.train.seed))
+    if source.num_rows is not None:  # a dataset: the longest of its rows (every epoch holds them all)
+        n = min(cap, source.num_rows)
+    return max(len(e.prompt_ids) for e in source.examples(max(1, n), seed=cfg.train.seed))
 
 
 def tail_metrics(out, max_new_tokens: int, texts: list[str]) -> dict:
@@ -183,20 +187,23 @@ def plain_baseline(engine, prompts, group_size: int, generator: torch.Generator,
             "time/rollout_plain_phases": phases_text(base.phases)}
 
 
-def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: Mesh | None,
+def collect_rollouts(engine, gen, cfg, source, rewards, tokenizer, data_offset: int, mesh: Mesh | None,
                      baseline: bool = False) -> Rollouts:
     """Generate, score and compute GRPO advantages for this DP rank's prompts — once per DP group: the
     CP group's rank 0 generates (with the DP rank's sampler), the others receive the result through the
     CP group (no file system, no second generation), so every CP rank trains on the same sequences. Under
     pipeline parallelism stage 0 generates and the other stages receive (pipeline group, then CP group).
-    `baseline` (config plain_baseline): also decode the prompts plainly, timed and discarded (`plain_baseline`)."""
+    `baseline` (config plain_baseline): also decode the prompts plainly, timed and discarded (`plain_baseline`).
+    `source`: the training prompts (data.source.PromptSource); `rewards`: the job's reward functions, called
+    once per step on this rank's rows; a row they exclude (every function returned None, or reward.on_error =
+    skip) has no advantage and no trained token."""
     r = cfg.rollout
     shared = mesh is not None and mesh.cp > 1
     staged = mesh is not None and mesh.pp > 1  # every pipeline stage trains on the same rollouts
     ro = None
     if (not shared or mesh.cp_rank == 0) and (not staged or mesh.pp_rank == 0):
-        items = rank_slice(task.prompts(r.prompts_per_step, seed=cfg.train.seed, offset=data_offset), mesh)
-        prompts = [task.prompt_ids(it, tokenizer) for it in items]
+        items = rank_slice(source.examples(r.prompts_per_step, seed=cfg.train.seed, offset=data_offset), mesh)
+        prompts = [e.prompt_ids for e in items]
         g_plain = clone_generator(gen) if baseline else None  # the same keys: the plain decode's draws
         t0 = time.perf_counter()
         out = engine.generate(prompts, group_size=r.group_size, generator=gen)
@@ -204,10 +211,16 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
         N = out.tokens.shape[0]
         comps = completions(out)  # one device -> host copy; the texts, rewards and pairs all read it
         texts = [tokenizer.decode(c) for c in comps]
-        rewards = torch.tensor([task.score(t, items[i // r.group_size]) for i, t in enumerate(texts)])
+        rows = [items[i // r.group_size] for i in range(N)]  # row b*G+g holds sample g of prompt b
+        scored = rewards([e.prompt for e in rows], texts, comps, [e.columns for e in rows])
+        valid = scored.valid
         n_tok = int(out.lengths.sum())
-        per_prompt = rewards.view(-1, r.group_size).mean(1)  # (prompts,): the groups are the i.i.d. units
-        m = {"reward": rewards.mean().item(), "accuracy": (rewards == 1.0).float().mean().item(),
+        # (prompts,) means over each group's scored rows: the groups are the i.i.d. units
+        per_prompt = (scored.rewards * valid).view(-1, r.group_size).sum(1) / valid.view(-1, r.group_size).sum(1)
+        per_prompt = per_prompt[per_prompt.isfinite()]
+        ok = valid.any()
+        m = {**scored.metrics, "reward": scored.rewards[valid].mean().item() if ok else float("nan"),
+             "accuracy": scored.full_marks[valid].float().mean().item() if ok else float("nan"),
              # the step's sampling noise in `reward`: the standard error over its prompts (0 for one prompt)
              "reward_se": (per_prompt.std() / len(per_prompt) ** 0.5).item() if len(per_prompt) > 1 else 0.0,
              "tau": out.tau, "completion_len": n_tok / N, "completion_len_max": int(out.lengths.max()),
@@ -235,11 +248,12 @@ def collect_rollouts(engine, gen, cfg, task, tokenizer, data_offset: int, mesh: 
             m.update(plain_baseline(engine, prompts, r.group_size, g_plain, out, t_roll))
         logprobs = out.logprobs.float().cpu()
         ts = cfg.train  # train.overlong_buffer: the advantages see the length penalty, `reward` stays the score
-        shaped = rewards + overlong_penalty(out.lengths.cpu(), r.max_new_tokens, ts.overlong_buffer, ts.overlong_penalty)
+        shaped = scored.rewards + overlong_penalty(out.lengths.cpu(), r.max_new_tokens, ts.overlong_buffer,
+                                                   ts.overlong_penalty)
         if ts.overlong_buffer:
-            m["reward/overlong_penalty"] = (shaped - rewards).mean().item()
-        ro = Rollouts(rollout_pairs(prompts, out, comps), r.group_size, grpo_advantages(shaped, r.group_size),
-                      [logprobs[i, :len(c)].tolist() for i, c in enumerate(comps)], m)
+            m["reward/overlong_penalty"] = (shaped - scored.rewards)[valid].mean().item() if ok else 0.0
+        ro = Rollouts(rollout_pairs(prompts, out, comps), r.group_size, grpo_advantages(shaped, r.group_size, valid=valid),
+                      [logprobs[i, :len(c)].tolist() for i, c in enumerate(comps)], m, valid=valid)
     if staged and mesh.cp_rank == 0:  # stage 0 -> the other stages' CP rank 0, then (below) their CP groups
         box = [ro]
         dist.broadcast_object_list(box, group=mesh.pp_group, group_src=0)
@@ -318,6 +332,8 @@ def minibatches(ro: Rollouts, n: int, cfg: StepConfig, pad_id: int, device, mesh
         pairs = [ro.pairs[r] for r in rows]
         batch = build_batch(pairs, pad_id, device, cfg.width_multiple)
         batch.advantages = ro.advantages[rows].to(device)
+        if ro.valid is not None and not bool(ro.valid.all()):  # excluded rows: no policy or draft token
+            batch.target_mask = batch.target_mask * ro.valid[rows].to(batch.target_mask)[:, None]
         out.append(_layout(batch, [len(p) + len(c) for p, c in pairs], rows, cfg, mesh))
     return out
 

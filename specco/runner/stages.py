@@ -25,18 +25,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import DRAFT_KINDS, RunConfig, config_to_dict
+from ..config import DRAFT_KINDS, RunConfig
+from ..config_load import config_to_dict
 from ..faults import point
 from ..model.config import ConfigError
 
 TMP_PREFIX = ".tmp_"
 # What a run writes into its out_dir (and --force-new deletes); nothing else there is touched. The
 # warm drafts by name, one per kind (no glob: a user's `warm_draft_notes` stays).
-RUN_OUTPUTS = ("sft_policy", "warm_draft", *(f"warm_draft_{k}" for k in DRAFT_KINDS), "arms", "config.json",
-               "report.md", "summary.json", "tau_reward.png", "draft.png", "time_split.png")
+RUN_OUTPUTS = ("start_policy", "warm_draft", *(f"warm_draft_{k}" for k in DRAFT_KINDS), "arms", "config.json",
+               "report.md", "summary.json", "tau_reward.png", "draft.png", "time_split.png",
+               # a job's (one arm's) own outputs, in out_dir itself (runner/pipeline.py)
+               "policy", "draft", "ckpt", "tb", "metrics.jsonl", "eval.jsonl", "eval.png")
 # Keys that may differ between the run and its re-run: where it is and what it prints do not change
 # what it computes.
 _IGNORED_KEYS = ("out_dir",)
+# Keys a re-run may change and continue: train.steps extends (or ends early) a run, the others only set how often
+# it evaluates, saves and checkpoints. The new values are recorded. (Under train.lr_schedule = cosine the steps
+# after a resume follow the new length's schedule.)
+_EXTENDING_KEYS = ("train.steps", "train.eval_every", "train.save_every", "train.checkpoint_every",
+                   "train.keep_checkpoints")
 
 
 class StageError(RuntimeError):
@@ -145,7 +153,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 def record_config(out: Path, cfg: RunConfig, force_new: bool = False) -> None:
-    """Write out/config.json on the first run; on a re-run require the same config (module docstring)."""
+    """Write out/config.json on the first run; on a re-run require the same config up to the keys that extend a run
+    (_EXTENDING_KEYS, then recorded anew) (module docstring)."""
     out = Path(out)
     f = out / "config.json"
     new = config_to_dict(cfg)
@@ -157,13 +166,16 @@ def record_config(out: Path, cfg: RunConfig, force_new: bool = False) -> None:
         # a key the old run's config lacks was added to specco since; its default keeps the old behaviour
         a, b = {**_flat(config_to_dict(RunConfig())), **_flat(old)}, _flat(new)
         diff = sorted(k for k in a.keys() | b.keys() if k not in _IGNORED_KEYS and a.get(k) != b.get(k))
+        extends = bool(diff) and all(k in _EXTENDING_KEYS for k in diff)
+        if extends:
+            diff = []
         if diff and not force_new:
             shown = ", ".join(f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}" for k in diff[:12])
             more = f" and {len(diff) - 12} more" if len(diff) > 12 else ""
             raise ConfigError(f"{out} holds a run started with a different config ({f}); differing keys: "
                               f"{shown}{more}. Use the original config to resume it, another out_dir for "
                               "the new one, or --force-new to delete its outputs and start over")
-        if not diff and not force_new:  # a resume; --force-new starts over whatever the config
+        if not diff and not extends and not force_new:  # a resume; --force-new starts over whatever the config
             return
     if force_new:
         for name in RUN_OUTPUTS:

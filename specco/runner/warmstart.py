@@ -23,15 +23,15 @@ from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_ste
 from .rollouts import pad_pairs, rollout_pairs
 
 
-def sample_pool(policy: Policy, task, tokenizer, n_prompts: int, group: int, gen_cfg: GenerateConfig,
+def sample_pool(policy: Policy, source, tokenizer, n_prompts: int, group: int, gen_cfg: GenerateConfig,
                 seed: int, batch_prompts: int = 32):
-    """Policy samples on task prompts: right-padded tokens (N, S) and completion mask (N, S)."""
+    """Policy samples on training prompts (`source`: data.source.PromptSource, stream `seed`): right-padded tokens
+    (N, S) and completion mask (N, S)."""
     engine = RolloutEngine(policy, None, gen_cfg)
     g = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     seqs = []
     for off in range(0, n_prompts, batch_prompts):
-        items = task.prompts(min(batch_prompts, n_prompts - off), seed=seed, offset=off)
-        prompts = [task.prompt_ids(it, tokenizer) for it in items]
+        prompts = [e.prompt_ids for e in source.examples(min(batch_prompts, n_prompts - off), seed=seed, offset=off)]
         seqs += rollout_pairs(prompts, engine.generate(prompts, group_size=group, generator=g))
     return pad_pairs(seqs, tokenizer.pad_id)
 
@@ -163,7 +163,7 @@ def warm_start(policy: Policy, draft: Eagle3Draft, tokens: torch.Tensor, mask: t
 
 
 @torch.no_grad()
-def measure_tau(policy: Policy, draft: Eagle3Draft, task, tokenizer, n_prompts: int, gen_cfg: GenerateConfig,
+def measure_tau(policy: Policy, draft: Eagle3Draft, source, n_prompts: int, gen_cfg: GenerateConfig,
                 seed: int) -> dict:
     """Real tau and speed of the engine with this draft vs without, on held-out prompts, generating
     with `gen_cfg` (the run's own rollout config, `derive.generate_config`, at the temperature to measure)
@@ -171,8 +171,7 @@ def measure_tau(policy: Policy, draft: Eagle3Draft, task, tokenizer, n_prompts: 
     simulated tau's k), not the controller's choices (on the H200 the tail re-check lowered a warm DFlash
     draft's tau from ~5.8 to 4.8 with the same per-position acceptance)."""
     gen_cfg = dataclasses.replace(gen_cfg, spec_control=False)
-    items = task.prompts(n_prompts, seed=seed, offset=0)
-    prompts = [task.prompt_ids(it, tokenizer) for it in items]
+    prompts = [e.prompt_ids for e in source.examples(n_prompts, seed=seed, offset=0)]
     res = {}
     for name, d in (("plain", None), ("draft", draft)):
         eng = RolloutEngine(policy, d, gen_cfg)

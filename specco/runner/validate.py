@@ -1,0 +1,97 @@
+"""Every input of a job checked before out_dir is touched, so a corrected command just runs.
+
+`check_job(cfg, device)` opens what the job will read — the policy directory (config.json, weights,
+tokenizer), the training / eval / SFT data with their columns, the reward functions, an imported draft — and
+returns the job's data (`JobData`). Anything wrong is a ConfigError (or FileNotFoundError) naming the file or
+key and the fix; nothing has been written yet.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig
+from ..data.source import PromptSource, load_data
+from ..model.config import ConfigError
+from ..rewards import Rewards, RewardSpec
+
+
+@dataclass
+class JobData:
+    """What a job reads besides its models: training prompts, held-out prompts (None: no evaluation), SFT
+    examples (None: no SFT stage), the reward functions, and what loading them found (rows dropped...)."""
+    train: PromptSource
+    eval: PromptSource | None
+    sft: PromptSource | None
+    rewards: Rewards
+    stats: dict
+
+
+def default_rewards(cfg: RunConfig) -> tuple[RewardSpec, ...]:
+    """The job's [[reward]] tables; a procedural reasoning_gym source without any scores with its own dataset's
+    scorer. A dataset file has no default: a ConfigError says how to name one."""
+    if cfg.reward:
+        return cfg.reward
+    if cfg.data.source.startswith("reasoning_gym:"):
+        return (RewardSpec(name="reasoning_gym"),)
+    raise ConfigError(f"no reward for data.source={cfg.data.source!r}: name one with --reward NAME_OR_FN (a built-in: "
+                      "math, exact, reasoning_gym; or path/to/file.py:function) or a [[reward]] table in the config")
+
+
+def check_policy(cfg: RunConfig, out: Path):
+    """The policy's directory and tokenizer, checked (None, tokenizer for the from-scratch tiny model)."""
+    from .prepare import source_dir, start_tokenizer
+    src = source_dir(cfg, out)
+    if src is not None:
+        from ..model.hf_io import check_policy_dir, check_tokenizer_fits
+        pc = check_policy_dir(src)
+        check_tokenizer_fits(src)
+        bad = [i for i in cfg.draft.aux_layer_ids if not 0 <= i < pc.num_layers]
+        if bad:
+            raise ConfigError(f"draft.aux_layer_ids={list(cfg.draft.aux_layer_ids)}: {bad} out of range for "
+                              f"{src}, which has {pc.num_layers} layers (ids 0..{pc.num_layers - 1})")
+    return src, start_tokenizer(cfg, out)
+
+
+def check_job(cfg: RunConfig, device: torch.device | None = None) -> JobData:
+    """Open and check every input of the job (module docstring); returns its data."""
+    out = Path(cfg.out_dir)
+    if not cfg.policy.source:
+        raise ConfigError("policy.source is not set: give the policy to train, a Hugging Face directory (--policy DIR "
+                          "or policy.source=DIR), 'smollm2', or 'tiny' (the from-scratch demo model)")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out_dir={cfg.out_dir!r} is a file; give a directory (it is created if missing)")
+    if cfg.policy.source == "tiny" and not cfg.sft.data:
+        raise ConfigError("policy.source='tiny' is a from-scratch model: it needs an SFT stage, e.g. "
+                          "sft.data=reasoning_gym:chain_sum (configs/demo.toml)")
+    src, tok = check_policy(cfg, out)
+    if cfg.draft.init and not Path(cfg.draft.init).is_dir():
+        raise FileNotFoundError(f"draft.init={cfg.draft.init!r}: no such directory (a specco draft, an EAGLE-3 or a "
+                                "DFlash layout); leave it empty to warm-start a new draft on the policy's samples")
+    train, eval_, stats = load_data(cfg.data, tok)
+    sft = load_sft(cfg, tok) if cfg.sft.data else None
+    rewards = Rewards(default_rewards(cfg))
+    probe_rewards(rewards, train, tok)
+    return JobData(train=train, eval=eval_, sft=sft, rewards=rewards, stats=stats)
+
+
+def load_sft(cfg: RunConfig, tok) -> PromptSource:
+    """The SFT examples: [sft] data read like [data] (its keys, templating and, for a reasoning_gym source, its
+    format and options), every row with a reference completion."""
+    procedural = cfg.sft.data.startswith("reasoning_gym:")
+    spec = dataclasses.replace(cfg.data, source=cfg.sft.data, eval="", eval_fraction=0.0,
+                               options=cfg.data.options if procedural else {})
+    return load_data(spec, tok, need_reference=True)[0]
+
+
+def probe_rewards(rewards: Rewards, source: PromptSource, tok, n: int = 4) -> None:
+    """The reward functions called once on the first `n` training prompts, with each one's reference answer (or
+    an empty string) as the completion: a function that raises, returns the wrong length, NaN or a non-number
+    fails here, before any stage, with its error naming the function and the row (the values themselves are
+    thrown away). A function with side effects sees this call too."""
+    examples = source.examples(n, seed=0)
+    texts = [e.reference or "" for e in examples]
+    rewards([e.prompt for e in examples], texts, [tok.encode(t) for t in texts], [e.columns for e in examples])

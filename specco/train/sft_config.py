@@ -1,0 +1,32 @@
+"""The SFT stage's config slice (`[sft]` in a run config), owned by the SFT stage (train/sft.py)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..model.config import ConfigError
+
+
+@dataclass(frozen=True)
+class SFTSpec:
+    """Supervised fine-tuning before RL, only when `data` is given: a pretrained policy starts RL as it is."""
+    # What to fine-tune on: "" = no SFT stage; a file or `datasets.save_to_disk` directory with a prompt column
+    # and a completion column (read with [data]'s prompt_key, completion_key and templating); or a
+    # `reasoning_gym:NAME` source, whose reference answers are written in [data]'s format and options (the
+    # from-scratch demo model learns its task this way)
+    data: str = ""
+    steps: int = 100
+    lr: float = 1e-5
+    # Sequences per SFT step
+    batch: int = 16
+    # Rows per forward/backward (0 = the whole batch): micro-batches take the rows longest first, each cut to its
+    # own length, and accumulate the whole batch's mean loss (train.sft.sft_micro_batches)
+    micro_batch_rows: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch", "micro_batch_rows"):
+            v = getattr(self, name)
+            if v < 0 or (name == "batch" and v < 1):
+                raise ConfigError(f"sft.{name}={v}: must be >= {1 if name == 'batch' else 0}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ConfigError(f"sft.lr={self.lr}: must be a finite number > 0")
