@@ -97,7 +97,7 @@ def _cp_amp_worker(rank, world, amp, out_path):
     from specco.config_load import load_config
     from specco.runner.cotrain_cp import run_cotrain_step_cp
     from specco.parallel.mesh import Mesh
-    cfg = load_config(DEMO, [f"parallel.cp={world}", "policy.hidden_size=64", "policy.num_layers=2",
+    cfg = load_config(DEMO, [f"parallel.cp={world}", "policy.hidden_size=64", "policy.num_layers=2", "draft.aux_layer_ids=[]",
                              "policy.num_heads=4", "policy.num_kv_heads=2", "policy.intermediate_size=96",
                              "draft.ttt_passes=3", f"train.amp={amp}",
                              f"train.activation_checkpointing={'true' if amp == 'bf16' else 'false'}"])

@@ -47,7 +47,7 @@ def test_initial_draft_block_kinds():
 def test_demo_with_dflash(tmp_path):
     from specco.cli import main
     out = tmp_path / "run"
-    main(["demo", "--quiet", "--out", str(out), "policy.hidden_size=32", "policy.num_layers=2",
+    main(["demo", "--quiet", "--out", str(out), "policy.hidden_size=32", "policy.num_layers=2", "draft.aux_layer_ids=[]",
           "policy.num_heads=2", "policy.num_kv_heads=1", "policy.intermediate_size=64", "sft.steps=10",
           "train.warm_start_steps=3", "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
           "rollout.max_new_tokens=8", "data.eval_size=4", "draft.kind=dflash"])

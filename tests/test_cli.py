@@ -7,7 +7,7 @@ import pytest
 from specco.cli import main
 from cli_helpers import DEMO  # noqa: E402
 
-SMALL = ["policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2", "policy.num_kv_heads=1",
+SMALL = ["policy.hidden_size=32", "policy.num_layers=2", "draft.aux_layer_ids=[]", "policy.num_heads=2", "policy.num_kv_heads=1",
          "policy.intermediate_size=64", "sft.steps=10", "train.warm_start_steps=3",
          "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
          "rollout.max_new_tokens=8", "data.eval_size=4"]

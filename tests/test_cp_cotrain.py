@@ -128,7 +128,7 @@ def _launch_worker(rank, world):
     from specco.config_load import load_config
     from specco.runner.cotrain_cp import run_cotrain_step_cp
     from specco.parallel.mesh import Mesh
-    cfg = load_config(DEMO, ["parallel.dp=2", "parallel.cp=2", "policy.hidden_size=32", "policy.num_layers=2",
+    cfg = load_config(DEMO, ["parallel.dp=2", "parallel.cp=2", "policy.hidden_size=32", "policy.num_layers=2", "draft.aux_layer_ids=[]",
                              "policy.intermediate_size=32", "draft.ttt_passes=2"])
     mesh = Mesh.build(2, 2)
     assert (mesh.dp_rank, mesh.cp_rank) == divmod(rank, 2)

@@ -322,7 +322,7 @@ def test_draft_init_config_key(tmp_path):
     src = _draft()
     out = export_draft(src, tmp_path / "sg", "sglang", POLICY)
     assert load_config(DEMO).draft.init == ""
-    got = initial_draft(policy, tokens, load_config(DEMO, [f"draft.init={out}"]).draft)
+    got = initial_draft(policy, tokens, load_config(DEMO, [f"draft.init={out}", "draft.aux_layer_ids=[]"]).draft)
     assert torch.equal(_logits(got)[0], _logits(src)[0])
     same = load_config(DEMO, [f"draft.init={out}", "draft.aux_layer_ids=1,3,4", "draft.draft_vocab_size=40"])
     assert initial_draft(policy, tokens, same.draft).cfg.aux_layer_ids == (1, 3, 4)
@@ -331,11 +331,11 @@ def test_draft_init_config_key(tmp_path):
         with pytest.raises(ConfigError, match=re.escape(needle)):
             initial_draft(policy, tokens, load_config(DEMO, [f"draft.init={out}", bad]).draft)
     with pytest.raises(FileNotFoundError, match="not a draft directory"):
-        initial_draft(policy, tokens, load_config(DEMO, [f"draft.init={tmp_path / 'nope'}"]).draft)
+        initial_draft(policy, tokens, load_config(DEMO, [f"draft.init={tmp_path / 'nope'}", "draft.aux_layer_ids=[]"]).draft)
     other = Policy(PolicyConfig(vocab_size=120, hidden_size=32, intermediate_size=48, num_layers=8,
                                 num_heads=4, num_kv_heads=2))
     with pytest.raises(ConfigError, match="vocab_size 100 != policy vocab_size 120"):
-        initial_draft(other, tokens, load_config(DEMO, [f"draft.init={out}"]).draft)
+        initial_draft(other, tokens, load_config(DEMO, [f"draft.init={out}", "draft.aux_layer_ids=[]"]).draft)
     assert initial_draft(policy, tokens, load_config(DEMO).draft).cfg.draft_vocab_size == 100  # new draft
 
 

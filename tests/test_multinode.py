@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["train", str(ROOT / "configs" / "demo.toml"), "--quiet", "parallel.dp=2", "parallel.cp=2", "out_dir=run",
-        "policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2", "policy.num_kv_heads=1",
+        "policy.hidden_size=32", "policy.num_layers=2", "draft.aux_layer_ids=[]", "policy.num_heads=2", "policy.num_kv_heads=1",
         "policy.intermediate_size=64", "sft.steps=4", "train.warm_start_steps=2", "train.warm_start_prompts=8",
         "train.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=6",
         "data.eval_size=4"]

@@ -54,7 +54,7 @@ def test_rl_loop_stops_on_a_broken_draft_refit(tmp_path, monkeypatch):
     cfg = load_config(DEMO, [f"out_dir={tmp_path}", "arms=cotrained", "train.steps=2", "sft.steps=4",
                              "train.warm_start_steps=2", "train.warm_start_prompts=8", "rollout.prompts_per_step=4",
                              "rollout.group_size=2", "rollout.max_new_tokens=6", "data.eval_size=4",
-                             "policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2",
+                             "policy.hidden_size=32", "policy.num_layers=2", "draft.aux_layer_ids=[]", "policy.num_heads=2",
                              "policy.num_kv_heads=1", "policy.intermediate_size=64"])
     real = RolloutEngine.refit
     monkeypatch.setattr(RolloutEngine, "refit", lambda self, p, d=None: real(self, p, None))  # drops the draft
@@ -110,7 +110,7 @@ def test_rl_loop_with_a_bf16_engine(tmp_path, monkeypatch):
     cfg = load_config(DEMO, [f"out_dir={tmp_path}", "arms=cotrained", "train.steps=2", "sft.steps=4",
                              "train.warm_start_steps=2", "train.warm_start_prompts=8", "rollout.prompts_per_step=4",
                              "rollout.group_size=2", "rollout.max_new_tokens=6", "data.eval_size=4",
-                             "policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2",
+                             "policy.hidden_size=32", "policy.num_layers=2", "draft.aux_layer_ids=[]", "policy.num_heads=2",
                              "policy.num_kv_heads=1", "policy.intermediate_size=64", "rollout.dtype=bfloat16"])
     run_demo(cfg, progress=False)
     (engine,) = built

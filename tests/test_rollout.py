@@ -273,11 +273,16 @@ def test_min_prompt_len_sizes_the_first_runner_for_the_run():
     (runner,) = engine._runners.values()
     assert runner.shape.prompt_len == 48  # 40 rounded up to the 16-token bucket
     items = [3, 9, 4, 2, 17, 8]  # prompt lengths of a stream; the run sees the first steps x prompts_per_step
-    task = SimpleNamespace(prompts=lambda n, seed: items[:n], prompt_ids=lambda it, tok: [0] * it)
+    stream = SimpleNamespace(num_rows=None, examples=lambda n, seed: [SimpleNamespace(prompt_ids=[0] * k)
+                                                                      for k in items[:n]])
     run = SimpleNamespace(train=SimpleNamespace(steps=2, seed=0), rollout=SimpleNamespace(prompts_per_step=2))
-    assert longest_prompt(task, None, run) == 9 and longest_prompt(task, None, run, cap=3) == 9
+    assert longest_prompt(stream, run) == 9 and longest_prompt(stream, run, cap=3) == 9
     run.train.steps = 3
-    assert longest_prompt(task, None, run) == 17
+    assert longest_prompt(stream, run) == 17
+    # a dataset (num_rows rows an epoch): its longest row, whatever the run's length
+    table = SimpleNamespace(num_rows=6, examples=stream.examples)
+    run.train.steps = 1
+    assert longest_prompt(table, run) == 17
 
 
 @pytest.mark.parametrize("speculative", [False, True])

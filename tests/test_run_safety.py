@@ -11,7 +11,7 @@ from specco.faults import SimulatedCrash, crash_at, inject
 from specco.model.config import ConfigError
 from cli_helpers import DEMO  # noqa: E402
 
-TINY = ["policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2", "policy.num_kv_heads=1",
+TINY = ["policy.hidden_size=32", "policy.num_layers=2", "draft.aux_layer_ids=[]", "policy.num_heads=2", "policy.num_kv_heads=1",
         "policy.intermediate_size=64", "sft.steps=4", "sft.batch=8", "train.warm_start_steps=2",
         "train.warm_start_prompts=4", "train.warm_start_batch=4", "train.steps=2", "train.checkpoint_every=1",
         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6", "data.eval_size=2"]
@@ -148,8 +148,12 @@ def test_changed_config_is_refused_listing_keys(tmp_path):
     record_config(tmp_path, _cfg(tmp_path))
     (tmp_path / "start_policy").mkdir()
     record_config(tmp_path, _cfg(tmp_path))  # the same config: a resume
-    with pytest.raises(ConfigError, match=r"train.steps: 2 -> 3.*--force-new"):
-        record_config(tmp_path, _cfg(tmp_path, "train.steps=3"))
+    with pytest.raises(ConfigError, match=r"train.lr: 5e-05 -> 0.001.*--force-new"):
+        record_config(tmp_path, _cfg(tmp_path, "train.lr=1e-3"))
+    # train.steps (and how often it evaluates, saves, checkpoints) may change: the run extends, recorded anew
+    record_config(tmp_path, _cfg(tmp_path, "train.steps=4", "train.save_every=2"))
+    assert (tmp_path / "start_policy").exists()
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 4
     record_config(tmp_path, _cfg(tmp_path, "train.steps=3"), force_new=True)
     assert not (tmp_path / "start_policy").exists()
     assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 3
@@ -237,5 +241,5 @@ def test_cli_refuses_a_changed_config_with_status_2(tmp_path, capsys):
     out = tmp_path / "run"
     record_config(out, load_config(DEMO, [*TINY, f"out_dir={out}"]))
     with pytest.raises(SystemExit) as e:
-        main(["demo", "--quiet", "--out", str(out), *TINY, "train.steps=3"])
-    assert e.value.code == 2 and "train.steps: 2 -> 3" in capsys.readouterr().err
+        main(["demo", "--quiet", "--out", str(out), *TINY, "rollout.k=2"])
+    assert e.value.code == 2 and "rollout.k: 3 -> 2" in capsys.readouterr().err

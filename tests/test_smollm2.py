@@ -14,12 +14,12 @@ from cli_helpers import DEMO  # noqa: E402
 
 
 def test_batch_fields_default_and_validate():
-    t = load_config(DEMO).train
-    assert t.warm_start_batch == 64 and t.sft_batch == 128  # the tiny demo's values, unchanged
+    cfg = load_config(DEMO)
+    assert cfg.train.warm_start_batch == 64 and cfg.sft.batch == 128  # the tiny demo's values, unchanged
     assert load_config(DEMO, ["train.warm_start_batch=4"]).train.warm_start_batch == 4
-    for key in ("warm_start_batch", "sft_batch", "warm_start_prompts"):
-        with pytest.raises(ConfigError, match=f"train.{key}=0"):
-            load_config(DEMO, [f"train.{key}=0"])
+    for key in ("train.warm_start_batch", "sft.batch", "train.warm_start_prompts"):
+        with pytest.raises(ConfigError, match=f"{key}=0"):
+            load_config(DEMO, [f"{key}=0"])
     with pytest.raises(ConfigError, match="did you mean 'train.warm_start_batch'"):
         load_config(DEMO, ["train.warm_start_bach=4"])
 
