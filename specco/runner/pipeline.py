@@ -13,7 +13,7 @@ A job (one arm) writes, every train.save_every steps and at the end:
     out_dir/policy/    the policy as a Hugging Face checkpoint (config.json, model.safetensors, tokenizer files,
                        generation_config.json): transformers' AutoModelForCausalLM loads it
     out_dir/draft/     the co-trained draft (specco generate --draft, specco export --draft)
-    out_dir/metrics.jsonl, eval.jsonl, tensorboard/, ckpt/   per-step metrics, evaluations, resumable state
+    out_dir/metrics.jsonl, eval.jsonl, tb/, ckpt/   per-step metrics, evaluations (TensorBoard), resumable state
 
 A comparison (several arms, runner/experiment.py) keeps each arm's under out_dir/arms/<arm>/.
 """
