@@ -3,7 +3,7 @@
 The stream. reasoning_gym item `idx` of a dataset built with seed `s` is (for almost every dataset)
 generated from `random.Random(s + idx)`, but a dataset may also hold per-item state sized by its `size`
 argument: `gsm_symbolic` and `list_functions` draw `Random(s).choices(templates, k=size)` at construction.
-Asking for `size=2**31` (one virtual dataset per stream, what `Task` did) therefore materialises a list of
+Asking for `size=2**31` (one virtual dataset per stream, what the first stream did) therefore materialises a list of
 2**31 ints -- tens of GB -- before the first item. `RGStream` instead serves item `i` of stream `seed` from a
 *block* dataset of `size=BLOCK` items:
 
@@ -18,7 +18,7 @@ only on (name, options, seed, i) -- BLOCK is part of that definition for the siz
 changing it changes their streams.
 
 The formats of the from-scratch char model's arithmetic ("compact", "cot", "rewrite") and of a chat model
-("chat") live here too, with the one answer extractor a reward imports (`extract_answer`).
+("chat") live here too; their answers are read by `specco.rewards.extract.extract_answer`.
 """
 from __future__ import annotations
 
@@ -30,10 +30,10 @@ from collections import OrderedDict
 from typing import Any
 
 from specco.model.config import ConfigError
+from specco.rewards.extract import extract_answer  # the one home of answer extraction
 
 BLOCK = 1024          # items per block dataset (see the module docstring: part of the stream's definition)
 _CACHED_BLOCKS = 4    # block datasets kept per stream: a batch straddles at most two; eval and train interleave
-FORMATS = ("compact", "cot", "rewrite", "chat")
 
 
 def worked_steps(expression: str) -> str:
@@ -95,20 +95,6 @@ def shows_steps(index: int, seed: int, cot_fraction: float) -> bool:
     if cot_fraction >= 1.0:
         return True
     return random.Random(f"{seed}:{index}").random() < cot_fraction
-
-
-def extract_answer(text: str, format: str) -> str | None:
-    """The answer inside a completion (decoded text, special tokens removed), as `format` writes it:
-    "chat": the last <answer>...</answer> (reasoning_gym's own rule), None without tags; "cot" / "rewrite":
-    the text after the last '>', None without one; "compact": the whole text, stripped."""
-    if format == "chat":
-        from reasoning_gym.utils import extract_answer as rg_extract
-        return rg_extract(text)
-    if format in ("cot", "rewrite"):
-        return text.rsplit(">", 1)[1].strip() if ">" in text else None
-    if format == "compact":
-        return text.strip()
-    raise ValueError(f"extract_answer: unknown format {format!r}; choose from {FORMATS}")
 
 
 def tiny_completion(entry: dict, format: str, max_terms: int | None, steps: bool) -> tuple[str, str]:

@@ -8,8 +8,8 @@ Two readers, for two kinds of data:
   text carries none of them. The `math` and `exact` rewards read completions *and* references with it,
   so a GSM8K `answer` column ("... #### 72") or a MATH `solution` column ("... \\boxed{72}") is a usable
   reference as it stands.
-* `extract_answer(text, format)` -- specco's procedural reasoning_gym prompt formats (specco.data.tasks'
-  modes): "chat" reads `<answer>` tags exactly as reasoning_gym's own evaluation does; "cot" / "rewrite"
+* `extract_answer(text, format)` -- specco's procedural reasoning_gym prompt formats (specco.data.procedural's
+  formats): "chat" reads `<answer>` tags exactly as reasoning_gym's own evaluation does; "cot" / "rewrite"
   completions end `>answer` after their worked steps; "compact" completions are the bare answer.
 """
 from __future__ import annotations
