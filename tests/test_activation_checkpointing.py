@@ -48,6 +48,7 @@ def _step(ckpt: bool):
     return m, {n: p.grad.clone() for n, p in named}, {n: p.detach().clone() for n, p in named}
 
 
+@pytest.mark.e2e
 def test_checkpointed_step_equals_plain_step():
     m0, g0, p0 = _step(False)
     m1, g1, p1 = _step(True)

@@ -108,6 +108,7 @@ def _cp_amp_worker(rank, world, amp, out_path):
             json.dump(hist[0], f)
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_cp_bf16_checkpointed_step_tracks_single_process_fp32(tmp_path):
     """CP (cp = 2, gloo: bf16 K/V shards travel the ring) with bf16 autocast and activation

@@ -17,6 +17,8 @@ from cli_helpers import DEMO  # noqa: E402
 
 ALL_KINDS = "arms=none,frozen,cotrained,cotrained-dflash,frozen-dflash,cotrained-dspark"
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.parametrize("overrides,match", [
     (["arms=none-dflash"], "'none-dflash': the no-draft arm has no draft kind; write 'none'"),

@@ -214,6 +214,7 @@ def test_pass1_is_causal_sdpa():
     assert lse.shape == (B, H, 33) and not lse.requires_grad
 
 
+@pytest.mark.e2e
 def test_ttt_gradcheck_fp64():
     """Independent of the reference: finite differences through the custom autograd node."""
     H, Hkv = HEADS["gqa"]

@@ -34,6 +34,7 @@ def test_every_micro_batch_width_is_a_multiple():
     assert build_batch(ro.pairs, 0, "cpu", 16).tokens.shape[1] == 48
 
 
+@pytest.mark.e2e
 def test_the_step_on_padded_minibatches_equals_the_exact_one(tmp_path):
     from test_draft_min_tokens import _step
     from test_rl_cp import _models

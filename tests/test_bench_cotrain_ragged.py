@@ -6,6 +6,9 @@ import sys
 
 import torch
 
+import pytest  # noqa: E402
+pytestmark = pytest.mark.e2e
+
 
 def test_paired_mode_reports_both_orders_and_the_outside_span_cost(tmp_path):
     out = tmp_path / "r.json"

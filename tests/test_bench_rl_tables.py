@@ -9,6 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.e2e
+
 
 def _run(*args):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rl_tables.py"), *map(str, args)],

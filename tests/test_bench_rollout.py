@@ -10,6 +10,8 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "rollout.py"
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.parametrize("draft,k", [("none", 3), ("self", 3), ("dflash", 3)])
 def test_rollout_bench_modes(tmp_path, draft, k):

@@ -8,6 +8,9 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
+import pytest  # noqa: E402
+pytestmark = pytest.mark.e2e
+
 
 def _run(script: str, *args: str) -> None:
     proc = subprocess.run([sys.executable, str(BENCH / script), "--device", "cpu", *args], capture_output=True,

@@ -33,6 +33,7 @@ def _batch(B=6, S=14, V=60, seed=5):
                       logp_old=-torch.rand(B, S, generator=g) * 3)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 @pytest.mark.parametrize("stride,micro,width", [(1, 4, 1), (2, 3, 1), (2, 3, 5), (1, 2, 4)])
 def test_block_draft_microbatched_step_equals_full_batch(kind, stride, micro, width):

@@ -30,6 +30,8 @@ LENS = (19, 3, 26)
 V = 61
 TOL = dict(rtol=1e-9, atol=1e-12)
 
+pytestmark = pytest.mark.dist
+
 
 def _models(kind):
     torch.manual_seed(0)

@@ -60,6 +60,7 @@ def test_serving_block_equals_training_forward(kind):
     torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 @pytest.mark.parametrize("k,group", [(1, 1), (3, 2)])
 def test_greedy_block_speculation_equals_plain(kind, k, group):
@@ -94,6 +95,7 @@ def _sampling_pair(kind):
     return policy, _block_draft(policy, kind, gamma=3, seed=4, scale=0.3)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_block_speculative_sampling_is_lossless(kind):
@@ -105,6 +107,7 @@ def test_block_speculative_sampling_is_lossless(kind):
     assert pvalue > 1e-3, pvalue
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_chi_square_rejects_wrong_verifier_with_block_drafter(monkeypatch):
     policy, draft = _sampling_pair("dflash")
@@ -158,6 +161,7 @@ def test_engine_proposals_score_through_the_policy_head(kind, monkeypatch):
         torch.testing.assert_close(seen[j], ref, atol=1e-9, rtol=0)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 @torch.no_grad()
 def test_every_round_proposes_what_the_training_forward_predicts(kind, monkeypatch):

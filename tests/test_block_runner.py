@@ -10,6 +10,8 @@ from specco.model.dflash import BlockDraft, BlockDraftConfig
 from specco.model.policy import Policy
 from specco.runner.warmstart import initial_draft, load_draft_dir, mask_token_id
 
+pytestmark = pytest.mark.e2e
+
 
 def _policy():
     torch.manual_seed(0)

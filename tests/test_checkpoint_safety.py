@@ -118,6 +118,7 @@ def test_full_disk_says_so_and_leaves_no_temporary(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.e2e
 def test_rl_loop_resumes_from_previous_checkpoint_when_newest_is_truncated(tmp_path, capsys):
     """A 6-step arm killed after step 4 whose step-4 checkpoint is then truncated resumes from step 2,
     saying so, and ends where the uninterrupted run ends."""

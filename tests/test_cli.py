@@ -12,6 +12,8 @@ SMALL = ["policy.hidden_size=32", "policy.num_layers=2", "draft.aux_layer_ids=[]
          "train.steps=2", "rollout.prompts_per_step=2", "rollout.group_size=2",
          "rollout.max_new_tokens=8", "data.eval_size=4"]
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.slow
 def test_demo_then_generate(tmp_path, capsys):

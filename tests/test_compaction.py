@@ -87,6 +87,7 @@ def compaction_case(kind: str, sampling: SamplingParams, G: int = 4, T: int = 64
     return policy, draft, prompts, eos, base_cfg
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("kind", ["plain", "random_draft", "structured_draft"])
 def test_compaction_changes_no_output(kind, sampling):

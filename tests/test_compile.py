@@ -33,6 +33,7 @@ def _loss_and_grads(policy, tokens):
     return out.logits.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_layers_match_eager_outputs_and_gradients(backend):
     eager = tiny_policy(V=32, h=32, layers=3)
@@ -77,6 +78,7 @@ def test_compiled_layers_match_eager_on_cuda_under_bf16_autocast():
         assert (got_grads[n] - w).norm() <= 5e-2 * w.norm() + 1e-6, n
 
 
+@pytest.mark.e2e
 def test_warm_up_compiles_before_the_first_step_and_leaves_no_state():
     """warm_up: both graphs (train, no-grad) compiled on a dummy batch, no gradient left behind, and later
     real batches of other widths and row counts compile nothing more."""
@@ -94,6 +96,7 @@ def test_warm_up_compiles_before_the_first_step_and_leaves_no_state():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
+@pytest.mark.e2e
 def test_rl_step_with_compiled_layers_matches_eager(tmp_path):
     """The arm's first step (before any update, the same rollouts): loss and gradient norm as eager to
     rounding; the engine keeps its own (uncompiled) copy."""

@@ -34,6 +34,7 @@ def _draft_loss_and_grads(policy, draft, batch):
     return loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_draft_matches_eager_loss_and_gradients(backend):
     _COMPILED.clear()
@@ -65,6 +66,7 @@ def test_compiled_draft_matches_eager_loss_and_gradients(backend):
     assert "finish" not in compiled.midlayer.__dict__ and "qkv" not in compiled.midlayer.self_attn.__dict__
 
 
+@pytest.mark.e2e
 def test_warm_up_draft_leaves_no_state():
     policy = tiny_policy(V=32, h=32, layers=3)
     draft = apply_draft_compile(Eagle3Draft(DraftConfig.for_policy(policy.cfg)), "aot_eager")
@@ -74,6 +76,7 @@ def test_warm_up_draft_leaves_no_state():
     assert all(torch.equal(p, weights[n]) for n, p in draft.named_parameters())
 
 
+@pytest.mark.e2e
 def test_rl_step_with_a_compiled_draft_matches_eager(tmp_path):
     tok, policy = _setup()
     draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), aux_layer_ids=(0, 1))

@@ -58,6 +58,7 @@ def _peaked_policy():
     return policy
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("broken", [False, True])
 def test_coupled_plain_decoding_samples_the_exact_joint(broken, monkeypatch):
     """10^5 rows of one prompt (each row its own key): the first 3 tokens against the exact joint. Broken:
@@ -93,6 +94,7 @@ def _drafts(kind):
 
 @pytest.mark.parametrize("kind,k", [("eagle3-structured", 1), ("eagle3-structured", 3), ("eagle3-random", 2),
                                     ("dflash", 3), ("dspark", 2)])
+@pytest.mark.e2e
 def test_coupled_speculation_emits_plain_tokens(kind, k):
     """Any draft, any k: the same tokens and log-probs as plain coupled decoding with the same generator seed
     (fp64, so no verify-vs-step rounding flips an argmax), with groups, EOS cut-offs and compaction."""
@@ -125,6 +127,7 @@ def test_sampler_config():
     assert not SamplingParams(temperature=0.0, coupled=True).keyed  # greedy is already deterministic
 
 
+@pytest.mark.e2e
 def test_coupled_arms_decode_the_same_tokens_and_stay_in_lockstep(tmp_path):
     """rollout.sampler = coupled in the RL loop: the no-draft, frozen and co-trained arms of one seed draw the
     same completions at every step (the policies train on the same data, so they stay equal), while their
@@ -152,6 +155,7 @@ def test_coupled_arms_decode_the_same_tokens_and_stay_in_lockstep(tmp_path):
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("kind", ["eagle3-structured", "dflash"])
 def test_controlled_coupled_speculation_equals_eager_plain(kind, device):

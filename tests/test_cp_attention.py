@@ -27,6 +27,8 @@ CU = (0, 13, 14, 16, 37)  # lengths 13, 1, 2, 21: two sequences shorter than 2·
 B, D = 2, 8
 TOL = {torch.float64: dict(rtol=1e-10, atol=1e-10), torch.float32: dict(rtol=1e-4, atol=1e-5)}
 
+pytestmark = pytest.mark.dist
+
 
 def _gather_unshard(x, lay, dim):
     parts = [torch.empty_like(x) for _ in range(lay.cp)]

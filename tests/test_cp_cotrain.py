@@ -33,6 +33,8 @@ LENS = (11, 3, 17)
 V = 61
 TOL = dict(rtol=1e-9, atol=1e-12)
 
+pytestmark = pytest.mark.dist
+
 
 def _models():
     torch.manual_seed(0)

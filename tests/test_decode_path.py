@@ -35,6 +35,7 @@ def _dense_reference(q, k, v, pos):
 
 @pytest.mark.parametrize("B,T,H,Hkv,D,S", [(2, 1, 4, 2, 16, 100), (3, 5, 14, 2, 64, 300),
                                            (1, 3, 8, 8, 32, 70), (2, 1, 6, 2, 80, 130), (1, 1, 2, 1, 16, 700)])
+@pytest.mark.e2e
 def test_decode_attention_kernel_matches_reference(B, T, H, Hkv, D, S):
     g = torch.Generator().manual_seed(B * 100 + S)
     q = torch.randn(B, T, H, D, generator=g)
@@ -55,6 +56,7 @@ def test_decode_attention_kernel_matches_reference(B, T, H, Hkv, D, S):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("precision", ["highest", "high"])
 def test_decode_attention_fp32_follows_the_matmul_precision(precision):
     """fp32 reads the cache in full-fp32 FMA under "highest" and through TF32 tensor cores once torch's
@@ -249,6 +251,7 @@ def test_fused_sampling_matches_twin(temperature):
         assert int(tok_t[0]) == 17
 
 
+@pytest.mark.e2e
 @torch.no_grad()
 def test_speculation_control_is_lossless_and_plain_stays_plain():
     """With control on (forced on CPU), greedy outputs equal plain greedy whatever k each level picks;
@@ -290,6 +293,7 @@ def test_speculation_control_is_lossless_and_plain_stays_plain():
             assert out.choices[0].k == 2 and out.tau > 1.0 and all(c.k > 0 for c in out.choices)
 
 
+@pytest.mark.e2e
 @torch.no_grad()
 @pytest.mark.parametrize("recheck", [0, 4])
 def test_a_level_rechooses_k_from_its_own_rows(recheck, monkeypatch):

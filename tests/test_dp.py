@@ -16,6 +16,8 @@ from test_cp_cotrain import V, _models
 
 B, S = 8, 14
 
+pytestmark = pytest.mark.dist
+
 
 def _batch():
     g = torch.Generator().manual_seed(7)

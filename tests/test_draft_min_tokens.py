@@ -78,6 +78,7 @@ def _step(tmp_path, tag, extra, ro):
     return m, params
 
 
+@pytest.mark.e2e
 def test_the_rl_step_under_the_floor_is_the_fixed_stride_step(tmp_path):
     """Long completions keep the largest stride; short ones bring it down. Either way the step equals the one at
     the fixed stride it chose, on the same rollouts (fp64; the only difference would be the rows)."""

@@ -339,6 +339,7 @@ def test_draft_init_config_key(tmp_path):
     assert initial_draft(policy, tokens, load_config(DEMO).draft).cfg.draft_vocab_size == 100  # new draft
 
 
+@pytest.mark.e2e
 def test_generate_with_exported_draft(tmp_path, capsys):
     """`specco generate --draft` reads an exported (or published) layout: same greedy text as with
     specco's own draft directory."""

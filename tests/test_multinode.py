@@ -24,6 +24,8 @@ ARGS = ["train", str(ROOT / "configs" / "demo.toml"), "--quiet", "parallel.dp=2"
         "data.eval_size=4"]
 COMPARED = ("policy/loss", "draft/loss", "policy/grad_norm", "draft/grad_norm", "reward", "tau", "draft/tokens")
 
+pytestmark = pytest.mark.e2e
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -23,6 +23,8 @@ from specco.runner.warmstart import new_draft
 from test_coupled import COUPLED, _drafts, _prompts
 from test_grpo import DigitTask, _cfg, _setup
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.parametrize("kind", ["eagle3-structured", "dflash"])
 def test_engine_decodes_plainly_on_request(kind):

@@ -32,6 +32,8 @@ TOL = dict(rtol=1e-9, atol=1e-12)
 CFG = StepConfig(ttt_passes=2, loss_chunk=4, policy_grad_clip=0.5, draft_grad_clip=0.5, draft_row_stride=1,
                  micro_batch_rows=1)
 
+pytestmark = pytest.mark.dist
+
 
 def _models():
     torch.manual_seed(0)

@@ -25,6 +25,8 @@ from specco.train.cotrain import StepConfig, policy_loss
 from test_grpo import DigitTask, _cfg, _setup
 from cli_helpers import DEMO  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 
 def test_kl_penalty_matches_hand_computation():
     torch.manual_seed(3)

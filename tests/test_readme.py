@@ -38,6 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 FENCE = re.compile(r"```[^\n]*\n(.*?)^```", re.S | re.M)
 
+pytestmark = pytest.mark.e2e
+
 
 def _block_after(text: str, pos: int) -> str:
     m = FENCE.search(text, pos)

@@ -10,6 +10,8 @@ from specco.runner.refit_guard import check_acceptance
 from test_rollout_helpers import random_draft, tiny_policy
 from cli_helpers import DEMO  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 
 def test_fingerprint_sees_a_changed_or_permuted_tensor():
     policy = tiny_policy()

@@ -28,6 +28,8 @@ from specco.parallel.mesh import Mesh, spawn_local
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
+pytestmark = pytest.mark.dist
+
 
 def _models():
     from specco.runner.warmstart import new_draft

@@ -21,6 +21,8 @@ import torch
 from specco.parallel.mesh import Mesh, spawn_local
 from test_rl_cp import _cfg, _close, _models
 
+pytestmark = pytest.mark.dist
+
 
 def _params(st):
     out = {f"policy.{n}": p.detach() for n, p in st.policy.named_parameters()}

@@ -389,6 +389,7 @@ def test_engine_rejects_mismatched_draft():
         RolloutEngine(policy, random_draft(other))
 
 
+@pytest.mark.e2e
 def test_engine_bounds_the_memory_of_its_cached_runners():
     """cache_gib: runners beyond the byte bound are dropped oldest first (the running one is kept)."""
     policy = tiny_policy()
@@ -407,6 +408,7 @@ def test_engine_bounds_the_memory_of_its_cached_runners():
         assert torch.equal(a.tokens, generate(policy, p, cfg, group_size=32).tokens)
 
 
+@pytest.mark.e2e
 def test_positions_past_max_position_embeddings_warn():
     policy = tiny_policy()
     cfg = GenerateConfig(max_new_tokens=policy.cfg.max_position_embeddings, sampling=GREEDY)

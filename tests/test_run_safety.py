@@ -16,6 +16,8 @@ TINY = ["policy.hidden_size=32", "policy.num_layers=2", "draft.aux_layer_ids=[]"
         "train.warm_start_prompts=4", "train.warm_start_batch=4", "train.steps=2", "train.checkpoint_every=1",
         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=6", "data.eval_size=2"]
 
+pytestmark = pytest.mark.e2e
+
 
 def _cfg(out, *extra):
     return load_config(DEMO, [*TINY, f"out_dir={out}", *extra])
@@ -43,6 +45,25 @@ def _prepare(out, cfg):
     prepare_draft(cfg, policy, tok, data, out, progress=False)
 
 
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The two stages of an uninterrupted run, once for the module (what every interrupted run must equal)."""
+    out = tmp_path_factory.mktemp("prepared")
+    _prepare(out, _cfg(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The fingerprint of the whole uninterrupted demo (arms none and cotrained), once for the module."""
+    from specco.runner.pipeline import run as run_demo
+    out = tmp_path_factory.mktemp("uninterrupted")
+    _fresh_process()
+    with inject(crash_at("")):
+        run_demo(_cfg(out, "arms=none,cotrained"), progress=False)
+    return _fingerprint(out, ("none", "cotrained"))
+
+
 STAGE_POINTS = ["start_policy/model", "start_policy/tokenizer", "start_policy/written", "warm_draft/start",
                 "warm_draft/draft", "warm_draft/written"]
 
@@ -58,11 +79,10 @@ def test_stage_points_are_every_gap(tmp_path):
 
 
 @pytest.mark.parametrize("point", STAGE_POINTS)
-def test_kill_between_files_of_a_stage_reruns_to_the_same_stage(tmp_path, point):
+def test_kill_between_files_of_a_stage_reruns_to_the_same_stage(tmp_path, point, prepared):
     """A kill between any two files of the SFT or warm-draft stage leaves no stage under its final
     name (only a .tmp_* directory the next run removes), and the re-run writes the same bytes."""
     from specco.runner.stages import remove_stale_temporaries
-    _prepare(tmp_path / "a", _cfg(tmp_path / "a"))
     b = tmp_path / "b"
     with pytest.raises(SimulatedCrash), inject(crash_at(point)):
         _prepare(b, _cfg(b))
@@ -72,7 +92,7 @@ def test_kill_between_files_of_a_stage_reruns_to_the_same_stage(tmp_path, point)
     assert not list(b.glob(".tmp_*"))
     _prepare(b, _cfg(b))
     for f in ("start_policy/model.safetensors", "start_policy/tokenizer.json", "warm_draft/model.safetensors"):
-        assert (tmp_path / "a" / f).read_bytes() == (b / f).read_bytes(), f
+        assert (prepared / f).read_bytes() == (b / f).read_bytes(), f
 
 
 def _fresh_process():
@@ -89,23 +109,22 @@ def _fresh_process():
 @pytest.mark.parametrize("point,nth", [("start_policy/tokenizer", 1), ("warm_draft/start", 1),
                                        ("warm_draft/written", 1), ("checkpoint/state", 2),
                                        ("checkpoint/renamed", 3), ("checkpoint/pointer", 4)])
-def test_interrupted_demo_equals_uninterrupted_demo(tmp_path, point, nth):
+def test_interrupted_demo_equals_uninterrupted_demo(tmp_path, point, nth, uninterrupted):
     """The whole demo (tiny settings), killed at a stage boundary, an RL checkpoint write or a Ctrl-C in
     the warm start, then re-run: every weight byte and logged number equals the uninterrupted demo's."""
     from specco.runner.pipeline import run as run_demo
-    arms = ("none", "cotrained")
-    a, b = tmp_path / "a", tmp_path / "b"
-    for out, crash in ((a, None), (b, point), (b, None)):
+    b = tmp_path / "b"
+    for crash in (point, None):
         _fresh_process()  # the re-run is a new process: no RNG state carries over from the killed one
         with inject(crash_at(crash, nth) if crash else crash_at("")):
             try:
-                run_demo(_cfg(out, "arms=none,cotrained"), progress=False)
+                run_demo(_cfg(b, "arms=none,cotrained"), progress=False)
             except SimulatedCrash:
                 assert crash
             else:
                 assert not crash
     assert not list(b.glob(".tmp_*")) and not list(b.glob("arms/*/ckpt/.tmp_*"))
-    assert _fingerprint(a, arms) == _fingerprint(b, arms)
+    assert _fingerprint(b, ("none", "cotrained")) == uninterrupted
 
 
 def test_unloadable_stage_names_the_directory_to_delete(tmp_path):

@@ -41,6 +41,7 @@ def test_sft_batch_masks_prompt():
         assert ids[b, len(p) + len(c):].eq(tok.pad_id).all()
 
 
+@pytest.mark.e2e
 def test_sft_lowers_loss():
     tok, source, pol = _setup()
     probe = sft_batch(source.examples(64, seed=1), tok)
@@ -61,6 +62,7 @@ def test_warmup_cosine_shape():
     assert 0.1 < warmup_cosine(55, 100, 10) < 1.0
 
 
+@pytest.mark.e2e
 def test_sft_micro_batches_equal_the_whole_batch():
     """Rows longest first, cut to their own length, gradients accumulated: the whole batch's mean-loss
     gradient (fp64, rewrite-mode references from 4 to 16 terms, so the rows are ragged)."""

@@ -12,6 +12,8 @@ from specco.model.policy import Policy
 from specco.runner.warmstart import AUTO_DRAFT_VOCAB, FULL_VOCAB_MAX, new_draft, resolve_draft_vocab
 from cli_helpers import DEMO  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 
 def test_batch_fields_default_and_validate():
     cfg = load_config(DEMO)

@@ -31,6 +31,7 @@ def _prompts(V, lens=(3, 7, 1, 5, 9, 2), seed=0):
 
 
 # -- greedy equivalence -------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 @pytest.mark.parametrize("kind", ["random", "structured", "structured_small_vocab"])
 def test_greedy_speculative_equals_plain(k, kind):
@@ -128,6 +129,7 @@ def _sampled_tokens(policy, draft, params, k, T, N=100_000, seed=0):
 
 @pytest.mark.parametrize("params,k", [(SamplingParams(temperature=1.0), 2),
                                       (SamplingParams(temperature=0.8, top_k=5), 3)])
+@pytest.mark.e2e
 def test_speculative_sampling_is_lossless(params, k):
     policy, draft = _sampling_setup()
     T = 3
@@ -152,6 +154,7 @@ def _wrong_verify_sampling(p_target, q_draft, draft_tokens, u_accept, u_residual
     return Verdict(a, tokens)
 
 
+@pytest.mark.e2e
 def test_chi_square_rejects_wrong_verifier(monkeypatch):
     policy, draft = _sampling_setup()
     params, T = SamplingParams(temperature=1.0), 3

@@ -19,6 +19,8 @@ from specco.parallel.taps import TapChannel, TapMismatch, TapSpec, TapTimeout
 PC = PolicyConfig(vocab_size=41, hidden_size=16, intermediate_size=24, num_layers=5, num_heads=2, num_kv_heads=1)
 AUX = (0, 2, 4)
 
+pytestmark = pytest.mark.dist
+
 
 def test_stage_ranges_and_split_equal_the_unsplit_model():
     assert stage_layer_ranges(5, 2) == [range(0, 3), range(3, 5)]

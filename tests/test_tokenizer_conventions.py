@@ -107,21 +107,15 @@ def test_stop_tokens(tmp_path):
 
 # -- SmolLM2 end to end ----------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smol_dir(tmp_path_factory):
-    pytest.importorskip("gguf")
-    pytest.importorskip("transformers")
-    from specco.data.smollm2 import find_gguf, prepare_smollm2
-    try:
-        find_gguf()
-    except (ModuleNotFoundError, FileNotFoundError) as e:
-        pytest.skip(str(e))
-    return prepare_smollm2(tmp_path_factory.mktemp("smol") / "hf")
+@pytest.fixture
+def smol_dir(smollm2_dir):
+    return smollm2_dir
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "What is 2+3?"]
 
 
+@pytest.mark.e2e
 def test_smollm2_tokenizer_conventions(smol_dir):
     import transformers
     ours, ref = load_tokenizer(smol_dir), transformers.AutoTokenizer.from_pretrained(str(smol_dir))
@@ -137,6 +131,7 @@ def test_smollm2_tokenizer_conventions(smol_dir):
     assert stop_token_ids(smol_dir) == (2,)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_smollm2_generate_matches_transformers(smol_dir, capsys):
     import transformers
@@ -145,22 +140,22 @@ def test_smollm2_generate_matches_transformers(smol_dir, capsys):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(smol_dir), dtype=torch.float32).eval()
     ref = transformers.AutoTokenizer.from_pretrained(str(smol_dir))
     n_new = 20
-    for chat in (False, True):
-        for p in PROMPTS:
-            if chat:
-                text = ref.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                               add_generation_prompt=True)
-                ids = ref(text, add_special_tokens=False, return_tensors="pt").input_ids
-            else:
-                ids = ref(p, return_tensors="pt").input_ids
-            with torch.no_grad():
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
-                                  do_sample=False)
-            reply = ref.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-            main(["generate", "--policy", str(smol_dir), "--prompt", p, "--max-new-tokens", str(n_new),
-                  "--device", "cpu"] + (["--chat"] if chat else []))
-            printed = capsys.readouterr().out
-            assert printed == (reply if chat else p + reply) + "\n", (chat, p)
+    # a raw prompt and a chat one (each `specco generate` call loads the model: two cases keep it to ~30 s)
+    for chat, p in ((False, PROMPTS[1]), (True, PROMPTS[2])):
+        if chat:
+            text = ref.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True)
+            ids = ref(text, add_special_tokens=False, return_tensors="pt").input_ids
+        else:
+            ids = ref(p, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_new,
+                              do_sample=False)
+        reply = ref.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        main(["generate", "--policy", str(smol_dir), "--prompt", p, "--max-new-tokens", str(n_new),
+              "--device", "cpu"] + (["--chat"] if chat else []))
+        printed = capsys.readouterr().out
+        assert printed == (reply if chat else p + reply) + "\n", (chat, p)
 
 
 def test_tokenizer_stop_ids_round_trip(tmp_path):

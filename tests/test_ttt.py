@@ -68,6 +68,7 @@ def naive_ttt_loss(draft, aux, embed, logits, target_mask, K, weights):
     return num / den
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("K", [1, 2, 3, 4])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
 @pytest.mark.parametrize("dtype,rtol", [(torch.float64, 1e-10), (torch.float32, 2e-4)])
@@ -149,6 +150,7 @@ def test_policy_grads_identical_for_any_lambda():
             assert torch.equal(a, b)
 
 
+@pytest.mark.e2e
 def test_offline_warm_start_freezes_policy_and_learns():
     policy, draft = _models(torch.float32, draft_vocab=61, gain=1.0)
     before = [p.clone() for p in policy.parameters()]
@@ -199,6 +201,7 @@ def test_draft_row_stride_equals_loss_on_the_selected_rows():
     assert abs(l_c.item() - l_d.item()) < 1e-12
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stride,micro,width", [(1, 3, 1), (2, 3, 1), (4, 2, 1), (3, 5, 1), (2, 3, 5)])
 def test_microbatched_step_equals_full_batch(stride, micro, width):
     """micro_batch_rows: the accumulated update equals the whole-batch step (fp64): every gradient,
@@ -253,6 +256,7 @@ def test_micro_batches_group_rows_by_length_and_keep_the_draft_rows():
     assert whole is batch and rows == slice(0, None, 2)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("stride,micro", [(1, 3), (2, 3), (3, 2)])
 def test_frozen_draft_eval_in_micro_batches_equals_one_forward(stride, micro):
     """rl.draft_eval runs only the draft's rows, in micro-batches: the same loss and metrics (fp64)."""

@@ -53,6 +53,7 @@ def test_warming_changes_no_state():
     assert torch.equal(rng, torch.get_rng_state())
 
 
+@pytest.mark.e2e
 def test_make_arm_warms_its_trainer(capsys):
     from test_rl_cp import _cfg, _models
     from specco.runner.derive import generate_config
