@@ -183,12 +183,18 @@ def tail(args):
         def verify_tail():
             logp = processed_logprobs(logits, params)
             v = acceptance.verify_sampling(logp.exp(), q, dtok, u[:, k:2 * k], u[:, 2 * k])
-            return logp.gather(-1, v.tokens[..., None])
+            return logp.gather(-1, v.tokens[..., None]), v
+
+        def fused_tail():
+            return acceptance.verify_sampling_logits(logits, 1.0, q, dtok, u[:, k:2 * k], u[:, 2 * k])
 
         plain = graph_ms(lambda: pick_tokens_logp(logits[:, 0], params, u[:, 0]))
-        ver = graph_ms(verify_tail)
-        out.append(dict(B=B, verify_tail_ms=ver, plain_sample_ms=plain))
-        print(f"tail B {B}: verify sampling/acceptance {ver:.3f} ms, plain fused sampling {plain:.3f} ms", flush=True)
+        ver, fused = graph_ms(verify_tail), graph_ms(fused_tail)
+        agree = (fused_tail()[0].num_accepted == verify_tail()[1].num_accepted).float().mean().item()
+        out.append(dict(B=B, verify_tail_ms=ver, fused_verify_tail_ms=fused, plain_sample_ms=plain,
+                        accepted_agree=agree))
+        print(f"tail B {B}: verify sampling/acceptance {ver:.3f} ms, fused {fused:.3f} ms (a agrees on {agree:.0%}), "
+              f"plain fused sampling {plain:.3f} ms", flush=True)
     return out
 
 
