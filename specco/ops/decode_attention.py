@@ -20,10 +20,18 @@ Two implementations, one meaning (STYLE §8):
     The grid is fixed by (B, Hkv, S_max), so one captured graph serves every position; the work is
     proportional to the live prefix.
 
-The T > 1 case (verify of k+1 tokens, catch-up) is the same kernel: rows differ only in pos, so the
-causal structure inside the new block is the mask j <= pos[b, t] — no dense bias is ever built.
+The T > 1 case (verify of k+1 tokens, catch-up, block proposals) is the same kernel: rows differ only
+in pos, so the causal structure inside the new block is the mask j <= pos[b, t] — no dense bias is ever
+built. All G·T query rows of a kv head share one pass over its keys, so a verify reads the cache once,
+as a plain step does; its extra cost is arithmetic on a 4x taller score tile (35 or 56 rows padded to 64
+against 7 padded to 16). That is kept under the load time by (i) masking only the chunk's causal edge —
+keys below min_t pos[b, t] are visible to every row and run unmasked — (ii) the softmax in base 2 with
+the scale folded into one FMA, and (iii) the launch shape of `kernel_config`.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +44,8 @@ try:  # Triton is optional: absent on CPU-only installs, where the twin runs.
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-__all__ = ["decode_attention", "decode_attention_reference", "write_kv", "split_plan"]
+__all__ = ["decode_attention", "decode_attention_reference", "write_kv", "split_plan", "KernelConfig",
+           "kernel_config"]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -72,22 +81,86 @@ def decode_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 
 
-BLOCK_N = 64  # keys per inner step; a chunk is a whole number of these
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of the split kernel: keys per inner step, warps, pipeline depth, and how many programs
+    per SM the split plan aims for (more splits hide more latency but write more partials to merge)."""
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    waves: int = 4
 
 
-def split_plan(batch: int, num_kv_heads: int, max_len: int, num_sms: int = 132) -> tuple[int, int]:
-    """(chunk, num_splits) for a cache of `max_len` keys: enough programs to fill the GPU (~4 per SM)
+def kernel_config(rows: int, dtype: torch.dtype) -> KernelConfig:
+    """The launch shape for `rows` = G·T query rows per (row, kv head), from the H200 sweep at Qwen2.5-0.5B
+    shapes (bench/decode_attention.py: KV 1K/8K/30K x B 8/32 x T 1/5/8, 54 shapes each; BENCHMARKS.md).
+
+    Four warps always: with 8 warps the 64-row tile of a verify (G·T = 35 or 56, padded to 64) made the
+    kernel 1.4-1.5x slower at KV >= 8K (two warpgroups split one small tile: more softmax and rescale
+    instructions per key, and fewer programs resident per SM). A 64-row tile also wants fewer, longer
+    splits (2 programs per SM): its per-key work is 4x the plain step's 16-row tile, so longer loops
+    hide the loads with 3 stages, and the merge reads half the partials. With these the verify of
+    k+1 = 5 reads the cache at 1.04x the plain step's attention time at KV 30K, B 32 (was 2.2x)."""
+    if _pow2(rows) <= 16:
+        return KernelConfig(block_n=64, num_warps=4, num_stages=2, waves=4)
+    return KernelConfig(block_n=64, num_warps=4, num_stages=3, waves=2)
+
+
+def split_plan(batch: int, num_kv_heads: int, max_len: int, num_sms: int = 132, block_n: int = 64,
+               waves: int = 4) -> tuple[int, int]:
+    """(chunk, num_splits) for a cache of `max_len` keys: enough programs to fill the GPU (`waves` per SM)
     when the cache is full, never a chunk shorter than one key block. Static in (B, Hkv, S_max)."""
-    blocks = -(-max_len // BLOCK_N)
-    want = max(1, -(-4 * num_sms // (batch * num_kv_heads)))  # splits per (row, kv head)
+    blocks = -(-max_len // block_n)
+    want = max(1, -(-waves * num_sms // (batch * num_kv_heads)))  # splits per (row, kv head)
     splits = min(blocks, want)
-    chunk = BLOCK_N * -(-blocks // splits)
+    chunk = block_n * -(-blocks // splits)
     return chunk, -(-max_len // chunk)
 
 
 if triton is not None:
     @triton.jit
-    def _split_kernel(Q, K, V, POS, OP, LP, T, HKV, S, chunk, scale,
+    def _attend_keys(q, K, V, k_base, v_base, sk_s, sv_s, n0, end, pos, m_i, l_i, acc, qk_scale,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                     MASKED: tl.constexpr):
+        """One online-softmax step over keys n0..n0+BLOCK_N-1, in base 2: m_i is the running max of
+        s·scale·log2(e), so p = exp2(s·qk_scale - m) is one FMA and one exp2 per score (exp(x) would
+        be a multiply more). MASKED=False is the bulk of the chunk, where every key is visible to every
+        query row (n < min_t pos + 1): no compare, no select, no load masks."""
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        kv_ok = offs_d[None, :] < D
+        if MASKED:
+            kv_ok = kv_ok & (offs_n[:, None] < end)
+        k_ptr = K + k_base + offs_n[:, None] * sk_s + offs_d[None, :]
+        v_ptr = V + v_base + offs_n[:, None] * sv_s + offs_d[None, :]
+        if MASKED or BLOCK_D != D:
+            k = tl.load(k_ptr, mask=kv_ok, other=0.0)
+        else:
+            k = tl.load(k_ptr)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if MASKED:
+            visible = (offs_n[None, :] <= pos[:, None]) & (offs_n[None, :] < end)
+            s = tl.where(visible, s, float("-inf"))
+        # qk_scale > 0, so max(s)·qk_scale = max(s·qk_scale)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if MASKED or BLOCK_D != D:
+            v = tl.load(v_ptr, mask=kv_ok, other=0.0)
+        else:
+            v = tl.load(v_ptr)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _split_kernel(Q, K, V, POS, OP, LP, T, HKV, chunk, qk_scale,
                       sq_b, sq_t, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sp_b,
                       sop_bh, sop_s, slp_bh, slp_s,
                       G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -98,46 +171,37 @@ if triton is not None:
         offs_m = tl.arange(0, BLOCK_M)  # query row m = g*T + t
         g, t = offs_m // T, offs_m % T
         row_ok = offs_m < G * T
-        pos = tl.load(POS + b * sp_b + t, mask=row_ok, other=-1)  # (BLOCK_M,)
+        pos = tl.load(POS + b * sp_b + t, mask=row_ok, other=-1).to(tl.int32)  # (BLOCK_M,)
+        pos_hi = tl.max(pos, axis=0)
+        pos_lo = tl.min(tl.where(row_ok, pos, pos_hi), axis=0)
         start = split * chunk
-        end = tl.minimum(start + chunk, tl.max(pos, axis=0) + 1).to(tl.int32)  # keys past the live prefix: skipped
+        end = tl.minimum(start + chunk, pos_hi + 1)  # keys past the live prefix: skipped
+        # keys [start, mid) are visible to every query row (below the smallest position): unmasked steps;
+        # [mid, end) holds the causal edge of the k+1 new tokens (and the chunk's ragged end): masked
+        mid = start + tl.maximum(tl.minimum(end, pos_lo + 1) - start, 0) // BLOCK_N * BLOCK_N
         offs_d = tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
         q = tl.load(Q + b * sq_b + t[:, None] * sq_t + (hkv * G + g)[:, None] * sq_h + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                    mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
         # A finite "minus infinity" for the running max: a row with no visible key in this chunk keeps
-        # m = -1e30, its exp(s - m) are exactly 0 and l stays 0 (-inf - -inf would be NaN).
+        # m = -1e30, its exp2(s - m) are exactly 0 and l stays 0 (-inf - -inf would be NaN). Padding rows
+        # (m >= G·T) read q = 0: finite scores, never stored.
         m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < end
-            k = tl.load(K + b * sk_b + hkv * sk_h + offs_n[:, None] * sk_s + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = s * scale
-            visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(V + b * sv_b + hkv * sv_h + offs_n[:, None] * sv_s + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        k_base, v_base = b * sk_b + hkv * sk_h, b * sv_b + hkv * sv_h
+        for n0 in range(start, mid, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(q, K, V, k_base, v_base, sk_s, sv_s, n0, end, pos, m_i, l_i, acc,
+                                         qk_scale, D, BLOCK_D, BLOCK_N, IEEE, False)
+        for n0 in range(mid, end, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(q, K, V, k_base, v_base, sk_s, sv_s, n0, end, pos, m_i, l_i, acc,
+                                         qk_scale, D, BLOCK_D, BLOCK_N, IEEE, True)
         has = l_i > 0
-        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        # back to natural log for the merge: lse = ln Σ exp(s·scale) = (m + log2 l)·ln 2
+        lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         out = acc / tl.where(has, l_i, 1.0)[:, None]
-        tl.store(OP + bh * sop_bh + split * sop_s + offs_m[:, None] * BLOCK_D + offs_d[None, :], out)
-        tl.store(LP + bh * slp_bh + split * slp_s + offs_m, lse)
+        tl.store(OP + bh * sop_bh + split * sop_s + offs_m[:, None] * BLOCK_D + offs_d[None, :], out,
+                 mask=row_ok[:, None])
+        tl.store(LP + bh * slp_bh + split * slp_s + offs_m, lse, mask=row_ok)
 
     @triton.jit
     def _reduce_kernel(OP, LP, POS, O, T, HKV, chunk, NS, sop_bh, sop_s, slp_bh, slp_s, sp_b,
@@ -198,11 +262,12 @@ def _num_sms(device: torch.device) -> int:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      positions: torch.Tensor, scale: float | None = None, *,
-                     impl: str | None = None) -> torch.Tensor:
+                     impl: str | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """Attention of q (B, T, H, D) at `positions` (B, T) over the cache (B, Hkv, S_max, D) -> (B, T, H, D).
 
     Keys j <= positions[b, t] are visible (the new keys must already be written, `write_kv`). impl: None
     (the Triton split-K kernels on CUDA where they apply, else the twin), "triton" or "torch".
+    config: the split kernel's launch shape (default `kernel_config`; benches and tests sweep it).
     Only static-shape work and no host syncs, so it can be captured in a CUDA graph.
     """
     D = q.shape[-1]
@@ -217,15 +282,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     q = q if q.stride(-1) == 1 else q.contiguous()
     positions = positions if positions.stride(-1) == 1 else positions.contiguous()
     BM, BD = max(16, _pow2(G * T)), max(16, _pow2(D))
-    chunk, NS = split_plan(B, Hkv, S, _num_sms(q.device))
+    cfg = config or kernel_config(G * T, q.dtype)
+    chunk, NS = split_plan(B, Hkv, S, _num_sms(q.device), cfg.block_n, cfg.waves)
     part_out = torch.empty(B * Hkv, NS, BM, BD, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B * Hkv, NS, BM, dtype=torch.float32, device=q.device)
     _split_kernel[(NS, B * Hkv)](
-        q, k_cache, v_cache, positions, part_out, part_lse, T, Hkv, S, chunk, scale,
+        q, k_cache, v_cache, positions, part_out, part_lse, T, Hkv, chunk, scale * math.log2(math.e),
         *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], positions.stride(0),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
-        G=G, D=D, BLOCK_D=BD, BLOCK_M=BM, BLOCK_N=BLOCK_N, IEEE=_ieee(q),
-        num_warps=4 if BM <= 32 else 8)
+        G=G, D=D, BLOCK_D=BD, BLOCK_M=BM, BLOCK_N=cfg.block_n, IEEE=_ieee(q),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     _reduce_kernel[(B * Hkv, G * T)](
         part_out, part_lse, positions, out, T, Hkv, chunk, NS, part_out.stride(0), part_out.stride(1),

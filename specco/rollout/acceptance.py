@@ -61,6 +61,17 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Ve
     return Verdict(a, target_argmax)
 
 
+def _accept(p_x: torch.Tensor, q_x: torch.Tensor, u_accept: torch.Tensor) -> torch.Tensor:
+    """(B, k) p_{j-1}(x̂_j), q_j(x̂_j), uniforms -> a (B,): x̂_j accepted iff u·q < p, in order."""
+    return _leading_true(u_accept * q_x < p_x)  # u·q < p  <=>  u < min(1, p/q)
+
+
+def _emit(draft_tokens: torch.Tensor, a: torch.Tensor, next_token: torch.Tensor) -> torch.Tensor:
+    """Emitted block (B, k+1): accepted draft tokens, then next_token at column a."""
+    tokens = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)  # (B, k+1), last col a filler
+    return tokens.scatter(1, a[:, None], next_token[:, None])
+
+
 def verify_sampling(p_target: torch.Tensor, q_draft: torch.Tensor, draft_tokens: torch.Tensor,
                     u_accept: torch.Tensor, u_residual: torch.Tensor) -> Verdict:
     """p_target: (B, k+1, V) processed target probs; q_draft: (B, k, V) processed draft probs
@@ -71,8 +82,7 @@ def verify_sampling(p_target: torch.Tensor, q_draft: torch.Tensor, draft_tokens:
     idx = draft_tokens[..., None]  # (B, k, 1)
     p_x = p_target[:, :k].gather(-1, idx).squeeze(-1)  # (B, k): p_{j-1}(x̂_j)
     q_x = q_draft.gather(-1, idx).squeeze(-1)  # (B, k): q_j(x̂_j)
-    accept = u_accept * q_x < p_x  # (B, k)  <=>  u < min(1, p/q)
-    a = _leading_true(accept)  # (B,)
+    a = _accept(p_x, q_x, u_accept)  # (B,)
 
     # Distribution of the token after the accepted prefix: residual at a < k, p_k at a = k.
     row = a[:, None, None].expand(B, 1, V)  # (B, 1, V)
@@ -83,11 +93,44 @@ def verify_sampling(p_target: torch.Tensor, q_draft: torch.Tensor, draft_tokens:
     empty = residual.sum(-1, keepdim=True) <= 0  # (B, 1): p == q up to rounding, see docstring
     residual = torch.where(empty, p_a, residual)
     next_token = sample_from_probs(residual, u_residual)  # (B,)
+    return Verdict(a, _emit(draft_tokens, a, next_token))
 
-    # Emitted block: accepted draft tokens, then next_token at column a.
-    tokens = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)  # (B, k+1), last col a filler
-    tokens = tokens.scatter(1, a[:, None], next_token[:, None])
-    return Verdict(a, tokens)
+
+def verify_sampling_logits(logits: torch.Tensor, temperature: float, q_draft: torch.Tensor,
+                           draft_tokens: torch.Tensor, u_accept: torch.Tensor, u_residual: torch.Tensor,
+                           impl: str | None = None) -> tuple[Verdict, torch.Tensor]:
+    """`verify_sampling` from raw target logits (B, k+1, V) for plain temperature sampling (no top-k/top-p),
+    plus the emitted tokens' log-probs (B, k+1) fp32 under p: the same rule, with p never materialised.
+
+    p_j(x) = exp(z_j(x) - lse_j), z = logits / T, lse_j = logsumexp(z_j) (= processed_probs without top-k/p).
+    On CUDA (impl None or "triton") the vocabulary-sized work is two kernels (ops/sampling_kernel.py): the
+    B·(k+1) lse_j, and one residual draw per row; the rest is (B, k)-sized. impl "torch": the twin chain.
+    Differs from the twin by fp32 accumulation order (~1e-7 relative in p): a uniform that close to an
+    acceptance or cdf boundary may fall the other way, as with the plain step's fused draw.
+    """
+    from ..ops.sampling_kernel import residual_sample, row_logsumexp, triton
+    from .sampling import SamplingParams, processed_logprobs
+    fused = triton is not None and (impl == "triton" or (impl is None and logits.is_cuda))
+    B, k1, V = logits.shape
+    k = k1 - 1
+    if not fused:
+        logp_all = processed_logprobs(logits, SamplingParams(temperature=temperature))  # (B, k+1, V)
+        verdict = verify_sampling(logp_all.exp(), q_draft, draft_tokens, u_accept, u_residual)
+        return verdict, logp_all.gather(-1, verdict.tokens[..., None]).squeeze(-1)
+    inv_t = 1.0 / temperature
+    flat = logits.reshape(B * k1, V)
+    flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+    lse = row_logsumexp(flat, inv_t).view(B, k1)  # (B, k+1)
+    z_x = logits[:, :k].gather(-1, draft_tokens[..., None]).squeeze(-1).float() * inv_t  # (B, k)
+    p_x = (z_x - lse[:, :k]).exp()  # p_{j-1}(x̂_j)
+    q_x = q_draft.gather(-1, draft_tokens[..., None]).squeeze(-1)  # q_j(x̂_j)
+    a = _accept(p_x, q_x, u_accept)
+    row = torch.arange(B, device=a.device) * k1 + a  # the flat logits row of position a
+    q = q_draft if q_draft.stride(-1) == 1 else q_draft.contiguous()
+    next_token = residual_sample(flat, lse.reshape(-1), q, row, a.clamp(max=k - 1), a < k, u_residual, inv_t)
+    tokens = _emit(draft_tokens, a, next_token)
+    logp = logits.gather(-1, tokens[..., None]).squeeze(-1).float() * inv_t - lse  # (B, k+1)
+    return Verdict(a, tokens), logp
 
 
 def verify_coupled(logp_target: torch.Tensor, gumbel: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:

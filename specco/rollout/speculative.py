@@ -96,18 +96,23 @@ class SpeculativeSteps:
         inp = torch.cat([st.last_tok[:, None], draft_tok], dim=1)  # (B, k+1)
         pos = st.n[:, None] + self.offsets  # (B, k+1)
         logits, _, taps = policy_forward(self.policy, inp, pos, st.t_cache, self.rope, tap_layers=self.aux)
-        if self.params.greedy:
+        p = self.params
+        if p.greedy:
             verdict = acceptance.verify_greedy(logits, draft_tok)
-            logp_all = logits.float().log_softmax(-1)  # greedy reports raw log-probs (generate.py)
-        elif self.params.keyed:
-            logp_all = processed_logprobs(logits, self.params)  # (B, k+1, V)
+            logp = logits.float().log_softmax(-1).gather(-1, verdict.tokens[..., None]).squeeze(-1)  # raw (generate.py)
+        elif p.keyed:
+            logp_all = processed_logprobs(logits, p)  # (B, k+1, V)
             gumbel = keyed_gumbel(st.key, pos + 1, logp_all.shape[-1])  # tokens at positions n+1..n+k+1
             verdict = acceptance.verify_coupled(logp_all, gumbel, draft_tok)
+            logp = logp_all.gather(-1, verdict.tokens[..., None]).squeeze(-1)  # (B, k+1)
+        elif p.top_k == 0 and p.top_p == 1.0:  # fused on CUDA: p is never materialised (acceptance.py)
+            verdict, logp = acceptance.verify_sampling_logits(logits, p.temperature, st.q_draft[:, :k], draft_tok,
+                                                              st.u[:, k:2 * k], st.u[:, 2 * k])
         else:
-            logp_all = processed_logprobs(logits, self.params)  # (B, k+1, V)
+            logp_all = processed_logprobs(logits, p)  # (B, k+1, V)
             verdict = acceptance.verify_sampling(logp_all.exp(), st.q_draft[:, :k], draft_tok,
                                                  st.u[:, k:2 * k], st.u[:, 2 * k])
-        logp = logp_all.gather(-1, verdict.tokens[..., None]).squeeze(-1)  # (B, k+1)
+            logp = logp_all.gather(-1, verdict.tokens[..., None]).squeeze(-1)  # (B, k+1)
         a = verdict.num_accepted
         _, active = commit(st, verdict.tokens, a + 1, logp, self.max_new_tokens, self.stop_ids)
         # per draft position j+1: accepted in this round (a > j), counted over rows live at its start
