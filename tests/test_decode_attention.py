@@ -23,6 +23,9 @@ from specco.ops.decode_attention import (KernelConfig, decode_attention, decode_
 triton = pytest.importorskip("triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
+# the Triton kernels under the CPU interpreter: ~100 s on two cores, outside the one-minute unit tier
+pytestmark = pytest.mark.e2e
+
 
 def _dense_reference(q, k, v, pos):
     """fp64 softmax attention with an explicit mask j <= pos, GQA by repeating K/V. q (B,T,H,D)."""
