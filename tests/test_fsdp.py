@@ -1,0 +1,162 @@
+"""FSDP2 / HSDP (parallel/fsdp.py) of the co-training step: sharded layouts on gloo == one process.
+
+Reference: `cotrain_step` on one process over the whole batch, two optimizer steps (two batches), fp64.
+Sharded: `Mesh.build(dp, dp_shard, cp)`, `apply_fsdp(policy, mesh.fsdp_mesh)` (each decoder layer, then the
+root), AdamW built on the DTensor shards, `grad_syncs`: FSDP's reduce-scatter (+ HSDP's all-reduce) as SUMS for
+the policy, the all-reduce for the replicated draft. Each data-parallel rank takes its rows (dp × cp: its
+sequences, packed and zigzag-sharded over its CP group as tests/test_cp_cotrain.py does). Compared after each
+step: both losses (sums of the ranks' contributions), every global metric (grad norms of both groups — over
+DTensor shards for the policy — and the draft's statistics), every clipped gradient and, after the second
+step, every parameter, gathered with `full_tensor()`. Co-trained EAGLE-3 and DFlash; micro-batches of 2 rows
+(several per rank) with the draft on every second row, so FSDP's per-micro-batch reduce-scatter and the
+held-unsharded accumulation (`hold_unsharded`) both sum across micro-batches.
+
+Tolerance (fp64): rtol 1e-9, atol 1e-12, as the DP and CP tests: the sharded step does the same arithmetic in
+other summation orders (reduce-scatter vs one process's autograd accumulation, per-rank partial sums, the norm
+as a sum of per-shard squares); an averaged instead of summed reduction is off by the factor dp·cp, a wrong
+shard or count by O(1e-2).
+
+bf16 (dp_shard 2): FSDP's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) under the step's bf16
+autocast against the single-process bf16-autocast step, fp32 master weights in both. The two runs round
+different tensors to bf16 (FSDP casts every weight, so norms and the head run on bf16 weights; autocast only
+casts matmul inputs), each rounding a relative 2^-9 = 2e-3, and a loss or a norm sums thousands of such
+terms with random signs: losses and grad norms within rtol 2e-2 (about ten roundings' worth). Parameters after
+two AdamW steps: the first step moves every weight by exactly ±lr (m̂/√v̂ = sign(g)), the second by at most
+~1.1 lr, so a gradient component whose sign the rounding flips moves a weight by up to 2·(1 + 1.1)·lr; bound:
+atol 4.2·lr per group, and the MEAN deviation must stay below 0.05·lr (flips are rare: they happen only where a
+gradient component is within rounding of zero).
+"""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from specco.model.dflash import BlockDraft
+from specco.parallel.cp import shard_batch, step_fns
+from specco.parallel.fsdp import apply_fsdp, mixed_precision
+from specco.parallel.mesh import Mesh, spawn_local
+from specco.parallel.zigzag import ZigzagLayout
+from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+from specco.train.grad_sync import grad_syncs
+from cp_reference import pack_rows
+
+V = 61  # test_cp_cotrain's / test_block_cp's vocabulary; the last id is DFlash's mask token, never in data
+B, S = 16, 14  # the DP batch: 8 / 4 rows per rank at dp 2 / 4 (even, so the draft's row stride 2 stays global)
+LENS = (11, 3, 17, 8)  # the dp 2 × cp 2 batch: dp rank d packs sequences 2d, 2d+1 and zigzags them over cp
+TOL = dict(rtol=1e-9, atol=1e-12)
+LR, DRAFT_LR = 1e-3, 1e-2
+
+
+def _models(kind, dtype=torch.float64):
+    if kind == "eagle3":
+        from test_cp_cotrain import _models as m
+        policy, draft = m()
+    else:
+        from test_block_cp import _models as m
+        policy, draft = m(kind)
+    return policy.to(dtype), draft.to(dtype)
+
+
+def _dp_batch(seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(B, S, dtype=dtype)
+    for b in range(B):
+        mask[b, 3:S - b % 4] = 1  # completions of different lengths: micro-batches trim differently
+    return TrainBatch(tokens=torch.randint(0, V - 1, (B, S), generator=g), target_mask=mask,
+                      advantages=torch.randn(B, generator=g, dtype=dtype),
+                      logp_old=-torch.rand(B, S, generator=g, dtype=dtype) * 3)
+
+
+def _cp_batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    n, width = len(LENS), max(LENS)
+    mask = torch.zeros(n, width, dtype=torch.float64)
+    for b, L in enumerate(LENS):
+        mask[b, min(4, L - 2):L] = 1  # completion tokens; the prompt and the right padding are 0
+    return TrainBatch(tokens=torch.randint(0, V - 1, (n, width), generator=g), target_mask=mask,
+                      advantages=torch.randn(n, generator=g, dtype=torch.float64),
+                      logp_old=-torch.rand(n, width, generator=g, dtype=torch.float64) * 3)
+
+
+def _named(policy, draft):
+    return [(f"{t}.{n}", p) for t, mod in (("policy", policy), ("draft", draft)) for n, p in mod.named_parameters()]
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _two_steps(policy, draft, batches, cfg, **kw):
+    """Two optimizer steps; per step the metrics and every (clipped) gradient, then every parameter, all
+    gathered whole."""
+    opt = build_optimizer(policy, draft, LR, DRAFT_LR)  # after apply_fsdp: AdamW holds the shards
+    hist = []
+    for batch, extra in batches:
+        m = cotrain_step(policy, draft, batch, opt, None, cfg, **kw, **extra)
+        hist.append((m, {n: _full(p.grad).clone() for n, p in _named(policy, draft) if p.grad is not None}))
+    return hist, {n: _full(p.detach()).clone() for n, p in _named(policy, draft)}
+
+
+def _compare(hist, params, ref_hist, ref_params, tol, group):
+    for (m, g), (m_ref, g_ref) in zip(hist, ref_hist):
+        for key in ("policy/loss", "draft/loss"):  # each rank holds its contribution to the global mean
+            total = torch.tensor([m[key]], dtype=torch.float64)
+            dist.all_reduce(total, group=group)
+            assert abs(total.item() - m_ref[key]) <= tol["rtol"] * abs(m_ref[key]), (key, total.item(), m_ref[key])
+        for key in m_ref:  # global: grad norms over every shard, the draft's statistics, LRs
+            if key.startswith(("draft/", "policy/grad_norm")) and key != "draft/loss":
+                assert abs(m[key] - m_ref[key]) <= tol["rtol"] * max(1.0, abs(m_ref[key])), (key, m[key], m_ref[key])
+        assert g.keys() == g_ref.keys()
+        for n in g_ref:
+            torch.testing.assert_close(g[n], g_ref[n], **tol, msg=lambda s: f"grad {n}: {s}")
+    for n in ref_params:
+        torch.testing.assert_close(params[n], ref_params[n], **tol, msg=lambda s: f"param {n}: {s}")
+
+
+def _worker(rank, world, kind, dp_shard, cp, hold):
+    dp = world // cp
+    mesh = Mesh.build(dp=dp, cp=cp, dp_shard=dp_shard, backend="gloo")
+    if cp == 1:  # rows split over dp, micro-batches of 2 rows, the draft on rows 0 mod 2
+        cfg = StepConfig(ttt_passes=3, loss_chunk=5, draft_row_stride=2, micro_batch_rows=2)
+        full = [_dp_batch(7), _dp_batch(8)]
+        ref = _two_steps(*_models(kind), [(b, {}) for b in full], cfg)
+        h = B // dp
+        local = [(b.rows(mesh.dp_rank * h, (mesh.dp_rank + 1) * h), {}) for b in full]
+    else:  # each dp rank packs its sequences into one row, zigzag over its cp group
+        cfg = StepConfig(ttt_passes=3, loss_chunk=5, draft_row_stride=1)
+        full = [_cp_batch(7), _cp_batch(8)]
+        ref = _two_steps(*_models(kind), [(b, {}) for b in full], cfg)
+        mine = slice(mesh.dp_rank * 2, mesh.dp_rank * 2 + 2)
+        local = []
+        for b in full:
+            sub = TrainBatch(tokens=b.tokens[mine], target_mask=b.target_mask[mine], advantages=b.advantages[mine],
+                             logp_old=b.logp_old[mine])
+            packed, cu = pack_rows(sub, LENS[mine])
+            lay = ZigzagLayout(cu, cp, mesh.cp_rank)
+            local.append((shard_batch(packed, lay), step_fns(mesh.cp_group, lay)))
+    policy, draft = _models(kind)
+    apply_fsdp(policy, mesh.fsdp_mesh)
+    assert isinstance(policy.layers["0"].mlp.gate_up_proj.weight, DTensor) and not isinstance(draft.fc.weight, DTensor)
+    hist, params = _two_steps(policy, draft, local, cfg, grad_group=mesh.grad_group,
+                              grad_sync=grad_syncs(policy, mesh.grad_group, hold_unsharded=hold))
+    _compare(hist, params, *ref, TOL, mesh.grad_group)
+
+
+# name: (world, dp_shard, cp, hold_unsharded). 2 processes take ~15-18 s here (2 shared cores), 4 take ~40 s:
+# those are the slow lane
+_SLOW = pytest.mark.slow
+LAYOUTS = [
+    pytest.param(2, 2, 1, False, id="dp_shard2"),
+    pytest.param(2, 2, 1, True, id="dp_shard2_hold"),
+    pytest.param(4, 4, 1, False, id="dp_shard4", marks=_SLOW),
+    pytest.param(4, 2, 1, False, id="hsdp2x2", marks=_SLOW),
+    pytest.param(4, 2, 2, False, id="dp_shard2_cp2", marks=_SLOW),
+]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("world,dp_shard,cp,hold", LAYOUTS)
+def test_fsdp_cotrain_equals_single_process(kind, world, dp_shard, cp, hold):
+    spawn_local(_worker, world, kind, dp_shard, cp, hold)
