@@ -219,3 +219,52 @@ def _bf16_worker(rank, world, kind):
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_fsdp_bf16_mixed_precision_tracks_single_process_autocast(kind):
     spawn_local(_bf16_worker, 2, kind)
+
+
+def _pp_worker(rank, world):
+    """pp 2 × dp_shard 2: each stage FSDP-sharded over its 2 data ranks (no reshard after forward, as under
+    1F1B), the draft replicated on the last stage; against the unsplit single-process step (test_pp_cotrain's
+    models, batch and micro-batches of one row)."""
+    import copy
+
+    from specco.parallel.pipeline import PipeComm, split_stage, stage_layer_ranges
+    from specco.parallel.taps import TapChannel, TapSpec
+    from specco.train.cotrain_pp import pp_cotrain_step
+    from test_pp_cotrain import CFG, S as PS, _batch, _models as pp_models
+    pp, dp = 2, 2
+    mesh = Mesh.build(dp=dp, dp_shard=dp, pp=pp, backend="gloo")
+    s, last = mesh.pp_rank, mesh.pp_rank == pp - 1
+    policy, draft = pp_models()
+    batch = _batch()
+    ref_p, ref_d = copy.deepcopy(policy), copy.deepcopy(draft)
+    ref_hist, ref_params = _two_steps(ref_p, ref_d, [(batch, {}), (batch, {})], CFG)
+    rows = batch.tokens.shape[0] // dp
+    mine = batch.rows(mesh.dp_rank * rows, (mesh.dp_rank + 1) * rows)
+    aux = draft.cfg.aux_layer_ids
+    stage = split_stage(policy, pp, s)
+    apply_fsdp(stage, mesh.fsdp_mesh, reshard_after_forward=False)
+    d = copy.deepcopy(draft) if last else None
+    opt = build_optimizer(stage, d, LR, DRAFT_LR)
+    spec = TapSpec.for_stages(stage_layer_ranges(policy.cfg.num_layers, pp), aux, policy.cfg.hidden_size,
+                              torch.float64, CFG.micro_batch_rows * PS)
+    ch = TapChannel(spec, mesh.tap_group, slots=2, timeout_s=60)
+    named = [(f"policy.{n}", p) for n, p in stage.named_parameters()] + \
+        ([(f"draft.{n}", p) for n, p in d.named_parameters()] if last else [])
+    for step, (m_ref, g_ref) in enumerate(ref_hist, start=1):
+        m = pp_cotrain_step(stage, d, mine, opt, None, CFG, pipe=PipeComm(mesh.pp_group), taps=ch, tap_layers=aux,
+                            step=step, grad_group=mesh.grad_group, grad_sync=grad_syncs(stage, mesh.grad_group))
+        losses = torch.tensor([m["policy/loss"], m["draft/loss"]], dtype=torch.float64)
+        dist.all_reduce(losses, group=mesh.grad_group)
+        torch.testing.assert_close(losses, torch.tensor([m_ref["policy/loss"], m_ref["draft/loss"]],
+                                                        dtype=torch.float64), **TOL)
+        for k in ("policy/grad_norm", "draft/grad_norm"):  # the policy's over both stages' shards
+            assert abs(m[k] - m_ref[k]) <= TOL["rtol"] * m_ref[k], (k, m[k], m_ref[k])
+        for n, p in named:
+            torch.testing.assert_close(_full(p.grad), g_ref[n], **TOL, msg=lambda e: f"stage {s} grad {n}: {e}")
+    for n, p in named:
+        torch.testing.assert_close(_full(p.detach()), ref_params[n], **TOL, msg=lambda e: f"stage {s} {n}: {e}")
+
+
+@pytest.mark.slow
+def test_pp2_fsdp2_equals_unsplit():
+    spawn_local(_pp_worker, 4)

@@ -15,14 +15,17 @@ is reduce-scattered), the root (embeddings, final norm, head, tied or not) anoth
 * Traffic. The draft runs many times per micro-batch (EAGLE-3: K TTT passes, each a call of its layer; a block
   drafter: a forward over every block). Sharded, every call would all-gather the draft's weights (or keep them
   gathered for the whole step, i.e. hold them whole anyway) and every micro-batch reduce-scatter its gradient;
-  replicated, the step costs one all-reduce of its gradient, overlapped with nothing but small (see below).
-* Memory. An EAGLE-3 draft of a Qwen3-8B-shaped policy (h 4096, 32k draft vocabulary, 3 taps) holds ~0.48 B
-  parameters: fc 3h·h = 50 M, one decoder layer (attention over 2h inputs, SwiGLU) ~0.30 B, the draft head
-  h·32k = 134 M; fp32 weight + gradient + two AdamW moments = 16 B/param ≈ 7.7 GB per rank. The 8B policy's own
-  16 B/param is 131 GB, sharded over 8 ranks 16 GB each, so replicating the draft adds about half of what the
-  policy's shard costs at fsdp 8; at fsdp 32+ (32B-class policies) sharding the draft would save more than it
-  costs in traffic and `apply_fsdp(draft, ...)` is the one-line change (its sync strategy then becomes
-  `FSDPSync`). A DFlash block drafter (1 layer, the policy's head and embeddings borrowed) is ~0.25 B: 4 GB.
+  replicated, the step costs one all-reduce of its fp32 gradient: 1.6 GB for the draft below, ~2 × 1.6 GB sent
+  per rank by a ring, ~7 ms at NVLink's ~450 GB/s, once per step.
+* Memory (parameter counts of the specco models built on the meta device at Qwen3-8B's shapes: h 4096,
+  36 layers, 151,936-token vocabulary, a 32k draft vocabulary, 3 taps). The policy: 8.19 B parameters, at
+  16 B/param (fp32 weight, gradient, two AdamW moments) 131 GB, 16.4 GB per rank at fsdp 8. The EAGLE-3 draft:
+  0.40 B (fc 3h·h 50 M, its decoder layer 218 M, head h·32k 131 M), 6.4 GB replicated: 40% of the policy's
+  shard at fsdp 8, where the traffic it saves is worth it. At fsdp 32 it would outweigh the 8B policy's own
+  shard (4.1 GB); there (or for drafts of larger policies on many ranks) sharding it too — `fully_shard(draft,
+  mesh=...)` with `FSDPSync` as its strategy, at the gathers counted above — is the change. A DFlash drafter of
+  one layer (the policy's head and embeddings borrowed):
+  0.24 B, 3.9 GB.
 
 Gradient sums, not means. specco divides every loss by its GLOBAL count (train/losses.py: the trained tokens of
 all dp × cp ranks), so the rank-local gradients must be SUMMED; FSDP2 averages by default (ReduceOp.AVG, or a

@@ -44,7 +44,7 @@ class _TeacherOut:  # what draft_loss reads of a policy output: the joined taps 
 def pp_cotrain_step(stage: Policy, draft: Eagle3Draft | None, batch: TrainBatch, opt: torch.optim.Optimizer, sched,
                     cfg: StepConfig, *, pipe: PipeComm, taps=None, tap_layers: tuple[int, ...] | None = None,
                     step: int = 0, grad_group=None, shift: Callable = shift_left, attn: Callable = ttt_attention,
-                    attn_core: Callable | None = None, block=None) -> dict:
+                    attn_core: Callable | None = None, block=None, grad_sync: dict | None = None) -> dict:
     """One optimizer step of this pipeline stage on `batch` (the stage's DP x CP share); returns the step's
     metrics as floats on every stage (the last stage's, broadcast over the pipeline group).
 
@@ -55,6 +55,9 @@ def pp_cotrain_step(stage: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     attn_core as in `cotrain_step` (context parallelism passes its ring versions); block: the block
     drafters' CP plan that `cp.step_fns` also returns — accepted so the same layout functions pass
     through, unused: the pipeline co-trains EAGLE-3 drafts only (a block drafter is refused below).
+    grad_sync: the optimizer groups' gradient strategies (train/grad_sync.py; a stage sharded by
+    parallel.fsdp.apply_fsdp, with reshard_after_forward=False as 1F1B wants: `grad_syncs(stage, grad_group)`,
+    its reduce-scatter then runs in each micro-batch's backward); None: both all-reduced over grad_group.
     """
     pp, s = pipe.pp, pipe.stage
     first, last = s == 0, s == pp - 1
@@ -121,7 +124,7 @@ def pp_cotrain_step(stage: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
         metrics = {k: v for k, v in losses.items() if k == "policy/loss" or use_draft}
         for st in all_reduce_sums([v for v in stats.values() if v is not None], grad_group):
             metrics.update(st.metrics())
-    metrics.update(optimizer_step(opt, sched, cfg, True, grad_group, pipe.group))
+    metrics.update(optimizer_step(opt, sched, cfg, True, grad_group, pipe.group, grad_sync))
     metrics = metrics_to_floats(metrics)
     # every stage returns the same metrics: the last stage's (losses, statistics) with the common norms
     box = [metrics]
