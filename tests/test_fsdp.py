@@ -301,3 +301,25 @@ def _pp_worker(rank, world, bf16):
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp64", "bf16"])
 def test_pp2_fsdp2_equals_unsplit(bf16):
     spawn_local(_pp_worker, 4, bf16)
+
+
+def _mesh_worker(rank, world):
+    """The split data axis keeps every old group's members (dp_rank, cp_rank as before) and builds the FSDP
+    mesh over the stage's dp_shard × cp ranks, 2-D under HSDP."""
+    mesh = Mesh.build(dp=2, dp_shard=2, cp=2, backend="gloo")  # dp_replicate 1: fsdp = all 4 ranks
+    assert (mesh.dp_rank, mesh.cp_rank, mesh.dp_replicate) == (rank // 2, rank % 2, 1)
+    assert mesh.fsdp_mesh.mesh_dim_names == ("fsdp",) and mesh.fsdp_mesh.mesh.tolist() == [0, 1, 2, 3]
+    hsdp = Mesh.build(dp=4, dp_shard=2, backend="gloo")  # replicas {0, 1} and {2, 3}, shards within
+    assert (hsdp.dp_rank, hsdp.dp_replicate) == (rank, 2)
+    assert hsdp.fsdp_mesh.mesh_dim_names == ("dp_replicate", "fsdp")
+    assert hsdp.fsdp_mesh.mesh.tolist() == [[0, 1], [2, 3]]
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x, group=hsdp.fsdp_mesh["fsdp"].get_group())  # my shard group: my replica's pair
+    assert x.item() == (1.0 if rank < 2 else 5.0)
+    with pytest.raises(ValueError, match="parallel.dp=4 is not a multiple of parallel.dp_shard=3"):
+        Mesh.build(dp=4, dp_shard=3, backend="gloo")
+
+
+@pytest.mark.slow  # 4 processes: ~26 s here
+def test_mesh_splits_dp_into_replicate_and_shard():
+    spawn_local(_mesh_worker, 4)
