@@ -351,15 +351,64 @@ class TrainSpec:
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    dp: int = 1
+    """The device mesh (parallel/mesh.py): pp × dp × cp ranks, dp = dp_replicate × dp_shard.
+
+    `dp` is the data-parallel degree: how many shares the step's prompts split into (the runner reads it). It
+    factors as torchtitan's axes: dp_replicate ranks hold whole copies (their gradients all-reduced), dp_shard
+    ranks hold FSDP shards of the policy (parallel/fsdp.py), and the FSDP axis is dp_shard × cp (CP ranks hold
+    other tokens of the same sequences, so their gradients sum like data-parallel ones). Writing `dp` alone keeps
+    its old meaning, pure replication (dp_replicate = dp, no sharding); setting `dp_shard` (to any size >= 1,
+    1 shards over the cp ranks alone) turns FSDP on, HSDP when dp_replicate > 1 too. Unset sizes (0) are
+    derived: dp = dp_replicate × dp_shard, or a missing factor = dp / the other. `replicate` / `shard` / `fsdp`
+    are the resolved values; `dp_shard` and `dp_replicate` stay as written (0 = unset) so a run recorded before
+    they existed resumes with the same config."""
+    # the data-parallel degree, dp_replicate × dp_shard (0: their product; 1 when neither is set)
+    dp: int = 0
+    # FSDP: ranks sharing one copy of the policy, as shards (0: unset, no sharding unless dp_replicate and dp
+    # are both given, which imply it)
+    dp_shard: int = 0
+    # ranks holding whole copies (HSDP's replicas under FSDP); 0: dp / dp_shard
+    dp_replicate: int = 0
     cp: int = 1
     pp: int = 1
     backend: str = "auto"  # auto -> nccl on CUDA, gloo on CPU
 
     def __post_init__(self):
-        for n in ("dp", "cp", "pp"):
+        for n in ("cp", "pp"):
             _check(getattr(self, n) >= 1, f"parallel.{n}={getattr(self, n)}: must be >= 1")
+        for n in ("dp", "dp_shard", "dp_replicate"):
+            _check(getattr(self, n) >= 0, f"parallel.{n}={getattr(self, n)}: must be >= 1 (or 0: derived)")
         _check(self.backend in ("auto", "gloo", "nccl"), "parallel.backend: auto, gloo or nccl")
+        dp, shard, rep = self.dp, self.dp_shard, self.dp_replicate
+        if shard and rep:
+            _check(not dp or dp == rep * shard,
+                   f"parallel.dp={dp} but parallel.dp_replicate × parallel.dp_shard = {rep} × {shard} = {rep * shard}: "
+                   f"dp is their product; drop parallel.dp (it is derived) or set it to {rep * shard}")
+            dp = rep * shard
+        elif dp and (shard or rep):
+            given, name = (shard, "dp_shard") if shard else (rep, "dp_replicate")
+            _check(dp % given == 0, f"parallel.dp={dp} is not a multiple of parallel.{name}={given} (dp = "
+                   f"dp_replicate × dp_shard); set parallel.dp to a multiple of it, or drop parallel.dp")
+        else:
+            dp = dp or shard or rep or 1
+        object.__setattr__(self, "dp", dp)  # the one derived value stored: the runner splits prompts by it
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether the policy is sharded (FSDP / HSDP): dp_shard was set, or implied by dp and dp_replicate."""
+        return bool(self.dp_shard) or bool(self.dp_replicate and self.dp != self.dp_replicate)
+
+    @property
+    def shard(self) -> int:
+        """The resolved dp_shard: ranks per copy of the policy along the data axis (1 without FSDP)."""
+        return self.dp // self.replicate
+
+    @property
+    def replicate(self) -> int:
+        """The resolved dp_replicate: whole copies (all of dp without FSDP)."""
+        if self.dp_replicate:
+            return self.dp_replicate
+        return self.dp // self.dp_shard if self.dp_shard else self.dp
 
 
 @dataclass(frozen=True)

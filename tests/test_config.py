@@ -80,3 +80,35 @@ def test_committed_configs_load_and_derive(path):
     assert set(warm_configs(cfg)) >= {cfg.draft.kind}
     if cfg.policy.source == "tiny":  # prompts (at most 2 characters a term + bos) and completions fit
         assert cfg.policy.max_positions >= cfg.rollout.max_new_tokens
+
+
+@pytest.mark.parametrize("given,dp,replicate,shard,fsdp", [
+    ({}, 1, 1, 1, False),
+    ({"dp": 4}, 4, 4, 1, False),  # dp alone: its old meaning, pure replication
+    ({"dp_replicate": 2}, 2, 2, 1, False),
+    ({"dp_shard": 4}, 4, 1, 4, True),
+    ({"dp_shard": 2, "dp_replicate": 2}, 4, 2, 2, True),  # HSDP
+    ({"dp": 4, "dp_shard": 2}, 4, 2, 2, True),  # a missing factor is derived
+    ({"dp": 4, "dp_replicate": 2}, 4, 2, 2, True),
+    ({"dp_shard": 1, "cp": 2}, 1, 1, 1, True),  # the FSDP axis is dp_shard x cp: shards over the cp ranks
+])
+def test_parallel_dp_factors(given, dp, replicate, shard, fsdp):
+    """parallel.dp = dp_replicate x dp_shard; unset sizes are derived; dp_shard turns FSDP on."""
+    p = load_config(DEMO, [f"parallel.{k}={v}" for k, v in given.items()]).parallel
+    assert (p.dp, p.replicate, p.shard, p.fsdp) == (dp, replicate, shard, fsdp)
+    assert config_to_dict(load_config(DEMO, [f"parallel.{k}={v}" for k, v in given.items()]))["parallel"] == {
+        "dp": dp, "dp_shard": given.get("dp_shard", 0), "dp_replicate": given.get("dp_replicate", 0),
+        "cp": given.get("cp", 1), "pp": 1, "backend": "auto"}  # as written: a pre-FSDP run's record still matches
+
+
+@pytest.mark.parametrize("given,needle", [
+    (["parallel.dp=2", "parallel.dp_shard=2", "parallel.dp_replicate=2"],
+     r"parallel.dp=2 but parallel.dp_replicate × parallel.dp_shard = 2 × 2 = 4: dp is their product; drop "
+     r"parallel.dp \(it is derived\) or set it to 4"),
+    (["parallel.dp=4", "parallel.dp_shard=3"], r"parallel.dp=4 is not a multiple of parallel.dp_shard=3"),
+    (["parallel.dp=6", "parallel.dp_replicate=4"], r"parallel.dp=6 is not a multiple of parallel.dp_replicate=4"),
+    (["parallel.dp_shard=-1"], r"parallel.dp_shard=-1: must be >= 1 \(or 0: derived\)"),
+])
+def test_parallel_dp_contradictions_are_named(given, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(DEMO, given)

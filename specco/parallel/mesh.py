@@ -1,8 +1,12 @@
 """The named (pp, dp, cp) device mesh, built once (STYLE §3: groups are arguments, this is where they come from).
 
-`torch.distributed.device_mesh.init_device_mesh` lays the ranks out row-major over (pp, dp, cp):
+`torch.distributed.device_mesh.init_device_mesh` lays the ranks out row-major over (pp, dp_replicate,
+dp_shard, cp), with dp = dp_replicate · dp_shard (config.ParallelSpec) and dp_rank = replicate_rank · dp_shard
++ shard_rank, so that
 
     global rank = (pp_rank · dp + dp_rank) · cp + cp_rank
+
+as it was before the data axis was split: every group below has the same members for a given dp.
 
 so the ranks of one CP group are contiguous — on GPU nodes they share NVLink, which the ring's per-step
 K/V traffic wants; DP traffic (one gradient all-reduce per step) tolerates the slower links; pipeline
@@ -14,6 +18,14 @@ stages are the outermost dimension (they may sit on different nodes: only activa
     grad_group  all dp × cp ranks of one stage      gradient sums and loss counts (CP ranks hold disjoint tokens)
     tap_group   the same ranks as pp_group, its OWN communicator: the tap channel (docs/DESIGN.md §5) must never
                 share ordering with the schedule's traffic. None when pp = 1 (no channel).
+    fsdp_mesh   the DeviceMesh `parallel.fsdp.apply_fsdp` shards the policy over: 1-D (fsdp,) = the
+                dp_shard × cp ranks of one (pp, replica) when dp_replicate = 1, else 2-D (dp_replicate, fsdp) for
+                HSDP (shards reduce-scattered along fsdp, then all-reduced along dp_replicate). Its ranks are
+                grad_group's, so an FSDP reduction sums over exactly the ranks the losses' counts cover.
+
+The flattened axes (dp, the stage's dp × cp) come from DeviceMesh's `_flatten` / `_unflatten` (private,
+torchtitan uses them too); this is the one file that calls them. The flattened meshes are kept here rather
+than sliced from the root again (torch deprecates slicing a flattened dim from the root).
 
 Also `spawn_local`: run a function on N local gloo processes (tests, CPU benches), each with the
 process group initialised through a file store (no ports to collide).
@@ -50,16 +62,23 @@ def init_distributed(backend: str = "auto") -> str:
 @dataclass(frozen=True)
 class Mesh:
     pp: int
-    dp: int
+    dp: int  # dp_replicate × dp_shard: the data-parallel degree
     cp: int
     rank: int
     backend: str
-    device_mesh: DeviceMesh
+    device_mesh: DeviceMesh  # (pp, dp_replicate, dp_shard, cp)
     cp_group: object
     dp_group: object
     pp_group: object
     grad_group: object
     tap_group: object | None
+    dp_shard: int = 1
+    dp_mesh: DeviceMesh | None = None  # (dp,): dp_replicate × dp_shard flattened
+    fsdp_mesh: DeviceMesh | None = None  # (fsdp,) or (dp_replicate, fsdp): see the module docstring
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.dp // self.dp_shard
 
     @property
     def pp_rank(self) -> int:
@@ -67,7 +86,7 @@ class Mesh:
 
     @property
     def dp_rank(self) -> int:
-        return self.device_mesh.get_local_rank("dp")
+        return self.dp_mesh.get_local_rank()
 
     @property
     def cp_rank(self) -> int:
@@ -80,20 +99,32 @@ class Mesh:
         return torch.device("cpu")
 
     @classmethod
-    def build(cls, dp: int = 1, cp: int = 1, backend: str = "auto", pp: int = 1) -> "Mesh":
+    def build(cls, dp: int = 1, cp: int = 1, backend: str = "auto", pp: int = 1, dp_shard: int = 1) -> "Mesh":
         """Create the mesh and every group (collective: all ranks call it, once). Sizes that do not
-        multiply to the job's WORLD_SIZE are an error naming the launch that would fit."""
-        for name, n in (("pp", pp), ("dp", dp), ("cp", cp)):
+        multiply to the job's WORLD_SIZE are an error naming the launch that would fit. `dp` is the whole
+        data-parallel degree and `dp_shard` its FSDP factor (config.ParallelSpec's `dp` and `shard`):
+        dp_replicate = dp / dp_shard."""
+        for name, n in (("pp", pp), ("dp", dp), ("cp", cp), ("dp_shard", dp_shard)):
             if n < 1:
                 raise ValueError(f"parallel.{name}={n}: must be >= 1")
+        if dp % dp_shard:
+            raise ValueError(f"parallel.dp={dp} is not a multiple of parallel.dp_shard={dp_shard} "
+                             "(dp = dp_replicate × dp_shard)")
+        rep = dp // dp_shard
         backend = init_distributed(backend)
         world, rank = dist.get_world_size(), dist.get_rank()
         if pp * dp * cp != world:
             raise ValueError(f"parallel.pp × parallel.dp × parallel.cp = {pp} × {dp} × {cp} = {pp * dp * cp} but the "
                              f"job has {world} processes; launch {pp * dp * cp} in all (torchrun --nproc-per-node "
                              f"× --nnodes), or change the sizes")
-        dm = init_device_mesh("cuda" if backend == "nccl" else "cpu", (pp, dp, cp), mesh_dim_names=("pp", "dp", "cp"))
-        grid = dm.mesh  # (pp, dp, cp) global ranks
+        dm = init_device_mesh("cuda" if backend == "nccl" else "cpu", (pp, rep, dp_shard, cp),
+                              mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp"))
+        dp_mesh = dm["dp_replicate", "dp_shard"]._flatten("dp")  # (dp,) replicate-major: dp_rank = r · dp_shard + s
+        stage = dm["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")  # (dp · cp,): one stage's ranks
+        fsdp_mesh = stage._unflatten(0, (rep, dp_shard * cp), ("dp_replicate", "fsdp"))  # (rep, dp_shard · cp)
+        if rep == 1:  # plain FSDP: a 2-D mesh would make FSDP all-reduce over a group of one
+            fsdp_mesh = fsdp_mesh["fsdp"]
+        grid = dm.mesh.reshape(pp, dp, cp)  # global ranks; (rep, dp_shard) -> dp row-major, as dp_mesh
         grad_group = dist.group.WORLD if pp == 1 else None
         tap_group = None
         if pp > 1:  # new_group is collective: every rank creates every group, in the same order
@@ -104,10 +135,10 @@ class Mesh:
             for d in range(dp):
                 for c in range(cp):
                     g = dist.new_group(grid[:, d, c].tolist())
-                    if (dm.get_local_rank("dp"), dm.get_local_rank("cp")) == (d, c):
+                    if (dp_mesh.get_local_rank(), dm.get_local_rank("cp")) == (d, c):
                         tap_group = g
-        return cls(pp, dp, cp, rank, backend, dm, dm["cp"].get_group(), dm["dp"].get_group(), dm["pp"].get_group(),
-                   grad_group, tap_group)
+        return cls(pp, dp, cp, rank, backend, dm, dm["cp"].get_group(), dp_mesh.get_group(), dm["pp"].get_group(),
+                   grad_group, tap_group, dp_shard, dp_mesh, fsdp_mesh)
 
 
 def _spawn_entry(rank, world, store_path, fn, args):

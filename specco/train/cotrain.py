@@ -5,7 +5,8 @@
         policy forward (records taps; its logits are the detached teacher)
         L_policy on the logits  -> backward                       (policy_loss)
         lambda * L_draft        -> its own backward               (draft_loss: K TTT passes, soft CE)
-    optimizer_step: per-group gradient all-reduce, grad-norm clip, one AdamW step
+    optimizer_step: per-group gradient sync (train/grad_sync.py: an all-reduce of the sums, or FSDP's
+                    reduce-scatter of them inside the backward), grad-norm clip, one AdamW step
 
 These are the parts a pipeline schedule needs: the policy loss runs where the logits are (the last
 stage), the draft loss and its backward per micro-batch on the draft's stage, and the optimizer step
@@ -37,6 +38,7 @@ from ..model.policy import Policy
 from ..model.ttt import shift_left, ttt_forward
 from ..ops.attention import ttt_attention
 from .block_losses import BlockStats, block_draft_loss, block_slot_counts, local_plan
+from .grad_sync import AllReduceSync, clip_grad_norm, reduce_grads  # noqa: F401 (re-exported: one home each)
 from .losses import (DraftStats, PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, draft_loss_parts,
                      metrics_to_floats, normalize_draft_loss, pass_target_masks, pass_weights, token_logprobs)
 
@@ -122,6 +124,11 @@ def build_scheduler(opt: torch.optim.Optimizer, total_steps: int, warmup_steps: 
 
     fns = [policy_fn if g.get("name") == "policy" else draft_fn for g in opt.param_groups]
     return torch.optim.lr_scheduler.LambdaLR(opt, fns)
+
+
+def default_syncs(grad_group=None) -> dict:
+    """Both groups replicated, their gradients summed over `grad_group` (train/grad_sync.py)."""
+    return {"policy": AllReduceSync(grad_group), "draft": AllReduceSync(grad_group)}
 
 
 def _group_params(opt, name):
@@ -266,47 +273,22 @@ def block_loss(draft: BlockDraft, policy: Policy, out, batch: TrainBatch, cfg: S
 
 # -- the optimizer step ------------------------------------------------------------------------------
 
-def reduce_grads(params, group) -> None:
-    """Sum gradients over `group` (DP x CP ranks). Losses are normalised by global counts, so a sum
-    (not a mean) gives the global-batch gradient."""
-    if group is None:
-        return
-    for p in params:
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
-
-
-def clip_grad_norm(params, max_norm: float, norm_group=None) -> torch.Tensor:
-    """Clip by the total gradient norm of a parameter group that may be split over `norm_group` (the
-    ranks holding *different* parts of it, e.g. pipeline stages; None: this rank holds all of it):
-    the squared norms are summed there, so every part is scaled by the same coefficient."""
-    params = list(params)
-    grads = [p.grad for p in params if p.grad is not None]
-    # a group this step did not train (the plain train step's draft) has no gradients: get_total_norm would give a
-    # CPU zero, which the metrics' one device-side stack refuses beside CUDA ones; the all-reduce below still runs
-    total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(
-        (), device=params[0].device if params else None)
-    if norm_group is not None:
-        sq = total.double().square().reshape(1)
-        dist.all_reduce(sq, group=norm_group)
-        total = sq[0].sqrt().to(total.dtype)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
-
-
 def optimizer_step(opt, sched, cfg: StepConfig, train_policy: bool = True, grad_group=None,
-                   policy_norm_group=None) -> dict:
-    """Per group: gradients summed over `grad_group` (the ranks holding replicas of the same
-    parameters: DP x CP), the grad-norm clip over `policy_norm_group` for the policy (the ranks holding
-    its other parts: pipeline stages; the draft lives whole on one stage); then the optimizer and
-    scheduler step. Returns the grad norms and LRs (0-dim tensors / floats)."""
+                   policy_norm_group=None, grad_sync: dict | None = None) -> dict:
+    """Per group: its gradient made the global batch's by the group's strategy (`grad_sync`, train/grad_sync.py:
+    {"policy": FSDPSync(...), "draft": AllReduceSync(grad_group)} under FSDP; default: both summed by an
+    all-reduce over `grad_group`, the ranks holding replicas of the same parameters: DP x CP), the grad-norm clip
+    over every shard and, for the policy, over `policy_norm_group` (the ranks holding its other parts: pipeline
+    stages; the draft lives whole on one stage); then the optimizer and scheduler step. Returns the grad norms
+    and LRs (0-dim tensors / floats)."""
+    syncs = grad_sync or default_syncs(grad_group)
     metrics = {}
     for name, clip, norm_group in (("policy", cfg.policy_grad_clip, policy_norm_group),
                                    ("draft", cfg.draft_grad_clip, None)):
         params = _group_params(opt, name)
         if not params or (name == "policy" and not train_policy):
             continue
-        reduce_grads(params, grad_group)
+        syncs[name].reduce(params)
         metrics[f"{name}/grad_norm"] = clip_grad_norm(params, clip, norm_group)
     if not train_policy:
         for p in _group_params(opt, "policy"):
@@ -388,7 +370,7 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
                  opt: torch.optim.Optimizer, sched, cfg: StepConfig, *,
                  train_policy: bool = True, grad_group=None, policy_norm_group=None,
                  shift: Callable = shift_left, attn: Callable = ttt_attention,
-                 attn_core: Callable | None = None, block=None) -> dict:
+                 attn_core: Callable | None = None, block=None, grad_sync: dict | None = None) -> dict:
     """One optimizer step on `batch` (this rank's share of the global batch); returns metrics as floats.
 
     `train_policy=False` is the offline warm start: the policy is frozen (forward under no_grad) and
@@ -397,6 +379,8 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     core (None: causal SDPA over each row) — the CP ones under context parallelism — and `block` a block
     drafter's plan there (parallel.block_cp.BlockCP; `cp.step_fns` passes all four). A packed batch
     (several sequences per row) needs a packing-aware core: causal SDPA would attend across borders.
+    `grad_sync`: each optimizer group's gradient strategy (train/grad_sync.py: `grad_syncs(policy, grad_group)`
+    under FSDP); None: both all-reduced over `grad_group`.
 
     Metrics: "policy/loss" and "draft/loss" are this rank's contributions (they sum to the global
     losses over `grad_group`); every other metric is global (from statistics summed over the group).
@@ -417,7 +401,11 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     pol_stats = d_stats = None
     opt.zero_grad(set_to_none=True)
     draft_time = SpanTimer(batch.tokens.device)  # the draft's forward and backward: its share of the step
-    for d_rows, mb in micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride, cfg.width_multiple):
+    syncs = grad_sync or default_syncs(grad_group)
+    mbs = list(micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride, cfg.width_multiple))
+    for m, (d_rows, mb) in enumerate(mbs):
+        for sync in syncs.values():  # FSDP may hold its reductions (and gathered weights) until the last
+            sync.micro_batch(last=m == len(mbs) - 1)
         # Forwards and losses under the step's precision; the backwards outside autocast (as torch advises).
         with amp_context(cfg, mb.tokens):
             with torch.set_grad_enabled(train_policy):
@@ -445,7 +433,7 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     stats = [s for s in (pol_stats, d_stats) if s is not None]
     for s in all_reduce_sums(stats, grad_group):
         metrics.update(s.metrics())
-    metrics.update(optimizer_step(opt, sched, cfg, train_policy, grad_group, policy_norm_group))
+    metrics.update(optimizer_step(opt, sched, cfg, train_policy, grad_group, policy_norm_group, syncs))
     metrics = metrics_to_floats(metrics)
     if use_draft:
         metrics["time/train_draft"] = draft_time.seconds()

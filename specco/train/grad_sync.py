@@ -1,0 +1,116 @@
+"""How each parameter group's gradient becomes the global batch's: one strategy per group, and the clip.
+
+Every loss of the step is divided by GLOBAL counts (train/losses.py), so the gradient of the global batch is
+the SUM of the ranks' gradients over the stage's dp × cp ranks (`grad_group`), never their mean. Two ways:
+
+    AllReduceSync(group)   replicated parameters (the draft; the policy without FSDP): each rank's backward
+                           leaves its own whole gradient, summed over `group` by one all-reduce per tensor
+                           in the optimizer step.
+    FSDPSync(module)       a policy sharded by parallel.fsdp.apply_fsdp: FSDP2 reduce-scatters (HSDP: and
+                           all-reduces) each layer's gradient as a SUM inside the backward, so the optimizer
+                           step has nothing left to reduce; its grads are DTensor shards.
+
+A strategy also says what happens between micro-batches (`micro_batch(last)`, called before each micro-batch's
+forward): an all-reduce waits for the step's end (gradients accumulate locally, one reduction per step); FSDP
+either reduce-scatters every micro-batch (the default: at rest only shards of weights and gradients, the policy
+never whole on a rank; a micro-batch costs an all-gather per layer for its forward and another for its backward,
+and one reduce-scatter) or, with `hold_unsharded=True`, keeps the weights gathered and the gradients unsharded
+until the last micro-batch (one all-gather and one reduce-scatter per layer per step, DDP's traffic, at the
+price of a whole copy of the weights and of the gradient on every rank for the step's duration). RL steps
+have many micro-batches of long rows, whose compute hides the per-micro-batch traffic; models that need FSDP are
+those whose whole gradient does not fit, so the default is to reshard.
+
+`clip_grad_norm` takes the norm over all of a group's shards (DTensor grads: `full_tensor()` of the local norms)
+and over its pipeline stages (`norm_group`), so the clip coefficient is the unsharded step's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["AllReduceSync", "FSDPSync", "grad_syncs", "reduce_grads", "clip_grad_norm"]
+
+
+def reduce_grads(params, group) -> None:
+    """Sum gradients over `group` (DP x CP ranks). Losses are normalised by global counts, so a sum
+    (not a mean) gives the global-batch gradient."""
+    if group is None:
+        return
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
+def clip_grad_norm(params, max_norm: float, norm_group=None) -> torch.Tensor:
+    """Clip by the total gradient norm of a parameter group that may be split over `norm_group` (the
+    ranks holding *different* parts of it, e.g. pipeline stages; None: this rank holds all of it) and sharded
+    by FSDP (DTensor gradients: the local norms' `full_tensor()` is the norm over every shard); the squared
+    norms are summed over `norm_group`, so every part is scaled by the same coefficient."""
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    # a group this step did not train (the plain train step's draft) has no gradients: get_total_norm would give a
+    # CPU zero, which the metrics' one device-side stack refuses beside CUDA ones; the all-reduce below still runs
+    total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(
+        (), device=params[0].device if params else None)
+    if isinstance(total, DTensor):  # Partial over the shards: the all-reduce of the squares happens here
+        total = total.full_tensor()
+    if norm_group is not None:
+        sq = total.double().square().reshape(1)
+        dist.all_reduce(sq, group=norm_group)
+        total = sq[0].sqrt().to(total.dtype)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+class AllReduceSync:
+    """Replicated parameters: local accumulation over micro-batches, one SUM all-reduce over `group` at the end
+    (None: a single process, nothing to do)."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def micro_batch(self, last: bool) -> None:
+        pass
+
+    def reduce(self, params) -> None:
+        reduce_grads(params, self.group)
+
+
+class FSDPSync:
+    """Parameters of an FSDP2-sharded `module` (parallel.fsdp.apply_fsdp): the reduction is FSDP's own, inside
+    the backward (a SUM: apply_fsdp sets the divide factor to 1). `hold_unsharded`: gather once and reduce once
+    per step (module docstring); `reshard_after_forward` must be the value given to apply_fsdp, restored after
+    the step's last micro-batch."""
+
+    def __init__(self, module: nn.Module, hold_unsharded: bool = False, reshard_after_forward: bool = True):
+        from ..parallel.fsdp import layer_reshards_after_forward
+        self.module, self.hold = module, hold_unsharded
+        self.reshard = layer_reshards_after_forward(module, reshard_after_forward)  # [(unit, flag)]
+
+    def micro_batch(self, last: bool) -> None:
+        if not self.hold:
+            return
+        root = self.module
+        root.set_requires_gradient_sync(last)  # recursive: every unit; HSDP's all-reduce too
+        root.set_reshard_after_backward(last)  # the last backward frees the gathered weights
+        if last:  # the weights are gathered already: restore apply_fsdp's choice for the next step
+            for unit, flag in self.reshard:
+                unit.set_reshard_after_forward(flag, recurse=False)
+        else:
+            root.set_reshard_after_forward(False)  # the next micro-batch's backward needs no gather
+
+    def reduce(self, params) -> None:
+        pass  # reduce-scattered (and HSDP-all-reduced) as SUMs inside the backward
+
+
+def grad_syncs(policy: nn.Module | None, group=None, hold_unsharded: bool = False,
+               reshard_after_forward: bool = True) -> dict:
+    """The strategies of the optimizer's groups ('policy', 'draft'): FSDP for a sharded policy, the all-reduce
+    over `group` (the stage's dp × cp ranks) for everything replicated — the draft always (parallel/fsdp.py says
+    why)."""
+    from ..parallel.fsdp import is_sharded
+    pol = FSDPSync(policy, hold_unsharded, reshard_after_forward) if policy is not None and is_sharded(policy) \
+        else AllReduceSync(group)
+    return {"policy": pol, "draft": AllReduceSync(group)}
