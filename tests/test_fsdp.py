@@ -56,6 +56,8 @@ LENS = (11, 3, 17, 8)  # the dp 2 × cp 2 batch: dp rank d packs sequences 2d, 2
 TOL = dict(rtol=1e-9, atol=1e-12)
 LR, DRAFT_LR = 1e-3, 1e-2
 
+pytestmark = pytest.mark.dist
+
 
 def _models(kind, dtype=torch.float64):
     if kind == "eagle3":
