@@ -7,6 +7,7 @@ The padding is exact: the columns are masked and trimmed micro-batches drop them
 minibatches equals the step on exact ones (fp64 models; the micro-batch widths differ, so sums run in other
 orders: 1e-10 relative; seen: metrics equal, parameters 8e-15 apart).
 """
+import pytest
 import torch
 
 from specco.runner.rollouts import Rollouts, build_batch, minibatches
