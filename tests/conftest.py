@@ -62,3 +62,31 @@ def smollm2_dir(tmp_path_factory):
         return prepare_smollm2(tmp_path_factory.mktemp("smollm2") / "policy")
     except (ModuleNotFoundError, FileNotFoundError) as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def tiny_start(tmp_path_factory):
+    """configs/demo.toml's tiny char policy after a short SFT, and warm EAGLE-3 and DFlash drafts for it, made once
+    per session by the pipeline's own stages (runner/prepare.py). An e2e test whose subject is the RL loop, not
+    the stages, starts from these (`tiny_start.overrides(kind)`: the policy as a directory, the draft as
+    draft.init, no SFT, no warm start) instead of paying SFT and a warm start of its own."""
+    from types import SimpleNamespace
+
+    from cli_helpers import DEMO
+    from specco.config_load import load_config
+    from specco.runner.prepare import prepare_drafts, prepare_policy
+    from specco.runner.validate import check_job
+    out = tmp_path_factory.mktemp("tiny_start")
+    shape = ["policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2", "policy.num_kv_heads=1",
+             "policy.intermediate_size=64", "draft.aux_layer_ids=[]"]
+    cfg = load_config(DEMO, [*shape, "sft.steps=10", "train.warm_start_steps=3", "train.warm_start_prompts=8",
+                             "data.eval_size=4", "arms=none,cotrained,cotrained-dflash", f"out_dir={out}"])
+    data = check_job(cfg)
+    policy, tok, _ = prepare_policy(cfg, data, out, "cpu", progress=False)
+    prepare_drafts(cfg, policy, tok, data, out, progress=False)
+    drafts = {"eagle3": out / "warm_draft", "dflash": out / "warm_draft_dflash"}
+
+    def overrides(kind: str = "eagle3") -> list[str]:
+        return [f"policy.source={out / 'start_policy'}", "sft.data=", f"draft.kind={kind}",
+                f"draft.init={drafts[kind]}", "train.warm_start_steps=0", "draft.aux_layer_ids=[]"]
+    return SimpleNamespace(policy=out / "start_policy", drafts=drafts, overrides=overrides)

@@ -48,16 +48,19 @@ def test_acceptance_collapse_rule():
         check_acceptance([0.6, 0.55], 1.0, 500, 4)
 
 
-def test_rl_loop_stops_on_a_broken_draft_refit(tmp_path, monkeypatch):
+def _run_cfg(tmp_path, tiny_start, *extra):
+    """Two co-trained RL steps of the session's SFT'd tiny policy and warm draft (conftest.tiny_start)."""
+    from specco.config_load import load_config
+    return load_config(DEMO, [f"out_dir={tmp_path}", "arms=cotrained", "train.steps=2", *tiny_start.overrides(),
+                              "train.warm_start_prompts=8", "rollout.prompts_per_step=4", "rollout.group_size=2",
+                              "rollout.max_new_tokens=6", "data.eval_size=4", *extra])
+
+
+def test_rl_loop_stops_on_a_broken_draft_refit(tmp_path, monkeypatch, tiny_start):
     """Two co-trained RL steps where the engine's refit silently keeps its old draft: the guard raises at
     step 1, naming it."""
-    from specco.config_load import load_config
     from specco.runner.pipeline import run as run_demo
-    cfg = load_config(DEMO, [f"out_dir={tmp_path}", "arms=cotrained", "train.steps=2", "sft.steps=4",
-                             "train.warm_start_steps=2", "train.warm_start_prompts=8", "rollout.prompts_per_step=4",
-                             "rollout.group_size=2", "rollout.max_new_tokens=6", "data.eval_size=4",
-                             "policy.hidden_size=32", "policy.num_layers=2", "draft.aux_layer_ids=[]", "policy.num_heads=2",
-                             "policy.num_kv_heads=1", "policy.intermediate_size=64"])
+    cfg = _run_cfg(tmp_path, tiny_start)
     real = RolloutEngine.refit
     monkeypatch.setattr(RolloutEngine, "refit", lambda self, p, d=None: real(self, p, None))  # drops the draft
     with pytest.raises(RefitError, match="after the refit of step 1: the engine's draft weights differ"):
@@ -100,20 +103,15 @@ def test_rollout_dtype_is_checked():
     assert load_config(DEMO, ["rollout.dtype=bfloat16"]).rollout.dtype == "bfloat16"
 
 
-def test_rl_loop_with_a_bf16_engine(tmp_path, monkeypatch):
+def test_rl_loop_with_a_bf16_engine(tmp_path, monkeypatch, tiny_start):
     """rollout.dtype=bfloat16 end to end: the engine's copies are bf16, every refit casts into them and the
     guard (weights and acceptance) stays silent over two co-trained steps."""
-    from specco.config_load import load_config
     from specco.runner import rl
     from specco.runner.pipeline import run as run_demo
     built = []
     real = rl.RolloutEngine
     monkeypatch.setattr(rl, "RolloutEngine", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
-    cfg = load_config(DEMO, [f"out_dir={tmp_path}", "arms=cotrained", "train.steps=2", "sft.steps=4",
-                             "train.warm_start_steps=2", "train.warm_start_prompts=8", "rollout.prompts_per_step=4",
-                             "rollout.group_size=2", "rollout.max_new_tokens=6", "data.eval_size=4",
-                             "policy.hidden_size=32", "policy.num_layers=2", "draft.aux_layer_ids=[]", "policy.num_heads=2",
-                             "policy.num_kv_heads=1", "policy.intermediate_size=64", "rollout.dtype=bfloat16"])
+    cfg = _run_cfg(tmp_path, tiny_start, "rollout.dtype=bfloat16")
     run_demo(cfg, progress=False)
     (engine,) = built
     assert {p.dtype for m in (engine.policy, engine.draft) for p in m.parameters()} == {torch.bfloat16}

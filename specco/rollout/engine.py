@@ -136,7 +136,9 @@ class RolloutEngine:
             return DecodeRunner(self.policy, cfg, self.draft, controller=controller)
         storage = self._storage_fingerprint()
         if storage != self._storage:  # parameters were replaced, not updated in place
-            self._runners.clear()
+            if self._runners:
+                self._runners.clear()
+                _release_dropped(self.device)
             self._storage = storage
         shape = runner_shape(cfg, self.device, self.draft, ids.shape[0], ids.shape[1], group_size)
         key = (cfg, shape)
@@ -145,9 +147,10 @@ class RolloutEngine:
         runner = self._runners.get(key)
         if runner is None:
             runner = self._runners[key] = DecodeRunner(self.policy, cfg, self.draft, controller=controller)
-            while len(self._runners) > self.cache_runners:
-                self._runners.popitem(last=False)  # least recently used
-            _release_dropped(self.device)
+            if len(self._runners) > self.cache_runners:
+                while len(self._runners) > self.cache_runners:
+                    self._runners.popitem(last=False)  # least recently used
+                _release_dropped(self.device)  # only when one was dropped: a collection costs ~0.2 s on CPU
         self._runners.move_to_end(key)
         return runner
 
