@@ -169,7 +169,7 @@ def cmd_plan(a):
     ac = {"both": (False, True), "on": (True,), "off": (False,),
           "config": (cfg.train.activation_checkpointing,)}[a.ac]
     plan = plan_memory(cfg, a.gpus, a.gpu_mem, model=a.model, prompt_tokens=a.prompt_tokens,
-                       reserve_gib=a.reserve, ac=ac)
+                       reserve_gib=a.reserve, ac=ac, offload=a.offload, engine_tp=a.engine_tp)
     print(format_plan(plan, a.top))
     if a.json:
         write_json(plan, a.json)
@@ -264,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "fragmentation)")
     p.add_argument("--ac", default="both", choices=["both", "on", "off", "config"],
                    help="activation checkpointing: list both, one, or train.activation_checkpointing's")
+    p.add_argument("--offload", action="store_true", help="the engine's weights and KV cache released to the host "
+                   "while the trainer runs (the peak is the larger phase, not their sum)")
+    p.add_argument("--engine-tp", type=int, default=1, help="the rollout engine's weights split over N ranks (planned "
+                   "rollout.tp, not built yet; 1 = today's whole copy per rank)")
     p.add_argument("--top", type=int, default=0, help="print only the first N layouts")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
     _add_overrides(p)

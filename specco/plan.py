@@ -312,10 +312,11 @@ def kv_cache_bytes(s: Shapes, lay: Layout) -> int:
     return int(engine_rows(s, lay) * (s.seq + s.gamma + 1) * per_token * (1 + 2 * s.compact_below))
 
 
-def engine_weight_bytes(s: Shapes) -> int:
-    """The engine's whole policy and draft in rollout dtype, + its verify logits: rows·(γ+1)·V fp32 (counted
-    with the KV cache's rows by the caller)."""
-    return s.engine_bytes * (policy_params(s.policy) + draft_params(s))
+def engine_weight_bytes(s: Shapes, engine_tp: int = 1) -> int:
+    """The engine's whole policy and draft in rollout dtype, split over `engine_tp` ranks (the planned
+    rollout.tp of docs/DESIGN.md §9, not built yet: 1 is today's engine). Its KV cache per rank is unchanged by
+    tp: a tp group decodes its tp ranks' rows with the kv heads split tp ways."""
+    return s.engine_bytes * (policy_params(s.policy) + draft_params(s)) // engine_tp
 
 
 # -- one layout, every layout ----------------------------------------------------------------------------------
@@ -323,7 +324,19 @@ def engine_weight_bytes(s: Shapes) -> int:
 COLUMNS = ("params", "compute", "grads", "adamw", "acts", "draft", "engine_w", "kv_cache", "total")
 
 
-def rank_memory(s: Shapes, lay: Layout) -> dict[str, int]:
+def peak_bytes(m: dict[str, int], offload: bool) -> int:
+    """A rank's peak: everything at once for a colocated engine; with the engine's weights and KV cache released
+    to the host while the trainer runs (`--offload`, issue 34 item 5, as colocated vLLM's sleep mode), the larger
+    of the train step (all but the engine) and the rollout (the trainer's weights and AdamW state, no gradients
+    or activations, beside the engine)."""
+    if not offload:
+        return sum(v for k, v in m.items() if k != "total")
+    train = sum(m[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft"))
+    rollout = m["params"] + m["adamw"] + m["draft"] * 12 // 16 + m["engine_w"] + m["kv_cache"]
+    return max(train, rollout)
+
+
+def rank_memory(s: Shapes, lay: Layout, offload: bool = False, engine_tp: int = 1) -> dict[str, int]:
     """Bytes per component on the fullest rank of `lay` (the max over pipeline stages of the total)."""
     from .parallel.pipeline import stage_layer_ranges
     pc, c = s.policy, s.compute_bytes
@@ -339,9 +352,9 @@ def rank_memory(s: Shapes, lay: Layout) -> dict[str, int]:
              "acts": activation_bytes(s, lay, len(rng), last, min(lay.pp - stage, n_micro)),
              # the draft is replicated (parallel/fsdp.py): fp32 weights, gradients, AdamW (16 B/param) + autocast copy
              "draft": D * (16 + (2 if c < 4 else 0)),
-             "engine_w": engine_weight_bytes(s) + rows * (s.gamma + 1) * pc.vocab_size * 4,
+             "engine_w": engine_weight_bytes(s, engine_tp) + rows * (s.gamma + 1) * pc.vocab_size * 4,
              "kv_cache": kv_cache_bytes(s, lay)}
-        m["total"] = sum(m.values())
+        m["total"] = peak_bytes(m, offload)
         if best is None or m["total"] > best["total"]:
             best = m
     return best
@@ -377,6 +390,8 @@ class Plan:
     gpu_gib: float
     reserve_gib: float
     shapes: Shapes
+    offload: bool = False
+    engine_tp: int = 1
     rows: list[tuple[Layout, dict[str, int]]] = field(default_factory=list)
 
     def headroom(self, mem: dict[str, int]) -> float:
@@ -384,14 +399,15 @@ class Plan:
 
     def to_json(self) -> dict:
         s = self.shapes
-        return {"gpus": self.gpus, "gpu_gib": self.gpu_gib, "reserve_gib": self.reserve_gib,
+        return {"gpus": self.gpus, "gpu_gib": self.gpu_gib, "reserve_gib": self.reserve_gib, "offload": self.offload, "engine_tp": self.engine_tp,
                 "policy_params": policy_params(s.policy), "draft_params": draft_params(s), "seq": s.seq,
                 "layouts": [{**dataclasses.asdict(lay), **{k: v / GiB for k, v in m.items()},
                              "headroom_gib": self.headroom(m), "fits": self.headroom(m) >= 0} for lay, m in self.rows]}
 
 
 def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None = None, prompt_tokens: int = 0,
-                reserve_gib: float = 4.0, ac: tuple[bool, ...] = (False, True)) -> Plan:
+                reserve_gib: float = 4.0, ac: tuple[bool, ...] = (False, True), offload: bool = False,
+                engine_tp: int = 1) -> Plan:
     """Every feasible layout of `cfg` on `gpus` GPUs of `gpu_gib` GiB, fitting ones first, most headroom first
     (a fitting layout that needs less sharding comes later: fewer collectives are a choice left to the user).
     prompt_tokens: the longest prompt (0: data.max_prompt_tokens, else 512)."""
@@ -399,12 +415,14 @@ def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None 
         raise ConfigError(f"--gpus {gpus} --gpu-mem {gpu_gib}: need >= 1 GPU of > 0 GiB")
     pc = policy_config(cfg, model)
     s = shapes(cfg, pc, prompt_tokens or cfg.data.max_prompt_tokens or 512)
-    plan = Plan(gpus, gpu_gib, reserve_gib, s)
+    if engine_tp < 1 or pc.num_kv_heads % engine_tp:
+        raise ConfigError(f"--engine-tp {engine_tp}: must divide the policy's {pc.num_kv_heads} kv heads")
+    plan = Plan(gpus, gpu_gib, reserve_gib, s, offload, engine_tp)
     lays = layouts(s, gpus, ac)
     if not lays:
         raise ConfigError(f"no layout of {gpus} GPUs: rollout.prompts_per_step × group_size = {s.rows_per_step} rows "
                           f"split over no data-parallel degree dividing {gpus}")
-    plan.rows = sorted(((lay, rank_memory(s, lay)) for lay in lays), key=lambda x: -plan.headroom(x[1]))
+    plan.rows = sorted(((lay, rank_memory(s, lay, offload, engine_tp)) for lay in lays), key=lambda x: -plan.headroom(x[1]))
     return plan
 
 
@@ -413,7 +431,9 @@ def format_plan(plan: Plan, top: int = 0) -> str:
     s = plan.shapes
     head = (f"policy {policy_params(s.policy) / 1e9:.2f} B params, draft {s.draft_kind or 'none'} "
             f"{draft_params(s) / 1e9:.2f} B; seq {s.seq}, {s.rows_per_step} rows/step, micro-batch "
-            f"{s.micro_batch_rows or 'whole'}; {plan.gpus} x {plan.gpu_gib:g} GiB, {plan.reserve_gib:g} GiB reserved")
+            f"{s.micro_batch_rows or 'whole'}; {plan.gpus} x {plan.gpu_gib:g} GiB, {plan.reserve_gib:g} GiB reserved"
+            f"{'; engine offloaded while training' if plan.offload else ''}"
+            f"{f'; engine tp {plan.engine_tp}' if plan.engine_tp > 1 else ''}")
     cols = f"{'layout':<30}" + "".join(f"{c:>9}" for c in COLUMNS) + f"{'headroom':>9} fits"
     lines = [head, cols]
     for lay, m in plan.rows[:top or None]:
