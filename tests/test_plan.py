@@ -3,7 +3,7 @@
 The activation formula is checked exactly (to the byte) against the storages autograd saves in one decoder layer,
 in fp32 and under bf16 autocast, with and without Qwen3's q/k norms. The whole trainer estimate (parameters,
 gradients, AdamW, activations, the draft) is checked against the peak of live tensor bytes of a real co-training
-step on CPU (bench/cp_memory.LiveTensorBytes: what torch.cuda.max_memory_allocated would read on a GPU, less the
+step on CPU (LiveTensorBytes of bench/cp_memory.py: what torch.cuda.max_memory_allocated would read on a GPU, less the
 allocator's rounding).
 """
 import dataclasses
