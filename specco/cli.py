@@ -7,6 +7,7 @@
     specco generate --policy DIR           text generation, with an optional draft (speculative)
     specco export --draft DIR ...          an EAGLE-3 or DFlash draft in the layout vLLM or SGLang loads
     specco cotrain-cp [CONFIG] ...         co-training steps with context parallelism (launch with torchrun)
+    specco plan CONFIG --gpus N --gpu-mem GiB   each rank's memory for every layout, ranked
 """
 from __future__ import annotations
 
@@ -159,6 +160,21 @@ def cmd_cotrain_cp(a):
     run_cotrain_step_cp(cfg, steps=a.steps, seq_lens=tuple(int(x) for x in a.seq_lens.split(",")))
 
 
+def cmd_plan(a):
+    from .config_load import load_config
+    from .plan import format_plan, plan_memory, write_json
+    if a.config is not None and "=" in a.config and not Path(a.config).exists():  # an override, not a file
+        a.overrides, a.config = [a.config, *a.overrides], None
+    cfg = load_config(a.config, a.overrides)
+    ac = {"both": (False, True), "on": (True,), "off": (False,),
+          "config": (cfg.train.activation_checkpointing,)}[a.ac]
+    plan = plan_memory(cfg, a.gpus, a.gpu_mem, model=a.model, prompt_tokens=a.prompt_tokens,
+                       reserve_gib=a.reserve, ac=ac, offload=a.offload, engine_tp=a.engine_tp)
+    print(format_plan(plan, a.top))
+    if a.json:
+        write_json(plan, a.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specco", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -232,6 +248,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-lens", default="512,77,5", help="packed sequence lengths of the synthetic batch")
     _add_overrides(p)
     p.set_defaults(fn=cmd_cotrain_cp)
+
+    p = sub.add_parser("plan", help="each rank's memory for every layout of a run (pp x dp_replicate x dp_shard x cp)",
+                       description="Per-rank memory of every feasible layout (parameters, gradients, AdamW, activations "
+                       "with and without checkpointing, the draft, the rollout engine's weights and KV cache), fitting "
+                       "layouts first, most headroom first (specco/plan.py has the formulas).")
+    p.add_argument("config", nargs="?", default=None, help="TOML config (default: the built-in defaults)")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--gpu-mem", type=float, required=True, metavar="GiB", help="memory per GPU (H200: 141)")
+    p.add_argument("--model", default=None, help="a published shape instead of policy.source: qwen3-8b, qwen3-32b, "
+                   "dense-120b")
+    p.add_argument("--prompt-tokens", type=int, default=0, help="longest prompt (default data.max_prompt_tokens, "
+                   "else 512)")
+    p.add_argument("--reserve", type=float, default=4.0, metavar="GiB", help="kept free per GPU (CUDA context, NCCL, "
+                   "fragmentation)")
+    p.add_argument("--ac", default="both", choices=["both", "on", "off", "config"],
+                   help="activation checkpointing: list both, one, or train.activation_checkpointing's")
+    p.add_argument("--offload", action="store_true", help="the engine's weights and KV cache released to the host "
+                   "while the trainer runs (the peak is the larger phase, not their sum)")
+    p.add_argument("--engine-tp", type=int, default=1, help="the rollout engine's weights split over N ranks (planned "
+                   "rollout.tp, not built yet; 1 = today's whole copy per rank)")
+    p.add_argument("--top", type=int, default=0, help="print only the first N layouts")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
+    _add_overrides(p)
+    p.set_defaults(fn=cmd_plan)
     return ap
 
 

@@ -1,0 +1,447 @@
+"""`specco plan`: each rank's memory for every feasible layout of a run, before anything is launched.
+
+    plan = plan_memory(cfg, gpus=64, gpu_gib=141, model="qwen3-32b")   # -> Plan(rows ranked, ...)
+    print(format_plan(plan, top=10))
+
+A layout is pp × dp_replicate × dp_shard × cp = gpus (docs/DESIGN.md §9: the FSDP axis is dp_shard × cp), with
+or without activation checkpointing. Each component of a rank's memory is one function below (one home per
+formula, its math in its docstring); `rank_memory` adds them for one layout. Parameter counts are exact: the
+policy and draft are built on the meta device (no memory) and their parameters counted. Activation bytes are
+counts of the tensors autograd saves for the backward, read off the code of model/layers.py and policy.py, in the
+dtype each is made in; tests/test_plan.py checks them against the saved tensors and the peak live bytes of a real
+co-training step. Everything is resident at once: the trainer's state, its activations at the step's peak (the
+start of the policy's backward) and the colocated rollout engine's weights and KV cache (no offload yet).
+
+Not modelled (why the fits column keeps `reserve_gib` free): the CUDA context and NCCL buffers (~1-2 GiB),
+the caching allocator's fragmentation, kernels' workspaces, compiled graphs' pools, a second kept decode runner
+(rollout.cache_runners > 1 without rollout.cache_gib), the PPO log-prob recompute (no-grad, transient).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from .config import BLOCK_KINDS, RunConfig
+from .model.config import ConfigError, DraftConfig, PolicyConfig
+
+GiB = 2**30
+CP_MIN_TOKENS = 1024  # CP only when every rank keeps >= this many tokens of a row: below, the ring's
+# transfers cannot hide behind the attention (and zigzag needs 2·cp chunks of a row)
+
+# Published shapes (each model's Hugging Face config.json) for the README's tables; `--model NAME`.
+PRESETS = {
+    # Qwen/Qwen3-8B config.json: 8.19 B parameters
+    "qwen3-8b": PolicyConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                             num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True, model_type="qwen3"),
+    # Qwen/Qwen3-32B config.json: 32.8 B parameters
+    "qwen3-32b": PolicyConfig(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64,
+                              num_heads=64, num_kv_heads=8, head_dim=128, qk_norm=True, model_type="qwen3"),
+    # a 120B-class dense model: mistralai/Mistral-Large-Instruct-2407 config.json (123 B parameters, a
+    # Llama-style decoder: GQA 96/8 heads of 128, SwiGLU, untied 32,768-token head)
+    "dense-120b": PolicyConfig(vocab_size=32768, hidden_size=12288, intermediate_size=28672, num_layers=88,
+                               num_heads=96, num_kv_heads=8, head_dim=128, model_type="llama"),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    fsdp: bool  # the policy sharded over dp_shard × cp (else every dp × cp rank holds it whole)
+    ac: bool  # activation checkpointing of the policy's layers
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard(self) -> int:
+        """Ranks one copy of the policy's fp32 state is sharded over: the FSDP axis dp_shard × cp."""
+        return self.dp_shard * self.cp if self.fsdp else 1
+
+    def name(self) -> str:
+        return (f"pp{self.pp} rep{self.dp_replicate} shard{self.dp_shard} cp{self.cp}"
+                f"{'' if self.fsdp else ' nofsdp'}{' ac' if self.ac else ''}")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the formulas read, resolved once from the run config (sizes per rank, bytes per element)."""
+    policy: PolicyConfig
+    draft_kind: str | None  # None: no co-trained draft
+    draft_vocab: int
+    draft_layers: int  # block drafters' decoder layers (EAGLE-3: 1)
+    num_taps: int
+    seq: int  # prompt + max_new_tokens: the longest trained row
+    rows_per_step: int  # rollout rows of one RL step (all ranks)
+    minibatches: int
+    micro_batch_rows: int  # 0: the whole minibatch
+    draft_row_stride: int
+    ttt_passes: int
+    gamma: int  # tokens per draft round (rollout.k)
+    num_anchors: int
+    loss_chunk: int
+    compute_bytes: int  # matmul outputs: 2 under bf16 autocast, else 4
+    engine_bytes: int  # the rollout engine's copy (rollout.dtype)
+    compact_below: float
+
+
+def _bytes(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
+def policy_config(cfg: RunConfig, model: str | None = None) -> PolicyConfig:
+    """The policy's shape: a preset (`model`), the config.json of policy.source when it is a directory, or the
+    tiny policy's sizes (its vocabulary: the character tokenizer's)."""
+    if model:
+        if model not in PRESETS:
+            raise ConfigError(f"--model {model!r}: use one of {', '.join(PRESETS)}")
+        return PRESETS[model]
+    src, ps = cfg.policy.source, cfg.policy
+    if src in ("", "tiny"):
+        from .data.tokenizer import build_char_tokenizer
+        from .train.sft import tiny_policy_config
+        return tiny_policy_config(build_char_tokenizer(), ps.hidden_size, ps.num_layers, ps.num_heads,
+                                  ps.num_kv_heads, ps.intermediate_size, ps.max_positions)
+    from .model.hf_io import load_policy_config
+    try:
+        return load_policy_config(src)
+    except FileNotFoundError as e:
+        raise ConfigError(f"policy.source={src!r}: no config.json to read the shape from ({e}); pass "
+                          f"--model {'|'.join(PRESETS)} for a published shape") from None
+
+
+def shapes(cfg: RunConfig, pc: PolicyConfig, prompt_tokens: int, device: str = "cuda") -> Shapes:
+    """The formulas' inputs from the run config, with "auto" precision decided as a run on `device` would."""
+    from .runner.derive import on_device
+    cfg = on_device(cfg, torch.device(device))
+    mode_kinds = [a.partition("-") for a in cfg.arms]
+    cotrained = [k or cfg.draft.kind for m, _, k in mode_kinds if m == "cotrained"]
+    kind = cotrained[0] if cotrained else None
+    d = cfg.draft
+    vocab = pc.vocab_size if kind in BLOCK_KINDS else (
+        min(d.draft_vocab_size, pc.vocab_size) if d.draft_vocab_size else (pc.vocab_size if pc.vocab_size <= 8192 else 4096))
+    r, t = cfg.rollout, cfg.train
+    gamma = (r.block_k or r.k) if kind in BLOCK_KINDS else r.k
+    return Shapes(policy=pc, draft_kind=kind, draft_vocab=vocab, draft_layers=d.block_layers or 1,
+                  num_taps=len(d.aux_layer_ids) or len(set(_default_taps(pc.num_layers))),
+                  seq=prompt_tokens + r.max_new_tokens, rows_per_step=r.prompts_per_step * r.group_size,
+                  minibatches=t.minibatches, micro_batch_rows=t.micro_batch_rows, draft_row_stride=t.draft_row_stride,
+                  ttt_passes=d.ttt_passes, gamma=gamma, num_anchors=d.num_anchors or 16, loss_chunk=t.loss_chunk,
+                  compute_bytes=2 if t.amp == "bf16" else _bytes(cfg.policy.dtype),
+                  engine_bytes=_bytes(cfg.rollout.dtype or cfg.policy.dtype), compact_below=r.compact_below)
+
+
+def _default_taps(num_layers: int):
+    from .model.config import aux_layer_ids_default
+    return aux_layer_ids_default(num_layers)
+
+
+# -- parameter counts (exact: the models built on the meta device) ---------------------------------------------
+
+@lru_cache(maxsize=32)
+def policy_parts(pc: PolicyConfig) -> tuple[int, int, int]:
+    """(parameters of one decoder layer, of the embedding, of final norm + head) of the specco Policy."""
+    from .model.policy import Policy
+    with torch.device("meta"):
+        m = Policy(dataclasses.replace(pc, num_layers=1))
+    count = lambda mod: sum(p.numel() for p in mod.parameters()) if mod is not None else 0  # noqa: E731
+    head = count(m.norm) + (0 if pc.tie_word_embeddings else count(m.lm_head))
+    return count(m.layers["0"]), count(m.embed_tokens), head
+
+
+@lru_cache(maxsize=32)
+def draft_params(s: Shapes) -> int:
+    """Parameters of the co-trained draft, built on the meta device (0 without one)."""
+    if s.draft_kind is None:
+        return 0
+    from .model.dflash import BlockDraft, BlockDraftConfig
+    from .model.draft import Eagle3Draft
+    taps = tuple(range(s.num_taps))
+    with torch.device("meta"):
+        if s.draft_kind in BLOCK_KINDS:
+            m = BlockDraft(BlockDraftConfig.for_policy(s.policy, s.draft_kind, s.gamma, mask_id=0,
+                                                       num_layers=s.draft_layers, aux_layer_ids=taps))
+        else:
+            m = Eagle3Draft(DraftConfig.for_policy(s.policy, s.draft_vocab, taps))
+    return sum(p.numel() for p in m.parameters())
+
+
+def policy_params(pc: PolicyConfig) -> int:
+    """The whole policy's parameters (PolicyConfig.num_params leaves out Qwen3's q/k norm weights)."""
+    return stage_params(pc, pc.num_layers, True, True)
+
+
+def stage_params(pc: PolicyConfig, layers: int, first: bool, last: bool) -> int:
+    """Parameters a pipeline stage holds: its layers, the embedding on the first, final norm + head on the last."""
+    layer, embed, head = policy_parts(pc)
+    return layers * layer + (embed if first else 0) + (head if last else 0)
+
+
+# -- the trainer's state ---------------------------------------------------------------------------------------
+
+def master_bytes(params: int, lay: Layout) -> int:
+    """fp32 master weights: 4 B/param, sharded over dp_shard × cp under FSDP (MixedPrecisionPolicy keeps the
+    sharded parameters fp32), whole otherwise."""
+    return 4 * math.ceil(params / lay.shard)
+
+
+def grad_bytes(params: int, lay: Layout) -> int:
+    """fp32 gradients, as the master weights (FSDP reduce-scatters them into the shards in reduce_dtype fp32)."""
+    return 4 * math.ceil(params / lay.shard)
+
+
+def adamw_bytes(params: int, lay: Layout) -> int:
+    """AdamW's two moments, exp_avg and exp_avg_sq, fp32 like the parameters: 8 B/param, sharded like them."""
+    return 8 * math.ceil(params / lay.shard)
+
+
+def compute_copy_bytes(pc: PolicyConfig, layers: int, first: bool, last: bool, lay: Layout, c: int) -> int:
+    """The weights in compute dtype beside the master copy. Under FSDP: the all-gathered units, in c bytes: the
+    root (embedding, final norm, head: never resharded, parallel/fsdp.py), two layers (the one computing and the
+    one prefetched) plus one layer's unsharded gradient before its reduce-scatter; under PP no layer reshards
+    after forward, so the stage's every layer. Without FSDP: bf16 autocast keeps a cast copy of every weight
+    a matmul used, saved for its backward (c = 2); none in fp32."""
+    layer, embed, head = policy_parts(pc)
+    if not lay.fsdp:
+        return 2 * stage_params(pc, layers, first, last) if c < 4 else 0
+    root = (embed if first else 0) + (head if last else 0)
+    gathered = layers if lay.pp > 1 else min(2, layers)
+    return c * (root + gathered * layer) + 4 * layer
+
+
+# -- activations -----------------------------------------------------------------------------------------------
+
+def layer_activation_bytes(pc: PolicyConfig, c: int, r: int) -> int:
+    """Bytes one decoder layer saves for its backward, per token: what autograd keeps of DecoderLayer.forward
+    (checked to the byte in fp32 and under bf16 autocast, tests/test_plan.py).
+
+    r = the residual stream's bytes (the parameters' compute dtype: 4 over fp32 weights, 2 under FSDP's bf16
+    params), c = matmul outputs' (2 under bf16 autocast, else r). With q = H·D, kv = Hkv·D, I = intermediate:
+        2h·r            the layer's input and the mid-layer residual (each RMSNorm saves its x)
+        2·norm(h)       each RMSNorm (ops/decode_kernels.rms_norm_reference): x/rms in r, the matmul's input in c
+                        (the weighted output itself, or autocast's copy of it), the fp32 1/rms, and an fp32 copy of
+                        x when r < 4 (the normalisation runs in fp32)
+        (q+2kv)·c       the fused qkv output (v is a view of it, saved by the attention)
+        (q+kv)·c        q and k after RoPE as the attention saves them (autocast's copies when c < r)
+        qk-norm (Qwen3) (q+kv)·c for q/rms, k/rms, + their fp32 copies when c < 4, + 4·(H+Hkv) for the 1/rms
+        q·c + 4H        the attention output (o_proj reads it as a view) and the softmax's fp32 log-sum-exp
+        4I·c            the fused gate|up output (2I; silu and the product read views of it), silu(gate), silu·up
+    The (S, S) scores are never kept: SDPA's flash / memory-efficient kernels save only the log-sum-exp."""
+    h, q, kv, I, H = pc.hidden_size, pc.num_heads * pc.head_dim, pc.num_kv_heads * pc.head_dim, \
+        pc.intermediate_size, pc.num_heads
+    norm = h * (r + c + (4 if r < 4 else 0)) + 4
+    qk = ((q + kv) * (c + (4 if c < 4 else 0)) + 4 * (H + pc.num_kv_heads)) if pc.qk_norm else 0
+    return 2 * h * r + 2 * norm + (q + 2 * kv) * c + (q + kv) * c + qk + q * c + 4 * H + 4 * I * c
+
+
+def logits_bytes(pc: PolicyConfig, c: int) -> int:
+    """Per token, the policy loss's vocabulary-sized tensors at the start of its backward (train/losses.py
+    token_logprobs; the policy loss is not chunked): the logits (c), their fp32 log-softmax (saved), its gradient
+    and the gradient of the scaled logits (4 each)."""
+    return pc.vocab_size * (c + 12)
+
+
+def draft_activation_bytes(s: Shapes, c: int, r: int) -> int:
+    """Per trained draft row-token, what the draft's loss keeps until its backward.
+
+    EAGLE-3 (model/ttt.py, train/losses.py): K passes, each one draft decoder layer over 2h inputs
+    (≈ a policy layer + the 2h concat and its two norms, + the branch K/V stacks (d-1)·2kv), plus the teacher:
+    logits[..., d2t] and its K shifted copies, (K+1)·Vd·c (the CE chunks are checkpointed: only loss_chunk
+    tokens of fp32 (.., Vd) work live at once, not counted). Block drafters (model/dflash.py): per row-token the
+    trunk (h + 2kv per layer), per anchor W slot-tokens through L_d layers, their logits over V chunked."""
+    pc = s.policy
+    h, kv = pc.hidden_size, pc.num_kv_heads * pc.head_dim
+    layer = layer_activation_bytes(dataclasses.replace(pc, qk_norm=False), c, r)
+    if s.draft_kind in BLOCK_KINDS:
+        W = s.gamma + (1 if s.draft_kind == "dflash" else 0)
+        per_anchor = W * s.draft_layers * layer
+        return s.draft_layers * (h + 2 * kv) * r + math.ceil(s.num_anchors * per_anchor / max(s.seq, 1))
+    K = s.ttt_passes
+    passes = K * (layer + 2 * h * r + 2 * h * r) + sum(d - 1 for d in range(1, K + 1)) * 2 * kv * r
+    return passes + (K + 1) * s.draft_vocab * c
+
+
+def micro_rows(s: Shapes, lay: Layout) -> tuple[int, int]:
+    """(rows of one micro-batch, micro-batches per optimizer step) on one data-parallel rank."""
+    per_rank = max(1, s.rows_per_step // lay.dp // s.minibatches)
+    m = s.micro_batch_rows if 0 < s.micro_batch_rows < per_rank else per_rank
+    return m, math.ceil(per_rank / m)
+
+
+def activation_bytes(s: Shapes, lay: Layout, layers: int, last: bool, in_flight: int) -> int:
+    """A stage's activations at the start of its backward: `in_flight` micro-batches of b rows × seq/cp tokens
+    (1F1B keeps min(pp - stage, micro-batches) in flight). Without checkpointing every layer's saved tensors;
+    with it, each layer's input (h·r) and one layer's recomputed tensors. The last stage adds the embedding taps
+    (k·h·r, the concat), the logits and the draft (on every stride-th row)."""
+    pc, c = s.policy, s.compute_bytes
+    r = 2 if (lay.fsdp and c == 2) else 4
+    b, _ = micro_rows(s, lay)
+    tokens = b * math.ceil(s.seq / lay.cp)
+    per_layer = layer_activation_bytes(pc, c, r)
+    body = (layers * pc.hidden_size * r + per_layer) if lay.ac else layers * per_layer
+    total = in_flight * tokens * (body + pc.hidden_size * r)  # + the final norm's / embedding's output
+    if last:
+        total += tokens * logits_bytes(pc, c)
+        if s.draft_kind is not None:
+            d_tokens = math.ceil(b / s.draft_row_stride) * math.ceil(s.seq / lay.cp)
+            total += tokens * s.num_taps * pc.hidden_size * r + d_tokens * draft_activation_bytes(s, c, r)
+    return total
+
+
+# -- the rollout engine ----------------------------------------------------------------------------------------
+
+def engine_rows(s: Shapes, lay: Layout) -> int:
+    """Rows one rank's engine decodes per step: its data-parallel share of prompts × group_size."""
+    return max(1, s.rows_per_step // lay.dp)
+
+
+def kv_cache_bytes(s: Shapes, lay: Layout) -> int:
+    """rows × (seq + γ+1 slack) × (L + draft layers) × 2 (K, V) × Hkv × D × engine bytes, × (1 + 2·compact_below)
+    for the compacted levels (powers of two below compact_below of the rows: their sum < 2·compact_below·rows)."""
+    pc = s.policy
+    draft_layers = 0 if s.draft_kind is None else s.draft_layers
+    per_token = (pc.num_layers + draft_layers) * 2 * pc.num_kv_heads * pc.head_dim * s.engine_bytes
+    return int(engine_rows(s, lay) * (s.seq + s.gamma + 1) * per_token * (1 + 2 * s.compact_below))
+
+
+def engine_weight_bytes(s: Shapes, engine_tp: int = 1) -> int:
+    """The engine's whole policy and draft in rollout dtype, split over `engine_tp` ranks (the planned
+    rollout.tp of docs/DESIGN.md §9, not built yet: 1 is today's engine). Its KV cache per rank is unchanged by
+    tp: a tp group decodes its tp ranks' rows with the kv heads split tp ways."""
+    return s.engine_bytes * (policy_params(s.policy) + draft_params(s)) // engine_tp
+
+
+# -- one layout, every layout ----------------------------------------------------------------------------------
+
+COLUMNS = ("params", "compute", "grads", "adamw", "acts", "draft", "engine_w", "kv_cache", "total")
+
+
+def peak_bytes(m: dict[str, int], offload: bool) -> int:
+    """A rank's peak: everything at once for a colocated engine; with the engine's weights and KV cache released
+    to the host while the trainer runs (`--offload`, issue 34 item 5, as colocated vLLM's sleep mode), the larger
+    of the train step (all but the engine) and the rollout (the trainer's weights and AdamW state, no gradients
+    or activations, beside the engine)."""
+    if not offload:
+        return sum(v for k, v in m.items() if k != "total")
+    train = sum(m[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft"))
+    rollout = m["params"] + m["adamw"] + m["draft"] * 12 // 16 + m["engine_w"] + m["kv_cache"]
+    return max(train, rollout)
+
+
+def rank_memory(s: Shapes, lay: Layout, offload: bool = False, engine_tp: int = 1) -> dict[str, int]:
+    """Bytes per component on the fullest rank of `lay` (the max over pipeline stages of the total)."""
+    from .parallel.pipeline import stage_layer_ranges
+    pc, c = s.policy, s.compute_bytes
+    _, n_micro = micro_rows(s, lay)
+    best = None
+    for stage, rng in enumerate(stage_layer_ranges(pc.num_layers, lay.pp)):
+        first, last = stage == 0, stage == lay.pp - 1
+        P = stage_params(pc, len(rng), first, last)
+        D = draft_params(s) if last else 0
+        rows = engine_rows(s, lay)
+        m = {"params": master_bytes(P, lay), "compute": compute_copy_bytes(pc, len(rng), first, last, lay, c),
+             "grads": grad_bytes(P, lay), "adamw": adamw_bytes(P, lay),
+             "acts": activation_bytes(s, lay, len(rng), last, min(lay.pp - stage, n_micro)),
+             # the draft is replicated (parallel/fsdp.py): fp32 weights, gradients, AdamW (16 B/param) + autocast copy
+             "draft": D * (16 + (2 if c < 4 else 0)),
+             "engine_w": engine_weight_bytes(s, engine_tp) + rows * (s.gamma + 1) * pc.vocab_size * 4,
+             "kv_cache": kv_cache_bytes(s, lay)}
+        m["total"] = peak_bytes(m, offload)
+        if best is None or m["total"] > best["total"]:
+            best = m
+    return best
+
+
+def layouts(s: Shapes, gpus: int, ac: tuple[bool, ...] = (False, True)) -> list[Layout]:
+    """Every pp × dp_replicate × dp_shard × cp = gpus with pp | num_layers, cp only while each rank keeps
+    >= CP_MIN_TOKENS of a row, the step's prompts divisible into whole groups per data-parallel rank; FSDP on
+    whenever dp_shard × cp > 1 (plus the unsharded layout dp_shard = 1)."""
+    out = []
+    divs = [d for d in range(1, gpus + 1) if gpus % d == 0]
+    prompts = s.rows_per_step  # rows; a rank needs whole groups, checked through prompts below
+    for pp in divs:
+        if s.policy.num_layers % pp:
+            continue
+        for cp in divs:
+            if (gpus // pp) % cp or (cp > 1 and s.seq < cp * CP_MIN_TOKENS):
+                continue
+            dp = gpus // (pp * cp)
+            if prompts % dp:
+                continue
+            for shard in (d for d in divs if dp % d == 0):
+                for fsdp in ((False, True) if shard == 1 else (True,)):
+                    if fsdp and shard * cp == 1:
+                        continue
+                    out += [Layout(pp, dp // shard, shard, cp, fsdp, a) for a in ac]
+    return out
+
+
+@dataclass
+class Plan:
+    gpus: int
+    gpu_gib: float
+    reserve_gib: float
+    shapes: Shapes
+    offload: bool = False
+    engine_tp: int = 1
+    rows: list[tuple[Layout, dict[str, int]]] = field(default_factory=list)
+
+    def headroom(self, mem: dict[str, int]) -> float:
+        return self.gpu_gib - self.reserve_gib - mem["total"] / GiB
+
+    def to_json(self) -> dict:
+        s = self.shapes
+        return {"gpus": self.gpus, "gpu_gib": self.gpu_gib, "reserve_gib": self.reserve_gib, "offload": self.offload, "engine_tp": self.engine_tp,
+                "policy_params": policy_params(s.policy), "draft_params": draft_params(s), "seq": s.seq,
+                "layouts": [{**dataclasses.asdict(lay), **{k: v / GiB for k, v in m.items()},
+                             "headroom_gib": self.headroom(m), "fits": self.headroom(m) >= 0} for lay, m in self.rows]}
+
+
+def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None = None, prompt_tokens: int = 0,
+                reserve_gib: float = 4.0, ac: tuple[bool, ...] = (False, True), offload: bool = False,
+                engine_tp: int = 1) -> Plan:
+    """Every feasible layout of `cfg` on `gpus` GPUs of `gpu_gib` GiB, fitting ones first, most headroom first
+    (a fitting layout that needs less sharding comes later: fewer collectives are a choice left to the user).
+    prompt_tokens: the longest prompt (0: data.max_prompt_tokens, else 512)."""
+    if gpus < 1 or gpu_gib <= 0:
+        raise ConfigError(f"--gpus {gpus} --gpu-mem {gpu_gib}: need >= 1 GPU of > 0 GiB")
+    pc = policy_config(cfg, model)
+    s = shapes(cfg, pc, prompt_tokens or cfg.data.max_prompt_tokens or 512)
+    if engine_tp < 1 or pc.num_kv_heads % engine_tp:
+        raise ConfigError(f"--engine-tp {engine_tp}: must divide the policy's {pc.num_kv_heads} kv heads")
+    plan = Plan(gpus, gpu_gib, reserve_gib, s, offload, engine_tp)
+    lays = layouts(s, gpus, ac)
+    if not lays:
+        raise ConfigError(f"no layout of {gpus} GPUs: rollout.prompts_per_step × group_size = {s.rows_per_step} rows "
+                          f"split over no data-parallel degree dividing {gpus}")
+    plan.rows = sorted(((lay, rank_memory(s, lay, offload, engine_tp)) for lay in lays), key=lambda x: -plan.headroom(x[1]))
+    return plan
+
+
+def format_plan(plan: Plan, top: int = 0) -> str:
+    """The table: one line per layout, GiB per component, total, headroom and fits."""
+    s = plan.shapes
+    head = (f"policy {policy_params(s.policy) / 1e9:.2f} B params, draft {s.draft_kind or 'none'} "
+            f"{draft_params(s) / 1e9:.2f} B; seq {s.seq}, {s.rows_per_step} rows/step, micro-batch "
+            f"{s.micro_batch_rows or 'whole'}; {plan.gpus} x {plan.gpu_gib:g} GiB, {plan.reserve_gib:g} GiB reserved"
+            f"{'; engine offloaded while training' if plan.offload else ''}"
+            f"{f'; engine tp {plan.engine_tp}' if plan.engine_tp > 1 else ''}")
+    cols = f"{'layout':<30}" + "".join(f"{c:>9}" for c in COLUMNS) + f"{'headroom':>9} fits"
+    lines = [head, cols]
+    for lay, m in plan.rows[:top or None]:
+        lines.append(f"{lay.name():<30}" + "".join(f"{m[c] / GiB:>9.1f}" for c in COLUMNS)
+                     + f"{plan.headroom(m):>9.1f} {'yes' if plan.headroom(m) >= 0 else 'no'}")
+    return "\n".join(lines)
+
+
+def write_json(plan: Plan, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(plan.to_json(), f, indent=1)

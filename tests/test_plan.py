@@ -1,0 +1,195 @@
+"""`specco plan` (specco/plan.py): its formulas against the tensors a real step keeps, and the CLI.
+
+The activation formula is checked exactly (to the byte) against the storages autograd saves in one decoder layer,
+in fp32 and under bf16 autocast, with and without Qwen3's q/k norms. The whole trainer estimate (parameters,
+gradients, AdamW, activations, the draft) is checked against the peak of live tensor bytes of a real co-training
+step on CPU (LiveTensorBytes of bench/cp_memory.py: what torch.cuda.max_memory_allocated would read on a GPU, less the
+allocator's rounding).
+"""
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specco.batch import TrainBatch
+from specco.cli import main
+from specco.config import RunConfig
+from specco.model.config import DraftConfig, PolicyConfig
+from specco.model.draft import Eagle3Draft
+from specco.model.layers import rope_cos_sin
+from specco.model.policy import Policy
+from specco.plan import (PRESETS, Layout, Shapes, activation_bytes, layer_activation_bytes, layouts, plan_memory,
+                         policy_params, rank_memory)
+from specco.train.cotrain import StepConfig, build_optimizer, cotrain_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from cp_memory import LiveTensorBytes  # noqa: E402
+
+pytestmark = pytest.mark.e2e  # the measured step and the CLI's meta-device builds take ~10 s on two cores
+
+V = 512
+
+
+def _pc(qk_norm=False, **kw):
+    return PolicyConfig(**{**dict(vocab_size=V, hidden_size=64, intermediate_size=160, num_layers=4, num_heads=4,
+                                  num_kv_heads=2, qk_norm=qk_norm), **kw})
+
+
+def _shapes(pc, rows, seq, stride=1, micro=0, draft="eagle3", c=4):
+    return Shapes(policy=pc, draft_kind=draft, draft_vocab=pc.vocab_size, draft_layers=1, num_taps=3, seq=seq,
+                  rows_per_step=rows, minibatches=1, micro_batch_rows=micro, draft_row_stride=stride, ttt_passes=3,
+                  gamma=3, num_anchors=16, loss_chunk=64, compute_bytes=c, engine_bytes=2, compact_below=0.25)
+
+
+def _saved_storages(fn, exclude, skip_shapes=frozenset()):
+    """Bytes of the distinct storages autograd saves while `fn` runs, leaving out `exclude`'s (parameters, cos/sin)."""
+    seen = {}
+    skip = {id(t.untyped_storage()) for t in exclude}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if id(st) not in skip and tuple(t.shape) not in skip_shapes:
+            seen.setdefault(id(st), (st, st.nbytes()))  # keep the storage alive: ids stay unique
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(n for _, n in seen.values())
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("amp", [False, True])
+def test_layer_activation_formula_is_exact(qk_norm, amp):
+    """The per-layer formula equals the bytes a DecoderLayer saves for its backward, to the byte (fp32 weights and
+    residual; bf16 autocast makes the matmul outputs 2 bytes and adds the casts the formula lists)."""
+    pc = _pc(qk_norm)
+    layer = Policy(pc).layers["0"]
+    B, S = 2, 48
+    x = torch.randn(B, S, pc.hidden_size, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(S).expand(B, S), pc.head_dim, pc.rope_theta, x.dtype, scaling=None)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if amp else torch.autocast("cpu", enabled=False)
+
+    def run():
+        with ctx:
+            layer(x, cos, sin)
+
+    # autocast's bf16 copies of the weights are the planner's "compute" column, not activations
+    weights = {tuple(p.shape)[::o] for p in layer.parameters() for o in (1, -1)}  # matmuls save them transposed
+    measured = _saved_storages(run, [*layer.parameters(), cos, sin], skip_shapes=weights)
+    assert measured == B * S * layer_activation_bytes(pc, 2 if amp else 4, 4)
+
+
+def test_trainer_estimate_matches_measured_peak():
+    """One fp32 co-training step (policy + EAGLE-3 draft, CPU): the planner's trainer memory — parameters,
+    gradients, AdamW, activations and the draft's — against the measured peak of live tensor bytes.
+
+    Tolerance 15%, the issue's figure for an H200 run of a 1-3B model. What the planner leaves out here is
+    transient: the fp32 CE chunks of the draft loss (B·chunk·Vd), autograd's gradient buffers of one op at a time,
+    the logits' argmax/gather indices; what it adds is the whole gradient at the same time as the whole
+    activations (the measured peak frees early layers' activations as their gradients appear). At these shapes the
+    two roughly cancel; the per-component checks above and below are exact."""
+    torch.manual_seed(0)
+    pc = _pc(num_layers=6)
+    B, S = 8, 128
+    policy = Policy(pc)
+    draft = Eagle3Draft(DraftConfig.for_policy(pc, aux_layer_ids=(1, 2, 4)))
+    g = torch.Generator().manual_seed(1)
+    mask = torch.zeros(B, S)
+    mask[:, 16:] = 1
+    batch = TrainBatch(tokens=torch.randint(0, V, (B, S), generator=g), target_mask=mask,
+                       advantages=torch.randn(B, generator=g), logp_old=-torch.rand(B, S, generator=g) * 4 - 2)
+    cfg = StepConfig(ttt_passes=3, draft_row_stride=2, loss_chunk=64)
+    opt = build_optimizer(policy, draft, 1e-4, 1e-4)
+    cotrain_step(policy, draft, batch, opt, None, cfg)  # the first step creates AdamW's moments
+    mem = LiveTensorBytes()
+    with mem:
+        cotrain_step(policy, draft, batch, opt, None, cfg)
+    params = sum(p.numel() * 4 for m in (policy, draft) for p in m.parameters())
+    moments = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim())
+    measured = params + moments + mem.peak
+
+    s = _shapes(pc, B, S, stride=2)
+    est = rank_memory(s, Layout(1, 1, 1, 1, fsdp=False, ac=False))
+    # exact parts: the planner's parameter and AdamW bytes are the models' own
+    assert est["params"] + est["draft"] * 4 // 16 == params
+    assert est["adamw"] + est["draft"] * 8 // 16 == moments
+    trainer = sum(est[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft"))
+    ratio = trainer / measured
+    print(f"planner {trainer / 1e6:.2f} MB vs measured peak {measured / 1e6:.2f} MB: {ratio:.3f} "
+          f"(activations {est['acts'] / 1e6:.2f} MB)")
+    assert 0.85 <= ratio <= 1.15, ratio
+
+
+def test_parameter_counts_are_the_models():
+    """The planner's per-part counts add up to the whole model's, built on the meta device (PolicyConfig.num_params
+    leaves out Qwen3's q/k norm weights: 9,216 of Qwen3-8B's 8.19 B)."""
+    for name in ("qwen3-8b", "dense-120b"):
+        pc = PRESETS[name]
+        with torch.device("meta"):
+            whole = sum(p.numel() for p in Policy(pc).parameters())
+        assert policy_params(pc) == whole, name
+    assert abs(policy_params(PRESETS["qwen3-8b"]) / 1e9 - 8.19) < 0.01  # Qwen3-8B's published count
+    assert abs(policy_params(PRESETS["dense-120b"]) / 1e9 - 122.6) < 0.1  # Mistral-Large-2407's 123 B
+
+
+def test_sharding_and_stages_divide_exactly():
+    pc = PRESETS["qwen3-8b"]
+    s = _shapes(pc, rows=64, seq=4096, micro=2, c=2)
+    one, two = (rank_memory(s, Layout(1, 1, n, 1, True, False)) for n in (4, 8))
+    for k in ("params", "grads", "adamw"):  # the sharded state halves (up to the ceil of a shard)
+        assert abs(one[k] - 2 * two[k]) <= 2 * 8
+    assert one["draft"] == two["draft"]  # the draft is replicated
+    # pp = 2 halves the layers' activations (1F1B's first stage keeps 2 micro-batches in flight: the same bytes)
+    no_pp = activation_bytes(s, Layout(1, 1, 4, 1, True, False), 36, False, 1)
+    pp2 = activation_bytes(s, Layout(2, 1, 4, 1, True, False), 18, False, 1)
+    assert abs(no_pp - 2 * pp2) <= 2 * 2 * 4096 * pc.hidden_size * 2
+
+
+def test_checkpointing_keeps_layer_inputs():
+    pc = PRESETS["qwen3-8b"]
+    s = dataclasses.replace(_shapes(pc, rows=64, seq=4096, micro=2, c=2), draft_kind=None)
+    lay = Layout(1, 1, 8, 1, True, False)
+    full = activation_bytes(s, lay, 36, False, 1)
+    ckpt = activation_bytes(dataclasses.replace(s), dataclasses.replace(lay, ac=True), 36, False, 1)
+    tokens, h = 2 * 4096, pc.hidden_size
+    assert ckpt == tokens * (36 * h * 2 + layer_activation_bytes(pc, 2, 2) + h * 2)
+    assert full == tokens * (36 * layer_activation_bytes(pc, 2, 2) + h * 2)
+
+
+def test_layouts_respect_the_rules():
+    pc = PRESETS["qwen3-8b"]
+    s = _shapes(pc, rows=512, seq=2048, c=2)
+    lays = layouts(s, 8, ac=(False,))
+    assert all(l.pp * l.dp * l.cp == 8 and 36 % l.pp == 0 for l in lays)
+    assert max(l.cp for l in lays) == 2  # 2048 tokens: cp 4 would leave 512 per rank
+    assert any(not l.fsdp for l in lays) and any(l.dp_replicate > 1 and l.fsdp for l in lays)
+
+
+def test_plan_ranks_fitting_layouts_first():
+    cfg = RunConfig()
+    plan = plan_memory(cfg, 8, 141, model="qwen3-8b", prompt_tokens=512)
+    heads = [plan.headroom(m) for _, m in plan.rows]
+    assert heads == sorted(heads, reverse=True)
+
+
+def test_cli_table_and_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    main(["plan", "--gpus", "8", "--gpu-mem", "141", "--model", "qwen3-8b", "--top", "3", "--json", str(out),
+          "rollout.dtype=bfloat16", "train.micro_batch_rows=4", "rollout.max_new_tokens=2048"])
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].startswith("policy 8.19 B params") and "fits" in text[1] and len(text) == 5
+    data = json.loads(out.read_text())
+    assert data["gpus"] == 8 and data["seq"] == 512 + 2048
+    row = data["layouts"][0]
+    assert row["pp"] * row["dp_replicate"] * row["dp_shard"] * row["cp"] == 8
+    assert abs(sum(row[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft", "engine_w", "kv_cache"))
+               - row["total"]) < 1e-6
+
+
+def test_cli_refuses_unknown_model(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--gpus", "8", "--gpu-mem", "141", "--model", "gpt-9"])
+    assert e.value.code == 2 and "qwen3-8b" in capsys.readouterr().err
