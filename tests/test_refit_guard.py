@@ -102,11 +102,11 @@ def test_rl_loop_with_a_bf16_engine(tmp_path, monkeypatch):
     """rollout.dtype=bfloat16 end to end: the engine's copies are bf16, every refit casts into them and the
     guard (weights and acceptance) stays silent over two co-trained steps."""
     from specco.config_load import load_config
-    from specco.runner import rl
+    from specco.runner import trainer
     from specco.runner.pipeline import run as run_demo
     built = []
-    real = rl.RolloutEngine
-    monkeypatch.setattr(rl, "RolloutEngine", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
+    real = trainer.RolloutEngine
+    monkeypatch.setattr(trainer, "RolloutEngine", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
     cfg = load_config(DEMO, [f"out_dir={tmp_path}", "arms=cotrained", "train.steps=2", "sft.steps=4",
                              "train.warm_start_steps=2", "train.warm_start_prompts=8", "rollout.prompts_per_step=4",
                              "rollout.group_size=2", "rollout.max_new_tokens=6", "data.eval_size=4",
