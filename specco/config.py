@@ -432,15 +432,15 @@ class RunConfig:
     # `specco demo`): each from the same starting policy and seed.
     arms: tuple[str, ...] = ("cotrained",)
     # Arms (named as in `arms`, each with a draft) that, every RL step, also decode the step's prompts plainly
-    # through the same engine and policy, timed and then discarded (runner/rollouts.py): a no-draft baseline on
+    # through the same engine and policy, timed and then discarded (runner/measure.PlainBaseline): a no-draft baseline on
     # the arm's own tokens, in the same run. Needs rollout.sampler = "coupled" (else the plain decode draws
     # other text) and speculation control (its runner's plain step set). A co-trained one also reruns the step's
-    # updates without the draft, timed and undone (runner/rl.plain_train_seconds: a second pass, so the report's
+    # updates without the draft, timed and undone (runner/measure.PlainBaseline: a second pass, so the report's
     # low bound; its no-draft train step is train less the draft's span). Costs one plain rollout and one
     # policy-only train step per step.
     plain_baseline: tuple[str, ...] = ()
     # Co-trained arms that keep a frozen copy of their warm draft and, every RL step, score it and the draft being
-    # trained on the step's rollouts under the sampling policy (runner/rl.shadow_eval): a frozen draft's
+    # trained on the step's rollouts under the sampling policy (runner/measure.FrozenShadow): a frozen draft's
     # acceptance on the co-trained arm's own policy and tokens, where a frozen arm of its own drifts elsewhere
     # after step 1 on a GPU. Costs one policy forward over the draft rows and both drafts on it per step (timed, left
     # out of the step's time).
@@ -503,7 +503,7 @@ class RunConfig:
             _check(key not in seen, f"arms: {seen.get(key)!r} and {arm!r} are the same arm ({key[0]}"
                    + (f" with the {key[1]} draft" if key[1] else "") + "); list it once")
             seen[key] = arm
-        # under PP the engine's whole-policy copy also gives the PPO's old log-probs (runner/rl.py), which must
+        # under PP the engine's whole-policy copy also gives the PPO's old log-probs (runner/trainer.train_on_rollouts), which must
         # be the trainer's precision
         _check(self.parallel.pp == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
                f"rollout.dtype={self.rollout.dtype!r} with parallel.pp={self.parallel.pp}: not supported (the "

@@ -79,7 +79,7 @@ def test_make_arm_uses_the_mode():
     from specco.model.dflash import BlockDraftConfig
     from specco.model.policy import Policy
     from specco.runner.derive import generate_config
-    from specco.runner.rl import make_arm
+    from specco.runner.trainer import make_arm
     cfg = load_config(DEMO, [ALL_KINDS])
     policy = Policy(PolicyConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
                                  num_kv_heads=2))

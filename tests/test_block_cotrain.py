@@ -91,7 +91,7 @@ def test_draft_kind_validated_and_block_draft_needs_gamma():
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_frozen_block_draft_eval_in_micro_batches_equals_one_forward(kind):
-    from specco.runner.rl import draft_eval
+    from specco.runner.measure import draft_eval
     policy, draft = _models(kind)
     batch = _batch()
     ref = draft_eval(policy, draft, batch, StepConfig(draft_row_stride=2))

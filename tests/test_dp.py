@@ -110,9 +110,9 @@ def test_dp_rl_loop_resumes_bit_exactly_and_keeps_ranks_in_sync(tmp_path):
 
 
 def _eval_worker(rank, world):
-    """The frozen arm's draft metrics under DP (`rl.draft_eval` with count_group): the loss summed over
+    """The frozen arm's draft metrics under DP (`measure.draft_eval` with count_group): the loss summed over
     ranks and every draft metric equal the single-process evaluation of the whole batch (fp64)."""
-    from specco.runner.rl import draft_eval
+    from specco.runner.measure import draft_eval
     full = _batch()
     policy, draft = _models()
     cfg = StepConfig(ttt_passes=3, loss_chunk=5, draft_row_stride=2)

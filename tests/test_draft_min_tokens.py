@@ -1,5 +1,5 @@
 """train.draft_min_tokens: the draft's row stride chosen per RL step from the rollouts' completion lengths
-(train/cotrain.draft_stride, runner/rl.rl_step_config).
+(train/cotrain.draft_stride, runner/trainer.rl_step_config).
 
 * The rule on its own: the largest divisor of the group size (<= draft_row_stride) whose rows hold the floor,
   counted as the rows `draft_rows` picks in every minibatch of whole prompt groups.
@@ -68,7 +68,7 @@ def _rollouts(tok, lengths, G=4, seed=0):
 
 def _step(tmp_path, tag, extra, ro):
     from specco.runner.derive import generate_config
-    from specco.runner.rl import make_arm, train_on_rollouts
+    from specco.runner.trainer import make_arm, train_on_rollouts
     from test_rl_cp import _cfg
     tok, policy, draft = _models()
     cfg = _cfg(tmp_path / tag, "rollout.prompts_per_step=2", *extra)

@@ -14,7 +14,8 @@ from specco.config_load import load_config
 from specco.model.config import ConfigError
 from specco.runner.derive import step_config
 from specco.runner.report import shadow_table
-from specco.runner.rl import draft_eval, run_arm
+from specco.runner.measure import draft_eval
+from specco.runner.rl import run_arm
 from specco.runner.rollouts import minibatches
 from specco.runner.warmstart import new_block_draft, new_draft
 from test_grpo import DigitTask, _cfg, _setup

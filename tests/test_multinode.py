@@ -3,7 +3,7 @@ each in its own working directory (no shared path: out_dir is relative, so each 
 at dp = 2 x cp = 2, must equal one launcher of 4 processes: rank 0's metrics.jsonl of every arm, number by
 number (losses and grad norms at full float precision), and nothing but rank 0's node writes a run.
 
-What makes it work (runner/demo.py, runner/rl.py): SFT and the warm start run on rank 0 and reach the other
+What makes it work (runner/pipeline.py, runner/rl.py): SFT and the warm start run on rank 0 and reach the other
 ranks through the process group; rollouts are shared over the CP group; only rank 0 logs and
 checkpoints, and on resume it sends the checkpoint to the others.
 """

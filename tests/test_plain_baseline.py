@@ -89,9 +89,9 @@ def test_plain_train_step_reruns_the_updates_without_the_draft(tmp_path, monkeyp
     update by update (the policy's gradients do not depend on the draft: disjoint graphs). Its seconds are left
     out of the step's time/other (a plain pass made 2 s slower here does not show up there)."""
     import time
-    import specco.runner.rl as rl
+    import specco.runner.trainer as trainer
     calls = []
-    real = rl.cotrain_step
+    real = trainer.cotrain_step
 
     def recording(policy, draft, *a, **k):
         out = real(policy, draft, *a, **k)
@@ -99,7 +99,7 @@ def test_plain_train_step_reruns_the_updates_without_the_draft(tmp_path, monkeyp
         if draft is None:
             time.sleep(1.0)
         return out
-    monkeypatch.setattr(rl, "cotrain_step", recording)
+    monkeypatch.setattr(trainer, "cotrain_step", recording)
     tok, policy = _setup()
     draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), aux_layer_ids=(0, 1))
     cfg = _cfg(tmp_path, "train.steps=2", "rollout.sampler=coupled", "rollout.max_new_tokens=12",

@@ -106,11 +106,11 @@ def test_rollout_dtype_is_checked():
 def test_rl_loop_with_a_bf16_engine(tmp_path, monkeypatch, tiny_start):
     """rollout.dtype=bfloat16 end to end: the engine's copies are bf16, every refit casts into them and the
     guard (weights and acceptance) stays silent over two co-trained steps."""
-    from specco.runner import rl
+    from specco.runner import trainer
     from specco.runner.pipeline import run as run_demo
     built = []
-    real = rl.RolloutEngine
-    monkeypatch.setattr(rl, "RolloutEngine", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
+    real = trainer.RolloutEngine
+    monkeypatch.setattr(trainer, "RolloutEngine", lambda *a, **kw: built.append(real(*a, **kw)) or built[-1])
     cfg = _run_cfg(tmp_path, tiny_start, "rollout.dtype=bfloat16")
     run_demo(cfg, progress=False)
     (engine,) = built

@@ -92,7 +92,8 @@ def test_rl_loop_cp2_equals_single_process(tmp_path):
 def _dp2cp2_worker(rank, world, tmp):
     from test_grpo import DigitTask
     from specco.runner.derive import generate_config
-    from specco.runner.rl import make_arm, run_arm, train_on_rollouts
+    from specco.runner.rl import run_arm
+    from specco.runner.trainer import make_arm, train_on_rollouts
     from specco.runner.rollouts import Rollouts
     tmp = Path(tmp)
     tok, policy, draft = _models()

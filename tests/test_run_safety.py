@@ -216,8 +216,8 @@ def test_one_token_cp_pack_is_refused():
 
 def _nan_on_step(monkeypatch, bad_call: int):
     """The co-training step's second call returns a NaN grad norm and leaves NaN weights behind."""
-    import specco.runner.rl as rl
-    real, calls = rl.cotrain_step, [0]
+    import specco.runner.trainer as trainer
+    real, calls = trainer.cotrain_step, [0]
 
     def step(policy, *a, **k):
         m = real(policy, *a, **k)
@@ -227,7 +227,7 @@ def _nan_on_step(monkeypatch, bad_call: int):
                 next(policy.parameters()).fill_(float("nan"))
             m["policy/grad_norm"] = float("nan")
         return m
-    monkeypatch.setattr(rl, "cotrain_step", step)
+    monkeypatch.setattr(trainer, "cotrain_step", step)
 
 
 def test_nonfinite_stops_naming_step_and_quantity(tmp_path, monkeypatch):

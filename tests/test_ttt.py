@@ -259,8 +259,8 @@ def test_micro_batches_group_rows_by_length_and_keep_the_draft_rows():
 @pytest.mark.e2e
 @pytest.mark.parametrize("stride,micro", [(1, 3), (2, 3), (3, 2)])
 def test_frozen_draft_eval_in_micro_batches_equals_one_forward(stride, micro):
-    """rl.draft_eval runs only the draft's rows, in micro-batches: the same loss and metrics (fp64)."""
-    from specco.runner.rl import draft_eval
+    """measure.draft_eval runs only the draft's rows, in micro-batches: the same loss and metrics (fp64)."""
+    from specco.runner.measure import draft_eval
     torch.manual_seed(3)
     policy, draft = _models(torch.float64)
     batch = _batch(B=8)

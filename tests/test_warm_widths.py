@@ -23,7 +23,7 @@ def test_the_long_run_has_eighteen_widths():
 
 @pytest.mark.parametrize("micro,n_mb,shadow", [(5, 2, True), (5, 2, False), (0, 2, True), (7, 1, False)])
 def test_the_shapes_cover_every_cut_of_the_trainer(micro, n_mb, shadow):
-    """Random rollouts, cut as train_on_rollouts and shadow_eval cut them: every (rows, width) is listed."""
+    """Random rollouts, cut as train_on_rollouts and measure.FrozenShadow cut them: every (rows, width) is listed."""
     extra = [f"train.micro_batch_rows={micro}", f"train.minibatches={n_mb}", "train.width_multiple=64",
              "rollout.prompts_per_step=4", "rollout.group_size=6", "rollout.max_new_tokens=150", "train.warm_widths=true"]
     cfg = load_config("configs/demo.toml", extra + (["frozen_shadow=[cotrained]"] if shadow else []))
@@ -57,7 +57,7 @@ def test_warming_changes_no_state():
 def test_make_arm_warms_its_trainer(capsys):
     from test_rl_cp import _cfg, _models
     from specco.runner.derive import generate_config
-    from specco.runner.rl import make_arm
+    from specco.runner.trainer import make_arm
     tok, policy, draft = _models()
     cfg = _cfg("/tmp/unused", "train.warm_widths=true", "train.width_multiple=64")
     make_arm(cfg, "cotrained", policy, draft, generate_config(cfg, tok.eos_id, tok.pad_id))

@@ -57,7 +57,7 @@ def warm_configs(cfg: RunConfig) -> dict[str, RunConfig]:
 
 def step_config(cfg: RunConfig, mode: str = "cotrained", draft_row_stride: int | None = None) -> StepConfig:
     """The co-training step's config for an arm of `mode` ('none' and 'frozen' train no draft: lambda = 0);
-    `draft_row_stride`: this RL step's stride under train.draft_min_tokens (runner/rl.rl_step_config), None for
+    `draft_row_stride`: this RL step's stride under train.draft_min_tokens (runner/trainer.rl_step_config), None for
     train.draft_row_stride."""
     t, d = cfg.train, cfg.draft
     return StepConfig(draft_weight=t.draft_weight if mode == "cotrained" else 0.0,

@@ -4,7 +4,8 @@ no draft, a frozen draft, co-trained drafts of any kind — and the report that 
 The arms run through the same pipeline as a job (runner/pipeline.py: one arm per `arms` entry, each in
 out_dir/arms/<arm>/); the measurements only a comparison needs (config plain_baseline: a plain decode and
 train step on the arm's own tokens; frozen_shadow: a frozen copy of the warm draft scored beside the
-co-trained one) are per-arm options of the RL loop. This module writes what they measured:
+co-trained one) attach to each arm's RL step as hooks (runner/measure.py), so the step itself measures
+nothing but itself. This module writes what they measured:
 out_dir/report.md, summary.json and the plots.
 """
 from __future__ import annotations

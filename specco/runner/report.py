@@ -113,7 +113,7 @@ def _smooth(ys, n: int) -> list:
     return [sum(ys[max(0, i - n + 1): i + 1]) / len(ys[max(0, i - n + 1): i + 1]) for i in range(len(ys))]
 
 
-# The RL step's phases as logged per step (runner/rl.py), in the order they run; "other" is the rest of the
+# The RL step's phases as logged per step (runner/trainer.rl_step), in the order they run; "other" is the rest of the
 # step's wall time (scoring, batch building, checks), 0 in runs that predate it.
 TIME_PARTS = (("time/rollout", "rollout"), ("time/logprob", "log-prob"), ("time/train", "train"),
               ("time/refit", "refit"), ("time/refit_guard", "refit guard"), ("time/other", "other"))
@@ -188,7 +188,7 @@ def plain_baseline_table(arm_rows: dict[str, list[dict]], select: Callable[[dict
         no-draft share    Σ plain rollout / Σ (that no-draft step)
     where step = TIME_PARTS and draft = `time/train_draft`, the draft's timed forward and backward: the
     no-draft train step is the arm's own less the draft's span (`baseline_split`). Where the run also reran the
-    step's updates without the draft (`time/train_plain`, runner/rl.plain_train_seconds), that rerun and the
+    step's updates without the draft (`time/train_plain`, runner/measure.PlainBaseline), that rerun and the
     end-to-end speedup with it in place of train − draft are two more columns: a low bound, since a second pass
     over a minibatch runs faster than the first (bench/cotrain_ragged.py --paired, BENCHMARKS.md).
     `select`: only the steady steps it accepts (e.g. those without a row at the token budget). None when no arm

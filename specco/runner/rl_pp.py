@@ -1,4 +1,4 @@
-"""The RL loop's pieces under pipeline parallelism (parallel.pp > 1), used by rl.py.
+"""The RL loop's pieces under pipeline parallelism (parallel.pp > 1), used by trainer.py and rl.py.
 
 What each rank holds (rank = (pp_rank · dp + dp_rank) · cp + cp_rank, parallel/mesh.py):
     its pipeline stage of the training policy (`split_stage`: a layer range; the embedding on stage 0,

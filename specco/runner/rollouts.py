@@ -24,8 +24,9 @@ from ..rollout.control import expected_tokens
 from ..train.cotrain import StepConfig, amp_context, micro_batch_cuts
 from ..train.losses import grpo_advantages, overlong_penalty, token_logprobs
 
-__all__ = ["Rollouts", "collect_rollouts", "Minibatch", "minibatches", "recompute_logprobs", "pad_pairs",
-           "rollout_pairs", "completions", "build_batch", "rank_slice", "engine_logprob_gap"]
+__all__ = ["Rollouts", "collect_rollouts", "generates", "from_generator", "Minibatch", "minibatches",
+           "recompute_logprobs", "pad_pairs", "rollout_pairs", "completions", "build_batch", "rank_slice",
+           "engine_logprob_gap"]
 
 
 def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int, width_multiple: int = 1):
@@ -164,47 +165,40 @@ def phases_text(phases) -> str:
     return " | ".join(f"{p.rows} rows x {p.rounds} rounds {p.seconds:.2f} s tau {p.tau:.2f}" for p in phases)
 
 
-def clone_generator(gen: torch.Generator) -> torch.Generator:
-    """A generator in `gen`'s state on its device: the same draws, and `gen` itself is not advanced."""
-    g = torch.Generator(device=gen.device)
-    g.set_state(gen.get_state())
-    return g
+def generates(mesh: Mesh | None) -> bool:
+    """Whether this rank generates its DP group's rollouts: its CP rank 0 on pipeline stage 0 (every rank
+    without a mesh)."""
+    return mesh is None or (mesh.cp == 1 or mesh.cp_rank == 0) and (mesh.pp == 1 or mesh.pp_rank == 0)
 
 
-def plain_baseline(engine, prompts, group_size: int, generator: torch.Generator, out, t_roll: float) -> dict:
-    """The no-draft baseline of one speculative rollout `out` (which took `t_roll` s): the same prompts decoded
-    plainly on the same engine, runner and policy from the generator state `out` started from, timed and then
-    discarded. Under the coupled sampler plain decoding draws exactly the speculative call's tokens
-    (rollout/sampling.py), so this is the same work without the draft, measured in the same step;
-    `rollout/plain_rows_equal` says how many rows came out identical (on a GPU a near-tie between a verify
-    forward's logits and a one-token step's can flip a draw now and then). Not part of the RL step's time."""
-    t0 = time.perf_counter()
-    base = engine.generate(prompts, group_size=group_size, generator=generator, speculate=False)
-    t_plain = time.perf_counter() - t0
-    same = (base.lengths == out.lengths) & (base.tokens == out.tokens).all(dim=1)
-    return {"time/rollout_plain": t_plain, "rollout/plain_speedup": t_plain / t_roll,
-            "rollout/plain_rows_equal": same.float().mean().item(),
-            "time/rollout_plain_phases": phases_text(base.phases)}
+def from_generator(obj, mesh: Mesh | None):
+    """`obj` as the generating rank of this rank's DP group holds it (`generates`), on every rank of the group:
+    stage 0 -> the other stages' CP rank 0 (pipeline group), then each CP group from its rank 0. Other ranks
+    pass anything (None). A collective over those groups: every rank of them calls it."""
+    if mesh is not None and mesh.pp > 1 and mesh.cp_rank == 0:
+        box = [obj]
+        dist.broadcast_object_list(box, group=mesh.pp_group, group_src=0)
+        obj = box[0]
+    if mesh is not None and mesh.cp > 1:
+        box = [obj]
+        dist.broadcast_object_list(box, group=mesh.cp_group, group_src=0)
+        obj = box[0]
+    return obj
 
 
-def collect_rollouts(engine, gen, cfg, source, rewards, tokenizer, data_offset: int, mesh: Mesh | None,
-                     baseline: bool = False) -> Rollouts:
+def collect_rollouts(engine, gen, cfg, source, rewards, tokenizer, data_offset: int, mesh: Mesh | None) -> Rollouts:
     """Generate, score and compute GRPO advantages for this DP rank's prompts — once per DP group: the
     CP group's rank 0 generates (with the DP rank's sampler), the others receive the result through the
     CP group (no file system, no second generation), so every CP rank trains on the same sequences. Under
     pipeline parallelism stage 0 generates and the other stages receive (pipeline group, then CP group).
-    `baseline` (config plain_baseline): also decode the prompts plainly, timed and discarded (`plain_baseline`).
     `source`: the training prompts (data.source.PromptSource); `rewards`: the job's reward functions, called
     once per step on this rank's rows; a row they exclude (every function returned None, or reward.on_error =
     skip) has no advantage and no trained token."""
     r = cfg.rollout
-    shared = mesh is not None and mesh.cp > 1
-    staged = mesh is not None and mesh.pp > 1  # every pipeline stage trains on the same rollouts
     ro = None
-    if (not shared or mesh.cp_rank == 0) and (not staged or mesh.pp_rank == 0):
+    if generates(mesh):
         items = rank_slice(source.examples(r.prompts_per_step, seed=cfg.train.seed, offset=data_offset), mesh)
         prompts = [e.prompt_ids for e in items]
-        g_plain = clone_generator(gen) if baseline else None  # the same keys: the plain decode's draws
         t0 = time.perf_counter()
         out = engine.generate(prompts, group_size=r.group_size, generator=gen)
         t_roll = time.perf_counter() - t0
@@ -244,8 +238,6 @@ def collect_rollouts(engine, gen, cfg, source, rewards, tokenizer, data_offset: 
             # every choice of the call: per level entered and per re-choice within one (rows:k), e.g. a tail
             # that turned plain on its own rows' acceptance
             m["rollout/k_path"] = " ".join(f"{c.rows}:k{c.k}" for c in out.choices)
-        if baseline:
-            m.update(plain_baseline(engine, prompts, r.group_size, g_plain, out, t_roll))
         logprobs = out.logprobs.float().cpu()
         ts = cfg.train  # train.overlong_buffer: the advantages see the length penalty, `reward` stays the score
         shaped = scored.rewards + overlong_penalty(out.lengths.cpu(), r.max_new_tokens, ts.overlong_buffer,
@@ -254,15 +246,7 @@ def collect_rollouts(engine, gen, cfg, source, rewards, tokenizer, data_offset: 
             m["reward/overlong_penalty"] = (shaped - scored.rewards)[valid].mean().item() if ok else 0.0
         ro = Rollouts(rollout_pairs(prompts, out, comps), r.group_size, grpo_advantages(shaped, r.group_size, valid=valid),
                       [logprobs[i, :len(c)].tolist() for i, c in enumerate(comps)], m, valid=valid)
-    if staged and mesh.cp_rank == 0:  # stage 0 -> the other stages' CP rank 0, then (below) their CP groups
-        box = [ro]
-        dist.broadcast_object_list(box, group=mesh.pp_group, group_src=0)
-        ro = box[0]
-    if shared:
-        box = [ro]
-        dist.broadcast_object_list(box, group=mesh.cp_group, group_src=0)
-        ro = box[0]
-    return ro
+    return from_generator(ro, mesh)  # every pipeline stage and CP rank trains on the same rollouts
 
 
 @torch.no_grad()
