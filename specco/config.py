@@ -14,6 +14,11 @@ from .model.config import ConfigError
 from .data.config import DataSpec
 from .rewards.core import RewardSpec
 from .train.sft_config import SFTSpec
+from .train.step_config import LR_SCHEDULES, StepConfig
+from .rollout.config import GenerateConfig
+
+# The components own their defaults (train/step_config.py, rollout/config.py); the run config reads them
+_STEP, _GEN = StepConfig(), GenerateConfig()
 
 
 def _check(cond: bool, msg: str):
@@ -62,7 +67,6 @@ class PolicySpec:
 DRAFT_KINDS = ("eagle3", "dflash", "dspark")
 BLOCK_KINDS = ("dflash", "dspark")  # block drafters: all γ tokens of a round from one forward
 ARM_MODES = ("none", "frozen", "cotrained")
-LR_SCHEDULES = ("cosine", "constant")  # train.lr_schedule: the policy's LR after warmup (train/cotrain.py)
 # train.compile: torch.compile backend of the trainer's decoder layers (train/compile.py); "none" = eager
 COMPILE_BACKENDS = ("none", "inductor", "aot_eager")
 SAMPLERS = ("rejection", "coupled")  # rollout.sampler (rollout/sampling.py)
@@ -97,8 +101,8 @@ class DraftSpec:
     # as given (capped at the target vocabulary). The rule: runner.warmstart.resolve_draft_vocab.
     draft_vocab_size: int = 0
     aux_layer_ids: tuple[int, ...] = ()  # () -> EAGLE-3 default sorted({1, L//2-1, max(1, L-4)})
-    ttt_passes: int = 3  # K
-    pass_decay: float = 0.8  # alpha_d = pass_decay**(d-1)
+    ttt_passes: int = _STEP.ttt_passes  # K
+    pass_decay: float = _STEP.pass_decay  # alpha_d = pass_decay**(d-1)
     init_head_from_policy: bool = True
     # A draft directory to start from instead of a new draft ("" = new): specco's own
     # (draft_config.json) or a published EAGLE-3 layout (EAGLE, SpecForge, `specco export`), checked
@@ -129,21 +133,21 @@ class DraftSpec:
 
 @dataclass(frozen=True)
 class RolloutSpec:
-    k: int = 3  # draft tokens proposed per target forward
+    k: int = _GEN.num_draft_tokens  # draft tokens proposed per target forward
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    max_new_tokens: int = 40
+    max_new_tokens: int = _GEN.max_new_tokens
     group_size: int = 16  # GRPO group G: samples per prompt
     prompts_per_step: int = 32  # 512 samples per step: fewer and the tiny policy's GRPO is noise
     # Live-row compaction: once live rows are <= this fraction of the batch, decode on with just them
     # (rollout/compaction.py; outputs unchanged). 0 disables.
-    compact_below: float = 0.25
+    compact_below: float = _GEN.compact_below
     # The smallest compacted state, in rows (a power of two). 8 keeps the tail in one 8-row level; 1 decodes a
     # lone runaway row by itself, whose rounds cost less there (H200, the long workload's 316M policy: a plain
     # step 1.11 against 1.80 ms, a DFlash verify 1.65 against 2.01 ms; bench/results/rounds_tail_2026-12-03/),
     # for the plain baseline and the speculative call alike, at the price of more levels to capture once.
-    compact_min_rows: int = 8
+    compact_min_rows: int = _GEN.compact_min_rows
     # Speculation control (rollout/control.py): k chosen per call and compaction level in 0..k from
     # costs measured on the engine's CUDA graphs and the live acceptance. "auto": on with CUDA graphs
     # (GPU), off on CPU, where the demo reports τ at fixed k; "on" / "off" force it.
@@ -213,11 +217,11 @@ class TrainSpec:
     # start's: each RL step brings a few noisy rows, and at 1e-3 the co-trained draft's loss rose
     # above the frozen draft's (bench/results/gpu_rl_deep_lr1e-3, docs/DESIGN.md §6).
     draft_lr: float = 2e-4
-    draft_weight: float = 1.0  # lambda in L_policy + lambda * L_draft
-    clip_eps: float = 0.2
+    draft_weight: float = _STEP.draft_weight  # lambda in L_policy + lambda * L_draft
+    clip_eps: float = _STEP.clip_eps
     # > 0: a KL penalty kl_coef * KL_k3(policy || reference) per trained token, the reference being the
     # arm's frozen starting policy (the SFT policy), as GRPO does. 0: no reference policy is kept.
-    kl_coef: float = 0.0
+    kl_coef: float = _STEP.kl_coef
     # PPO: every rollout batch is split into `minibatches` (whole prompt groups, interleaved: minibatch j
     # holds the groups g with g % minibatches == j) and trained for `ppo_epochs` passes, one optimizer
     # step per minibatch and pass. With more than one update the old log-probs are recomputed once
@@ -225,18 +229,18 @@ class TrainSpec:
     # recompute is skipped (the ratio is exactly 1 on-policy).
     ppo_epochs: int = 1
     minibatches: int = 1
-    policy_grad_clip: float = 1.0
-    draft_grad_clip: float = 1.0
+    policy_grad_clip: float = _STEP.policy_grad_clip
+    draft_grad_clip: float = _STEP.draft_grad_clip
     warmup_steps: int = 0
     # the policy's LR after its warmup: "cosine" decays to 10% by the last RL step, "constant" holds it (GRPO
     # recipes commonly do; a short run then moves the policy ~1.7x as far as under an 8-step cosine)
     lr_schedule: str = "constant"
     draft_warmup_steps: int = 5  # RL phase: the draft's LR ramps up so the warm start is not shaken
-    loss_chunk: int = 1024  # sequence chunk for vocabulary-sized fp32 work
+    loss_chunk: int = _STEP.loss_chunk  # sequence chunk for vocabulary-sized fp32 work
     # The draft co-trains on rollout rows 0, n, 2n, ... (1 = all; always at least one row): its
     # share of the train step shrinks ~n-fold while it still sees an unbiased sample of the
     # policy's outputs (the G samples of a prompt are i.i.d.). The demo: 64 of 512 rows.
-    draft_row_stride: int = 8
+    draft_row_stride: int = _STEP.draft_row_stride
     # > 0: a floor on the completion tokens the draft co-trains on per RL step. The stride then shrinks, step by
     # step, to the largest divisor of rollout.group_size (<= draft_row_stride) whose rows hold that many
     # (train/cotrain.draft_stride; logged as draft/row_stride). Why: when the policy's answers shorten — 4 of 14
@@ -245,11 +249,11 @@ class TrainSpec:
     draft_min_tokens: int = 0
     # Rows per forward/backward of the train step (0 = all at once); gradients accumulate, the
     # update equals the whole-batch one. Lower it when the train step runs out of memory.
-    micro_batch_rows: int = 0
+    micro_batch_rows: int = _STEP.micro_batch_rows
     # Micro-batch widths (each cut to its longest row) rounded up to a multiple of this (1 = exact), so a run
     # sees few distinct shapes: for kernels that plan per shape (cuDNN attention). The TTT trunk runs on
     # FlashAttention-2 on CUDA (ops/attention.ttt_trunk_impl), which does not, so exact widths are the default.
-    width_multiple: int = 1
+    width_multiple: int = _STEP.width_multiple
     # Recompute each policy layer's activations in the backward instead of keeping them
     # (train/activation_checkpointing.py): long contexts, at one extra layer forward per layer.
     activation_checkpointing: bool = False

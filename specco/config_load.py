@@ -1,6 +1,7 @@
 """Building a `RunConfig` (config.py) from dicts, TOML files and `key.sub=value` overrides, and back to a dict.
 
-`load_config` and `config_to_dict` are re-exported by `specco.config`, where callers import them from.
+Callers import `load_config` and `config_to_dict` from here; specco.config does not import this module (it
+imports specco.config lazily, so there is no import cycle).
 """
 from __future__ import annotations
 
@@ -134,7 +135,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"override {ov!r} must look like key.sub=value (e.g. train.steps=10)")
         key, value = ov.split("=", 1)
         _set_dotted(data, key.strip(), value.strip())
-    from .config import RunConfig  # config.py imports this module at its end
+    from .config import RunConfig  # lazily: config.py is the schema, this module only reads into it
     return _build(RunConfig, data, "")
 
 

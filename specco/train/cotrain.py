@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from ..batch import TrainBatch, device_indices, longest_first, round_up
-from ..config import LR_SCHEDULES, DraftSpec, TrainSpec
 from ..model.dflash import BlockDraft, slot_weights
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
@@ -39,49 +38,13 @@ from ..model.ttt import shift_left, ttt_forward
 from ..ops.attention import ttt_attention
 from .block_losses import BlockStats, block_draft_loss, block_slot_counts, local_plan
 from .grad_sync import AllReduceSync, clip_grad_norm, reduce_grads  # noqa: F401 (re-exported: one home each)
+from .step_config import AMP_DTYPES, LR_SCHEDULES, StepConfig  # noqa: F401 (re-exported)
 from .losses import (DraftStats, PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, draft_loss_parts,
                      metrics_to_floats, normalize_draft_loss, pass_target_masks, pass_weights, token_logprobs)
 
 __all__ = ["StepConfig", "StepCounts", "TrainBatch", "cotrain_step", "step_counts", "policy_loss", "draft_loss",
            "optimizer_step", "build_optimizer", "build_scheduler", "amp_context", "AMP_DTYPES"]
 
-# One set of defaults: the run config's (runner.derive.step_config builds a StepConfig from a RunConfig;
-# tests and benches that construct one directly get the same values).
-_T, _D = TrainSpec(), DraftSpec()
-
-
-@dataclass(frozen=True)
-class StepConfig:
-    draft_weight: float = _T.draft_weight  # lambda
-    ttt_passes: int = _D.ttt_passes
-    pass_decay: float = _D.pass_decay
-    clip_eps: float = _T.clip_eps
-    kl_coef: float = _T.kl_coef
-    temperature: float = 1.0  # the rollout's sampling temperature (log-probs are of softmax(z / T))
-    policy_grad_clip: float = _T.policy_grad_clip
-    draft_grad_clip: float = _T.draft_grad_clip
-    loss_chunk: int = _T.loss_chunk
-    # The draft trains on rollout rows 0, n, 2n, ... (1 = every row; at least row 0). GRPO rows are G i.i.d.
-    # samples per prompt, so a stride that divides G keeps an unbiased sample of the policy's
-    # outputs while cutting the draft's share of the step ~n-fold (docs/DESIGN.md §6: the overhead goal).
-    draft_row_stride: int = _T.draft_row_stride
-    # Rows per forward/backward (0 = the whole batch at once): gradients accumulate over
-    # micro-batches with the whole batch's token counts as denominators, so the update is the
-    # full-batch one (tested) while activation memory scales with the micro-batch.
-    micro_batch_rows: int = _T.micro_batch_rows
-    # Micro-batch widths rounded up to a multiple of this (micro_batches): few distinct shapes per run.
-    width_multiple: int = _T.width_multiple
-    # Mixed precision: forwards and losses under torch.autocast in this dtype (None = off); weights,
-    # gradients and optimizer state stay in their own dtype (fp32 master weights). bf16 only: fp16
-    # would need loss scaling.
-    amp_dtype: torch.dtype | None = None
-
-    def __post_init__(self):
-        if self.amp_dtype not in (None, torch.bfloat16):
-            raise ValueError(f"amp_dtype={self.amp_dtype}: only torch.bfloat16 (or None) is supported")
-
-
-AMP_DTYPES = {"none": None, "bf16": torch.bfloat16}  # config train.amp -> StepConfig.amp_dtype
 
 
 def amp_context(cfg: StepConfig, like: torch.Tensor):
