@@ -132,9 +132,16 @@ def test_resume_at_dp_shard_4_equals_uninterrupted(saved):
     spawn_local(_resume_worker, 4, str(saved))
 
 
-def test_resume_on_one_process_equals_uninterrupted(saved):
+def test_resume_on_one_process_equals_uninterrupted(saved, monkeypatch):
     policy, draft, opt = _setup(scramble=True)
+
+    def refuse(*a, **k):
+        raise AssertionError("a checkpoint read unpickled something")
+    for name in ("load", "loads", "Unpickler"):  # the whole read path: no pickle, no torch.load
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
     extra = load(latest_checkpoint(saved), {"policy": policy, "draft": draft, "opt": opt})
+    monkeypatch.undo()
     assert extra["data_offset"] == 7
     _step(policy, draft, opt, 8)
     _compare(_snapshot(policy, draft, opt), _reference(), "resumed on one process")

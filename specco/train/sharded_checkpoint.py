@@ -48,6 +48,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -266,7 +267,10 @@ def load(path: str | os.PathLike, state: dict) -> dict:
         if name not in meta["optimizers"]:
             raise CheckpointError(f"{path / STATE} has no optimizer {name!r}")
     try:
-        dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(path / SHARDS)), no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():  # one process (no group) is a layout we mean, not an accident
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(flat, storage_reader=HuggingFaceStorageReader(str(path / SHARDS)),
+                     no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as e:  # a damaged safetensors header, a short read: DCP gathers
         # every rank's failure into one CheckpointException (a BaseException), raised on all ranks
         causes = getattr(e, "failures", {}) or {None: e}
