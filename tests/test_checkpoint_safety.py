@@ -107,6 +107,27 @@ def test_damaged_checkpoint_errors_name_the_file(tmp_path, damage):
         load_latest(tmp_path, say=lambda m: None)
 
 
+@pytest.mark.parametrize("edit", ["tuple", "tensor_key", "dict_pairs", "rng", "generator"])
+def test_wrong_type_in_state_json_names_the_file(tmp_path, edit):
+    """Valid JSON with a value of the wrong type raised a bare TypeError naming nothing (issue 34 item 7)."""
+    ck = save_checkpoint(tmp_path, 1, _state())
+    j = ck / "state.json"
+    meta = json.loads(j.read_text())
+    if edit == "tuple":
+        meta["state"]["opt"]["param_groups"][0]["betas"] = {"__tuple__": 5}
+    elif edit == "tensor_key":
+        meta["state"]["policy"]["w"] = {"__tensor__": ["policy.w"]}  # a list: unhashable
+    elif edit == "dict_pairs":
+        meta["state"]["opt"]["state"] = {"__dict__": 3}
+    elif edit == "rng":
+        meta["rng"]["python"] = "not a state"
+    else:
+        meta["state"]["gen"] = {"__tensor__": "policy.w"}  # a float tensor where a generator state belongs
+    j.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=str(j)):
+        load_checkpoint(ck, generators={"gen": torch.Generator()})
+
+
 def test_full_disk_says_so_and_leaves_no_temporary(tmp_path, monkeypatch):
     import safetensors.torch
 

@@ -229,13 +229,21 @@ def load_checkpoint(path: str | os.PathLike, generators: dict[str, torch.Generat
             raise CheckpointError(f"{path / TENSORS}: tensor {k!r} holds NaN or infinite values")
     if not all(isinstance(meta.get(k), dict) for k in ("state", "rng")):
         raise CheckpointError(f"{path / STATE} lacks its 'state' or 'rng' table: not a specco checkpoint")
-    payload = {**_decode(meta["state"], tensors, path), "__rng__": _decode(meta["rng"], tensors, path)}
-    if restore_rng:
-        set_rng_state(payload["__rng__"])
-    for k, g in (generators or {}).items():
-        if k not in payload:
-            raise CheckpointError(f"{path / STATE} has no sampler state {k!r}")
-        g.set_state(payload[k])
+    # A state.json whose values have the wrong type (edited by hand, or damaged into other valid JSON: a
+    # "__tuple__" that is a number, an unhashable tensor key, an RNG state of the wrong shape) fails in the
+    # decoding or in torch / random / numpy's setters with a bare TypeError or ValueError that names nothing:
+    # name the file instead.
+    try:
+        payload = {**_decode(meta["state"], tensors, path), "__rng__": _decode(meta["rng"], tensors, path)}
+        if restore_rng:
+            set_rng_state(payload["__rng__"])
+        for k, g in (generators or {}).items():
+            if k not in payload:
+                raise CheckpointError(f"{path / STATE} has no sampler state {k!r}")
+            g.set_state(payload[k])
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as e:
+        raise CheckpointError(f"{path / STATE} holds a value of the wrong type ({type(e).__name__}: {e}): the file "
+                              "was damaged or edited") from None
     return payload
 
 
