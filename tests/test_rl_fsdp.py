@@ -1,0 +1,96 @@
+"""FSDP (parallel.dp_shard) inside the RL loop, on gloo, against the single process on the same rollouts.
+
+The demo config's models (fp64) at a small batch, two RL steps of the co-trained EAGLE-3 arm at dp_shard = 2 (the
+policy and its AdamW state sharded over 2 ranks, the draft replicated), with PPO (2 epochs x 2 minibatches: the
+log-prob recompute runs on the sharded policy) and a KL penalty (the whole reference copy):
+
+* every rank records its rollouts; rank 0 replays their union with `train_on_rollouts` on one process (the
+  single-process step on the same rollouts): per-step losses, grad norms, PPO statistics, and every parameter
+  after both steps (the policy's shards gathered) must be equal;
+* the refit: each rank's engine holds the gathered whole policy, equal to the trainer's;
+* resume: one step, then a resume from its checkpoint (whole tensors: policy and AdamW state gathered, then
+  sharded again) and a second step, equals the uninterrupted run bit for bit.
+
+Tolerance as tests/test_rl_cp.py: fp64, rtol 1e-9 (parameters atol 1e-10 after two AdamW steps): only summation
+orders differ (reduce-scatter vs one process's sums). The policy loss's log-probs are fp32 by design
+(token_logprobs): policy/loss, ratio and KL statistics at 1e-6 relative.
+"""
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from specco.parallel.mesh import Mesh, spawn_local
+from test_rl_cp import _cfg, _close, _models
+
+pytestmark = pytest.mark.dist  # ~9 s on 2 CPU cores: in the default lane
+
+EXTRA = ("rollout.prompts_per_step=8", "train.checkpoint_every=1", "train.ppo_epochs=2", "train.minibatches=2", "train.kl_coef=0.1")
+
+
+def _flat(st):
+    """Every trained weight, whole (the policy's shards gathered: a collective under FSDP)."""
+    from specco.runner.trainer import full_state
+    return torch.cat([v.detach().flatten() for v in full_state(st.policy).values()]
+                     + [p.detach().flatten() for p in st.draft.parameters()])
+
+
+def _shard2_worker(rank, world, tmp):
+    from test_grpo import DigitTask
+    from torch.distributed.tensor import DTensor
+    from specco.runner.derive import generate_config
+    from specco.runner.rl import run_arm
+    from specco.runner.rollouts import Rollouts
+    from specco.runner.trainer import make_arm, train_on_rollouts
+    tmp = Path(tmp)
+    tok, policy, draft = _models()
+    cfg = _cfg(tmp, "parallel.dp_shard=2", *EXTRA)
+    assert cfg.parallel.fsdp and cfg.parallel.shard == 2 and cfg.parallel.replicate == 1
+    mesh = Mesh.build(2, 1, dp_shard=2)
+    run = lambda d, **kw: run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / d,  # noqa: E731
+                                  progress=False, mesh=mesh, **kw)
+    st, rec = {}, []
+    rows = run("a", state_out=st, record=rec)
+    s = st["state"]
+    assert all(isinstance(p, DTensor) for p in s.policy.parameters())  # the trainer holds shards
+    assert not any(isinstance(p, DTensor) for p in s.draft.parameters())  # the draft is whole on every rank
+    flat = _flat(s)
+    # the engine's copy (refit from the gathered shards) is the trainer's whole policy, on every rank
+    eng = torch.cat([v.flatten() for v in s.engine.policy.state_dict().values()])
+    assert torch.equal(eng, flat[:eng.numel()])
+    # resume from the step-1 checkpoint: the same run
+    part1 = run("b", stop_after=1)
+    fin = {}
+    part2 = run("b", state_out=fin)
+    assert [r["step"] for r in part1 + part2] == [1, 2]
+    for a, b in zip(rows, part1 + part2):
+        for k in ("reward", "policy/loss", "draft/loss", "tau", "policy/grad_norm", "draft/grad_norm"):
+            assert a[k] == b[k], (rank, k, a[k], b[k])
+    assert torch.equal(_flat(fin["state"]), flat)
+    groups = [None] * 2
+    dist.all_gather_object(groups, rec, group=mesh.dp_group)  # every DP rank's rollouts, in DP order
+    if rank != 0:
+        return
+    cfg1 = _cfg(tmp, *EXTRA)  # the single process on the same rollouts: the union of the ranks' rows
+    ref = make_arm(cfg1, "cotrained", policy, draft, generate_config(cfg1, tok.eos_id, tok.pad_id))
+    dev = {}
+    for step, r in enumerate(rows):
+        parts = [g[step] for g in groups]
+        ro = Rollouts([p for x in parts for p in x.pairs], parts[0].group_size,
+                      torch.cat([x.advantages for x in parts]), [lp for x in parts for lp in x.engine_logprobs])
+        q = train_on_rollouts(ref, cfg1, ro, tok.pad_id, "cpu")
+        for k in ("policy/loss", "policy/ratio_mean", "policy/ratio_dev", "policy/kl"):  # fp32 log-probs
+            _close(r[k], q[k], k, 1e-6)
+        for k in ("draft/loss", "policy/grad_norm", "draft/grad_norm", "draft/sim_accept_len", "draft/tokens",
+                  "policy/clip_frac"):
+            _close(r[k], q[k], k)
+            dev[k] = max(dev.get(k, 0.0), abs(r[k] - q[k]) / max(1.0, abs(q[k])))
+        assert r["ppo/updates"] == q["ppo/updates"] == 4 and q["policy/kl"] > 0 and q["policy/ratio_dev"] > 0
+    ref_flat = _flat(ref)  # the same layout: state-dict order, the fused projections' parts
+    torch.testing.assert_close(flat, ref_flat, rtol=1e-9, atol=1e-10)
+    print(f"max deviations: {dev}, params {(flat - ref_flat).abs().max().item():.3e}", flush=True)
+
+
+def test_rl_loop_dp_shard2_equals_single_process_and_resumes(tmp_path):
+    spawn_local(_shard2_worker, 2, str(tmp_path))
