@@ -8,6 +8,7 @@ log-prob recompute runs on the sharded policy) and a KL penalty (the whole refer
   single-process step on the same rollouts): per-step losses, grad norms, PPO statistics, and every parameter
   after both steps (the policy's shards gathered) must be equal;
 * the refit: each rank's engine holds the gathered whole policy, equal to the trainer's;
+* measurement hooks (plain baseline, frozen shadow) leave the sharded trajectory bit for bit;
 * resume: one step, then a resume from its checkpoint (whole tensors: policy and AdamW state gathered, then
   sharded again) and a second step, equals the uninterrupted run bit for bit.
 
@@ -68,6 +69,18 @@ def _shard2_worker(rank, world, tmp):
         for k in ("reward", "policy/loss", "draft/loss", "tau", "policy/grad_norm", "draft/grad_norm"):
             assert a[k] == b[k], (rank, k, a[k], b[k])
     assert torch.equal(_flat(fin["state"]), flat)
+    # the measurements (plain baseline: the updates rerun from copies of the sharded state; frozen shadow) leave
+    # the sharded arm's trajectory as it is
+    runs = {}
+    for name, hooks in (("with", ("plain_baseline=[cotrained]", "frozen_shadow=[cotrained]")), ("without", ())):
+        cfg_m = _cfg(tmp, "parallel.dp_shard=2", *EXTRA, "rollout.sampler=coupled", "rollout.spec_control=on",
+                     "train.on_nonfinite=skip", *hooks)  # skip: the step keeps a copy of the sharded state
+        runs[name] = {}
+        runs[name]["rows"] = run_arm(cfg_m, "cotrained", policy, draft, DigitTask(), tok, tmp / name, progress=False,
+                                     mesh=mesh, state_out=runs[name])
+    assert "time/rollout_plain" in runs["with"]["rows"][0]
+    assert [r["policy/loss"] for r in runs["with"]["rows"]] == [r["policy/loss"] for r in runs["without"]["rows"]]
+    assert torch.equal(_flat(runs["with"]["state"]), _flat(runs["without"]["state"]))
     groups = [None] * 2
     dist.all_gather_object(groups, rec, group=mesh.dp_group)  # every DP rank's rollouts, in DP order
     if rank != 0:
@@ -94,3 +107,26 @@ def _shard2_worker(rank, world, tmp):
 
 def test_rl_loop_dp_shard2_equals_single_process_and_resumes(tmp_path):
     spawn_local(_shard2_worker, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("extra, world, command, match", [
+    (("parallel.pp=2",), 4, "train", r"parallel.dp_shard=2 with parallel.pp=2: FSDP of pipeline stages"),
+    (("parallel.cp=2",), 4, "train", r"parallel.dp_shard=2 with parallel.cp=2: .*set parallel.cp=1"),
+    (("train.compile=aot_eager",), 2, "train", r"train.compile='aot_eager' with parallel.dp_shard=2"),
+    ((), 2, "cotrain-cp", r"FSDP runs in `specco train` only"),
+])
+def test_fsdp_layouts_not_wired_are_refused_by_name(tmp_path, extra, world, command, match):
+    from specco.model.config import ConfigError
+    from specco.runner.derive import check_parallel
+    cfg = _cfg(tmp_path, "parallel.dp_shard=2", *extra)
+    with pytest.raises(ConfigError, match=match):
+        check_parallel(cfg, world, command)
+
+
+def test_fsdp_on_one_process_and_a_cast_engine_copy_are_refused(tmp_path):
+    from specco.model.config import ConfigError
+    from specco.runner.derive import check_parallel
+    with pytest.raises(ConfigError, match="on one process: nothing to shard"):
+        check_parallel(_cfg(tmp_path, "parallel.dp_shard=1"), 1, "train")
+    with pytest.raises(ConfigError, match="rollout.dtype='bfloat16' with parallel.dp_shard"):
+        _cfg(tmp_path, "parallel.dp_shard=2", "rollout.dtype=bfloat16")

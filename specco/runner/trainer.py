@@ -68,7 +68,7 @@ from .report import TIME_PARTS
 from .rollouts import Minibatch, Rollouts, collect_rollouts, engine_logprob_gap, minibatches
 
 __all__ = ["ArmState", "make_arm", "StepHooks", "Attached", "rl_step", "rl_step_config", "train_on_rollouts",
-           "run_updates", "grad_group", "settled", "distributed", "full_state"]
+           "run_updates", "grad_group", "settled", "distributed", "full_state", "state_copy"]
 
 
 @dataclass
@@ -217,6 +217,13 @@ def full_state(module) -> dict:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
+def state_copy(module) -> dict:
+    """A detached copy of `module.state_dict()`, loadable back with load_state_dict. Not copy.deepcopy: the
+    state dict of an FSDP-sharded policy holds DTensor views of FSDP's own parameter storage, which deepcopy
+    cannot copy ("invalid python storage"); a clone of each tensor can (and is what deepcopy does otherwise)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
 def _reduce_metrics(m: dict, mesh: Mesh | None) -> dict:
     """Step metrics over the ranks (module docstring): one all-reduce per kind."""
     if not distributed(mesh):
@@ -295,8 +302,8 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     group = grad_group(mesh)
     # on_nonfinite=skip: a copy to go back to (memory: one more copy of the weights, the draft's and the AdamW
     # state). The step's own: a hook that needs the starting state (the plain baseline) keeps its own copy
-    snap = copy.deepcopy((st.policy.state_dict(), train_draft and train_draft.state_dict(), st.opt.state_dict())
-                         ) if t.on_nonfinite == "skip" else None
+    snap = (state_copy(st.policy), copy.deepcopy((train_draft and train_draft.state_dict(), st.opt.state_dict()))
+            ) if t.on_nonfinite == "skip" else None
     hooks("before_update", st, mbs, scfg)
     t0 = settled(device)  # the copies above are not the train step's
     if st.pipeline is not None:  # this rank's stage; the metrics (hence the checks below) agree on every stage
@@ -315,8 +322,8 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
         print(f"specco: skipping the update: {e}", flush=True)
         st.policy.load_state_dict(snap[0])
         if train_draft is not None:
-            train_draft.load_state_dict(snap[1])
-        st.opt.load_state_dict(snap[2])
+            train_draft.load_state_dict(snap[1][0])
+        st.opt.load_state_dict(snap[1][1])
         m["nonfinite_skipped"] = 1
     m["time/train"] = time.perf_counter() - t0
     for k in hist[0]:  # means over the updates (one update: its own values); seconds add up instead
