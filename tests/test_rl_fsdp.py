@@ -12,9 +12,12 @@ log-prob recompute runs on the sharded policy) and a KL penalty (the whole refer
 * resume: one step, then a resume from its checkpoint (whole tensors: policy and AdamW state gathered, then
   sharded again) and a second step, equals the uninterrupted run bit for bit.
 
+The co-trained DFlash arm (its drafter reads the sharded policy's head and embeddings) is replayed the same way.
+
 Tolerance as tests/test_rl_cp.py: fp64, rtol 1e-9 (parameters atol 1e-10 after two AdamW steps): only summation
 orders differ (reduce-scatter vs one process's sums). The policy loss's log-probs are fp32 by design
-(token_logprobs): policy/loss, ratio and KL statistics at 1e-6 relative.
+(token_logprobs): policy/loss, ratio and KL statistics at 1e-6 relative. Seen: grad norms and losses within
+2e-16 relative, parameters within 6e-14 absolute (EAGLE-3) and 7e-16 (DFlash).
 """
 from pathlib import Path
 
@@ -37,13 +40,38 @@ def _flat(st):
                      + [p.detach().flatten() for p in st.draft.parameters()])
 
 
+def _replay(rank, mesh, cfg_extra, arm, policy, draft, tok, tmp, rows, rec, flat):
+    """Rank 0 replays the union of the ranks' rollouts on one process and compares (module docstring)."""
+    from specco.runner.derive import generate_config
+    from specco.runner.rollouts import Rollouts
+    from specco.runner.trainer import make_arm, train_on_rollouts
+    groups = [None] * 2
+    dist.all_gather_object(groups, rec, group=mesh.dp_group)  # every DP rank's rollouts, in DP order
+    if rank != 0:
+        return
+    cfg1 = _cfg(tmp, *cfg_extra)  # the single process on the same rollouts: the union of the ranks' rows
+    ref = make_arm(cfg1, arm, policy, draft, generate_config(cfg1, tok.eos_id, tok.pad_id))
+    dev = {}
+    for step, r in enumerate(rows):
+        parts = [g[step] for g in groups]
+        ro = Rollouts([p for x in parts for p in x.pairs], parts[0].group_size,
+                      torch.cat([x.advantages for x in parts]), [lp for x in parts for lp in x.engine_logprobs])
+        q = train_on_rollouts(ref, cfg1, ro, tok.pad_id, "cpu")
+        for k in ("policy/loss", "policy/ratio_mean", "policy/ratio_dev", "policy/kl"):  # fp32 log-probs
+            _close(r[k], q[k], k, 1e-6)
+        for k in ("draft/loss", "policy/grad_norm", "draft/grad_norm", "draft/tokens", "policy/clip_frac"):
+            _close(r[k], q[k], k)
+            dev[k] = max(dev.get(k, 0.0), abs(r[k] - q[k]) / max(1.0, abs(q[k])))
+        assert r["ppo/updates"] == q["ppo/updates"] == 4 and q["policy/kl"] > 0 and q["policy/ratio_dev"] > 0
+    ref_flat = _flat(ref)  # the same layout: state-dict order, the fused projections' parts
+    torch.testing.assert_close(flat, ref_flat, rtol=1e-9, atol=1e-10)
+    print(f"{arm}: max relative deviations {dev}, parameters {(flat - ref_flat).abs().max().item():.3e}", flush=True)
+
+
 def _shard2_worker(rank, world, tmp):
     from test_grpo import DigitTask
     from torch.distributed.tensor import DTensor
-    from specco.runner.derive import generate_config
     from specco.runner.rl import run_arm
-    from specco.runner.rollouts import Rollouts
-    from specco.runner.trainer import make_arm, train_on_rollouts
     tmp = Path(tmp)
     tok, policy, draft = _models()
     cfg = _cfg(tmp, "parallel.dp_shard=2", *EXTRA)
@@ -81,28 +109,8 @@ def _shard2_worker(rank, world, tmp):
     assert "time/rollout_plain" in runs["with"]["rows"][0]
     assert [r["policy/loss"] for r in runs["with"]["rows"]] == [r["policy/loss"] for r in runs["without"]["rows"]]
     assert torch.equal(_flat(runs["with"]["state"]), _flat(runs["without"]["state"]))
-    groups = [None] * 2
-    dist.all_gather_object(groups, rec, group=mesh.dp_group)  # every DP rank's rollouts, in DP order
-    if rank != 0:
-        return
-    cfg1 = _cfg(tmp, *EXTRA)  # the single process on the same rollouts: the union of the ranks' rows
-    ref = make_arm(cfg1, "cotrained", policy, draft, generate_config(cfg1, tok.eos_id, tok.pad_id))
-    dev = {}
-    for step, r in enumerate(rows):
-        parts = [g[step] for g in groups]
-        ro = Rollouts([p for x in parts for p in x.pairs], parts[0].group_size,
-                      torch.cat([x.advantages for x in parts]), [lp for x in parts for lp in x.engine_logprobs])
-        q = train_on_rollouts(ref, cfg1, ro, tok.pad_id, "cpu")
-        for k in ("policy/loss", "policy/ratio_mean", "policy/ratio_dev", "policy/kl"):  # fp32 log-probs
-            _close(r[k], q[k], k, 1e-6)
-        for k in ("draft/loss", "policy/grad_norm", "draft/grad_norm", "draft/sim_accept_len", "draft/tokens",
-                  "policy/clip_frac"):
-            _close(r[k], q[k], k)
-            dev[k] = max(dev.get(k, 0.0), abs(r[k] - q[k]) / max(1.0, abs(q[k])))
-        assert r["ppo/updates"] == q["ppo/updates"] == 4 and q["policy/kl"] > 0 and q["policy/ratio_dev"] > 0
-    ref_flat = _flat(ref)  # the same layout: state-dict order, the fused projections' parts
-    torch.testing.assert_close(flat, ref_flat, rtol=1e-9, atol=1e-10)
-    print(f"max deviations: {dev}, params {(flat - ref_flat).abs().max().item():.3e}", flush=True)
+    _replay(rank, mesh, cfg_extra=EXTRA, arm="cotrained", policy=policy, draft=draft, tok=tok, tmp=tmp, rows=rows,
+            rec=rec, flat=flat)
 
 
 def test_rl_loop_dp_shard2_equals_single_process_and_resumes(tmp_path):
@@ -130,3 +138,23 @@ def test_fsdp_on_one_process_and_a_cast_engine_copy_are_refused(tmp_path):
         check_parallel(_cfg(tmp_path, "parallel.dp_shard=1"), 1, "train")
     with pytest.raises(ConfigError, match="rollout.dtype='bfloat16' with parallel.dp_shard"):
         _cfg(tmp_path, "parallel.dp_shard=2", "rollout.dtype=bfloat16")
+
+
+def _dflash_worker(rank, world, tmp):
+    """The co-trained DFlash arm at dp_shard 2 (its drafter reads the sharded policy's head and embeddings)."""
+    from test_grpo import DigitTask
+    from specco.runner.rl import run_arm
+    from specco.runner.warmstart import new_block_draft
+    tmp = Path(tmp)
+    tok, policy, _ = _models()
+    torch.manual_seed(1)
+    draft = new_block_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), "dflash", gamma=2).double()
+    mesh = Mesh.build(2, 1, dp_shard=2)
+    st, rec = {}, []
+    rows = run_arm(_cfg(tmp, "parallel.dp_shard=2", *EXTRA), "cotrained-dflash", policy, draft, DigitTask(), tok,
+                   tmp / "d", progress=False, mesh=mesh, state_out=st, record=rec)
+    _replay(rank, mesh, EXTRA, "cotrained-dflash", policy, draft, tok, tmp, rows, rec, _flat(st["state"]))
+
+
+def test_rl_loop_dp_shard2_dflash_equals_single_process(tmp_path):
+    spawn_local(_dflash_worker, 2, str(tmp_path))
