@@ -12,7 +12,8 @@ log-prob recompute runs on the sharded policy) and a KL penalty (the whole refer
 * resume: one step, then a resume from its checkpoint (whole tensors: policy and AdamW state gathered, then
   sharded again) and a second step, equals the uninterrupted run bit for bit.
 
-The co-trained DFlash arm (its drafter reads the sharded policy's head and embeddings) is replayed the same way.
+The co-trained DFlash arm (its drafter reads the sharded policy's head and embeddings) is replayed the same way,
+and (slow lane, 4 processes) HSDP: dp_replicate 2 x dp_shard 2.
 
 Tolerance as tests/test_rl_cp.py: fp64, rtol 1e-9 (parameters atol 1e-10 after two AdamW steps): only summation
 orders differ (reduce-scatter vs one process's sums). The policy loss's log-probs are fp32 by design
@@ -45,7 +46,7 @@ def _replay(rank, mesh, cfg_extra, arm, policy, draft, tok, tmp, rows, rec, flat
     from specco.runner.derive import generate_config
     from specco.runner.rollouts import Rollouts
     from specco.runner.trainer import make_arm, train_on_rollouts
-    groups = [None] * 2
+    groups = [None] * mesh.dp
     dist.all_gather_object(groups, rec, group=mesh.dp_group)  # every DP rank's rollouts, in DP order
     if rank != 0:
         return
@@ -158,3 +159,24 @@ def _dflash_worker(rank, world, tmp):
 
 def test_rl_loop_dp_shard2_dflash_equals_single_process(tmp_path):
     spawn_local(_dflash_worker, 2, str(tmp_path))
+
+
+def _hsdp_worker(rank, world, tmp):
+    """HSDP: 2 replicas x 2 shards (parallel.dp_replicate=2, dp_shard=2; shards reduce-scattered, then
+    all-reduced over the replicas), the EAGLE-3 arm replayed on one process."""
+    from test_grpo import DigitTask
+    from specco.runner.rl import run_arm
+    tmp = Path(tmp)
+    tok, policy, draft = _models()
+    mesh = Mesh.build(4, 1, dp_shard=2)
+    # 4 rows per rank and minibatch: the draft trains on every row (the demo's stride 8 picks rows by local index)
+    extra = (*EXTRA, "train.draft_row_stride=1")
+    st, rec = {}, []
+    rows = run_arm(_cfg(tmp, "parallel.dp_replicate=2", "parallel.dp_shard=2", *extra), "cotrained", policy, draft,
+                   DigitTask(), tok, tmp / "h", progress=False, mesh=mesh, state_out=st, record=rec)
+    _replay(rank, mesh, extra, "cotrained", policy, draft, tok, tmp, rows, rec, _flat(st["state"]))
+
+
+@pytest.mark.slow  # 4 processes
+def test_rl_loop_hsdp_2x2_equals_single_process(tmp_path):
+    spawn_local(_hsdp_worker, 4, str(tmp_path))
