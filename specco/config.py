@@ -509,9 +509,13 @@ class RunConfig:
             seen[key] = arm
         # under PP the engine's whole-policy copy also gives the PPO's old log-probs (runner/trainer.train_on_rollouts), which must
         # be the trainer's precision
+        # under FSDP the engine's copy is also the whole policy the run evaluates and saves (runner/rl.full_models)
         _check(self.parallel.pp == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
                f"rollout.dtype={self.rollout.dtype!r} with parallel.pp={self.parallel.pp}: not supported (the "
                "pipeline path recomputes log-probs with the engine's copy); leave rollout.dtype unset")
+        _check(not self.parallel.fsdp or self.rollout.dtype in ("", "auto", self.policy.dtype),
+               f"rollout.dtype={self.rollout.dtype!r} with parallel.dp_shard: not supported (the engine's copy is "
+               "the whole policy evaluated and saved); leave rollout.dtype unset")
         n = self.policy.num_layers
         out = [i for i in self.draft.aux_layer_ids if i >= n]
         # the tiny policy's depth is known here; a pretrained one's is checked by runner.demo.validate_run,

@@ -29,7 +29,7 @@ from ..parallel.mesh import Mesh
 from ..train.cotrain import StepConfig, amp_context, block_loss, draft_loss, draft_rows, micro_batches, step_counts
 from ..train.losses import all_reduce_sums, metrics_to_floats
 from .rollouts import Minibatch, Rollouts, completions, from_generator, generates, minibatches, phases_text
-from .trainer import ArmState, StepHooks, grad_group, run_updates, settled
+from .trainer import ArmState, StepHooks, grad_group, run_updates, settled, state_copy
 
 __all__ = ["draft_eval", "draft_evals", "clone_generator", "FrozenDraftEval", "PlainBaseline", "FrozenShadow",
            "hooks_for"]
@@ -168,13 +168,13 @@ class PlainBaseline(StepHooks):
 
     def before_update(self, st: ArmState, mbs: list[Minibatch], scfg: StepConfig) -> None:
         if self.train:
-            self.start = copy.deepcopy((st.policy.state_dict(), st.opt.state_dict()))
+            self.start = (state_copy(st.policy), copy.deepcopy(st.opt.state_dict()))
 
     def after_update(self, st: ArmState, ro: Rollouts, mbs: list[Minibatch], scfg: StepConfig) -> dict:
         """Before the LR schedule's step (trainer.train_on_rollouts): the learning rates the updates ran at."""
         if not self.train:
             return {}
-        end = copy.deepcopy((st.policy.state_dict(), st.opt.state_dict()))
+        end = (state_copy(st.policy), copy.deepcopy(st.opt.state_dict()))
         st.policy.load_state_dict(self.start[0])
         st.opt.load_state_dict(self.start[1])
         self.start = None

@@ -5,7 +5,10 @@
 Each step is trainer.rl_step (rollout -> rewards -> advantages -> updates -> refit) with the arm's measurement
 hooks (measure.hooks_for: none for a job; a comparison's plain baseline, frozen shadow, frozen draft metrics).
 Under a mesh every rank runs the loop; rank 0 logs and checkpoints (with every DP rank's sampler state); on
-resume rank 0 reads the checkpoint and sends it to the others through the process group.
+resume rank 0 reads the checkpoint and sends it to the others through the process group. Under FSDP
+(parallel.dp_shard) a checkpoint is still whole tensors: the policy's shards and their AdamW moments gathered on
+every rank, rank 0 writing the single process's format; resuming shards them again (rl_fsdp.py; sharded DCP
+checkpoints that reshard are a separate helper).
 """
 from __future__ import annotations
 
@@ -19,11 +22,13 @@ from ..config import RunConfig
 from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
+from ..parallel.fsdp import is_sharded
 from ..parallel.mesh import Mesh
 from ..train.checkpoint import load_latest, remove_stale_temporaries, save_checkpoint, set_rng_state
 from .derive import arm_config, generate_config
 from .measure import hooks_for
 from .report import MetricsLog
+from .rl_fsdp import fsdp_checkpoint_state, fsdp_restore
 from .rl_pp import pp_checkpoint_state, pp_restore
 from .rollouts import longest_prompt
 from .stages import seed_stage
@@ -34,9 +39,12 @@ __all__ = ["run_arm", "full_models"]
 
 def _ckpt_state(st: ArmState, mesh: Mesh | None = None) -> dict:
     """What a checkpoint holds; in a distributed run also every DP rank's sampler state (the one its CP
-    rank 0 generates with). A collective there: call on every rank."""
-    state = {"policy": st.policy.state_dict(), "draft": st.draft.state_dict() if st.draft is not None else None,
-             "opt": st.opt.state_dict(), "sched": st.sched.state_dict(), "gen": st.gen,
+    rank 0 generates with). A collective there: call on every rank. Under FSDP the policy and the AdamW state
+    gathered whole (rl_fsdp.py)."""
+    whole = fsdp_checkpoint_state(st) if is_sharded(st.policy) else {
+        "policy": st.policy.state_dict(), "opt": st.opt.state_dict()}
+    state = {"policy": whole["policy"], "draft": st.draft.state_dict() if st.draft is not None else None,
+             "opt": whole["opt"], "sched": st.sched.state_dict(), "gen": st.gen,
              "step": st.step, "data_offset": st.data_offset, "arm": st.arm}
     if st.pipeline is not None:
         state.update(pp_checkpoint_state(st, mesh))
@@ -75,6 +83,11 @@ def _restore(st: ArmState, s: dict, mesh: Mesh | None = None) -> None:
                          f"this run has {dp}: resume with the same parallel.dp")
     if st.pipeline is not None:
         pp_restore(st, s, path)
+    elif is_sharded(st.policy):  # every rank has the whole state (_load_latest): each keeps its shards of it
+        fsdp_restore(st, s)
+        if st.draft is not None:
+            st.draft.load_state_dict(s["draft"])
+        st.sched.load_state_dict(s["sched"])
     else:
         st.policy.load_state_dict(s["policy"])
         if st.draft is not None:
@@ -88,8 +101,9 @@ def _restore(st: ArmState, s: dict, mesh: Mesh | None = None) -> None:
 def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
     """The arm's whole policy and draft as of its last refit, for evaluation and saving: the trainer's own
     copies, or under pipeline parallelism (a rank trains one stage) the engine's, which the refit fills from
-    every stage in the trainer's dtype (config.py keeps rollout.dtype at the policy's under PP)."""
-    if st.pipeline is not None:
+    every stage in the trainer's dtype (config.py keeps rollout.dtype at the policy's under PP), and under FSDP
+    (the trainer holds shards) the engine's too, refit from the gathered shards (config.py: the same dtype rule)."""
+    if st.pipeline is not None or is_sharded(st.policy):
         return st.engine.policy, st.engine.draft
     return st.policy, st.draft
 

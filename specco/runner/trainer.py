@@ -32,6 +32,10 @@ THD row and zigzag-sharded over the CP group. The co-training step normalises by
 sums gradients over all dp x cp ranks, so the update is the one of the whole batch (tests/test_dp.py,
 tests/test_rl_cp.py). With parallel.pp > 1 (rl_pp.py) each rank trains its pipeline stage (the draft on
 the last) and holds a whole copy of the policy in its rollout engine, refit from the gathered stages.
+With parallel.dp_shard (FSDP, parallel/fsdp.py) the trainer's policy and its AdamW state are DTensor shards
+over mesh.fsdp_mesh (the draft stays whole on every rank); the engine and the KL reference keep whole
+copies, made before sharding; the refit gathers the shards (`full_state`), so every rank's engine holds the
+same whole policy. The step is the same function: only its gradient strategy differs (grad_sync.grad_syncs).
 Metrics: losses summed over all ranks (each holds its share), tokens/s summed and the engine-vs-trainer
 log-prob gap maxed over DP ranks, everything else the mean over DP ranks.
 """
@@ -43,17 +47,20 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..config import RunConfig
 from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
+from ..parallel.fsdp import apply_fsdp, mixed_precision
 from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
 from .refit_guard import MIN_TRIES, check_acceptance
 from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.compile import apply_compile, apply_draft_compile, warm_shapes, warm_up, warm_up_draft
 from ..train.cotrain import StepConfig, build_optimizer, build_scheduler, cotrain_step, draft_stride
+from ..train.grad_sync import grad_syncs
 from ..train.nonfinite import NonFiniteError, check_finite
 from .derive import arm_config, engine_dtype, step_config, train_shapes
 from .rl_pp import PipelineArm, gather_for_refit, pp_train_updates
@@ -61,7 +68,7 @@ from .report import TIME_PARTS
 from .rollouts import Minibatch, Rollouts, collect_rollouts, engine_logprob_gap, minibatches
 
 __all__ = ["ArmState", "make_arm", "StepHooks", "Attached", "rl_step", "rl_step_config", "train_on_rollouts",
-           "run_updates", "grad_group", "settled", "distributed"]
+           "run_updates", "grad_group", "settled", "distributed", "full_state", "state_copy"]
 
 
 @dataclass
@@ -117,6 +124,12 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
         shapes = train_shapes(cfg, gen_cfg.min_prompt_len)
         secs = warm_shapes(policy, step_config(cfg, mode).amp_dtype, shapes)
         print(f"specco: arm {arm}: the trainer warmed at {len(shapes)} micro-batch shapes in {secs:.1f} s", flush=True)
+    if cfg.parallel.fsdp and distributed(mesh):  # after AC / compile (torchtitan's order), before the optimizer:
+        # AdamW must hold the DTensor shards. bf16 autocast becomes FSDP's bf16 gather and compute (fp32 masters and
+        # reductions). The draft stays replicated (parallel/fsdp.py says why); engine and reference are copies above
+        amp = step_config(cfg, mode).amp_dtype
+        apply_fsdp(policy, mesh.fsdp_mesh, mixed_precision(amp) if amp == torch.bfloat16 else None,
+                   reshard_after_forward=True)
     opt = build_optimizer(policy, draft if mode == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
     sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps,
                             cfg.train.lr_schedule)
@@ -196,6 +209,21 @@ def settled(device) -> float:
     return time.perf_counter()
 
 
+def full_state(module) -> dict:
+    """`module.state_dict()` with FSDP's DTensor shards gathered into whole tensors (the refit's and the refit
+    guard's view; a plain module's is its own). A collective under FSDP: every rank calls it. Layer by layer, one
+    tensor at a time, each whole on every rank (the engine's copy needs it there); a later step gathers in bounded
+    buckets written straight into the engine's buffers (issue 34 item 5)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+
+def state_copy(module) -> dict:
+    """A detached copy of `module.state_dict()`, loadable back with load_state_dict. Not copy.deepcopy: the
+    state dict of an FSDP-sharded policy holds DTensor views of FSDP's own parameter storage, which deepcopy
+    cannot copy ("invalid python storage"); a clone of each tensor can (and is what deepcopy does otherwise)."""
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
 def _reduce_metrics(m: dict, mesh: Mesh | None) -> dict:
     """Step metrics over the ranks (module docstring): one all-reduce per kind."""
     if not distributed(mesh):
@@ -234,8 +262,10 @@ def rl_step_config(st: ArmState, cfg: RunConfig, ro: Rollouts, mesh: Mesh | None
 def run_updates(st: ArmState, train_draft, mbs: list[Minibatch], scfg: StepConfig, epochs: int, group) -> list[dict]:
     """`epochs` passes of co-training steps over the minibatches (one optimizer step each) on a whole policy;
     `train_draft` None trains the policy alone. Their metrics, update by update."""
-    return [cotrain_step(st.policy, train_draft, mb.batch, st.opt, None, scfg, grad_group=group, **mb.fns)
-            for _ in range(epochs) for mb in mbs]
+    # per optimizer group: FSDP's reduce-scatter for a sharded policy, the all-reduce over `group` otherwise
+    sync = grad_syncs(st.policy, group)
+    return [cotrain_step(st.policy, train_draft, mb.batch, st.opt, None, scfg, grad_group=group, grad_sync=sync,
+                         **mb.fns) for _ in range(epochs) for mb in mbs]
 
 
 def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device, mesh: Mesh | None = None,
@@ -272,8 +302,8 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     group = grad_group(mesh)
     # on_nonfinite=skip: a copy to go back to (memory: one more copy of the weights, the draft's and the AdamW
     # state). The step's own: a hook that needs the starting state (the plain baseline) keeps its own copy
-    snap = copy.deepcopy((st.policy.state_dict(), train_draft and train_draft.state_dict(), st.opt.state_dict())
-                         ) if t.on_nonfinite == "skip" else None
+    snap = (state_copy(st.policy), copy.deepcopy((train_draft and train_draft.state_dict(), st.opt.state_dict()))
+            ) if t.on_nonfinite == "skip" else None
     hooks("before_update", st, mbs, scfg)
     t0 = settled(device)  # the copies above are not the train step's
     if st.pipeline is not None:  # this rank's stage; the metrics (hence the checks below) agree on every stage
@@ -292,8 +322,8 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
         print(f"specco: skipping the update: {e}", flush=True)
         st.policy.load_state_dict(snap[0])
         if train_draft is not None:
-            train_draft.load_state_dict(snap[1])
-        st.opt.load_state_dict(snap[2])
+            train_draft.load_state_dict(snap[1][0])
+        st.opt.load_state_dict(snap[1][1])
         m["nonfinite_skipped"] = 1
     m["time/train"] = time.perf_counter() - t0
     for k in hist[0]:  # means over the updates (one update: its own values); seconds add up instead
@@ -331,8 +361,10 @@ def rl_step(st: ArmState, cfg: RunConfig, data, tokenizer, device, mesh: Mesh | 
         # the guard compares the engine with the whole policy gathered from every stage's trainer
         guard = (policy_sd, draft_sd if st.mode == "cotrained" else st.draft and st.draft.state_dict())
     else:
-        policy_sd, draft_sd = st.policy.state_dict(), st.draft.state_dict() if st.mode == "cotrained" else None
-        guard = (st.policy.state_dict(), st.draft.state_dict() if st.draft is not None else None)
+        # under FSDP the policy's shards gathered whole (a collective: every rank); the draft is whole already
+        policy_sd = full_state(st.policy)
+        draft_sd = st.draft.state_dict() if st.mode == "cotrained" else None
+        guard = (policy_sd, st.draft.state_dict() if st.draft is not None else None)
     st.engine.refit(policy_sd, draft_sd)
     m["time/refit"] = settled(device) - t0
     if cuda:

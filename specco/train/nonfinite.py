@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 class NonFiniteError(RuntimeError):
@@ -23,12 +25,27 @@ def nonfinite_metrics(metrics: dict, keys=None) -> dict:
             and not math.isfinite(v)}
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def first_nonfinite_weight(*modules) -> str | None:
     """The name of the first parameter holding a NaN or inf (None: all finite). One host sync."""
     named = [(f"{i}:{n}", p) for i, m in enumerate(modules) if m is not None for n, p in m.named_parameters()]
     if not named:
         return None
-    ok = torch.stack([p.detach().isfinite().all() for _, p in named]).cpu()
+    # an FSDP shard (DTensor): its own slice, then the verdict of every shard (a collective over the shards' ranks,
+    # so every rank names the same weight); a DTensor's whole-tensor reduction would need a product placement
+    ok = torch.stack([_local(p).detach().isfinite().all() for _, p in named])
+    sharded = [p for _, p in named if isinstance(p, DTensor)]
+    if sharded:
+        mesh, places = sharded[0].device_mesh, sharded[0].placements  # one mesh per model (parallel/fsdp.py)
+        flags = ok.to(torch.int32)
+        for d, pl in enumerate(places):
+            if pl.is_shard():
+                dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
+        ok = flags.bool()
+    ok = ok.cpu()
     bad = [n for (n, _), good in zip(named, ok.tolist()) if not good]
     return bad[0].split(":", 1)[1] if bad else None
 
