@@ -151,14 +151,25 @@ def save_checkpoint(root: str | os.PathLike, step: int, state: dict, keep: int =
                                   f"({nbytes / 2**20:.1f} MiB of tensors): free space under {root}, or "
                                   "lower train.keep_checkpoints") from e
         raise
+    return publish(tmp, final, keep, "checkpoint")
+
+
+def publish(tmp: Path, final: Path, keep: int, tag: str, sync_rename: bool = False) -> Path:
+    """Put a fully written checkpoint directory `tmp` in place as `final` (one rename), point `latest` at it and
+    drop all but the newest `keep` step directories: the commit both checkpoint formats end with (this module's
+    and sharded_checkpoint's). `sync_rename` fsyncs the parent after the rename; fault points `<tag>/renamed`,
+    `<tag>/pointer`."""
+    root = final.parent
     if final.exists():  # a re-run of a step after a crash between rename and pointer
         shutil.rmtree(final)
     os.replace(tmp, final)
-    point("checkpoint/renamed")
+    if sync_rename:
+        _fsync(root)  # the rename itself durable
+    point(f"{tag}/renamed")
     ptr = root / "latest.tmp"
     ptr.write_text(final.name + "\n")
     os.replace(ptr, root / "latest")
-    point("checkpoint/pointer")
+    point(f"{tag}/pointer")
     for old in _step_dirs(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, Hu
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from ..faults import point
-from .checkpoint import CheckpointError, _decode, _encode, _fsync, _step_dirs, latest_checkpoint
+from .checkpoint import CheckpointError, _decode, _encode, _fsync, _step_dirs, latest_checkpoint, publish
 
 __all__ = ["save", "load", "load_latest", "FORMAT", "PickleRefused"]
 
@@ -167,17 +167,7 @@ def save(root: str | os.PathLike, step: int, state: dict, keep: int = 2) -> Path
         (tmp / STATE).write_text(json.dumps(meta))
         _fsync(tmp / STATE)
         point("sharded_checkpoint/state")
-        if final.exists():  # a re-run of a step after a crash between rename and pointer
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync(root)  # the rename itself durable
-        point("sharded_checkpoint/renamed")
-        ptr = root / "latest.tmp"
-        ptr.write_text(final.name + "\n")
-        os.replace(ptr, root / "latest")
-        point("sharded_checkpoint/pointer")
-        for old in _step_dirs(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        publish(tmp, final, keep, "sharded_checkpoint", sync_rename=True)
     _barrier()  # no rank starts the next write (or a read) before the rename
     return final
 
