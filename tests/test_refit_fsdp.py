@@ -26,7 +26,7 @@ def _worker(rank, world, bound, dtype):
     from specco.parallel.fsdp import apply_fsdp
     from specco.rollout.engine import RefitError, RolloutEngine
     from specco.rollout.weights import fingerprint_rows
-    from specco.runner.refit import refit_engine
+    from specco.runner.refit import refit_engine, state_buckets
     from test_rollout_helpers import random_draft, tiny_policy
     mesh = Mesh.build(dp=world, dp_shard=world, backend="gloo")
     policy = tiny_policy(V=33, seed=5)  # the trainer's weights (the same on every rank: same seed)
@@ -39,6 +39,8 @@ def _worker(rank, world, bound, dtype):
     assert isinstance(sd["embed_tokens.weight"], DTensor) and sd["embed_tokens.weight"].to_local().shape[0] == (
         17 if rank == 0 else 16)  # uneven shards
     engine = RolloutEngine(tiny_policy(V=33, seed=3).to(dtype), random_draft(policy, seed=4).to(dtype))
+    for b in state_buckets(sd, bound, engine.dtypes("policy")):  # the bound counts whole tensors, not shards
+        assert len(b) == 1 or sum(v.numel() * v.element_size() for _, v in b) <= bound
     rows = refit_engine(engine, sd, draft.state_dict(), bound, guard=True)
     for name in ("policy", "draft"):
         want, got = getattr(ref, name).state_dict(), getattr(engine, name).state_dict()
