@@ -10,7 +10,7 @@ peak extra memory of a refit is max(bucket, largest tensor). Under FSDP (paralle
 shards are cast to the engine's dtype *then* gathered (`full_tensor()`, a collective: every rank walks the same
 keys in the same order), so a bf16 engine's refit moves and holds half the bytes of the fp32 masters; the cast is
 elementwise round-to-nearest-even, bit for bit what the engine's `copy_` would have done. A plain tensor (one
-process, DP, the stages PP gathered) passes as it is (cast if the engine's dtype differs). The engine writes each
+process, DP, the stages PP gathered) passes as it is, no copy: the engine's `copy_` casts it. The engine writes each
 bucket in place and empties it (rollout/weights.InPlaceLoad), so its whole tensors are freed before the next
 gather.
 
@@ -35,11 +35,14 @@ MB = 2 ** 20
 
 
 def _whole(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """t whole, in `dtype`: a DTensor's shards cast, then gathered (a collective); a plain tensor cast if needed."""
+    """t whole: a DTensor's shards cast to `dtype`, then gathered (a collective); a plain tensor as it is (no copy:
+    the engine's copy_ casts it on the way in, and a cast here would allocate what the bucket bound counts)."""
     t = t.detach()
+    if not isinstance(t, DTensor):
+        return t
     if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)  # on a DTensor: each rank casts its own shard (local, pointwise)
-    return t.full_tensor() if isinstance(t, DTensor) else t
+        t = t.to(dtype)  # each rank casts its own shard (local, pointwise)
+    return t.full_tensor()
 
 
 def state_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int,
@@ -60,11 +63,12 @@ def state_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int,
         yield [(k, _whole(v, d)) for k, v, d in pending]
 
 
-def _fingerprinted(stream, rows: dict) -> Iterator[list]:
-    """The stream unchanged; each tensor's guard row recorded in `rows` on its way to the engine."""
+def _fingerprinted(stream, rows: dict, dtypes: Mapping[str, torch.dtype] | None) -> Iterator[list]:
+    """The stream unchanged; each tensor's guard row recorded in `rows` on its way to the engine, as the engine
+    will hold it (cast to its dtype: a no-op for a gathered shard, cast already)."""
     for bucket in stream:
         for name, t in bucket:
-            rows[name] = tensor_fingerprint(t)
+            rows[name] = tensor_fingerprint(t, dtypes.get(name) if dtypes is not None else None)
         yield bucket
 
 
@@ -84,7 +88,7 @@ def refit_engine(engine: RolloutEngine, policy: Mapping[str, torch.Tensor] | Non
             continue
         dtypes = engine.dtypes(name) if name == "policy" or engine.draft is not None else None
         stream = state_buckets(state, bucket_bytes, dtypes)
-        streams[name] = _fingerprinted(stream, rows[name]) if guard else stream
+        streams[name] = _fingerprinted(stream, rows[name], dtypes) if guard else stream
     engine.refit_buckets(streams["policy"], streams["draft"])
     if not guard:
         return {}
