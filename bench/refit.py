@@ -124,11 +124,13 @@ def bench_offload(engine, trainer, draft, dev, rows, new_tokens):
 
     def generate():
         t0 = sync(dev)
-        engine.generate(prompts, generator=torch.Generator(dev).manual_seed(0))
+        toks.append(engine.generate(prompts, generator=torch.Generator(dev).manual_seed(0)).tokens.cpu())
         return sync(dev) - t0
 
+    toks = []
     first = generate()
     steady = statistics.median(generate() for _ in range(3))
+    ref = toks[-1]
     out = {"rows": rows, "new_tokens": new_tokens, "generate_first_s": first, "generate_steady_s": steady}
     for mode in ("cache", "weights+cache"):
         weights = mode == "weights+cache"
@@ -149,7 +151,10 @@ def bench_offload(engine, trainer, draft, dev, rows, new_tokens):
                      "allocated_drop_gib": None if before is None else (before - after) / GIB,
                      "reserved_drop_gib": None if reserved is None else (reserved - reserved_after) / GIB,
                      "release_s": t_release, "restore_s": t_restore, "refit_after_restore_s": t_refit,
-                     "first_generate_s": t_first, "recapture_extra_s": t_first - steady}
+                     "first_generate_s": t_first, "recapture_extra_s": t_first - steady,
+                     # the same weights and seed: equal unless speculation control, re-measuring its costs on the
+                     # new graphs, picked another k (still lossless, other draws)
+                     "tokens_equal": bool(torch.equal(toks[-1], ref))}
         print(f"offload {mode}: {out[mode]}", flush=True)
     return out
 
