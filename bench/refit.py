@@ -13,7 +13,7 @@ CUDA graphs captured), then release(weights=True) -> restore -> refit -> generat
 memory freed (allocated before/after, and what the driver holds after empty_cache), seconds to release, to
 restore, to refit after restore, and the first generate's extra cost (graphs captured afresh). Also 'cache' only.
 
-Writes bench/results/refit_<device>.json (--out to change). On CPU memory is not measured (null).
+Writes `refit_cuda.json` (or `_cpu`) under bench/results (--out to change). On CPU memory is not measured (null).
 """
 from __future__ import annotations
 

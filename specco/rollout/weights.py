@@ -118,6 +118,11 @@ def compare_fingerprints(name: str, mine: Mapping[str, torch.Tensor], theirs: Ma
                          "new weights did not reach the rollout engine")
 
 
+def _as_bytes(s: torch.UntypedStorage) -> torch.Tensor:
+    """A storage as a flat uint8 tensor over the same bytes (copies between devices go through tensors)."""
+    return torch.empty(0, dtype=torch.uint8, device=s.device).set_(s, 0, (s.nbytes(),), (1,))
+
+
 class ReleasedWeights:
     """The engine's parameter and buffer storages, freed between rollouts (rollout.offload=weights+cache).
 
@@ -149,7 +154,7 @@ class ReleasedWeights:
                 host = None
                 if s.data_ptr() not in dropped:
                     host = torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=s.device.type == "cuda")
-                    host.untyped_storage().copy_(s)
+                    host.copy_(_as_bytes(s))
                 entries.append((s, s.nbytes(), host))
                 total += s.nbytes()
                 s.resize_(0)
@@ -160,5 +165,5 @@ class ReleasedWeights:
         for s, n, host in self.entries:
             s.resize_(n)
             if host is not None:
-                s.copy_(host.untyped_storage())
+                _as_bytes(s).copy_(host)
         self.entries = []
