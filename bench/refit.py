@@ -103,7 +103,8 @@ def bench_refit(size, buckets, reps, dev, mesh, rows, new_tokens):
             secs = statistics.median(s for s, _ in runs)
             peak = max(p for _, p in runs) if dev.type == "cuda" else None
             rows.append({"bucket_mb": b, "guard": guard, "seconds": secs, "gb_per_s": engine_bytes / 1e9 / secs,
-                         "s_per_gb": secs / (engine_bytes / 1e9), "peak_extra_gib": None if peak is None else peak / GIB})
+                         "s_per_gb": secs / (engine_bytes / 1e9),
+                         "peak_extra_gib": None if peak is None else peak / GIB})
             print(f"{size} bucket {b} guard {guard}: {secs * 1e3:.1f} ms, {engine_bytes / 1e9 / secs:.1f} GB/s, "
                   f"peak extra {rows[-1]['peak_extra_gib']} GiB", flush=True)
     n_params = sum(p.numel() for p in engine.policy.parameters())

@@ -8,7 +8,8 @@ Shapes: the policy's vocabulary (33) and the draft-free layers' rows do not divi
 uneven (torch.chunk) and the gather must drop the padding. Bounds: 1 byte (every tensor its own bucket, the bound
 smaller than any tensor) and 4 KB (several per bucket); engines in fp32 and bf16.
 
-The guard's mutation: one rank's engine gets one bf16 ulp changed in one tensor after the refit; that rank's
+Then an offload cycle (release the weights, restore, refit from the shards again) gives the same engine. The guard's
+mutation: one rank's engine gets one bf16 ulp changed in one tensor after the refit; that rank's
 guard names the tensor, the other rank's stays silent.
 """
 import copy
@@ -48,6 +49,14 @@ def _worker(rank, world, bound, dtype):
             assert torch.equal(got[k], want[k]), (rank, name, k)
         whole = fingerprint_rows(getattr(policy if name == "policy" else draft, "state_dict")(), ref.dtypes(name))
         assert rows[name].keys() == whole.keys() and all(torch.equal(rows[name][k], whole[k]) for k in whole)
+    engine.check_fingerprints(rows["policy"], rows["draft"], step=1)
+    # rollout.offload between two refits: the weights dropped, allocated again, refilled from the shards
+    engine.release(weights=True, refilled=("policy", "draft"))
+    engine.restore()
+    rows = refit_engine(engine, sd, draft.state_dict(), bound, guard=True)
+    for name in ("policy", "draft"):
+        want, got = getattr(ref, name).state_dict(), getattr(engine, name).state_dict()
+        assert all(torch.equal(got[k], want[k]) for k in want), (rank, name)
     engine.check_fingerprints(rows["policy"], rows["draft"], step=1)
     if rank == 1:
         with torch.no_grad():

@@ -139,8 +139,8 @@ class RolloutEngine:
         """`generate.generate` with this engine's models, reusing buffers and graphs across calls.
         `speculate=False`: plain decoding on the same runner (DecodeRunner.prefill_padded), a baseline."""
         if self.released is not None:  # a boundary: decoding with freed or unfilled weights reads garbage
-            raise RefitError(f"generate: the engine's weights were released (rollout.offload) and "
-                             f"{'not restored' if self.released.entries else 'not refit: ' + str(sorted(self.released.awaiting))}")
+            why = "not restored" if self.released.entries else f"not refit: {sorted(self.released.awaiting)}"
+            raise RefitError(f"generate: the engine's weights were released (rollout.offload) and {why}")
         cfg = cfg or self.cfg
         ids, lens = pad_prompts(prompts)
         runner = self._runner(cfg, ids, group_size)

@@ -35,7 +35,8 @@ the last) and holds a whole copy of the policy in its rollout engine, refit from
 With parallel.dp_shard (FSDP, parallel/fsdp.py) the trainer's policy and its AdamW state are DTensor shards
 over mesh.fsdp_mesh (the draft stays whole on every rank); the engine and the KL reference keep whole
 copies, made before sharding; the refit gathers the shards in bounded buckets (runner/refit.py), so every
-rank's engine holds the same whole policy. The step is the same function: only its gradient strategy differs (grad_sync.grad_syncs).
+rank's engine holds the same whole policy. The step is the same function: only its gradient strategy differs
+(grad_sync.grad_syncs). rollout.offload frees the engine's memory from after the rollout to the refit (release_engine).
 Metrics: losses summed over all ranks (each holds its share), tokens/s summed and the engine-vs-trainer
 log-prob gap maxed over DP ranks, everything else the mean over DP ranks.
 """
