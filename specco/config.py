@@ -15,7 +15,7 @@ from .data.config import DataSpec
 from .rewards.core import RewardSpec
 from .train.sft_config import SFTSpec
 from .train.step_config import LR_SCHEDULES, StepConfig
-from .rollout.config import GenerateConfig
+from .rollout.config import OFFLOAD_MODES, GenerateConfig
 
 # The components own their defaults (train/step_config.py, rollout/config.py); the run config reads them
 _STEP, _GEN = StepConfig(), GenerateConfig()
@@ -172,9 +172,21 @@ class RolloutSpec:
     # same seed then decodes the same tokens as plain decoding, whatever its draft, so its RL trajectory and
     # step times compare like for like; a draft token is accepted somewhat less often (Gumbel coupling)
     sampler: str = "rejection"
+    # Refit streams the trainer's weights to the engine in buckets of at most this many MB (in the engine's
+    # dtype; a larger tensor goes alone): under FSDP each bucket is gathered whole, written in place, then freed,
+    # so a refit's extra memory is max(bucket, largest tensor), not a second whole model (runner/refit.py).
+    refit_bucket_mb: int = 512
+    # What the engine gives back between a rollout and the next refit, so the trainer has the memory
+    # (RolloutEngine.release): "none"; "cache" drops the kept decode runners (KV caches, CUDA graphs); "weights+cache"
+    # frees the engine's weights too (the refit refills them; a frozen draft waits on the host). Either way the next
+    # rollout captures its CUDA graphs afresh (rollout/weights.py says why).
+    offload: str = "none"
 
     def __post_init__(self):
         _check_finite(self, "rollout")
+        _check(self.refit_bucket_mb >= 1, f"rollout.refit_bucket_mb={self.refit_bucket_mb}: must be >= 1 (MB per "
+               "refit bucket; a tensor larger than the bound is sent alone)")
+        _check(self.offload in OFFLOAD_MODES, f"rollout.offload={self.offload!r}: use one of {list(OFFLOAD_MODES)}")
         _check(self.sampler in SAMPLERS,
                f"rollout.sampler={self.sampler!r}: use 'rejection' (speculative rejection sampling) or 'coupled' "
                "(keyed Gumbel-max: the same tokens as plain decoding)")
@@ -513,6 +525,9 @@ class RunConfig:
         _check(self.parallel.pp == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
                f"rollout.dtype={self.rollout.dtype!r} with parallel.pp={self.parallel.pp}: not supported (the "
                "pipeline path recomputes log-probs with the engine's copy); leave rollout.dtype unset")
+        _check(self.parallel.pp == 1 or self.rollout.offload != "weights+cache",
+               f"rollout.offload='weights+cache' with parallel.pp={self.parallel.pp}: not supported (the pipeline "
+               "path recomputes log-probs with the engine's whole copy while the trainer runs); use 'cache'")
         _check(not self.parallel.fsdp or self.rollout.dtype in ("", "auto", self.policy.dtype),
                f"rollout.dtype={self.rollout.dtype!r} with parallel.dp_shard: not supported (the engine's copy is "
                "the whole policy evaluated and saved); leave rollout.dtype unset")

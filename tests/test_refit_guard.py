@@ -4,8 +4,8 @@ is silent (the RL tests run with the guard on, its default)."""
 import pytest
 import torch
 
-from specco.rollout import engine as engine_mod
 from specco.rollout.engine import RefitError, RolloutEngine, weights_fingerprint
+from specco.rollout.weights import InPlaceLoad
 from specco.runner.refit_guard import check_acceptance
 from test_rollout_helpers import random_draft, tiny_policy
 from cli_helpers import DEMO  # noqa: E402
@@ -27,11 +27,11 @@ def test_check_weights_names_the_stale_tensor(monkeypatch):
     engine = RolloutEngine(tiny_policy(seed=3), random_draft(tiny_policy(), seed=4))
     engine.refit(policy.state_dict(), draft.state_dict())
     engine.check_weights(policy.state_dict(), draft.state_dict(), step=1)  # healthy: silent
-    # a broken refit that drops the draft's fc weight (the silent failure peers report)
-    real = engine_mod._load_exact
-    monkeypatch.setattr(engine_mod, "_load_exact", lambda m, st, what: real(m, {k: v for k, v in st.items()
-                                                                              if k != "fc.weight"} | (
-        {"fc.weight": m.state_dict()["fc.weight"].clone()} if what == "draft" else {}), what))
+    # a broken refit that writes the draft's old fc weight back (the silent failure peers report; a tensor that
+    # never arrives is the refit's own RefitError: test_refit_stream.py)
+    real = InPlaceLoad.write
+    monkeypatch.setattr(InPlaceLoad, "write", lambda self, bucket: real(self, [
+        (k, self.own[k].clone() if (self.what, k) == ("draft", "fc.weight") else v) for k, v in bucket]))
     new_draft = random_draft(tiny_policy(), seed=9)
     engine.refit(None, new_draft.state_dict())
     with pytest.raises(RefitError, match=r"step 7.*draft.*fc\.weight"):
@@ -61,8 +61,9 @@ def test_rl_loop_stops_on_a_broken_draft_refit(tmp_path, monkeypatch, tiny_start
     step 1, naming it."""
     from specco.runner.pipeline import run as run_demo
     cfg = _run_cfg(tmp_path, tiny_start)
-    real = RolloutEngine.refit
-    monkeypatch.setattr(RolloutEngine, "refit", lambda self, p, d=None: real(self, p, None))  # drops the draft
+    real = RolloutEngine.refit_buckets  # consumes the draft's stream (fingerprinted) but writes none of it
+    monkeypatch.setattr(RolloutEngine, "refit_buckets",
+                        lambda self, p, d=None: (d is not None and list(d), real(self, p, None))[1])
     with pytest.raises(RefitError, match="after the refit of step 1: the engine's draft weights differ"):
         run_demo(cfg, progress=False)
 
@@ -85,9 +86,9 @@ def test_a_bf16_engine_holds_the_trainers_weights_as_refit_cast_them(monkeypatch
     # the trainer takes a step whose change survives bf16 rounding in one tensor only; refit drops it
     new = {k: v.clone() for k, v in policy.state_dict().items()}
     new["layers.1.mlp.up_proj.weight"] *= 1.01
-    real = engine_mod._load_exact
-    monkeypatch.setattr(engine_mod, "_load_exact", lambda m, st, what: real(
-        m, {k: (m.state_dict()[k].clone() if k == "layers.1.mlp.up_proj.weight" else v) for k, v in st.items()}, what))
+    real = InPlaceLoad.write
+    monkeypatch.setattr(InPlaceLoad, "write", lambda self, bucket: real(self, [
+        (k, self.own[k].clone() if k == "layers.1.mlp.up_proj.weight" else v) for k, v in bucket]))
     engine.refit(new)
     with pytest.raises(RefitError, match=r"step 2.*policy.*up_proj"):
         engine.check_weights(new, None, step=2)

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
 
+# rollout.offload: what the engine gives back between a rollout and the next refit (RolloutEngine.release)
+OFFLOAD_MODES = ("none", "cache", "weights+cache")
+
 
 @dataclass(frozen=True)
 class GenerateConfig:

@@ -12,68 +12,31 @@ and the decode rounds, not a fresh capture (which costs more than a short rollou
 Captured graphs read the parameters' storage, so weights must change *in place*: refit copies into
 the existing tensors (`copy_`), which the next replay sees. If parameter tensors are replaced
 (`.to(...)`, `load_state_dict(assign=True)`), the storage fingerprint changes and the cache is dropped.
+
+Refit arrives as a stream of bounded buckets (`refit_buckets`; the trainer side is runner/refit.py), so neither
+side holds a second whole copy of the model. Between a rollout and the next refit a colocated engine can give its
+memory back to the trainer (`release` / `restore`, rollout.offload; weights.ReleasedWeights says how, and why the
+graphs are captured afresh afterwards).
 """
 from __future__ import annotations
 
 import gc
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
+from .config import OFFLOAD_MODES
 from .control import SpecController
 from .generate import DecodeRunner, GenerateConfig, GenerateOutput, seeded_generator
 from .shapes import pad_prompts, runner_shape
+from .weights import (InPlaceLoad, RefitError, ReleasedWeights, compare_fingerprints, fingerprint_rows,
+                      weights_fingerprint)
 
-
-class RefitError(RuntimeError):
-    """New weights could not be loaded into the rollout engine exactly."""
-
-
-def _load_exact(model: nn.Module, state: Mapping[str, torch.Tensor], what: str) -> int:
-    """Copy `state` into `model` in place; every key must exist on both sides with equal shapes."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise RefitError(f"{what} refit: state keys do not match the engine's model; "
-                         f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
-                         f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
-    bad = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()
-           if tuple(v.shape) != tuple(own[k].shape)]
-    if bad:
-        raise RefitError(f"{what} refit: shape mismatch (key, given, expected): {bad[:8]}")
-    with torch.no_grad():
-        for k, v in state.items():  # in-place copy keeps tied weights tied and graph buffers valid
-            own[k].copy_(v)
-    return len(state)
-
-
-def weights_fingerprint(state: Mapping[str, torch.Tensor],
-                        dtypes: Mapping[str, torch.dtype] | None = None) -> torch.Tensor:
-    """A cheap checksum of a state dict: per tensor (sorted by key) its sum, its L2 norm (both reduced
-    in fp64) and the dot product of neighbouring elements Σ x_i x_{i+1} (so moved elements show too) —
-    one pass over the weights, no copy of an fp32/fp64 tensor (bf16/fp16 ones are upcast to fp32, exactly, one
-    at a time). Two identical state dicts on one device give
-    bitwise-identical fingerprints (the same reductions over the same values and layouts); it is a
-    guard against stale weights, not a cryptographic hash. dtypes: cast each tensor to this dtype first
-    (one tensor at a time) — the trainer's fp32 weights as a bf16 engine holds them after refit's cast."""
-    rows = []
-    for key in sorted(state):
-        flat = state[key].detach().reshape(-1)
-        if dtypes is not None:
-            flat = flat.to(dtypes[key])  # round to nearest even, as refit's copy_ does
-        if flat.dtype in (torch.bfloat16, torch.float16):
-            flat = flat.float()  # exact; the neighbour products in bf16 would round away small changes
-        if not flat.is_floating_point():  # small integer / bool buffers (vocabulary maps)
-            flat = flat.double()
-        neighbours = torch.dot(flat[:-1], flat[1:]).double() if flat.numel() > 1 else flat.sum().double()
-        rows.append(torch.stack([flat.sum(dtype=torch.float64), torch.linalg.vector_norm(flat, dtype=torch.float64),
-                                 neighbours]))
-    return torch.stack(rows).cpu()  # (n_tensors, 3)
+__all__ = ["RolloutEngine", "RefitError", "weights_fingerprint", "OFFLOAD_MODES"]
 
 
 class RolloutEngine:
@@ -94,6 +57,7 @@ class RolloutEngine:
         self.cache_runners, self.cache_gib = cache_runners, cache_gib
         self._runners: OrderedDict[tuple, DecodeRunner] = OrderedDict()
         self._storage: tuple | None = None
+        self.released: ReleasedWeights | None = None  # rollout.offload: weights freed since the last rollout
         # One acceptance estimate for every runner of the engine: speculation control follows the
         # live acceptance of the run across calls and batch sizes (control.py).
         self.controller = SpecController(self.cfg.num_draft_tokens) if draft is not None else None
@@ -174,6 +138,9 @@ class RolloutEngine:
                  cfg: GenerateConfig | None = None, speculate: bool = True) -> GenerateOutput:
         """`generate.generate` with this engine's models, reusing buffers and graphs across calls.
         `speculate=False`: plain decoding on the same runner (DecodeRunner.prefill_padded), a baseline."""
+        if self.released is not None:  # a boundary: decoding with freed or unfilled weights reads garbage
+            why = "not restored" if self.released.entries else f"not refit: {sorted(self.released.awaiting)}"
+            raise RefitError(f"generate: the engine's weights were released (rollout.offload) and {why}")
         cfg = cfg or self.cfg
         ids, lens = pad_prompts(prompts)
         runner = self._runner(cfg, ids, group_size)
@@ -183,40 +150,99 @@ class RolloutEngine:
         self._bound_memory()
         return out
 
+    def _models(self) -> dict[str, nn.Module]:
+        return {"policy": self.policy} | ({"draft": self.draft} if self.draft is not None else {})
+
+    def dtypes(self, name: str) -> dict[str, torch.dtype]:
+        """{state-dict key: dtype} of the engine's `name` model ("policy" / "draft"): what refit casts into, so
+        the trainer can cast before it gathers (runner/refit.py) and fingerprint what the engine will hold."""
+        return {k: v.dtype for k, v in self._models()[name].state_dict().items()}
+
+    def fingerprints(self, name: str) -> dict[str, torch.Tensor]:
+        """{key: (3,) row} of the engine's own `name` weights (weights.tensor_fingerprint)."""
+        return fingerprint_rows(self._models()[name].state_dict())
+
+    def check_fingerprints(self, policy_rows: Mapping[str, torch.Tensor] | None,
+                           draft_rows: Mapping[str, torch.Tensor] | None, step: int | None = None) -> None:
+        """Refit guard: raise RefitError unless the engine's weights have exactly these fingerprints (the
+        trainer's, taken as its tensors streamed past, cast to the engine's dtypes: runner/refit.py). The failure
+        users of every peer report most is a draft — or a policy — whose weights silently stop reaching the engine
+        after a sync while the trainer's loss keeps falling."""
+        where = f"after the refit of step {step}" if step is not None else "after refit"
+        if self.released is not None and self.released.awaiting:
+            raise RefitError(f"{where}: the engine's {sorted(self.released.awaiting)} weights were released "
+                             "(rollout.offload) and no refit has filled them")
+        if draft_rows is not None and self.draft is None:
+            raise RefitError(f"{where}: the trainer has a draft but the engine has none")
+        for name, rows in (("policy", policy_rows), ("draft", draft_rows)):
+            if rows is not None:
+                compare_fingerprints(name, self.fingerprints(name), rows, where)
+
     def check_weights(self, policy_state: Mapping[str, torch.Tensor],
                       draft_state: Mapping[str, torch.Tensor] | None, step: int | None = None) -> None:
-        """Refit guard: raise RefitError unless the engine holds exactly these weights (fingerprints
-        equal). The failure users of every peer report most is a draft — or a policy — whose weights
-        silently stop reaching the engine after a sync while the trainer's loss keeps falling."""
-        where = f"after the refit of step {step}" if step is not None else "after refit"
-        checks = [("policy", self.policy, policy_state)]
-        if draft_state is not None:
-            if self.draft is None:
-                raise RefitError(f"{where}: the trainer has a draft but the engine has none")
-            checks.append(("draft", self.draft, draft_state))
-        for name, model, state in checks:
-            own = model.state_dict()
-            if set(own) != set(state):
-                raise RefitError(f"{where}: the engine's {name} has other tensors than the trainer's "
-                                 f"(missing {sorted(set(state) - set(own))[:5]}, extra {sorted(set(own) - set(state))[:5]})")
-            # an engine in another dtype (rollout.dtype) holds the trainer's weights as refit cast them
-            mine, theirs = weights_fingerprint(own), weights_fingerprint(state, {k: v.dtype for k, v in own.items()})
-            if not torch.equal(mine, theirs):
-                bad = [k for k, a, b in zip(sorted(state), mine, theirs) if not torch.equal(a, b)]
-                raise RefitError(f"{where}: the engine's {name} weights differ from the trainer's in "
-                                 f"{len(bad)} tensor(s), e.g. {bad[:5]} (fingerprints compared: sum, norm, "
-                                 "neighbour products per tensor) — the new weights did not reach the rollout engine")
+        """`check_fingerprints` against whole state dicts (each cast to the engine's dtypes, one tensor at a time)."""
+        rows = {}
+        for name, state in (("policy", policy_state), ("draft", draft_state)):
+            if state is not None:
+                rows[name] = fingerprint_rows(state, self.dtypes(name) if name in self._models() else None)
+        self.check_fingerprints(rows.get("policy"), rows.get("draft"), step)
 
     def refit(self, policy_state: Mapping[str, torch.Tensor] | None,
               draft_state: Mapping[str, torch.Tensor] | None = None) -> dict:
-        """Load new weights. policy_state None keeps the policy; draft_state None keeps the draft
-        (a frozen draft is legitimate). Returns {'policy': n_tensors, 'draft': n_tensors}."""
-        if draft_state is not None and self.draft is None:
+        """Load whole state dicts: `refit_buckets` with each as one bucket. policy_state None keeps the policy;
+        draft_state None keeps the draft (a frozen draft is legitimate). Returns {'policy': n, 'draft': n}."""
+        return self.refit_buckets(None if policy_state is None else [list(policy_state.items())],
+                                  None if draft_state is None else [list(draft_state.items())])
+
+    def refit_buckets(self, policy: Iterable[list] | None, draft: Iterable[list] | None = None) -> dict:
+        """Load new weights streamed as buckets of (name, whole tensor) pairs (runner/refit.py), each written in
+        place (weights.InPlaceLoad: captured graphs stay valid) and emptied; the policy's stream is consumed
+        first, then the draft's. None keeps that model. RefitError unless each model got each of its tensors
+        exactly once. Returns {'policy': n_tensors, 'draft': n_tensors}."""
+        if draft is not None and self.draft is None:
             raise RefitError("refit got a draft state but this engine has no draft: the draft "
                              "weights would be dropped (build the engine with draft=...)")
-        n_policy = _load_exact(self.policy, policy_state, "policy") if policy_state is not None else 0
-        n_draft = _load_exact(self.draft, draft_state, "draft") if draft_state is not None else 0
-        return {"policy": n_policy, "draft": n_draft}
+        if self.released is not None and self.released.entries:
+            raise RefitError("refit into released weights: call engine.restore() first (rollout.offload)")
+        counts = {"policy": 0, "draft": 0}
+        for name, stream in (("policy", policy), ("draft", draft)):
+            if stream is None:
+                continue
+            load = InPlaceLoad(self._models()[name], name)
+            for bucket in stream:
+                load.write(bucket)
+            counts[name] = load.finish()
+            if self.released is not None:
+                self.released.awaiting.discard(name)
+        if self.released is not None and not self.released.awaiting:
+            self.released = None
+        return counts
+
+    # -- rollout.offload ----------------------------------------------------------------------------------------
+    def release(self, weights: bool, refilled: Sequence[str] = ("policy", "draft")) -> int:
+        """Give the device memory back between a rollout and the next refit (rollout.offload): the kept runners
+        (KV caches, captured graphs and their pools) always; with `weights` every parameter and buffer storage
+        too (weights.ReleasedWeights: the models in `refilled` — those the next refit fills whole — are dropped,
+        the others kept on the host). `restore()` before the next refit; the next generate captures its graphs
+        afresh (the runners are gone; with weights, the storages' addresses change). Returns the bytes freed
+        (the runners' buffers and the weights; the graph pools' private memory is freed too, not counted)."""
+        if self.released is not None:
+            raise RefitError("release: the engine's weights are released already (restore and refit first)")
+        freed = self.cached_bytes()
+        if self._runners:
+            self._runners.clear()
+        if weights:
+            self.released = ReleasedWeights.release(self._models(), refilled)
+            freed += self.released.nbytes
+        self._storage = None
+        _release_dropped(self.device)
+        return freed
+
+    def restore(self) -> None:
+        """Allocate the released weights again (released ones copied back from the host); the models that were
+        dropped hold garbage until `refit_buckets` fills them, and `generate` refuses to run until it has."""
+        if self.released is not None:
+            self.released.restore()
 
 
 def _release_dropped(device) -> None:

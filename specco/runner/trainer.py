@@ -34,8 +34,9 @@ tests/test_rl_cp.py). With parallel.pp > 1 (rl_pp.py) each rank trains its pipel
 the last) and holds a whole copy of the policy in its rollout engine, refit from the gathered stages.
 With parallel.dp_shard (FSDP, parallel/fsdp.py) the trainer's policy and its AdamW state are DTensor shards
 over mesh.fsdp_mesh (the draft stays whole on every rank); the engine and the KL reference keep whole
-copies, made before sharding; the refit gathers the shards (`full_state`), so every rank's engine holds the
-same whole policy. The step is the same function: only its gradient strategy differs (grad_sync.grad_syncs).
+copies, made before sharding; the refit gathers the shards in bounded buckets (runner/refit.py), so every
+rank's engine holds the same whole policy. The step is the same function: only its gradient strategy differs
+(grad_sync.grad_syncs). rollout.offload frees the engine's memory from after the rollout to the refit (release_engine).
 Metrics: losses summed over all ranks (each holds its share), tokens/s summed and the engine-vs-trainer
 log-prob gap maxed over DP ranks, everything else the mean over DP ranks.
 """
@@ -56,6 +57,7 @@ from ..model.policy import Policy
 from ..parallel.fsdp import apply_fsdp, mixed_precision
 from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
+from .refit import MB, refit_engine
 from .refit_guard import MIN_TRIES, check_acceptance
 from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.compile import apply_compile, apply_draft_compile, warm_shapes, warm_up, warm_up_draft
@@ -68,7 +70,7 @@ from .report import TIME_PARTS
 from .rollouts import Minibatch, Rollouts, collect_rollouts, engine_logprob_gap, minibatches
 
 __all__ = ["ArmState", "make_arm", "StepHooks", "Attached", "rl_step", "rl_step_config", "train_on_rollouts",
-           "run_updates", "grad_group", "settled", "distributed", "full_state", "state_copy"]
+           "run_updates", "grad_group", "settled", "distributed", "full_state", "state_copy", "release_engine"]
 
 
 @dataclass
@@ -212,8 +214,8 @@ def settled(device) -> float:
 def full_state(module) -> dict:
     """`module.state_dict()` with FSDP's DTensor shards gathered into whole tensors (the refit's and the refit
     guard's view; a plain module's is its own). A collective under FSDP: every rank calls it. Layer by layer, one
-    tensor at a time, each whole on every rank (the engine's copy needs it there); a later step gathers in bounded
-    buckets written straight into the engine's buffers (issue 34 item 5)."""
+    tensor at a time, each whole on every rank: whole-tensor checkpoints and tests. The refit does not hold a whole
+    state dict: it streams bounded buckets straight into the engine's buffers (runner/refit.py)."""
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
 
 
@@ -335,6 +337,18 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     return m
 
 
+def release_engine(st: ArmState, cfg: RunConfig, device) -> dict:
+    """rollout.offload: give the engine's memory to the trainer until the refit (RolloutEngine.release); the
+    models the refit fills whole (the policy, a co-trained draft) are dropped, a frozen draft kept on the host.
+    Metrics: the GiB freed and the seconds it took (within time/other)."""
+    if cfg.rollout.offload == "none":
+        return {}
+    t0 = time.perf_counter()
+    refilled = ("policy", "draft") if st.mode == "cotrained" else ("policy",)
+    freed = st.engine.release(weights=cfg.rollout.offload == "weights+cache", refilled=refilled)
+    return {"mem/offload_freed_gib": freed / 2 ** 30, "time/offload": settled(device) - t0}
+
+
 def rl_step(st: ArmState, cfg: RunConfig, data, tokenizer, device, mesh: Mesh | None = None,
             record: list | None = None, hooks: tuple[StepHooks, ...] | list[StepHooks] = ()) -> dict:
     """One GRPO step for one arm; returns its metrics (reduced over ranks). `mesh`: module docstring.
@@ -352,20 +366,21 @@ def rl_step(st: ArmState, cfg: RunConfig, data, tokenizer, device, mesh: Mesh | 
         record.append(ro)
     scfg = rl_step_config(st, cfg, ro, mesh)  # once: under train.draft_min_tokens it all-reduces over DP ranks
     measured = attached("after_rollout", st, ro, scfg)
-    m = {**ro.metrics, **measured,
+    offload = release_engine(st, cfg, device)  # after the hooks that decode with the engine (plain baseline)
+    m = {**ro.metrics, **measured, **offload,
          **train_on_rollouts(st, cfg, ro, tokenizer.pad_id, device, mesh, scfg, attached)}
     t0 = time.perf_counter()
+    # a draft that is not refit (frozen) is still compared with the engine's by the guard
+    frozen_draft = st.draft.state_dict() if st.draft is not None and st.mode != "cotrained" else None
     if st.pipeline is not None:  # the engine needs the whole policy: gather the stages (and the last's draft)
         policy_sd, draft_sd = gather_for_refit(st, mesh)
         m["time/gather"] = time.perf_counter() - t0
-        # the guard compares the engine with the whole policy gathered from every stage's trainer
-        guard = (policy_sd, draft_sd if st.mode == "cotrained" else st.draft and st.draft.state_dict())
-    else:
-        # under FSDP the policy's shards gathered whole (a collective: every rank); the draft is whole already
-        policy_sd = full_state(st.policy)
+    else:  # under FSDP DTensor shards, gathered bucket by bucket (a collective: every rank) as they stream
+        policy_sd = st.policy.state_dict()
         draft_sd = st.draft.state_dict() if st.mode == "cotrained" else None
-        guard = (policy_sd, st.draft.state_dict() if st.draft is not None else None)
-    st.engine.refit(policy_sd, draft_sd)
+    st.engine.restore()  # rollout.offload: the released storages allocated again, for the refit to fill
+    guard = refit_engine(st.engine, policy_sd, draft_sd, cfg.rollout.refit_bucket_mb * MB, cfg.train.refit_guard,
+                         frozen_draft)
     m["time/refit"] = settled(device) - t0
     if cuda:
         m["mem/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
@@ -375,7 +390,7 @@ def rl_step(st: ArmState, cfg: RunConfig, data, tokenizer, device, mesh: Mesh | 
     m = _reduce_metrics(m, mesh)
     if cfg.train.refit_guard:  # runner/refit_guard.py; on reduced metrics, so every rank decides alike
         t0 = time.perf_counter()
-        st.engine.check_weights(*guard, step=st.step)
+        st.engine.check_fingerprints(guard["policy"], guard["draft"], step=st.step)
         proposed = int(m.get("rollout/proposed", 0))
         if st.mode != "none" and proposed:
             check_acceptance(st.accept_history, m["accept/pos1"], proposed, st.step)
