@@ -6,7 +6,7 @@
 
 The co-training step (train/cotrain.py), the frozen draft's and the shadow's evaluations (runner/measure.py) and
 the step's counts call these and nothing kind-specific, so a third drafter kind is one more object here (and its
-model and engine steps), not a branch in every caller (docs/REVIEW item 4).
+model and engine steps), not a branch in every caller.
 
 EAGLE-3 (model/draft.py, model/ttt.py, train/losses.py): K test-time-training passes of the draft layer over the
 policy's taps; its counts are the targets of each pass (pass d predicts d tokens ahead: fewer of them), weighted
