@@ -127,9 +127,13 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
     if cfg.parallel.fsdp and distributed(mesh):  # after AC / compile (torchtitan's order), before the optimizer:
         # AdamW must hold the DTensor shards. bf16 autocast becomes FSDP's bf16 gather and compute (fp32 masters and
         # reductions). The draft stays replicated (parallel/fsdp.py says why); engine and reference are copies above
+        # Under PP the unit is this rank's stage, cut above: 1F1B interleaves micro-batches' forwards and backwards,
+        # so a layer's weights stay gathered from its forward to its backward (torchtitan's choice under PP)
         amp = step_config(cfg, mode).amp_dtype
         apply_fsdp(policy, mesh.fsdp_mesh, mixed_precision(amp) if amp == torch.bfloat16 else None,
-                   reshard_after_forward=True)
+                   reshard_after_forward=pipeline is None)
+        if pipeline is not None and amp == torch.bfloat16:  # bf16 weights: the residual stream, hence the
+            pipeline.act_dtype = amp  # activations and taps the stages exchange, are bf16 (cotrain_pp's act_dtype)
     opt = build_optimizer(policy, draft if mode == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
     sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps,
                             cfg.train.lr_schedule)
