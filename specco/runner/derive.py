@@ -99,14 +99,22 @@ def generate_config(cfg: RunConfig, eos_id: int | tuple[int, ...] | None, pad_id
 
 
 def on_device(cfg: RunConfig, device: torch.device) -> RunConfig:
-    """`cfg` with its "auto" precision keys decided for `device`, once, at the start of a run: train.amp and
-    rollout.dtype "auto" are bf16 (autocast over fp32 master weights; an engine copy in bf16) for a pretrained
-    policy on a GPU, and off elsewhere (the tiny demo model, CPUs, where bf16 matmuls are slow). Under pipeline
-    parallelism the engine copy stays in the trainer's dtype (config.py says why) and autocast is refused."""
+    """`cfg` with its "auto" precision keys decided for `device`, once, at the start of a run: train.amp "auto" is
+    bf16 (autocast over fp32 master weights; under FSDP its bf16 gathers and compute, fp32 reductions) for a
+    pretrained policy on a GPU, in every layout, pipeline stages included; rollout.dtype "auto" gives that policy
+    an engine copy in bf16. Both are off elsewhere (the tiny demo model, CPUs, where bf16 matmuls are slow).
+
+    Under pipeline parallelism or FSDP the engine copy stays in the trainer's dtype: there it is more than the
+    sampler. It is the only whole policy a rank holds, so under PP it gives the PPO's old log-probs (a stage
+    cannot run the whole forward: trainer.train_on_rollouts), which must be the trainer's numerics or the ratio
+    is off by the rounding, not the update; and it is the whole policy the run evaluates and saves (rl.full_models),
+    which must not be a rounded copy. A bf16 engine there needs the recompute pipelined over the stages and the
+    saved policy taken from the masters (config.py refuses rollout.dtype=bfloat16 with a reason until then)."""
     pretrained_gpu = torch.device(device).type == "cuda" and cfg.policy.source != "tiny"
-    pp = cfg.parallel.pp > 1
-    amp = cfg.train.amp if cfg.train.amp != "auto" else ("bf16" if pretrained_gpu and not pp else "none")
-    dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else ("bfloat16" if pretrained_gpu and not pp else "")
+    whole_elsewhere = cfg.parallel.pp > 1 or cfg.parallel.fsdp  # the engine's copy has other duties (above)
+    amp = cfg.train.amp if cfg.train.amp != "auto" else ("bf16" if pretrained_gpu else "none")
+    dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else (
+        "bfloat16" if pretrained_gpu and not whole_elsewhere else "")
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp),
                                rollout=dataclasses.replace(cfg.rollout, dtype=dtype))
 
