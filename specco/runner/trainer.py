@@ -33,9 +33,13 @@ sums gradients over all dp x cp ranks, so the update is the one of the whole bat
 tests/test_rl_cp.py). With parallel.pp > 1 (rl_pp.py) each rank trains its pipeline stage (the draft on
 the last) and holds a whole copy of the policy in its rollout engine, refit from the gathered stages.
 With parallel.dp_shard (FSDP, parallel/fsdp.py) the trainer's policy and its AdamW state are DTensor shards
-over mesh.fsdp_mesh (the draft stays whole on every rank); the engine and the KL reference keep whole
-copies, made before sharding; the refit gathers the shards (`full_state`), so every rank's engine holds the
-same whole policy. The step is the same function: only its gradient strategy differs (grad_sync.grad_syncs).
+over mesh.fsdp_mesh, the stage's dp_shard x cp ranks (the draft stays whole on every rank); the engine and the
+KL reference keep whole copies, made before sharding; the refit gathers the shards (`full_state`), so every
+rank's engine holds the same whole policy. The step is the same function: only its gradient strategy differs
+(grad_sync.grad_syncs). Under PP the recipe is torchtitan's: cut the stage, then activation checkpointing, then
+FSDP over the stage's ranks without resharding after forward; the refit gathers each stage's shards, then the
+stages (rl_pp.gather_for_refit). bf16 (train.amp) works in every layout: autocast over fp32 masters, under FSDP
+its bf16 gathers and compute (the stages then exchange bf16 activations: PipelineArm.act_dtype).
 Metrics: losses summed over all ranks (each holds its share), tokens/s summed and the engine-vs-trainer
 log-prob gap maxed over DP ranks, everything else the mean over DP ranks.
 """
