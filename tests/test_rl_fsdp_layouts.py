@@ -28,7 +28,7 @@ penalty, then per-step losses, grad norms and PPO statistics and every parameter
   deviation is bounded by 2.01 lr per update, a hard bound; the MEAN must stay below 0.05 lr (flips are rare).
   Seen: losses 1.6e-3, grad norms 2.7e-4 relative; parameters max 1.9 lr (policy) / 0.36 lr (draft), mean
   0.0055 / 0.0088 lr.
-  pp 2 x dp_shard 2 bf16 (slow lane): FSDP's bf16 mixed precision, so the stages exchange bf16 activations and
+  pp 2 x dp_shard 2 bf16: FSDP's bf16 mixed precision, so the stages exchange bf16 activations and
   taps (make_arm sets the pipeline's act_dtype), against the single-process autocast step: other roundings
   (FSDP computes with bf16 weights, norms and head too), so one update per step and test_fsdp.py's bf16 bounds:
   2e-2 relative, parameters max 4.01 lr (bound above) and mean 0.05 lr. Seen: losses 2.8e-4, grad norms 1.5e-3;
@@ -124,7 +124,7 @@ def test_rl_loop_pp2_dp_shard2_equals_single_process_and_resumes(tmp_path):
     spawn_local(_pp_fsdp_worker, 4, str(tmp_path), 1)
 
 
-@pytest.mark.slow  # 8 processes on this machine's cores
+@pytest.mark.slow  # 8 processes: 31-47 s on 2 busy cores
 def test_rl_loop_pp2_cp2_dp_shard2_equals_single_process_and_resumes(tmp_path):
     spawn_local(_pp_fsdp_worker, 8, str(tmp_path), 2)
 
@@ -184,7 +184,6 @@ def test_rl_loop_pp2_bf16_tracks_single_process_bf16(tmp_path):
     spawn_local(_pp_bf16_worker, 2, str(tmp_path), 1)
 
 
-@pytest.mark.slow  # 4 processes
 def test_rl_loop_pp2_dp_shard2_bf16_tracks_single_process_bf16(tmp_path):
     spawn_local(_pp_bf16_worker, 4, str(tmp_path), 2)
 
