@@ -43,7 +43,8 @@ from specco.model.policy import Policy, StageTaps  # noqa: E402
 from specco.parallel.mesh import Mesh, spawn_local  # noqa: E402
 from specco.parallel.pipeline import PipeComm, gather_stages, split_stage, stage_layer_ranges  # noqa: E402
 from specco.parallel.taps import EMBED, TapChannel, TapSpec  # noqa: E402
-from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, draft_loss, micro_batches, step_counts  # noqa: E402
+from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, micro_batches, step_counts  # noqa: E402
+from specco.train.drafters import EAGLE3  # noqa: E402
 from specco.train.cotrain_pp import _TeacherOut, pp_cotrain_step  # noqa: E402
 
 
@@ -201,7 +202,7 @@ def _worker(rank, world, a, store_path, out_path):
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             for rows, mb, o in outs:
-                l_d, _ = draft_loss(draft, _TeacherOut(o.taps, o.logits), mb, cfg, counts.draft, rows=rows)
+                l_d, _ = EAGLE3.loss(draft, None, _TeacherOut(o.taps, o.logits), mb, cfg, counts.draft, rows=rows)
                 (cfg.draft_weight * l_d).backward()
             opt.step()
             if it >= a.warmup:

@@ -175,7 +175,7 @@ def draft_params(s: Shapes) -> int:
 
 
 def policy_params(pc: PolicyConfig) -> int:
-    """The whole policy's parameters (PolicyConfig.num_params leaves out Qwen3's q/k norm weights)."""
+    """The whole policy's parameters (= PolicyConfig.num_params: tests/test_plan.py checks both)."""
     return stage_params(pc, pc.num_layers, True, True)
 
 

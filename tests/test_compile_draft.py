@@ -19,7 +19,8 @@ from specco.model.draft import Eagle3Draft
 from specco.runner.rl import run_arm
 from specco.runner.warmstart import new_draft
 from specco.train.compile import _COMPILED, apply_draft_compile, remove_draft_compile, warm_up_draft
-from specco.train.cotrain import StepConfig, TrainBatch, draft_loss
+from specco.train.cotrain import StepConfig, TrainBatch
+from specco.train.drafters import EAGLE3
 from test_grpo import DigitTask, _cfg, _setup
 from test_rollout_helpers import tiny_policy
 from cli_helpers import DEMO  # noqa: E402
@@ -29,7 +30,7 @@ def _draft_loss_and_grads(policy, draft, batch):
     draft.zero_grad()
     with torch.no_grad():
         out = policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids)
-    loss, _ = draft_loss(draft, out, batch, StepConfig(ttt_passes=3, draft_row_stride=1))
+    loss, _ = EAGLE3.loss(draft, policy, out, batch, StepConfig(ttt_passes=3, draft_row_stride=1))
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
 

@@ -124,13 +124,15 @@ def test_trainer_estimate_matches_measured_peak():
 
 
 def test_parameter_counts_are_the_models():
-    """The planner's per-part counts add up to the whole model's, built on the meta device (PolicyConfig.num_params
-    leaves out Qwen3's q/k norm weights: 9,216 of Qwen3-8B's 8.19 B)."""
-    for name in ("qwen3-8b", "dense-120b"):
-        pc = PRESETS[name]
+    """The planner's per-part counts and PolicyConfig.num_params (what specco prints) add up to the whole
+    model's, built on the meta device: Qwen3's q/k norm weights, Qwen2's q/k/v biases, tied heads."""
+    qwen2 = PolicyConfig(vocab_size=1000, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                         num_kv_heads=2, attention_bias=True, tie_word_embeddings=True, model_type="qwen2")
+    for name, pc in (*((n, PRESETS[n]) for n in ("qwen3-8b", "dense-120b")), ("qwen2", qwen2)):
         with torch.device("meta"):
             whole = sum(p.numel() for p in Policy(pc).parameters())
         assert policy_params(pc) == whole, name
+        assert pc.num_params == whole, name
     assert abs(policy_params(PRESETS["qwen3-8b"]) / 1e9 - 8.19) < 0.01  # Qwen3-8B's published count
     assert abs(policy_params(PRESETS["dense-120b"]) / 1e9 - 122.6) < 0.1  # Mistral-Large-2407's 123 B
 

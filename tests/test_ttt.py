@@ -16,7 +16,13 @@ from specco.model.layers import rope_cos_sin
 from specco.model.policy import Policy
 from specco.model.ttt import shift_left, ttt_forward
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+from specco.train.drafters import EAGLE3
 from specco.train.losses import DraftStats, draft_loss_parts, normalize_draft_loss, pass_weights
+
+
+def _draft_loss(draft, out, batch, cfg):
+    """The EAGLE-3 step's draft loss of `batch` from a policy output (train/drafters.py)."""
+    return EAGLE3.loss(draft, None, out, batch, cfg)
 
 
 def _models(dtype=torch.float64, heads=(4, 2), draft_vocab=40, seed=0, gain=8.0):
@@ -177,27 +183,26 @@ def test_shift_left():
 
 def test_draft_row_stride_equals_loss_on_the_selected_rows():
     """stride n: L_draft and its gradients equal those of a batch holding only rows 0, n, 2n..."""
-    from specco.train.cotrain import draft_loss
     policy, draft = _models(torch.float64)
     batch = _batch(B=8)
     out = policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids)
     sub = TrainBatch(tokens=batch.tokens[::4], target_mask=batch.target_mask[::4])
     out_sub = policy(sub.tokens, tap_layers=draft.cfg.aux_layer_ids)
     one_row = StepConfig(ttt_passes=3, draft_row_stride=1)
-    l_a, m_a = draft_loss(draft, out, batch, StepConfig(ttt_passes=3, draft_row_stride=4))
+    l_a, m_a = _draft_loss(draft, out, batch, StepConfig(ttt_passes=3, draft_row_stride=4))
     g_a = torch.autograd.grad(l_a, list(draft.parameters()), allow_unused=True)
-    l_b, m_b = draft_loss(draft, out_sub, sub, one_row)
+    l_b, m_b = _draft_loss(draft, out_sub, sub, one_row)
     g_b = torch.autograd.grad(l_b, list(draft.parameters()), allow_unused=True)
-    _, m_full = draft_loss(draft, out, batch, one_row)
+    _, m_full = _draft_loss(draft, out, batch, one_row)
     m_a, m_b, m_full = m_a.metrics(), m_b.metrics(), m_full.metrics()
     assert m_a["draft/tokens"] == m_b["draft/tokens"] == m_full["draft/tokens"] / 4
     assert abs(l_a.item() - l_b.item()) < 1e-12  # same rows, same fp64 math
     for a, b in zip(g_a, g_b):
         assert (a is None and b is None) or torch.allclose(a, b, atol=1e-12)
     # a stride beyond the batch keeps row 0
-    l_c, _ = draft_loss(draft, out_sub, sub, StepConfig(ttt_passes=3, draft_row_stride=99))
+    l_c, _ = _draft_loss(draft, out_sub, sub, StepConfig(ttt_passes=3, draft_row_stride=99))
     one = TrainBatch(tokens=sub.tokens[:1], target_mask=sub.target_mask[:1])
-    l_d, _ = draft_loss(draft, policy(one.tokens, tap_layers=draft.cfg.aux_layer_ids), one, one_row)
+    l_d, _ = _draft_loss(draft, policy(one.tokens, tap_layers=draft.cfg.aux_layer_ids), one, one_row)
     assert abs(l_c.item() - l_d.item()) < 1e-12
 
 
@@ -270,8 +275,8 @@ def test_frozen_draft_eval_in_micro_batches_equals_one_forward(stride, micro):
     assert ref.keys() == got.keys()
     for k in ref:
         assert abs(ref[k] - got[k]) <= 1e-9 * max(1.0, abs(ref[k])), (k, ref[k], got[k])
-    from specco.train.cotrain import draft_loss  # and the loss of one forward over every row, strided
+    # and the loss of one forward over every row, strided
     with torch.no_grad():
-        whole, _ = draft_loss(draft, policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids), batch,
+        whole, _ = _draft_loss(draft, policy(batch.tokens, tap_layers=draft.cfg.aux_layer_ids), batch,
                               StepConfig(ttt_passes=3, draft_row_stride=stride))
     assert abs(whole.item() - got["draft/loss"]) <= 1e-9 * abs(whole.item())

@@ -267,9 +267,11 @@ class PolicyConfig:
     def num_params(self) -> int:
         h, L, v = self.hidden_size, self.num_layers, self.vocab_size
         attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
+        bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0  # Qwen2's q/k/v
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0  # Qwen3's per-head q and k RMSNorm weights
         mlp = 3 * h * self.intermediate_size
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + head + L * (attn + mlp + 2 * h) + h
+        return v * h + head + L * (attn + bias + qk_norm + mlp + 2 * h) + h
 
 
 # transformers' defaults (5.x config dataclasses, same in 4.51+) for fields a config.json may omit.

@@ -26,7 +26,8 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..model.ttt import shift_left
 from ..parallel.mesh import Mesh
-from ..train.cotrain import StepConfig, amp_context, block_loss, draft_loss, draft_rows, micro_batches, step_counts
+from ..train.cotrain import StepConfig, amp_context, micro_batches, step_counts
+from ..train.drafters import draft_rows, drafter
 from ..train.losses import all_reduce_sums, metrics_to_floats
 from .rollouts import Minibatch, Rollouts, completions, from_generator, generates, minibatches, phases_text
 from .trainer import ArmState, StepHooks, grad_group, run_updates, settled, state_copy
@@ -54,23 +55,21 @@ def draft_evals(policy: Policy, drafts: dict, b: TrainBatch, cfg: StepConfig, co
     fns = fns or {}
     shift_kw = {k: fns[k] for k in ("shift", "attn") if k in fns}
     first = next(iter(drafts.values()))
-    block = isinstance(first, BlockDraft)
+    kind = drafter(first)
     parts = [(None, b)]
     if not fns and b.cu_seqlens is None:  # padded rows: only the draft's, in micro-batches like the train step's
         b = b.take(torch.arange(b.tokens.shape[0], device=b.tokens.device)[draft_rows(b, cfg)])
         cfg = dataclasses.replace(cfg, draft_row_stride=1)
         parts = micro_batches(b, cfg.micro_batch_rows, width_multiple=cfg.width_multiple)
-    counts = step_counts(b, cfg, fns.get("shift", shift_left), count_group, first if block else None,
-                         fns.get("block") if block else None)
+    counts = step_counts(b, cfg, fns.get("shift", shift_left), count_group, first, fns.get("block"))
     loss, stats = dict.fromkeys(drafts, 0.0), dict.fromkeys(drafts)
     for rows, mb in parts:
         with amp_context(cfg, mb.tokens):
             out = policy(mb.tokens, mb.positions, tap_layers=first.cfg.aux_layer_ids, attn_core=fns.get("attn_core"))
             for name, draft in drafts.items():
-                if block:  # per-slot acceptance, probabilistic tau, confidence error (train/block_losses.BlockStats)
-                    l_d, s = block_loss(draft, policy, out, mb, cfg, counts.draft, rows, block=fns.get("block"))
-                else:
-                    l_d, s = draft_loss(draft, out, mb, cfg, counts.draft, rows=rows, **shift_kw)
+                # EAGLE-3: TTT loss per pass, top-1, simulated tau; a block drafter: per-slot acceptance,
+                # probabilistic tau, confidence error (train/block_losses.BlockStats)
+                l_d, s = kind.loss(draft, policy, out, mb, cfg, counts.draft, rows, block=fns.get("block"), **shift_kw)
                 loss[name], stats[name] = loss[name] + l_d, s if stats[name] is None else stats[name] + s
     reduced = all_reduce_sums(list(stats.values()), count_group)
     return {name: metrics_to_floats({**st.metrics(), "draft/loss": loss[name]}) for name, st in zip(drafts, reduced)}

@@ -4,7 +4,7 @@
     for each micro-batch (the whole batch is one micro-batch when train.micro_batch_rows = 0):
         policy forward (records taps; its logits are the detached teacher)
         L_policy on the logits  -> backward                       (policy_loss)
-        lambda * L_draft        -> its own backward               (draft_loss: K TTT passes, soft CE)
+        lambda * L_draft        -> its own backward               (the kind's loss, train/drafters.py)
     optimizer_step: per-group gradient sync (train/grad_sync.py: an all-reduce of the sums, or FSDP's
                     reduce-scatter of them inside the backward), grad-norm clip, one AdamW step
 
@@ -21,7 +21,6 @@ not decay with the policy's.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 from dataclasses import dataclass
@@ -31,18 +30,18 @@ import torch
 import torch.distributed as dist
 
 from ..batch import TrainBatch, device_indices, longest_first, round_up
-from ..model.dflash import BlockDraft, slot_weights
+from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
-from ..model.ttt import shift_left, ttt_forward
+from ..model.ttt import shift_left
 from ..ops.attention import ttt_attention
-from .block_losses import BlockStats, block_draft_loss, block_slot_counts, local_plan
+from .drafters import EAGLE3, draft_rows, drafter  # noqa: F401 (draft_rows: its callers import it here too)
 from .grad_sync import AllReduceSync, clip_grad_norm, reduce_grads  # noqa: F401 (re-exported: one home each)
 from .step_config import AMP_DTYPES, LR_SCHEDULES, StepConfig  # noqa: F401 (re-exported)
-from .losses import (DraftStats, PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, draft_loss_parts,
-                     metrics_to_floats, normalize_draft_loss, pass_target_masks, pass_weights, token_logprobs)
+from .losses import (PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, metrics_to_floats,
+                     token_logprobs)
 
-__all__ = ["StepConfig", "StepCounts", "TrainBatch", "cotrain_step", "step_counts", "policy_loss", "draft_loss",
+__all__ = ["StepConfig", "StepCounts", "TrainBatch", "cotrain_step", "step_counts", "policy_loss",
            "optimizer_step", "build_optimizer", "build_scheduler", "amp_context", "AMP_DTYPES"]
 
 
@@ -111,16 +110,6 @@ class StepCounts:
     draft: torch.Tensor
 
 
-def draft_rows(batch: TrainBatch, cfg: StepConfig) -> slice:
-    """The rows the draft trains on: 0, n, 2n, ... with n = cfg.draft_row_stride (a micro-batch gets its
-    share of them from `micro_batches`).
-
-    GRPO rows are G i.i.d. samples per prompt, so a stride keeps an unbiased sample of the policy's
-    outputs while the draft's share of the step shrinks ~n-fold. A packed row keeps every sequence here:
-    the packer marks the draft's sequences in `batch.draft_mask` instead (same loss, same counts)."""
-    return slice(0, None, cfg.draft_row_stride)
-
-
 def draft_stride(lengths: torch.Tensor, group_size: int, max_stride: int, min_tokens: int, group=None,
                  device=None) -> int:
     """The draft's row stride for one RL step under train.draft_min_tokens: the largest n <= `max_stride` that
@@ -145,26 +134,15 @@ def picks_rows(rows, batch: TrainBatch) -> bool:
     return len(range(batch.tokens.shape[0])[rows]) > 0 if isinstance(rows, slice) else rows.numel() > 0
 
 
-def _draft_mask(batch: TrainBatch) -> torch.Tensor:
-    return batch.target_mask if batch.draft_mask is None else batch.draft_mask
-
-
 def step_counts(batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left, group=None,
                 draft=None, block=None) -> StepCounts:
     """Both denominators of the step on the whole `batch`, summed over `group` in one all-reduce.
 
     CP ranks hold disjoint tokens (zero padding), so each token is counted once; the counts are exact
-    integers (fp64). A block drafter (`draft` a BlockDraft) counts its valid predictions per slot instead
-    of per TTT pass (its anchors depend only on each row's content, so micro-batches agree), through
-    `block.plan` under CP / for packed rows (each block counted on the one rank that holds its anchor)."""
+    integers (fp64). The draft's are its kind's (train/drafters.py: per TTT pass for EAGLE-3, the default when
+    `draft` is None; per slot for a block drafter, through `block.plan` under CP / for packed rows)."""
     policy_n = shift(batch.target_mask, 1).sum().reshape(1)
-    rows = draft_rows(batch, cfg)
-    if isinstance(draft, BlockDraft):
-        draft_n = block_slot_counts(draft, batch.tokens[rows], _draft_mask(batch)[rows], _block_plan(block))
-        weights = slot_weights(draft.cfg)
-    else:
-        draft_n = torch.stack([m.sum() for m in pass_target_masks(_draft_mask(batch)[rows], cfg.ttt_passes, shift)])
-        weights = pass_weights(cfg.ttt_passes, cfg.pass_decay)
+    draft_n, weights = (EAGLE3 if draft is None else drafter(draft)).counts(draft, batch, cfg, shift, block)
     n = torch.cat([policy_n.double(), draft_n.double()])  # (1 + K,) or (1 + γ,)
     if group is not None:
         dist.all_reduce(n, group=group)
@@ -189,49 +167,6 @@ def policy_loss(logits, batch: TrainBatch, cfg: StepConfig, num_tokens=None, shi
     adv = batch.advantages if batch.advantages.dim() == 1 else shift(batch.advantages, 1)
     return clipped_surrogate(logp_new, logp_old, adv, shift(batch.target_mask, 1), cfg.clip_eps, batch.logp_ref,
                              cfg.kl_coef, num_tokens)
-
-
-def draft_loss(draft: Eagle3Draft, out, batch: TrainBatch, cfg: StepConfig, denominator: torch.Tensor | None = None,
-               shift: Callable = shift_left, attn: Callable = ttt_attention, rows=None
-               ) -> tuple[torch.Tensor, DraftStats]:
-    """L_draft of one (micro-)batch from a policy output with taps (K TTT passes, soft CE) and its summed
-    statistics. `denominator`: StepCounts.draft of the whole step (None: this batch's own counts).
-
-    Only the rows `rows` are used (a slice or index tensor; None: `draft_rows(batch, cfg)`): the policy
-    forward that made `out` ran on all rows anyway; only the draft's own work shrinks."""
-    B, S = batch.tokens.shape
-    positions = batch.positions
-    if positions is None:
-        positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
-    rows = draft_rows(batch, cfg) if rows is None else rows
-    aux, embed, logits = out.taps.aux[rows], out.taps.embed[rows], out.logits[rows]
-    mask, positions = _draft_mask(batch)[rows], positions[rows]
-    outs = ttt_forward(draft, aux, embed, positions, cfg.ttt_passes, shift=shift, attn=attn)
-    parts = draft_loss_parts(draft, outs, logits, mask, cfg.loss_chunk, shift)
-    loss = normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), denominator)
-    return loss, DraftStats.of(parts)
-
-
-def _block_plan(block) -> Callable:
-    """The plan function of block_losses: `local_plan`, or BlockCP's, which builds on it per sequence."""
-    return local_plan if block is None else functools.partial(block.plan, local=local_plan)
-
-
-def block_loss(draft: BlockDraft, policy: Policy, out, batch: TrainBatch, cfg: StepConfig,
-               denominator: torch.Tensor | None = None, rows=None, block=None
-               ) -> tuple[torch.Tensor, BlockStats]:
-    """`draft_loss` for a block drafter (train/block_losses.py): the same rows, taps and detached teacher;
-    the logits use the policy's live head and the mask slots its embed_tokens[mask_id], both detached.
-    `block`: parallel.block_cp.BlockCP under CP / for packed rows (cp.step_fns' "block"), None otherwise."""
-    B, S = batch.tokens.shape
-    positions = batch.positions
-    if positions is None:
-        positions = torch.arange(S, device=batch.tokens.device).expand(B, S)
-    rows = draft_rows(batch, cfg) if rows is None else rows
-    mask_emb = policy.embed_tokens.weight[draft.cfg.mask_id].detach()
-    return block_draft_loss(draft, out.taps.aux[rows], out.taps.embed[rows], out.logits[rows], batch.tokens[rows],
-                            _draft_mask(batch)[rows], positions[rows], policy.lm_head.weight, mask_emb, denominator,
-                            chunk=max(1, cfg.loss_chunk // draft.cfg.gamma), plan=_block_plan(block))
 
 
 # -- the optimizer step ------------------------------------------------------------------------------
@@ -329,7 +264,7 @@ class SpanTimer:
         return sum(a.elapsed_time(b) for a, b in pairs) / 1e3
 
 
-def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
+def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: TrainBatch,
                  opt: torch.optim.Optimizer, sched, cfg: StepConfig, *,
                  train_policy: bool = True, grad_group=None, policy_norm_group=None,
                  shift: Callable = shift_left, attn: Callable = ttt_attention,
@@ -355,11 +290,10 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
     use_draft = draft is not None and (cfg.draft_weight > 0 or not train_policy)
     weight = cfg.draft_weight if train_policy else 1.0
     tap_ids = draft.cfg.aux_layer_ids if use_draft else None
-    is_block = isinstance(draft, BlockDraft)
-    if is_block and use_draft and block is None and (shift is not shift_left or batch.packed):
-        raise ValueError("a block drafter under context parallelism or on packed rows needs `block` "
-                         "(parallel.block_cp.BlockCP, passed by cp.step_fns): its anchors and trunk ring are per sequence")
-    counts = step_counts(batch, cfg, shift, grad_group, draft if use_draft else None, block if is_block else None)
+    kind = drafter(draft) if use_draft else None  # train/drafters.py: the draft's counts and loss
+    if kind is not None:
+        kind.check_layout(batch, shift, block)
+    counts = step_counts(batch, cfg, shift, grad_group, draft if use_draft else None, block)
     losses = {"policy/loss": 0.0, "draft/loss": 0.0}
     pol_stats = d_stats = None
     opt.zero_grad(set_to_none=True)
@@ -376,10 +310,8 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
             l_d = None
             if use_draft and picks_rows(d_rows, mb):
                 draft_time.start()
-                if is_block:
-                    l_d, s = block_loss(draft, policy, out, mb, cfg, counts.draft, d_rows, block)
-                else:
-                    l_d, s = draft_loss(draft, out, mb, cfg, counts.draft, shift, attn, d_rows)
+                l_d, s = kind.loss(draft, policy, out, mb, cfg, counts.draft, d_rows, shift=shift, attn=attn,
+                                   block=block)
                 d_stats = s if d_stats is None else d_stats + s
                 losses["draft/loss"] += l_d.detach()
         if l_d is not None and l_d.requires_grad:  # its own backward: the draft's graph is disjoint from the policy's

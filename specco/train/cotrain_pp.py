@@ -9,7 +9,7 @@
     optimizer_step: gradients summed over the stage's DP x CP ranks, the policy's clip norm over the
                     pipeline group (the stages hold disjoint parts), the draft's on the last stage alone
 
-The pieces are `cotrain.py`'s (step_counts, policy_loss, draft_loss, micro_batches, optimizer_step):
+The pieces are `cotrain.py`'s (step_counts, policy_loss, micro_batches, optimizer_step) and the EAGLE-3 loss of train/drafters.py:
 the same losses divided by the same global counts, so the gradients equal the unsplit step's
 (tests/test_pp_cotrain.py). The pipeline's own forward, backward and point-to-point traffic do not
 depend on the draft: taps are detached copies on their own process group, and the draft's work
@@ -29,7 +29,8 @@ from ..model.policy import Policy, Taps
 from ..model.ttt import shift_left
 from ..ops.attention import ttt_attention
 from ..parallel.pipeline import PipeComm, one_f_one_b
-from .cotrain import (StepConfig, amp_context, draft_loss, micro_batches, optimizer_step, picks_rows, policy_loss,
+from .drafters import EAGLE3
+from .cotrain import (StepConfig, amp_context, micro_batches, optimizer_step, picks_rows, policy_loss,
                       step_counts)
 from .losses import all_reduce_sums, metrics_to_floats
 
@@ -37,7 +38,7 @@ __all__ = ["pp_cotrain_step"]
 
 
 @dataclass
-class _TeacherOut:  # what draft_loss reads of a policy output: the joined taps and the teacher logits
+class _TeacherOut:  # what the draft's loss (drafters.EAGLE3.loss) reads of a policy output: the joined taps and the teacher logits
     taps: Taps
     logits: torch.Tensor
 
@@ -118,8 +119,8 @@ def pp_cotrain_step(stage: Policy, draft: Eagle3Draft | None, batch: TrainBatch,
         if not picks_rows(d_rows, mb):  # as in cotrain_step: the draft's rows are global rows 0 mod n
             return
         with amp_context(cfg, mb.tokens):
-            l_d, st = draft_loss(draft, _TeacherOut(draft.join_taps(parts), logits), mb, cfg, counts.draft, shift,
-                                 attn, d_rows)
+            l_d, st = EAGLE3.loss(draft, None, _TeacherOut(draft.join_taps(parts), logits), mb, cfg, counts.draft,
+                                  d_rows, shift=shift, attn=attn)
         stats["draft"] = st if stats["draft"] is None else stats["draft"] + st
         losses["draft/loss"] += l_d.detach().double()
         (cfg.draft_weight * l_d).backward()  # the draft's own graph: disjoint from the policy's

@@ -1,0 +1,181 @@
+"""FSDP's cost on one GPU, and the memory planner against measured peaks (issue 34).
+
+One process (a world of one), one bf16 co-training step of a policy + EAGLE-3 draft with random weights, in the
+two ways a run can hold the policy:
+
+    plain   fp32 master weights whole, bf16 autocast (train.amp=bf16, what a one-GPU run does)
+    fsdp1   the same policy under FSDP2 on a 1-rank mesh (parallel/fsdp.apply_fsdp with
+            MixedPrecisionPolicy(bf16 params, fp32 reductions), the grad-sync strategies of train/grad_sync.py):
+            what every rank of a dp_shard run executes, less the collectives' transfer time
+
+The overhead of FSDP's machinery (its pre/post hooks, the per-unit bf16 casts of the all-gather path, the
+reduce-scatter bookkeeping) is fsdp1 / plain - 1. Each variant is built alone (the other's state freed), timed
+over --reps steps after --warmup (median, CUDA events), and measured for peak memory (max_memory_allocated over one
+step, everything the trainer holds included). The order is plain, fsdp1, plain again: the two plain medians
+bound the machine's drift.
+
+The planner (specco/plan.py rank_memory, trainer components: params, compute copy, grads, AdamW, activations,
+draft) is printed beside each measured peak, for the layout the variant is (fsdp False / True at shard 1).
+
+    python bench/fsdp_step.py --device cuda --sizes 1.5b,3b          # the H200 run (BENCHMARKS.md)
+    python bench/fsdp_step.py --device cpu --sizes tiny --reps 2     # a smoke on CPU
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _results import write_results  # noqa: E402
+from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
+from specco.model.draft import Eagle3Draft  # noqa: E402
+from specco.model.policy import Policy  # noqa: E402
+from specco.parallel.fsdp import apply_fsdp, mixed_precision  # noqa: E402
+from specco.plan import Layout, Shapes, rank_memory  # noqa: E402
+from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step  # noqa: E402
+from specco.train.grad_sync import grad_syncs  # noqa: E402
+
+# Published shapes (Hugging Face config.json): Qwen2.5-1.5B and -3B (1.54 B / 3.09 B parameters, tied embeddings)
+SIZES = {
+    "1.5b": PolicyConfig(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28, num_heads=12,
+                         num_kv_heads=2, attention_bias=True, tie_word_embeddings=True, model_type="qwen2"),
+    "3b": PolicyConfig(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_layers=36, num_heads=16,
+                       num_kv_heads=2, attention_bias=True, tie_word_embeddings=True, model_type="qwen2"),
+    "tiny": PolicyConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                         num_kv_heads=2, tie_word_embeddings=True, model_type="qwen2"),
+}
+GiB = 2 ** 30
+
+
+def _batch(pc: PolicyConfig, rows: int, seq: int, completion: int, dev) -> TrainBatch:
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(rows, seq)
+    mask[:, seq - completion:] = 1
+    return TrainBatch(tokens=torch.randint(0, pc.vocab_size, (rows, seq), generator=g).to(dev),
+                      target_mask=mask.to(dev), advantages=torch.randn(rows, generator=g).to(dev),
+                      logp_old=(-torch.rand(rows, seq, generator=g) * 4 - 2).to(dev))
+
+
+def _planned(pc: PolicyConfig, dcfg: DraftConfig, scfg: StepConfig, rows: int, seq: int, fsdp: bool) -> dict:
+    s = Shapes(policy=pc, draft_kind="eagle3", draft_vocab=dcfg.draft_vocab_size, draft_layers=1,
+               num_taps=len(dcfg.aux_layer_ids), seq=seq, rows_per_step=rows, minibatches=1,
+               micro_batch_rows=scfg.micro_batch_rows, draft_row_stride=scfg.draft_row_stride,
+               ttt_passes=scfg.ttt_passes, gamma=4, num_anchors=16, loss_chunk=scfg.loss_chunk, compute_bytes=2,
+               engine_bytes=2, compact_below=0.0)
+    m = rank_memory(s, Layout(1, 1, 1, 1, fsdp=fsdp, ac=False))
+    m["trainer"] = sum(m[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft"))
+    return m
+
+
+def _variant(name: str, base: Policy, draft: Eagle3Draft, batch: TrainBatch, scfg: StepConfig, args, mesh) -> dict:
+    dev = batch.tokens.device
+    policy, d = copy.deepcopy(base).train(), copy.deepcopy(draft).train()
+    sync = None
+    if name == "fsdp1":
+        apply_fsdp(policy, mesh, mixed_precision(torch.bfloat16))
+        sync = grad_syncs(policy, None)
+    opt = build_optimizer(policy, d, 1e-5, 1e-5)
+    cuda = dev.type == "cuda"
+
+    def step():
+        return cotrain_step(policy, d, batch, opt, None, scfg, grad_sync=sync)
+
+    for _ in range(args.warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, m = [], {}
+    for _ in range(args.reps):
+        if cuda:
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record()
+            m = step()
+            t1.record()
+            torch.cuda.synchronize()
+            times.append(t0.elapsed_time(t1) / 1e3)
+        else:
+            t = time.perf_counter()
+            m = step()
+            times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    out = {"step_s_median": statistics.median(times), "step_s": times, "peak_bytes": peak,
+           "policy_loss": m.get("policy/loss"), "draft_loss": m.get("draft/loss")}
+    del policy, d, opt
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--sizes", default="1.5b,3b")
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--completion", type=int, default=1536)
+    ap.add_argument("--micro-rows", type=int, default=4)
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(dev.type, (1,), mesh_dim_names=("fsdp",))
+    scfg = StepConfig(amp_dtype=torch.bfloat16, micro_batch_rows=args.micro_rows, draft_row_stride=8, ttt_passes=3)
+    results = {}
+    for size in args.sizes.split(","):
+        pc = SIZES[size]
+        dcfg = DraftConfig.for_policy(pc, draft_vocab_size=min(args.draft_vocab, pc.vocab_size))
+        torch.manual_seed(0)
+        with torch.device(dev):
+            base, draft = Policy(pc), Eagle3Draft(dcfg)
+        nparam = sum(p.numel() for p in base.parameters())
+        batch = _batch(pc, args.rows, args.seq, min(args.completion, args.seq - 1), dev)
+        # the base copies live on the host while a variant runs, so its peak is its own
+        base, draft = base.cpu(), draft.cpu()
+        row = {"params": nparam, "draft_params": sum(p.numel() for p in draft.parameters())}
+        for name in ("plain", "fsdp1", "plain_again"):
+            v = _variant(name.replace("_again", ""), base.to(dev), draft.to(dev), batch, scfg, args, mesh)
+            base, draft = base.cpu(), draft.cpu()
+            plan = _planned(pc, dcfg, scfg, args.rows, args.seq, fsdp=name == "fsdp1")
+            v["planned_trainer_bytes"] = plan["trainer"]
+            v["planned"] = {k: plan[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft")}
+            v["planned_over_measured"] = plan["trainer"] / v["peak_bytes"] if v["peak_bytes"] else None
+            row[name] = v
+            print(f"{size:>5} {name:<12} step {v['step_s_median'] * 1e3:9.1f} ms   peak {v['peak_bytes'] / GiB:7.2f} GiB"
+                  f"   planned {plan['trainer'] / GiB:7.2f} GiB"
+                  + (f" ({v['planned_over_measured']:.3f})" if v["planned_over_measured"] else ""), flush=True)
+        plain = min(row["plain"]["step_s_median"], row["plain_again"]["step_s_median"])
+        row["fsdp_overhead"] = row["fsdp1"]["step_s_median"] / plain - 1
+        row["plain_drift"] = row["plain_again"]["step_s_median"] / row["plain"]["step_s_median"] - 1
+        print(f"{size:>5} FSDP at world 1: {row['fsdp_overhead'] * 100:+.1f}% step time "
+              f"(plain drift {row['plain_drift'] * 100:+.1f}%)", flush=True)
+        results[size] = row
+        del base, draft, batch
+        gc.collect()
+    write_results({"rows": args.rows, "seq": args.seq, "completion": args.completion, "micro_rows": args.micro_rows,
+                   "step": {"amp": "bf16", "ttt_passes": scfg.ttt_passes, "draft_row_stride": scfg.draft_row_stride},
+                   "sizes": results}, "fsdp_step", dev, args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The drafter kinds as the training step sees them: one object per kind, answering the step's two questions.
+
+    kind = drafter(draft)                               EAGLE3 or BLOCK: the one place a draft's class is looked at
+    n, weights = kind.counts(draft, batch, cfg, shift, block)       the loss's per-pass / per-slot target counts
+    loss, stats = kind.loss(draft, policy, out, mb, cfg, denominator, rows, shift=, attn=, block=)
+
+The co-training step (train/cotrain.py), the frozen draft's and the shadow's evaluations (runner/measure.py) and
+the step's counts call these and nothing kind-specific, so a third drafter kind is one more object here (and its
+model and engine steps), not a branch in every caller (docs/REVIEW item 4).
+
+EAGLE-3 (model/draft.py, model/ttt.py, train/losses.py): K test-time-training passes of the draft layer over the
+policy's taps; its counts are the targets of each pass (pass d predicts d tokens ahead: fewer of them), weighted
+by `pass_weights`. A block drafter (DFlash, DSpark: model/dflash.py, train/block_losses.py): a block of γ mask
+slots after each sampled anchor; its counts are the valid predictions per slot, weighted by `slot_weights`, and
+its logits go through the policy's live (detached) head. Under context parallelism or on packed rows a block
+drafter needs the layout's per-sequence plan (`block`: parallel.block_cp.BlockCP, from cp.step_fns); EAGLE-3
+takes the layout's `shift` and TTT `attn` instead.
+
+Both losses use the same rows (`draft_rows`: every cfg.draft_row_stride-th row) and the same detached teacher (the
+policy's logits of the forward that made the taps), and are divided by the step's GLOBAL denominator
+(`losses.draft_denominator` of the counts summed over every rank), so micro-batches and ranks add up.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from ..batch import TrainBatch
+from ..model.dflash import BlockDraft, slot_weights
+from ..model.ttt import shift_left, ttt_forward
+from ..ops.attention import ttt_attention
+from .block_losses import block_draft_loss, block_slot_counts, local_plan
+from .losses import DraftStats, draft_loss_parts, normalize_draft_loss, pass_target_masks, pass_weights
+from .step_config import StepConfig
+
+__all__ = ["drafter", "EAGLE3", "BLOCK", "draft_rows", "draft_mask"]
+
+
+def draft_rows(batch: TrainBatch, cfg: StepConfig) -> slice:
+    """The rows the draft trains on: 0, n, 2n, ... with n = cfg.draft_row_stride (a micro-batch gets its
+    share of them from cotrain.micro_batches).
+
+    GRPO rows are G i.i.d. samples per prompt, so a stride keeps an unbiased sample of the policy's
+    outputs while the draft's share of the step shrinks ~n-fold. A packed row keeps every sequence here:
+    the packer marks the draft's sequences in `batch.draft_mask` instead (same loss, same counts)."""
+    return slice(0, None, cfg.draft_row_stride)
+
+
+def draft_mask(batch: TrainBatch) -> torch.Tensor:
+    """The tokens the draft learns to predict: the trained tokens, or the packer's draft sequences."""
+    return batch.target_mask if batch.draft_mask is None else batch.draft_mask
+
+
+def _positions(batch: TrainBatch) -> torch.Tensor:
+    B, S = batch.tokens.shape
+    return batch.positions if batch.positions is not None else \
+        torch.arange(S, device=batch.tokens.device).expand(B, S)
+
+
+class _Eagle3:
+    """EAGLE-3: K TTT passes of the draft layer, soft CE against the detached policy logits per pass."""
+    name = "eagle3"
+
+    def check_layout(self, batch: TrainBatch, shift: Callable, block) -> None:
+        """Nothing to check: the layout's `shift` and `attn` carry EAGLE-3 across CP ranks and packed rows."""
+
+    def counts(self, draft, batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left, block=None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """((K,) targets of each pass on this rank's draft rows, (K,) pass weights)."""
+        rows = draft_rows(batch, cfg)
+        n = torch.stack([m.sum() for m in pass_target_masks(draft_mask(batch)[rows], cfg.ttt_passes, shift)])
+        return n, pass_weights(cfg.ttt_passes, cfg.pass_decay)
+
+    def loss(self, draft, policy, out, batch: TrainBatch, cfg: StepConfig, denominator: torch.Tensor | None = None,
+             rows=None, shift: Callable = shift_left, attn: Callable = ttt_attention, block=None):
+        """L_draft of one (micro-)batch from a policy output with taps, and its summed statistics (DraftStats).
+        `denominator`: the step's global one (None: this batch's own counts). Only the rows `rows` are used (a
+        slice or index tensor; None: `draft_rows`): the policy forward that made `out` ran on all rows anyway."""
+        rows = draft_rows(batch, cfg) if rows is None else rows
+        aux, embed, logits = out.taps.aux[rows], out.taps.embed[rows], out.logits[rows]
+        outs = ttt_forward(draft, aux, embed, _positions(batch)[rows], cfg.ttt_passes, shift=shift, attn=attn)
+        parts = draft_loss_parts(draft, outs, logits, draft_mask(batch)[rows], cfg.loss_chunk, shift)
+        loss = normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), denominator)
+        return loss, DraftStats.of(parts)
+
+
+class _Block:
+    """A block drafter (DFlash / DSpark): γ mask slots after sampled anchors, logits through the policy's head."""
+    name = "block"
+
+    def check_layout(self, batch: TrainBatch, shift: Callable, block) -> None:
+        """Under CP (a shift other than shift_left) or on packed rows the anchors and the trunk's ring are per
+        sequence: the layout's plan (`block`) is required."""
+        if block is None and (shift is not shift_left or batch.packed):
+            raise ValueError("a block drafter under context parallelism or on packed rows needs `block` "
+                             "(parallel.block_cp.BlockCP, passed by cp.step_fns): its anchors and trunk ring are "
+                             "per sequence")
+
+    @staticmethod
+    def _plan(block) -> Callable:
+        """The plan function of block_losses: `local_plan`, or BlockCP's, which builds on it per sequence."""
+        return local_plan if block is None else functools.partial(block.plan, local=local_plan)
+
+    def counts(self, draft, batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left, block=None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """((γ,) valid predictions per slot on this rank's draft rows, (γ,) slot weights). The anchors depend only
+        on each row's content, so micro-batches agree; under CP each block is counted on the rank holding its
+        anchor (`block.plan`)."""
+        rows = draft_rows(batch, cfg)
+        n = block_slot_counts(draft, batch.tokens[rows], draft_mask(batch)[rows], self._plan(block))
+        return n, slot_weights(draft.cfg)
+
+    def loss(self, draft, policy, out, batch: TrainBatch, cfg: StepConfig, denominator: torch.Tensor | None = None,
+             rows=None, shift: Callable = shift_left, attn: Callable = ttt_attention, block=None):
+        """As EAGLE-3's (the same rows, taps and detached teacher; BlockStats); the logits use the policy's live
+        head and the mask slots its embed_tokens[mask_id], both detached. `shift`/`attn` are EAGLE-3's: unused."""
+        rows = draft_rows(batch, cfg) if rows is None else rows
+        mask_emb = policy.embed_tokens.weight[draft.cfg.mask_id].detach()
+        return block_draft_loss(draft, out.taps.aux[rows], out.taps.embed[rows], out.logits[rows],
+                                batch.tokens[rows], draft_mask(batch)[rows], _positions(batch)[rows],
+                                policy.lm_head.weight, mask_emb, denominator,
+                                chunk=max(1, cfg.loss_chunk // draft.cfg.gamma), plan=self._plan(block))
+
+
+EAGLE3, BLOCK = _Eagle3(), _Block()
+
+
+def drafter(draft) -> _Eagle3 | _Block:
+    """The training-side kind of `draft` (a model of model/draft.py or model/dflash.py): the one dispatch."""
+    return BLOCK if isinstance(draft, BlockDraft) else EAGLE3
