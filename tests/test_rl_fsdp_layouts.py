@@ -7,6 +7,7 @@ penalty, then per-step losses, grad norms and PPO statistics and every parameter
 
 * dp_shard 2 x cp 2 (4 processes), co-trained EAGLE-3 and DFlash: the FSDP axis is the stage's dp_shard x cp
   ranks (each holds a quarter of every policy tensor), minibatches packed and zigzag-sharded over the CP pair.
+  With activation checkpointing (applied before FSDP; the layouts below too): recomputation changes no number.
 * pp 2 x dp_shard 2 (4 processes; x cp 2 on 8 in the slow lane), EAGLE-3 (the pipeline co-trains EAGLE-3 only):
   each stage sharded over its ranks after the cut; the refit gathers each stage's shards, then the stages, so
   every rank's engine holds the trainer's whole policy; a run stopped after one step and resumed from its
@@ -60,7 +61,8 @@ def _fsdp_cp_worker(rank, world, tmp, arm):
     if arm == "cotrained-dflash":
         torch.manual_seed(1)
         draft = new_block_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), "dflash", gamma=2).double()
-    cfg = _cfg(tmp, "parallel.dp_shard=2", "parallel.cp=2", *EXTRA)
+    # activation checkpointing (then FSDP): the recomputation runs under FSDP's gathers, and changes no number
+    cfg = _cfg(tmp, "parallel.dp_shard=2", "parallel.cp=2", "train.activation_checkpointing=true", *EXTRA)
     mesh = Mesh.build(2, 2, dp_shard=2)
     st, rec = {}, []
     rows = run_arm(cfg, arm, policy, draft, DigitTask(), tok, tmp / "a", progress=False, mesh=mesh, state_out=st,
@@ -69,6 +71,7 @@ def _fsdp_cp_worker(rank, world, tmp, arm):
     # the FSDP axis is the stage's dp_shard x cp ranks: each rank holds a quarter of every sharded tensor
     p = next(s.policy.parameters())
     assert isinstance(p, DTensor) and p.device_mesh.size() == 4
+    assert all("forward" in layer.__dict__ for layer in s.policy.layers.values())  # checkpointed (AC's own forward)
     _replay(rank, mesh, EXTRA, arm, policy, draft, tok, tmp, rows, rec, _flat(s))
 
 
@@ -93,7 +96,9 @@ def _pp_fsdp_worker(rank, world, tmp, cp):
     from specco.runner.rl import run_arm
     tmp = Path(tmp)
     tok, policy, draft = _models()
-    cfg = _cfg(tmp, "parallel.pp=2", "parallel.dp_shard=2", f"parallel.cp={cp}", *EXTRA)
+    # activation checkpointing on the stage before FSDP (torchtitan's order): recomputation changes no number
+    cfg = _cfg(tmp, "parallel.pp=2", "parallel.dp_shard=2", f"parallel.cp={cp}", "train.activation_checkpointing=true",
+               *EXTRA)
     mesh = Mesh.build(2, cp, pp=2, dp_shard=2)
     run = lambda d, **kw: run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / d,  # noqa: E731
                                   progress=False, mesh=mesh, **kw)
@@ -102,6 +107,7 @@ def _pp_fsdp_worker(rank, world, tmp, cp):
     s = st["state"]
     p = next(s.policy.parameters())
     assert isinstance(p, DTensor) and p.device_mesh.size() == 2 * cp  # the stage's dp_shard x cp ranks
+    assert all("forward" in layer.__dict__ for layer in s.policy.layers.values())  # checkpointed (AC's own forward)
     assert (s.draft is not None) == (mesh.pp_rank == 1)  # the draft trains, whole, on the last stage
     flat = _whole(s)
     # the engine's whole policy is the trainer's: its stage's part equals the stage's gathered shards
