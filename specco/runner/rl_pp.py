@@ -4,9 +4,10 @@ What each rank holds (rank = (pp_rank · dp + dp_rank) · cp + cp_rank, parallel
     its pipeline stage of the training policy (`split_stage`: a layer range; the embedding on stage 0,
     the final norm and head on the last), its optimizer state, and — on the last stage — the co-trained
     draft; plus a whole copy of the policy (and draft) in its rollout engine, refit after every step
-    from the gathered stages. Under FSDP (parallel.dp_shard) the stage is sharded over its dp_shard x cp ranks
-    (trainer.make_arm, after the cut): the gathers below gather each stage's shards first. Rollouts are generated once per DP rank (pipeline stage 0, CP rank 0) and
-    shared with the other stages and CP ranks (rollouts.collect_rollouts).
+    from the gathered stages. Under FSDP (parallel.dp_shard) the stage is sharded over its dp_shard x cp
+    ranks (trainer.make_arm, after the cut): the gathers below gather each stage's shards first. Rollouts
+    are generated once per DP rank (pipeline stage 0, CP rank 0) and shared with the other stages and CP
+    ranks (rollouts.collect_rollouts).
 
 Per PPO update: `pp_cotrain_step` (1F1B, the TapChannel feeding the draft). Refit: `gather_stages` (one
 broadcast per stage over the pipeline group) plus the draft's state from the last stage — timed as
