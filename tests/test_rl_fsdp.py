@@ -119,8 +119,6 @@ def test_rl_loop_dp_shard2_equals_single_process_and_resumes(tmp_path):
 
 
 @pytest.mark.parametrize("extra, world, command, match", [
-    (("parallel.pp=2",), 4, "train", r"parallel.dp_shard=2 with parallel.pp=2: FSDP of pipeline stages"),
-    (("parallel.cp=2",), 4, "train", r"parallel.dp_shard=2 with parallel.cp=2: .*set parallel.cp=1"),
     (("train.compile=aot_eager",), 2, "train", r"train.compile='aot_eager' with parallel.dp_shard=2"),
     ((), 2, "cotrain-cp", r"FSDP runs in `specco train` only"),
 ])

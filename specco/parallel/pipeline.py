@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..model.policy import Policy
 
@@ -63,10 +64,11 @@ def gather_stages(stage: Policy, pp_group) -> dict[str, torch.Tensor]:
 
     One broadcast per stage of all its tensors flattened into one buffer (the stages' dtypes agree);
     names are the unsplit model's (layers keyed by global index), so the result loads into an unsplit
-    Policy with strict=True."""
+    Policy with strict=True. A stage sharded by FSDP (parallel/fsdp.py) is gathered whole first, tensor by
+    tensor over its own ranks (a collective there: every rank of every stage calls this)."""
     pp, me = dist.get_world_size(pp_group), dist.get_rank(pp_group)
     # Which names each stage holds: a small object exchange, then the tensors by broadcast.
-    mine = {k: v for k, v in stage.state_dict().items()}
+    mine = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in stage.state_dict().items()}
     names = [None] * pp
     dist.all_gather_object(names, [(k, tuple(v.shape), str(v.dtype)) for k, v in mine.items()], group=pp_group)
     out = {}

@@ -99,14 +99,22 @@ def generate_config(cfg: RunConfig, eos_id: int | tuple[int, ...] | None, pad_id
 
 
 def on_device(cfg: RunConfig, device: torch.device) -> RunConfig:
-    """`cfg` with its "auto" precision keys decided for `device`, once, at the start of a run: train.amp and
-    rollout.dtype "auto" are bf16 (autocast over fp32 master weights; an engine copy in bf16) for a pretrained
-    policy on a GPU, and off elsewhere (the tiny demo model, CPUs, where bf16 matmuls are slow). Under pipeline
-    parallelism the engine copy stays in the trainer's dtype (config.py says why) and autocast is refused."""
+    """`cfg` with its "auto" precision keys decided for `device`, once, at the start of a run: train.amp "auto" is
+    bf16 (autocast over fp32 master weights; under FSDP its bf16 gathers and compute, fp32 reductions) for a
+    pretrained policy on a GPU, in every layout, pipeline stages included; rollout.dtype "auto" gives that policy
+    an engine copy in bf16. Both are off elsewhere (the tiny demo model, CPUs, where bf16 matmuls are slow).
+
+    Under pipeline parallelism or FSDP the engine copy stays in the trainer's dtype: there it is more than the
+    sampler. It is the only whole policy a rank holds, so under PP it gives the PPO's old log-probs (a stage
+    cannot run the whole forward: trainer.train_on_rollouts), which must be the trainer's numerics or the ratio
+    is off by the rounding, not the update; and it is the whole policy the run evaluates and saves (rl.full_models),
+    which must not be a rounded copy. A bf16 engine there needs the recompute pipelined over the stages and the
+    saved policy taken from the masters (config.py refuses rollout.dtype=bfloat16 with a reason until then)."""
     pretrained_gpu = torch.device(device).type == "cuda" and cfg.policy.source != "tiny"
-    pp = cfg.parallel.pp > 1
-    amp = cfg.train.amp if cfg.train.amp != "auto" else ("bf16" if pretrained_gpu and not pp else "none")
-    dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else ("bfloat16" if pretrained_gpu and not pp else "")
+    whole_elsewhere = cfg.parallel.pp > 1 or cfg.parallel.fsdp  # the engine's copy has other duties (above)
+    amp = cfg.train.amp if cfg.train.amp != "auto" else ("bf16" if pretrained_gpu else "none")
+    dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else (
+        "bfloat16" if pretrained_gpu and not whole_elsewhere else "")
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp),
                                rollout=dataclasses.replace(cfg.rollout, dtype=dtype))
 
@@ -134,12 +142,6 @@ def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
     if p.pp * p.dp * p.cp == 1:
         raise ConfigError(f"parallel.dp_shard={p.shard} on one process: nothing to shard over (FSDP at world 1 is "
                           f"not wired); set parallel.dp_shard to the number of processes or {off}")
-    if p.cp > 1:
-        raise ConfigError(f"parallel.dp_shard={p.shard} with parallel.cp={p.cp}: FSDP over context-parallel ranks is "
-                          f"tested at the step (tests/test_fsdp.py) but not yet in the RL loop; set parallel.cp=1 or {off}")
-    if p.pp > 1:
-        raise ConfigError(f"parallel.dp_shard={p.shard} with parallel.pp={p.pp}: FSDP of pipeline stages is not wired "
-                          f"into the RL loop yet; set parallel.pp=1 or {off}")
     if cfg.train.compile != "none":
         raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.dp_shard={p.shard}: compiling the "
                           f"sharded layers is not wired yet; set train.compile=none or {off}")
@@ -179,9 +181,6 @@ def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[
     if p.fsdp:
         _check_fsdp(cfg, world, command)
     if command == "train" and p.pp > 1:
-        if cfg.train.amp == "bf16":
-            raise ConfigError(f"train.amp={cfg.train.amp!r} with parallel.pp={p.pp}: not supported yet (the schedule "
-                              "sends activations in the weights' dtype); set train.amp=none")
         why = "the pipeline co-trains EAGLE-3 drafts only (block drafters under PP are not implemented)"
         if cfg.draft.kind != "eagle3":
             raise ConfigError(f"draft.kind={cfg.draft.kind!r} with parallel.pp={p.pp}: {why}; use "

@@ -28,7 +28,7 @@ from ..train.checkpoint import load_latest, remove_stale_temporaries, save_check
 from .derive import arm_config, generate_config
 from .measure import hooks_for
 from .report import MetricsLog
-from .rl_fsdp import fsdp_checkpoint_state, fsdp_restore
+from .rl_fsdp import fsdp_checkpoint_state, fsdp_restore, whole_optimizer_state
 from .rl_pp import pp_checkpoint_state, pp_restore
 from .rollouts import longest_prompt
 from .stages import seed_stage
@@ -41,13 +41,13 @@ def _ckpt_state(st: ArmState, mesh: Mesh | None = None) -> dict:
     """What a checkpoint holds; in a distributed run also every DP rank's sampler state (the one its CP
     rank 0 generates with). A collective there: call on every rank. Under FSDP the policy and the AdamW state
     gathered whole (rl_fsdp.py)."""
-    whole = fsdp_checkpoint_state(st) if is_sharded(st.policy) else {
-        "policy": st.policy.state_dict(), "opt": st.opt.state_dict()}
-    state = {"policy": whole["policy"], "draft": st.draft.state_dict() if st.draft is not None else None,
-             "opt": whole["opt"], "sched": st.sched.state_dict(), "gen": st.gen,
-             "step": st.step, "data_offset": st.data_offset, "arm": st.arm}
-    if st.pipeline is not None:
-        state.update(pp_checkpoint_state(st, mesh))
+    state = {"draft": st.draft.state_dict() if st.draft is not None else None, "sched": st.sched.state_dict(),
+             "gen": st.gen, "step": st.step, "data_offset": st.data_offset, "arm": st.arm}
+    if st.pipeline is not None:  # the stages gathered (each one's shards first, under FSDP)
+        state.update(pp_checkpoint_state(st, mesh, whole_optimizer_state(st.opt) if is_sharded(st.policy) else None))
+    else:
+        state.update(fsdp_checkpoint_state(st) if is_sharded(st.policy) else {
+            "policy": st.policy.state_dict(), "opt": st.opt.state_dict()})
     if distributed(mesh):
         gens = [None] * (mesh.dp * mesh.cp)
         dist.all_gather_object(gens, st.gen.get_state().cpu(), group=mesh.grad_group)
@@ -82,7 +82,7 @@ def _restore(st: ArmState, s: dict, mesh: Mesh | None = None) -> None:
         raise ValueError(f"checkpoint {path} was written with parallel.dp={len(s.get('gen_ranks') or [None])}, "
                          f"this run has {dp}: resume with the same parallel.dp")
     if st.pipeline is not None:
-        pp_restore(st, s, path)
+        pp_restore(st, s, path, fsdp_restore if is_sharded(st.policy) else None)
     elif is_sharded(st.policy):  # every rank has the whole state (_load_latest): each keeps its shards of it
         fsdp_restore(st, s)
         if st.draft is not None:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from .trainer import ArmState, full_state
 
-__all__ = ["fsdp_checkpoint_state", "fsdp_restore"]
+__all__ = ["fsdp_checkpoint_state", "fsdp_restore", "whole_optimizer_state"]
 
 
 def _opt_params(opt: torch.optim.Optimizer) -> list:
@@ -31,14 +31,20 @@ def _opt_params(opt: torch.optim.Optimizer) -> list:
     return [p for g in opt.param_groups for p in g["params"]]
 
 
+def whole_optimizer_state(opt: torch.optim.Optimizer) -> dict:
+    """`opt.state_dict()` with its DTensor moments gathered into whole host tensors (a collective per tensor over
+    each one's mesh: every rank holding the parameters calls it; each returns the same)."""
+    sd = opt.state_dict()
+    state = {i: {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() if torch.is_tensor(v) else v
+                 for k, v in s.items()} for i, s in sd["state"].items()}
+    return {**sd, "state": state}
+
+
 def fsdp_checkpoint_state(st: ArmState) -> dict:
     """The policy and optimizer entries of a checkpoint with every shard gathered into whole host tensors (a
     collective per tensor: every rank calls it; each returns the same)."""
-    policy = {k: v.detach().cpu() for k, v in full_state(st.policy).items()}
-    sd = st.opt.state_dict()
-    state = {i: {k: (v.full_tensor() if isinstance(v, DTensor) else v).cpu() if torch.is_tensor(v) else v
-                 for k, v in s.items()} for i, s in sd["state"].items()}
-    return {"policy": policy, "opt": {**sd, "state": state}}
+    return {"policy": {k: v.detach().cpu() for k, v in full_state(st.policy).items()},
+            "opt": whole_optimizer_state(st.opt)}
 
 
 def fsdp_restore(st: ArmState, s: dict) -> None:

@@ -4,18 +4,22 @@ What each rank holds (rank = (pp_rank · dp + dp_rank) · cp + cp_rank, parallel
     its pipeline stage of the training policy (`split_stage`: a layer range; the embedding on stage 0,
     the final norm and head on the last), its optimizer state, and — on the last stage — the co-trained
     draft; plus a whole copy of the policy (and draft) in its rollout engine, refit after every step
-    from the gathered stages. Rollouts are generated once per DP rank (pipeline stage 0, CP rank 0) and
-    shared with the other stages and CP ranks (rollouts.collect_rollouts).
+    from the gathered stages. Under FSDP (parallel.dp_shard) the stage is sharded over its dp_shard x cp
+    ranks (trainer.make_arm, after the cut): the gathers below gather each stage's shards first. Rollouts
+    are generated once per DP rank (pipeline stage 0, CP rank 0) and shared with the other stages and CP
+    ranks (rollouts.collect_rollouts).
 
 Per PPO update: `pp_cotrain_step` (1F1B, the TapChannel feeding the draft). Refit: `gather_stages` (one
 broadcast per stage over the pipeline group) plus the draft's state from the last stage — timed as
 `time/gather` in the metrics. Checkpoints hold the whole policy (gathered), the draft and every
-stage's optimizer and scheduler state (lists indexed by stage), so a run resumes with the same parallel.pp.
+stage's optimizer and scheduler state (lists indexed by stage; under FSDP the AdamW moments gathered whole,
+sharded again on resume), so a run resumes with the same parallel.pp.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ..model.draft import Eagle3Draft
@@ -25,6 +29,7 @@ from ..parallel.pipeline import PipeComm, gather_stages, split_stage, stage_laye
 from ..parallel.taps import TapChannel, TapSpec
 from ..train.cotrain import micro_batches
 from ..train.cotrain_pp import pp_cotrain_step
+from ..train.grad_sync import grad_syncs
 
 __all__ = ["PipelineArm", "pp_train_updates", "gather_for_refit", "pp_checkpoint_state", "pp_restore"]
 
@@ -36,6 +41,9 @@ class PipelineArm:
     pipe: PipeComm
     tap_layers: tuple[int, ...] | None  # the co-trained draft's aux layers (None: no draft trains)
     taps: TapChannel | None = None  # built (and grown) for the micro-batch shapes it meets
+    # what the stages exchange (activations, taps): None = the stage parameters' dtype (fp32 masters: also under
+    # autocast, whose residual adds promote to fp32); bf16 under FSDP's bf16 mixed precision (trainer.make_arm)
+    act_dtype: torch.dtype | None = None
     updates: int = 0  # stamps: one step number per PPO update
 
     @property
@@ -56,9 +64,9 @@ class PipelineArm:
                                                                                    width_multiple=width_multiple))
         if self.taps is None or self.taps.spec.max_tokens < need:
             cfg = self.stage.cfg
-            p = next(self.stage.parameters())
+            dtype = self.act_dtype or next(self.stage.parameters()).dtype
             spec = TapSpec.for_stages(stage_layer_ranges(cfg.num_layers, self.mesh.pp), self.tap_layers,
-                                      cfg.hidden_size, p.dtype, need)
+                                      cfg.hidden_size, dtype, need)
             # pp + 1 slots: in 1F1B no source ever waits for a credit (parallel/taps.py: slots and 1F1B)
             self.taps = TapChannel(spec, self.mesh.tap_group, slots=self.mesh.pp + 1)
         return self.taps
@@ -67,6 +75,8 @@ class PipelineArm:
 def pp_train_updates(st, train_draft, mbs, scfg, epochs: int, grad_group) -> list[dict]:
     """The PPO updates of one RL step on this stage (epochs × minibatches pp_cotrain_steps)."""
     pa: PipelineArm = st.pipeline
+    # FSDP's reduce-scatter for a sharded stage (apply_fsdp without reshard after forward), else the all-reduce
+    sync = grad_syncs(pa.stage, grad_group, reshard_after_forward=False)
     hist = []
     for _ in range(epochs):
         for mb in mbs:
@@ -74,7 +84,8 @@ def pp_train_updates(st, train_draft, mbs, scfg, epochs: int, grad_group) -> lis
             taps = pa.channel(mbs, scfg.micro_batch_rows, scfg.width_multiple) if use is not None else None
             hist.append(pp_cotrain_step(pa.stage, train_draft, mb.batch, st.opt, None, scfg, pipe=pa.pipe,
                                         taps=taps, tap_layers=use, step=pa.updates,
-                                        grad_group=grad_group, **mb.fns))
+                                        grad_group=grad_group, grad_sync=sync, act_dtype=pa.act_dtype,
+                                        **mb.fns))
             pa.updates += 1
     return hist
 
@@ -93,25 +104,33 @@ def gather_for_refit(st, mesh: Mesh) -> tuple[dict, dict | None]:
     return gather_stages(st.policy, mesh.pp_group), _draft_state(st, mesh)
 
 
-def pp_checkpoint_state(st, mesh: Mesh) -> dict:
+def pp_checkpoint_state(st, mesh: Mesh, opt_state: dict | None = None) -> dict:
     """What a PP checkpoint adds over the single-stage one (a collective over the pipeline group): the
     whole policy, the last stage's draft, and every stage's optimizer and scheduler states (lists indexed by
-    stage: the last stage's have the draft's param group too)."""
+    stage: the last stage's have the draft's param group too). `opt_state`: this stage's optimizer state with
+    whole tensors (under FSDP its moments gathered: rl_fsdp.whole_optimizer_state); None: `st.opt`'s own."""
     per_stage = [None] * mesh.pp  # (optimizer, scheduler) states: their param groups differ per stage
-    dist.all_gather_object(per_stage, (st.opt.state_dict(), st.sched.state_dict()), group=mesh.pp_group)
+    opt_state = st.opt.state_dict() if opt_state is None else opt_state
+    dist.all_gather_object(per_stage, (opt_state, st.sched.state_dict()), group=mesh.pp_group)
     draft = _draft_state(st, mesh) if st.mode == "cotrained" else (st.draft.state_dict() if st.draft is not None else None)
     return {"policy": gather_stages(st.policy, mesh.pp_group), "draft": draft,
             "opt": [o for o, _ in per_stage], "sched": [s for _, s in per_stage], "pp": mesh.pp}
 
 
-def pp_restore(st, s: dict, path: str) -> None:
-    """Load this stage's part of a PP checkpoint (written with the same parallel.pp)."""
+def pp_restore(st, s: dict, path: str, load_sharded=None) -> None:
+    """Load this stage's part of a PP checkpoint (written with the same parallel.pp). `load_sharded(st, part)`:
+    how a stage sharded by FSDP takes its whole-tensor part {"policy", "opt"} (rl_fsdp.fsdp_restore); None: plain
+    load_state_dict."""
     mesh = st.pipeline.mesh
     if s.get("pp", 1) != mesh.pp:
         raise ValueError(f"checkpoint {path} was written with parallel.pp={s.get('pp', 1)}, this run has "
                          f"{mesh.pp}: resume with the same parallel.pp")
-    st.policy.load_state_dict({k: s["policy"][k] for k in st.policy.state_dict()}, strict=True)
+    part = {"policy": {k: s["policy"][k] for k in st.policy.state_dict()}, "opt": s["opt"][mesh.pp_rank]}
+    if load_sharded is not None:
+        load_sharded(st, part)
+    else:
+        st.policy.load_state_dict(part["policy"], strict=True)
+        st.opt.load_state_dict(part["opt"])
     if st.draft is not None:
         st.draft.load_state_dict(s["draft"])
-    st.opt.load_state_dict(s["opt"][mesh.pp_rank])
     st.sched.load_state_dict(s["sched"][mesh.pp_rank])

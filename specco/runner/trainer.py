@@ -33,10 +33,15 @@ sums gradients over all dp x cp ranks, so the update is the one of the whole bat
 tests/test_rl_cp.py). With parallel.pp > 1 (rl_pp.py) each rank trains its pipeline stage (the draft on
 the last) and holds a whole copy of the policy in its rollout engine, refit from the gathered stages.
 With parallel.dp_shard (FSDP, parallel/fsdp.py) the trainer's policy and its AdamW state are DTensor shards
-over mesh.fsdp_mesh (the draft stays whole on every rank); the engine and the KL reference keep whole
-copies, made before sharding; the refit gathers the shards in bounded buckets (runner/refit.py), so every
-rank's engine holds the same whole policy. The step is the same function: only its gradient strategy differs
-(grad_sync.grad_syncs). rollout.offload frees the engine's memory from after the rollout to the refit (release_engine).
+over mesh.fsdp_mesh, the stage's dp_shard x cp ranks (the draft stays whole on every rank); the engine and the
+KL reference keep whole copies, made before sharding; the refit gathers the shards in bounded buckets
+(runner/refit.py), so every rank's engine holds the same whole policy. The step is the same function: only its
+gradient strategy differs (grad_sync.grad_syncs). Under PP the recipe is torchtitan's: cut the stage, then
+activation checkpointing, then FSDP over the stage's ranks without resharding after forward; the refit gathers
+each stage's shards, then the stages (rl_pp.gather_for_refit). bf16 (train.amp) works in every layout: autocast
+over fp32 masters, under FSDP its bf16 gathers and compute (the stages then exchange bf16 activations:
+PipelineArm.act_dtype). rollout.offload frees the engine's memory from after the rollout to the refit
+(release_engine).
 Metrics: losses summed over all ranks (each holds its share), tokens/s summed and the engine-vs-trainer
 log-prob gap maxed over DP ranks, everything else the mean over DP ranks.
 """
@@ -129,9 +134,13 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
     if cfg.parallel.fsdp and distributed(mesh):  # after AC / compile (torchtitan's order), before the optimizer:
         # AdamW must hold the DTensor shards. bf16 autocast becomes FSDP's bf16 gather and compute (fp32 masters and
         # reductions). The draft stays replicated (parallel/fsdp.py says why); engine and reference are copies above
+        # Under PP the unit is this rank's stage, cut above: 1F1B interleaves micro-batches' forwards and backwards,
+        # so a layer's weights stay gathered from its forward to its backward (torchtitan's choice under PP)
         amp = step_config(cfg, mode).amp_dtype
         apply_fsdp(policy, mesh.fsdp_mesh, mixed_precision(amp) if amp == torch.bfloat16 else None,
-                   reshard_after_forward=True)
+                   reshard_after_forward=pipeline is None)
+        if pipeline is not None and amp == torch.bfloat16:  # bf16 weights: the residual stream, hence the
+            pipeline.act_dtype = amp  # activations and taps the stages exchange, are bf16 (cotrain_pp's act_dtype)
     opt = build_optimizer(policy, draft if mode == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
     sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps,
                             cfg.train.lr_schedule)
