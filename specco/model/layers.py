@@ -135,6 +135,8 @@ def fuse_linears(module: nn.Module, fused: str, parts: list[tuple[str, int]]):
     to other ranks with broadcast_object_list) and deep-copies.
     """
     parts = tuple(parts)
+    # what a reader of HF files needs to fill the fused rows piecewise (hf_io.policy_layout)
+    module.fused_linears = {**getattr(module, "fused_linears", {}), fused: parts}
     module.register_state_dict_post_hook(functools.partial(_split_fused, fused=fused, parts=parts))
     module.register_load_state_dict_pre_hook(functools.partial(_join_fused, fused=fused, parts=parts))
 
