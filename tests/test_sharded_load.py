@@ -13,9 +13,9 @@ tied and untied, one of them stored in bf16 and loaded in fp32 (the cast). Sizes
 straddles the fused parts: qkv_proj is 48 q + 16 k + 16 v rows (dp_shard 4: rows 40-60 and 60-80 cross q|k and
 k|v), gate_up_proj 51 + 51 rows (chunks of 26 cross gate|up at 51), vocab 53 (uneven: 14, 14, 14, 11).
 Layouts: dp_shard 2, dp_shard 4, and HSDP 2 x 2 (a Replicate mesh dim). Mutations checked to fail here: the
-pieces of a fused row range concatenated in reverse order (HFTensors.concat_rows; fails on qkv_proj at
-dp_shard 2), a part read at the fused offset instead of its own (`a` for `a - off`), and a floor instead of
-FSDP's ceil chunk in shard_rows (its own check against the local shard's length).
+parts of a fused parameter walked in reverse order (HFTensors.read_rows_into; fails on qkv_proj at dp_shard 2),
+a part read at the wrong offset (a shape error), and a floor instead of FSDP's ceil chunk in shard_rows (its
+own check against the local shard's length).
 """
 import copy
 

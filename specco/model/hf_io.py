@@ -239,7 +239,7 @@ def policy_layout(model: Policy) -> dict[str, list[tuple[str, int]]]:
 class HFTensors:
     """The tensors of a HF checkpoint directory by name, read a row range at a time: `safe_open(...).get_slice`
     maps the file and copies out only the requested rows' bytes, so a rank that holds 1/n of a tensor reads
-    1/n of it. Headers are read once (`check_policy_dir` checked them); files stay open until `close`."""
+    1/n of it. Headers are read once here (`check_policy_dir` checked them)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -249,7 +249,6 @@ class HFTensors:
             for k, v in _safetensors_header(f).items():
                 if k != "__metadata__":
                     self.where[k] = (f, tuple(v["shape"]))
-        self._files: dict[Path, object] = {}
 
     def check(self, layout: dict[str, list[tuple[str, int]]], shapes: dict[str, tuple[int, ...]]) -> None:
         """Every HF tensor `layout` names is in the files with the shape the model needs (`shapes`: the model's
@@ -275,33 +274,32 @@ class HFTensors:
                               f"in {self.where[extra[0]][0].name}")
 
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of dim 0 of tensor `key`, refused (ConfigError naming file and key) if not finite."""
+        """Rows [start, stop) of dim 0 of tensor `key`, refused (ConfigError naming file and key) if not finite.
+        The file is opened for this read only: the pages a read maps count in the process's resident memory
+        while the file stays open, so a handle kept across a whole load would hold this rank's share of the
+        checkpoint's bytes on top of its shards (bench/sharded_load.py measured ~1x the shards more)."""
         f, _ = self.where[key]
-        if f not in self._files:
-            try:
-                self._files[f] = safe_open(str(f), framework="pt")
-            except (SafetensorError, OSError) as e:
-                raise ConfigError(f"{f} could not be read as safetensors ({e}); re-download or re-save it") from None
-        t = self._files[f].get_slice(key)[start:stop]
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                t = fh.get_slice(key)[start:stop]
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{f} could not be read as safetensors ({e}); re-download or re-save it") from None
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise ConfigError(f"{f}: tensor {key!r} holds {int((~torch.isfinite(t)).sum())} NaN/inf values in rows "
                               f"[{start}, {stop}); the checkpoint is corrupt (re-download it) or was saved from a "
                               "diverged run (use an earlier checkpoint)")
         return t
 
-    def concat_rows(self, parts: list[tuple[str, int]], start: int, stop: int) -> torch.Tensor | None:
-        """Rows [start, stop) of the concatenation of `parts` along dim 0 (`policy_layout`), read piecewise:
-        part i covers rows [off_i, off_i + n_i) of the whole; None for an empty range."""
-        pieces, off = [], 0
+    def read_rows_into(self, out: torch.Tensor, parts: list[tuple[str, int]], start: int) -> None:
+        """Fill `out` with rows [start, start + len(out)) of the concatenation of `parts` along dim 0
+        (`policy_layout`), read piecewise and cast to out's dtype: part i covers rows [off_i, off_i + n_i) of the
+        whole. One part's rows in flight at a time, never the concatenation."""
+        stop, off = start + out.shape[0], 0
         for key, n in parts:
             a, b = max(start, off), min(stop, off + n)
             if a < b:
-                pieces.append(self.rows(key, a - off, b - off))
+                out[a - start:b - start].copy_(self.rows(key, a - off, b - off).to(out.dtype))
             off += n
-        return torch.cat(pieces) if pieces else None
-
-    def close(self) -> None:
-        self._files.clear()  # safe_open handles unmap when dropped
 
 
 def whole_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -327,8 +325,6 @@ def load_policy_rows(path: str | os.PathLike, model: Policy, rows_of=whole_rows)
     src.check(layout, {k: tuple(p.shape) for k, p in params.items()})
     for name, parts in layout.items():
         local, start, stop = rows_of(params[name])
-        t = src.concat_rows(parts, start, stop)
-        if t is not None:
-            local.copy_(t.to(local.dtype))  # the cast load_policy's .to(dtype) makes, row for row
-    src.close()
+        assert local.shape[0] == stop - start, (name, tuple(local.shape), start, stop)
+        src.read_rows_into(local, parts, start)  # the cast load_policy's .to(dtype) makes, row for row
     return model
