@@ -10,9 +10,10 @@ refuse them and to bound each payload at 64 KB (a recipe is a few KB; the tiny p
 share_policy from a directory every rank reads: each rank loads it itself (share_model patched to fail
 on the receiving ranks proves nothing was broadcast); when rank 0's policy is NOT the directory's weights
 (one weight changed after loading), the digests differ and every rank falls back to the broadcast, ending
-with rank 0's weights. Mutations checked to fail here: skipping the re-tie after `to_empty` (share_model's own
-check of the built layout against rank 0's names it), and accepting a directory copy without comparing digests
-(the perturbed case: 'fallback', layers.1.mlp.down_proj.weight).
+with rank 0's weights; so do they when one rank cannot read the directory. Mutations checked to fail here:
+skipping the re-tie after `to_empty` (share_model's own check of the built layout against rank 0's names it), and
+accepting a directory copy without comparing digests (the perturbed case: 'fallback',
+layers.1.mlp.down_proj.weight).
 """
 import pickle
 
@@ -97,6 +98,13 @@ def _share(rank, world, d):
     with torch.no_grad():
         expect.layers["1"].mlp.down_proj.weight[0, 0] += 1.0
     _same(expect, got, "fallback")
+    # a rank that cannot read the directory (here: its reads fail): every rank takes the broadcast
+    real_load = setup.load_policy
+    if rank == world - 1:
+        setup.load_policy = lambda *a, **k: (_ for _ in ()).throw(OSError("not on this node"))
+    got = setup.share_policy(ref if rank == 0 else None, d, mesh, "cpu")
+    setup.load_policy = real_load
+    _same(expect, got, "unreadable on one rank")
 
 
 @pytest.mark.parametrize("world", [2, 3])

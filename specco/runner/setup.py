@@ -138,6 +138,13 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def _all(flag: bool, mesh: Mesh) -> bool:
+    """Whether `flag` holds on every rank (a collective)."""
+    t = torch.tensor([int(flag)], device=mesh.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=dist.group.WORLD)
+    return bool(t.item())
+
+
 def share_policy(policy: Policy | None, readable: str | os.PathLike | None, mesh: Mesh | None, device) -> Policy:
     """Rank 0's starting `policy` on every rank. `readable` (rank 0's): an HF directory whose weights, cast to
     the policy's dtype, ARE the policy (policy.source without an SFT stage), or None. When every rank can read
@@ -145,9 +152,7 @@ def share_policy(policy: Policy | None, readable: str | os.PathLike | None, mesh
     weights are broadcast (share_model). A collective: every rank calls it."""
     if mesh is None:
         return policy
-    plan = None
-    if mesh.rank == 0:
-        plan = (str(readable), next(policy.parameters()).dtype, _digest(policy)) if readable is not None else None
+    plan = (str(readable), next(policy.parameters()).dtype) if mesh.rank == 0 and readable is not None else None
     plan = _broadcast_object(plan, mesh)
     mine = None
     if plan is not None and mesh.rank != 0 and Path(plan[0]).is_dir():
@@ -155,9 +160,9 @@ def share_policy(policy: Policy | None, readable: str | os.PathLike | None, mesh
             mine = load_policy(plan[0], device=device).to(plan[1])
         except Exception:  # unreadable here: the broadcast below carries it (a bad file on rank 0 failed there)
             mine = None
-    ok = torch.tensor([int(mesh.rank == 0 or (mine is not None and _digest(mine) == plan[2]))],
-                      device=mesh.device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=dist.group.WORLD)
-    if plan is not None and bool(ok.item()):
-        return policy if mesh.rank == 0 else mine
+    if plan is not None and _all(mesh.rank == 0 or mine is not None, mesh):  # every rank read: compare the bits
+        digest = _broadcast_object(_digest(policy) if mesh.rank == 0 else None, mesh)
+        if _all(mesh.rank == 0 or _digest(mine) == digest, mesh):
+            return policy if mesh.rank == 0 else mine
+    mine = None  # a copy that differs goes before the broadcast fills a new one
     return share_model(policy, mesh, device)
