@@ -6,7 +6,8 @@ the policy is broadcast as tensors instead (share_model) — and with rank 0's o
 Tolerance: none. Both paths give rank 1 the same bits (the digest says so), so every later number is the same
 arithmetic; a copy that differed in one weight would change the losses at the first update.
 Mutation checked: rank 1's read copy off by 1e-3 in the final norm with the digest comparison skipped fails here
-(draft/loss differs at step 1); with the comparison (as written) the run falls back to the broadcast and equals.
+(draft/loss differs at step 1); with the comparison kept, the same perturbation is caught: rank 1 falls back to
+the broadcast (which this test reports as the read path not taken).
 """
 import json
 import os
