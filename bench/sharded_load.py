@@ -1,6 +1,6 @@
 """Peak host memory per rank of loading an HF checkpoint: the whole load vs the sharded load (parallel/load.py).
 
-    python bench/sharded_load.py                 # a random ~530 MB fp32 policy; whole, dp_shard 2 and 4
+    python bench/sharded_load.py                 # a random 508 MB fp32 policy; whole, dp_shard 2 and 4
     python bench/sharded_load.py --layers 2      # quicker (~270 MB)
 
 Each variant runs in fresh gloo worker processes (specco.parallel.mesh.spawn_local), one row per rank:
@@ -9,6 +9,8 @@ Each variant runs in fresh gloo worker processes (specco.parallel.mesh.spawn_loc
     whole+fsdp N   what a rank did before the sharded load: load_policy(dir), then apply_fsdp over N ranks
     sharded N      load_sharded_policy(dir, mesh): meta-init, apply_fsdp, to_empty, each rank reading only its
                    rows (safe_open(...).get_slice)
+    pickled 2      rank 0's whole policy to rank 1 as before: deepcopy + pickled broadcast_object_list
+    tensors 2      the same by runner/setup.share_model: a recipe object, then one dist.broadcast per tensor
 
 What is measured: the process's peak resident set during the load minus its resident set just before
 (Linux: VmHWM is reset by writing 5 to /proc/self/clear_refs, then read from /proc/self/status). Resident
@@ -61,12 +63,28 @@ def _local_bytes(model) -> int:
     return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
 
 
+def _pickled(policy, rank):
+    """The start-up broadcast before runner/setup.share_model: rank 0 deep-copies the model and every rank
+    receives it pickled through broadcast_object_list (kept here only to measure it)."""
+    import copy
+    import torch.distributed as dist
+    box = [copy.deepcopy(policy) if rank == 0 else None]
+    dist.broadcast_object_list(box, group_src=0)
+    return policy if rank == 0 else box[0]
+
+
 def _worker(rank, world, d, mode, out):
     from specco.parallel.fsdp import apply_fsdp
     from specco.parallel.load import load_sharded_policy
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (world,))
-    if mode == "whole":
+    if mode in ("pickled", "tensors"):  # rank 0 holds the policy; measured: getting it to every rank
+        from specco.parallel.mesh import Mesh
+        from specco.runner.setup import share_model
+        m = Mesh.build(dp=world, backend="gloo")
+        policy = load_policy(d) if rank == 0 else None
+        load = (lambda: share_model(policy, m, "cpu")) if mode == "tensors" else (lambda: _pickled(policy, rank))
+    elif mode == "whole":
         load = lambda: load_policy(d)  # noqa: E731
     elif mode == "whole+fsdp":
         load = lambda: apply_fsdp(load_policy(d), mesh)  # noqa: E731
@@ -95,7 +113,8 @@ def main():
         print(f"policy: {n / 1e6:.1f}M parameters, model.safetensors {file_mb:.0f} MB (fp32)", flush=True)
         rows_dir = Path(tmp) / "rows"
         rows_dir.mkdir()
-        for mode, world in (("whole", 1), ("whole+fsdp", 2), ("sharded", 2), ("whole+fsdp", 4), ("sharded", 4)):
+        for mode, world in (("whole", 1), ("whole+fsdp", 2), ("sharded", 2), ("whole+fsdp", 4), ("sharded", 4),
+                            ("pickled", 2), ("tensors", 2)):
             spawn_local(_worker, world, d, mode, rows_dir)
             for r in range(world):
                 row = json.loads((rows_dir / f"{mode}_{world}_{r}.json").read_text())
