@@ -1,6 +1,6 @@
 """Bad model inputs fail at the boundary with FileNotFoundError or ConfigError whose message names the
 file and the fix — never a bare traceback from inside safetensors or torch (specco/model/hf_io.py:
-check_policy_dir, load_policy, check_tokenizer_fits; specco/devices.py: resolve_device).
+check_policy_dir, load_policy, load_policy_rows, check_tokenizer_fits; specco/devices.py: resolve_device).
 
 Each bad input is written into tmp_path from a tiny policy saved by specco's own `save_policy`.
 """
@@ -15,7 +15,7 @@ from specco.cli import main
 from specco.data.tokenizer import build_char_tokenizer
 from specco.devices import resolve_device
 from specco.model.config import ConfigError, PolicyConfig
-from specco.model.hf_io import check_policy_dir, check_tokenizer_fits, load_policy, save_policy
+from specco.model.hf_io import check_policy_dir, check_tokenizer_fits, load_policy, load_policy_rows, save_policy
 from specco.model.policy import Policy
 
 CFG = PolicyConfig(vocab_size=101, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
@@ -160,3 +160,31 @@ def test_cli_generate_checks_the_checkpoint_first(policy_dir, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--policy", str(policy_dir), "--prompt", "1+2=", "--device", "cpu"])
     assert e.value.code == 2 and "model.safetensors" in capsys.readouterr().err
+
+
+def _rows_load(d):
+    """The row-wise (sharded) loader on one process: a meta policy materialised, then filled (hf_io.load_policy_rows)."""
+    with torch.device("meta"):
+        model = Policy(check_policy_dir(d))
+    return load_policy_rows(d, model.to_empty(device="cpu"))
+
+
+def test_row_loader_equals_whole_load_and_names_bad_tensors(policy_dir, tmp_path):
+    """load_policy_rows with every row equals load_policy bit for bit; a missing tensor, a wrong shape, an
+    unexpected tensor and NaN rows are ConfigErrors naming the key and the file."""
+    ref, got = load_policy(policy_dir), _rows_load(policy_dir)
+    for (k, a), (k2, b) in zip(ref.state_dict().items(), got.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    f = policy_dir / "model.safetensors"
+    good = load_file(str(f))
+    key = "model.layers.1.self_attn.k_proj.weight"  # a part of the fused qkv_proj
+    save_file({k: v for k, v in good.items() if k != key}, str(f), metadata={"format": "pt"})
+    _raises(ConfigError, lambda: _rows_load(policy_dir), repr(key), "missing", "model.safetensors")
+    save_file({**good, key: good[key][:-1]}, str(f), metadata={"format": "pt"})
+    _raises(ConfigError, lambda: _rows_load(policy_dir), str(f), repr(key), "[15, 32]", "[16, 32]")
+    save_file({**good, "model.extra.weight": good[key].clone()}, str(f), metadata={"format": "pt"})
+    _raises(ConfigError, lambda: _rows_load(policy_dir), "unexpected", "model.extra.weight")
+    bad = good["model.layers.0.mlp.up_proj.weight"].clone()
+    bad[7, 1] = float("nan")
+    save_file({**good, "model.layers.0.mlp.up_proj.weight": bad}, str(f), metadata={"format": "pt"})
+    _raises(ConfigError, lambda: _rows_load(policy_dir), str(f), "'model.layers.0.mlp.up_proj.weight'", "NaN/inf")

@@ -6,6 +6,18 @@ the fix, never a bare traceback from inside safetensors or torch.
 The policy's module names mirror transformers', so the mapping is a prefix: HF `model.X` <->
 specco `X`, and `lm_head.weight` stays as it is. Tied heads are saved without `lm_head.weight`,
 like transformers does. Loading is strict: any missing or unexpected tensor is an error.
+
+Two ways in:
+
+    policy = load_policy(dir)                      # the whole policy, every tensor read whole
+    load_policy_rows(dir, model, rows_of)          # fill a materialised model row range by row range
+
+`load_policy_rows` is the sharded load (docs: README "GPUs and torchrun"): the caller builds the policy on
+the meta device, shards it from outside (parallel/load.py: `apply_fsdp`, then `to_empty`), and passes
+`rows_of(param) -> (local tensor, first row, end row)`, the rows of dim 0 this process holds
+(parallel.fsdp.shard_rows); only those rows' bytes are read from the files (safetensors' `get_slice`). A
+fused parameter (`qkv_proj`, `gate_up_proj`: layers.fuse_linears) is the concatenation of several HF tensors
+along dim 0, so its row range is read piecewise from each part it overlaps (`policy_layout`).
 """
 from __future__ import annotations
 
@@ -15,7 +27,7 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import ConfigError, PolicyConfig
@@ -207,3 +219,112 @@ def load_policy(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     return model.to(dtype)
+
+
+def policy_layout(model: Policy) -> dict[str, list[tuple[str, int]]]:
+    """{parameter name: [(HF key, rows), ...]} for every parameter of `model` (`named_parameters` order: a tied
+    head once, as the embedding it is): the HF tensors whose concatenation along dim 0 the parameter is. One for
+    most; q, k, v for `qkv_proj` and gate, up for `gate_up_proj` (the parts `layers.fuse_linears` recorded on
+    the module). Shapes are the whole tensors' (a DTensor's `shape` is global), so a sharded model has the
+    layout of the whole one."""
+    fused = {}
+    for mod_name, mod in model.named_modules():
+        pre = f"{mod_name}." if mod_name else ""
+        for name, parts in getattr(mod, "fused_linears", {}).items():
+            for suffix in ("weight", "bias"):
+                fused[f"{pre}{name}.{suffix}"] = [(_to_hf_key(f"{pre}{part}.{suffix}"), n) for part, n in parts]
+    return {k: fused.get(k, [(_to_hf_key(k), p.shape[0])]) for k, p in model.named_parameters()}
+
+
+class HFTensors:
+    """The tensors of a HF checkpoint directory by name, read a row range at a time: `safe_open(...).get_slice`
+    maps the file and copies out only the requested rows' bytes, so a rank that holds 1/n of a tensor reads
+    1/n of it. Headers are read once here (`check_policy_dir` checked them)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.cfg = check_policy_dir(self.path)
+        self.where: dict[str, tuple[Path, tuple[int, ...]]] = {}  # HF key -> (its file, its shape)
+        for f in _weight_files(self.path):
+            for k, v in _safetensors_header(f).items():
+                if k != "__metadata__":
+                    self.where[k] = (f, tuple(v["shape"]))
+
+    def check(self, layout: dict[str, list[tuple[str, int]]], shapes: dict[str, tuple[int, ...]]) -> None:
+        """Every HF tensor `layout` names is in the files with the shape the model needs (`shapes`: the model's
+        parameter shapes by name), and the files hold nothing else but what loading ignores (rotary buffers, a
+        tied head). A ConfigError names the key, the file and the fix otherwise."""
+        expected = {}
+        for name, parts in layout.items():
+            for key, n in parts:
+                expected[key] = (n, *shapes[name][1:]) if len(parts) > 1 else tuple(shapes[name])
+        for key, shape in expected.items():
+            if key not in self.where:
+                raise ConfigError(f"checkpoint {self.path}: tensor {key!r} is missing from "
+                                  f"{', '.join(sorted({f.name for f, _ in self.where.values()})) or 'its files'}; "
+                                  f"the checkpoint does not match its config.json (re-download or re-save it)")
+            f, found = self.where[key]
+            if found != shape:
+                raise ConfigError(f"{f}: tensor {key!r} has shape {list(found)}, config.json's model needs "
+                                  f"{list(shape)}; the checkpoint does not match its config.json (re-save it)")
+        ignored = "lm_head.weight" if self.cfg.tie_word_embeddings else None
+        extra = sorted(k for k in self.where if k not in expected and k != ignored and "rotary_emb" not in k)
+        if extra:
+            raise ConfigError(f"checkpoint {self.path} does not match the config: unexpected {extra[:5]} "
+                              f"in {self.where[extra[0]][0].name}")
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dim 0 of tensor `key`, refused (ConfigError naming file and key) if not finite.
+        The file is opened for this read only: the pages a read maps count in the process's resident memory
+        while the file stays open, so a handle kept across a whole load would hold this rank's share of the
+        checkpoint's bytes on top of its shards (bench/sharded_load.py measured ~1x the shards more)."""
+        f, _ = self.where[key]
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                t = fh.get_slice(key)[start:stop]
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"{f} could not be read as safetensors ({e}); re-download or re-save it") from None
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ConfigError(f"{f}: tensor {key!r} holds {int((~torch.isfinite(t)).sum())} NaN/inf values in rows "
+                              f"[{start}, {stop}); the checkpoint is corrupt (re-download it) or was saved from a "
+                              "diverged run (use an earlier checkpoint)")
+        return t
+
+    def read_rows_into(self, out: torch.Tensor, parts: list[tuple[str, int]], start: int) -> None:
+        """Fill `out` with rows [start, start + len(out)) of the concatenation of `parts` along dim 0
+        (`policy_layout`), read piecewise and cast to out's dtype: part i covers rows [off_i, off_i + n_i) of the
+        whole. One part's rows in flight at a time, never the concatenation."""
+        stop, off = start + out.shape[0], 0
+        for key, n in parts:
+            a, b = max(start, off), min(stop, off + n)
+            if a < b:
+                out[a - start:b - start].copy_(self.rows(key, a - off, b - off).to(out.dtype))
+            off += n
+
+
+def whole_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """`rows_of` of an unsharded model: every row of the parameter."""
+    return param, 0, param.shape[0]
+
+
+@torch.no_grad()
+def load_policy_rows(path: str | os.PathLike, model: Policy, rows_of=whole_rows) -> Policy:
+    """Fill `model` — its storage allocated (`to_empty` after building it on the meta device) — from the HF
+    checkpoint at `path`, reading for each parameter only the rows `rows_of(param)` names: (the local tensor to
+    write, first row, end row) of dim 0 of the whole parameter (parallel.fsdp.shard_rows under FSDP;
+    `whole_rows`, the default, reads everything). Checked first (`HFTensors.check`): a missing tensor or a wrong
+    shape is a ConfigError naming the key and the file; `model`'s config must be the directory's. Values are
+    cast to the model's dtype, as `load_policy(...).to(dtype)` casts them: the same bits. A tied head shares the
+    embedding's storage, so it is filled with it; re-tie after `to_empty` (which unties) before calling."""
+    src = HFTensors(path)
+    if src.cfg != model.cfg:
+        raise ConfigError(f"{Path(path) / 'config.json'} describes another model than the one being filled "
+                          f"({src.cfg} vs {model.cfg}); build the model from load_policy_config({path})")
+    layout = policy_layout(model)
+    params = dict(model.named_parameters())
+    src.check(layout, {k: tuple(p.shape) for k, p in params.items()})
+    for name, parts in layout.items():
+        local, start, stop = rows_of(params[name])
+        assert local.shape[0] == stop - start, (name, tuple(local.shape), start, stop)
+        src.read_rows_into(local, parts, start)  # the cast load_policy's .to(dtype) makes, row for row
+    return model

@@ -131,10 +131,12 @@ def fuse_linears(module: nn.Module, fused: str, parts: list[tuple[str, int]]):
     dot product). `state_dict()` returns the parts as row-slice *views* of the fused tensor, so an
     in-place `copy_` into them (the rollout engine's refit) writes the fused weight; loading a state
     dict with the parts concatenates them. A state dict holding the fused key itself also loads.
-    The hooks are partials of module-level functions, so the module still pickles (a policy is sent
-    to other ranks with broadcast_object_list) and deep-copies.
+    The hooks are partials of module-level functions, so the module still deep-copies (and pickles).
+    `module.fused_linears` records the parts, so a reader of HF files can fill the fused rows piecewise
+    (hf_io.policy_layout: the sharded load reads only the rows a rank holds).
     """
     parts = tuple(parts)
+    module.fused_linears = {**getattr(module, "fused_linears", {}), fused: parts}
     module.register_state_dict_post_hook(functools.partial(_split_fused, fused=fused, parts=parts))
     module.register_load_state_dict_pre_hook(functools.partial(_join_fused, fused=fused, parts=parts))
 

@@ -46,8 +46,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
-__all__ = ["apply_fsdp", "mixed_precision", "fsdp_modules", "is_sharded", "layer_reshards_after_forward"]
+__all__ = ["apply_fsdp", "mixed_precision", "fsdp_modules", "is_sharded", "layer_reshards_after_forward",
+           "shard_rows"]
 
 
 def mixed_precision(dtype: torch.dtype | None) -> MixedPrecisionPolicy:
@@ -104,3 +106,30 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def shard_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(local tensor, first row, end row): which rows of dim 0 of the whole `param` this rank holds, and the
+    tensor that holds them (written in place: FSDP's own sharded storage). The one home of FSDP2's cut: along
+    dim 0 as `torch.chunk` cuts, ceil(n / k) rows per rank of a k-rank mesh dim, the last ranks' shorter or empty
+    (n = 3 rows over k = 4: 1, 1, 1, 0); a Replicate mesh dim (HSDP's dp_replicate) holds every row. A plain
+    tensor is all rows. Anything else (Shard of another dim: TP) is refused: this function would misplace it.
+    Checked against the local shard's own length, so a changed FSDP cut fails here, not as wrong weights."""
+    if not isinstance(param, DTensor):
+        return param, 0, param.shape[0]
+    start, n = 0, param.shape[0]
+    for dim, placement in enumerate(param.placements):
+        if placement.is_replicate():
+            continue
+        if not (placement.is_shard() and placement.dim == 0):
+            raise ValueError(f"shard_rows: placement {placement} on mesh dim {dim}; only Shard(0) and Replicate "
+                             "(FSDP / HSDP) are read row-wise")
+        k, r = param.device_mesh.size(dim), param.device_mesh.get_local_rank(dim)
+        chunk = -(-n // k)  # ceil
+        a, b = min(r * chunk, n), min((r + 1) * chunk, n)
+        start, n = start + a, b - a
+    with torch.no_grad():  # no autograd view: the tensor FSDP's sharded parameter is
+        local = param.to_local()
+    if local.shape[0] != n:
+        raise AssertionError(f"shard_rows: the local shard has {local.shape[0]} rows, the chunk rule {n}")
+    return local, start, start + n

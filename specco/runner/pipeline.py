@@ -36,7 +36,7 @@ from .derive import arm_config, generate_config, on_device, warm_configs
 from .prepare import copy_tokenizer_files, evaluate, prepare_drafts, prepare_policy, say, source_dir
 from .report import MetricsLog, plot_arms, read_jsonl
 from .rl import full_models, run_arm
-from .setup import from_rank0, parallel_setup, pick_device
+from .setup import from_rank0, parallel_setup, pick_device, share_model, share_policy
 from .stages import RunLock, commit_dir, record_config, remove_stale_temporaries, seed_stage
 from .validate import JobData, check_job
 
@@ -79,17 +79,21 @@ def _run(cfg: RunConfig, data: JobData, mesh, rank: int, progress: bool, force_n
         torch.set_float32_matmul_precision("high")
     t_start = time.perf_counter()
     # The starting policy and drafts are made on rank 0 (each stage is skipped when its output exists in rank 0's
-    # out_dir); the other ranks receive them through the process group, so no path needs to be shared between
-    # nodes (only rank 0 reads and writes out_dir).
-    policy = tok = None
+    # out_dir); the other ranks receive them through the process group as tensors, never pickled (setup.py), so
+    # no path needs to be shared between nodes (only rank 0 reads and writes out_dir). Without an SFT stage the
+    # policy is policy.source's weights: ranks that can all read it load it themselves (setup.share_policy).
+    policy = tok = readable = None
     sft_m, drafts, warm_m = {}, {}, {}
     if rank == 0:
         policy, tok, sft_m = prepare_policy(cfg, data, out, device, progress)
-    policy, tok = from_rank0((policy, tok), mesh, device)
+        # (not smollm2's converted copy: source_dir would convert it again on a resume)
+        readable = cfg.policy.source if data.sft is None and cfg.policy.source not in ("", "tiny", "smollm2") else None
+    (tok,) = from_rank0((tok,), mesh, device)
+    policy = share_policy(policy, readable, mesh, device)
     if rank == 0:
         drafts, warm_m = prepare_drafts(cfg, policy, tok, data, out, progress)
     kinds = tuple(warm_configs(cfg)) if any(a != "none" for a in cfg.arms) else ()
-    drafts = dict(zip(kinds, from_rank0(tuple(drafts.get(k) for k in kinds), mesh, device)))
+    drafts = {k: share_model(drafts.get(k), mesh, device) for k in kinds}
     say(f"[3/4] RL: {cfg.train.steps} GRPO steps x arms {', '.join(cfg.arms)}"
         + (f" on {mesh.dp} data-parallel x {mesh.cp} context-parallel ranks" if mesh is not None else ""), progress)
     arm_rows = {}
