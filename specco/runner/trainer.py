@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..config import RunConfig
+from ..faults import point
 from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
@@ -326,6 +327,7 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
         st.opt.load_state_dict(snap[1][1])
         m["nonfinite_skipped"] = 1
     m["time/train"] = time.perf_counter() - t0
+    point("rl_step/updated")  # mid-step: trained, not yet refit nor checkpointed (the elastic restart test's kill)
     for k in hist[0]:  # means over the updates (one update: its own values); seconds add up instead
         m[k] = sum(h[k] for h in hist) / (1 if k.startswith("time/") else len(hist))
     m["ppo/updates"] = updates
