@@ -10,6 +10,7 @@ rewards and losses, and this test fails.
 """
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +31,19 @@ ARMS = ("none", "frozen", "cotrained")
 pytestmark = pytest.mark.e2e
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _train(out: Path, fault: dict) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **fault}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
-           "--monitor-interval=0.5", "-m", "specco", *ARGS, f"out_dir={out}"]
+    # an explicit c10d rendezvous: with --standalone (torch 2.13, gloo) the restarted workers hung in
+    # init_process_group; with an endpoint the restart rendezvouses afresh
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=specco-elastic", "--nproc-per-node=2",
+           "--max-restarts=1", "--monitor-interval=0.5", "-m", "specco", *ARGS, f"out_dir={out}"]
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-4000:]
     return p.stdout
@@ -50,7 +60,7 @@ def test_rank_killed_mid_step_restarts_and_equals_uninterrupted(tmp_path):
     # the 2nd time rank 1 finishes its updates: step 2 of the first arm, after step 1's checkpoint
     log = _train(tmp_path / "killed", {"SPECCO_FAULT": "rl_step/updated#2@1", "SPECCO_FAULT_ONCE": str(marker)})
     assert marker.exists(), "the fault never fired"
-    assert f"exitcode  : {KILLED_EXIT}" in log or "restart" in log.lower(), log[-3000:]
+    assert f"(exitcode: {KILLED_EXIT})" in log, log[-3000:]  # torchrun saw the kill, and restarted
     _train(tmp_path / "straight", {})
     killed, straight = _rows(tmp_path / "killed"), _rows(tmp_path / "straight")
     for arm in ARMS:
