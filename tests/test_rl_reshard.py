@@ -16,8 +16,8 @@ What "continues exactly" means (arm_checkpoint.py's docstring):
 Tolerance as tests/test_rl_cp.py: rtol 1e-9 (parameters atol 1e-10 after two AdamW steps): the checkpoint round
 trip is bit-exact (safetensors keeps the fp64 bytes), so only summation orders differ (reduce-scatter over 2 or
 4 shards, pipeline stages vs one process). policy/loss, ratio and KL statistics at 1e-6: fp32 log-probs by
-design. Mutation checked: loading the checkpoint's AdamW moments zeroed (or skipping the LR scheduler's state)
-fails the parameter comparison by ~1e-3.
+design. Mutation checked: skipping the LR scheduler's state on load (sharded_checkpoint.load) fails the dp_shard
+2 -> 4 comparison.
 """
 from pathlib import Path
 
