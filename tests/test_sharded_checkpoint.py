@@ -239,3 +239,15 @@ def _crash_worker(rank, world, root, target):
                                     "sharded_checkpoint/renamed"])
 def test_crash_mid_write_leaves_previous_loadable(tmp_path, target):
     spawn_local(_crash_worker, 2, str(tmp_path / "ckpt"), target)
+
+
+def _unshared_worker(rank, world, tmp):
+    """Each rank's `root` is its own directory: two nodes without a shared filesystem."""
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(CheckpointError, match=r"not one directory for every rank: rank\(s\) \[1\]"):
+        save(f"{tmp}/node{rank}/ckpt", 1, {"model": model, "step": 1})
+
+
+def test_root_not_shared_is_named(tmp_path):
+    """Every rank (not only the blind one) stops with the error, before DCP's collectives could hang."""
+    spawn_local(_unshared_worker, 2, str(tmp_path))

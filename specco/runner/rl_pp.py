@@ -11,9 +11,8 @@ What each rank holds (rank = (pp_rank · dp + dp_rank) · cp + cp_rank, parallel
 
 Per PPO update: `pp_cotrain_step` (1F1B, the TapChannel feeding the draft). Refit: `gather_stages` (one
 broadcast per stage over the pipeline group) plus the draft's state from the last stage — timed as
-`time/gather` in the metrics. Checkpoints hold the whole policy (gathered), the draft and every
-stage's optimizer and scheduler state (lists indexed by stage; under FSDP the AdamW moments gathered whole,
-sharded again on resume), so a run resumes with the same parallel.pp.
+`time/gather` in the metrics. Checkpoints are sharded (arm_checkpoint.py): each stage writes its layers and
+their AdamW moments, so a run resumes at another parallel.pp (or on one process).
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ from ..train.cotrain import micro_batches
 from ..train.cotrain_pp import pp_cotrain_step
 from ..train.grad_sync import grad_syncs
 
-__all__ = ["PipelineArm", "pp_train_updates", "gather_for_refit", "pp_checkpoint_state", "pp_restore"]
+__all__ = ["PipelineArm", "pp_train_updates", "gather_for_refit"]
 
 
 @dataclass
@@ -102,35 +101,3 @@ def _draft_state(st, mesh: Mesh) -> dict | None:
 def gather_for_refit(st, mesh: Mesh) -> tuple[dict, dict | None]:
     """(whole policy state, draft state) on every rank: the stages gathered over the pipeline group."""
     return gather_stages(st.policy, mesh.pp_group), _draft_state(st, mesh)
-
-
-def pp_checkpoint_state(st, mesh: Mesh, opt_state: dict | None = None) -> dict:
-    """What a PP checkpoint adds over the single-stage one (a collective over the pipeline group): the
-    whole policy, the last stage's draft, and every stage's optimizer and scheduler states (lists indexed by
-    stage: the last stage's have the draft's param group too). `opt_state`: this stage's optimizer state with
-    whole tensors (under FSDP its moments gathered: rl_fsdp.whole_optimizer_state); None: `st.opt`'s own."""
-    per_stage = [None] * mesh.pp  # (optimizer, scheduler) states: their param groups differ per stage
-    opt_state = st.opt.state_dict() if opt_state is None else opt_state
-    dist.all_gather_object(per_stage, (opt_state, st.sched.state_dict()), group=mesh.pp_group)
-    draft = _draft_state(st, mesh) if st.mode == "cotrained" else (st.draft.state_dict() if st.draft is not None else None)
-    return {"policy": gather_stages(st.policy, mesh.pp_group), "draft": draft,
-            "opt": [o for o, _ in per_stage], "sched": [s for _, s in per_stage], "pp": mesh.pp}
-
-
-def pp_restore(st, s: dict, path: str, load_sharded=None) -> None:
-    """Load this stage's part of a PP checkpoint (written with the same parallel.pp). `load_sharded(st, part)`:
-    how a stage sharded by FSDP takes its whole-tensor part {"policy", "opt"} (rl_fsdp.fsdp_restore); None: plain
-    load_state_dict."""
-    mesh = st.pipeline.mesh
-    if s.get("pp", 1) != mesh.pp:
-        raise ValueError(f"checkpoint {path} was written with parallel.pp={s.get('pp', 1)}, this run has "
-                         f"{mesh.pp}: resume with the same parallel.pp")
-    part = {"policy": {k: s["policy"][k] for k in st.policy.state_dict()}, "opt": s["opt"][mesh.pp_rank]}
-    if load_sharded is not None:
-        load_sharded(st, part)
-    else:
-        st.policy.load_state_dict(part["policy"], strict=True)
-        st.opt.load_state_dict(part["opt"])
-    if st.draft is not None:
-        st.draft.load_state_dict(s["draft"])
-    st.sched.load_state_dict(s["sched"][mesh.pp_rank])

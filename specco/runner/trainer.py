@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..config import RunConfig
+from ..faults import point
 from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
@@ -337,6 +338,7 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
         st.opt.load_state_dict(snap[1][1])
         m["nonfinite_skipped"] = 1
     m["time/train"] = time.perf_counter() - t0
+    point("rl_step/updated")  # mid-step: trained, not yet refit nor checkpointed (the elastic restart test's kill)
     for k in hist[0]:  # means over the updates (one update: its own values); seconds add up instead
         m[k] = sum(h[k] for h in hist) / (1 if k.startswith("time/") else len(hist))
     m["ppo/updates"] = updates
@@ -344,6 +346,27 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     m.update(hooks("after_update", st, ro, mbs, scfg))
     st.sched.step()  # the LR schedule counts RL steps, however many updates each has
     return m
+
+
+def refit_arm(st: ArmState, cfg: RunConfig, mesh: Mesh | None, fingerprint: bool = False) -> tuple[dict, float]:
+    """The engine refilled from the trainer's weights, the one home of that (every RL step; arm_checkpoint after a
+    resume): under PP the stages gathered over the pipeline group (and the last stage's draft), otherwise the
+    policy's state dict (under FSDP DTensor shards, gathered bucket by bucket as they stream: a collective, every
+    rank), in rollout.refit_bucket_mb buckets. A released engine (rollout.offload) is restored first. Returns
+    (the guard's fingerprints, refit_engine's; the seconds the PP gather took, 0 without PP). A draft that is
+    not refit (frozen) is still fingerprinted for the guard's comparison with the engine's."""
+    t0 = time.perf_counter()
+    frozen_draft = st.draft.state_dict() if st.draft is not None and st.mode != "cotrained" else None
+    gather = 0.0
+    if st.pipeline is not None:
+        policy_sd, draft_sd = gather_for_refit(st, mesh)
+        gather = time.perf_counter() - t0
+    else:
+        policy_sd = st.policy.state_dict()
+        draft_sd = st.draft.state_dict() if st.mode == "cotrained" else None
+    st.engine.restore()  # rollout.offload: the released storages allocated again, for the refit to fill
+    guard = refit_engine(st.engine, policy_sd, draft_sd, cfg.rollout.refit_bucket_mb * MB, fingerprint, frozen_draft)
+    return guard, gather
 
 
 def release_engine(st: ArmState, cfg: RunConfig, device) -> dict:
@@ -379,17 +402,9 @@ def rl_step(st: ArmState, cfg: RunConfig, data, tokenizer, device, mesh: Mesh | 
     m = {**ro.metrics, **measured, **offload,
          **train_on_rollouts(st, cfg, ro, tokenizer.pad_id, device, mesh, scfg, attached)}
     t0 = time.perf_counter()
-    # a draft that is not refit (frozen) is still compared with the engine's by the guard
-    frozen_draft = st.draft.state_dict() if st.draft is not None and st.mode != "cotrained" else None
-    if st.pipeline is not None:  # the engine needs the whole policy: gather the stages (and the last's draft)
-        policy_sd, draft_sd = gather_for_refit(st, mesh)
-        m["time/gather"] = time.perf_counter() - t0
-    else:  # under FSDP DTensor shards, gathered bucket by bucket (a collective: every rank) as they stream
-        policy_sd = st.policy.state_dict()
-        draft_sd = st.draft.state_dict() if st.mode == "cotrained" else None
-    st.engine.restore()  # rollout.offload: the released storages allocated again, for the refit to fill
-    guard = refit_engine(st.engine, policy_sd, draft_sd, cfg.rollout.refit_bucket_mb * MB, cfg.train.refit_guard,
-                         frozen_draft)
+    guard, gather = refit_arm(st, cfg, mesh, cfg.train.refit_guard)
+    if st.pipeline is not None:
+        m["time/gather"] = gather
     m["time/refit"] = settled(device) - t0
     if cuda:
         m["mem/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30

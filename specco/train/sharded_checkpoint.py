@@ -58,6 +58,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.optim.lr_scheduler import LRScheduler
 
 from ..faults import point
 from .checkpoint import CheckpointError, _decode, _encode, _fsync, _step_dirs, latest_checkpoint, publish
@@ -77,16 +78,80 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _split(state: dict) -> tuple[nn.ModuleDict, dict, dict]:
+def _split(state: dict) -> tuple[nn.ModuleDict, dict, dict, dict]:
     """(the models as one ModuleDict — so that FQNs are `policy.…`, `draft.…` and one optimizer may span
-    several models —, the optimizers, the JSON run state)."""
+    several models —, the optimizers, the LR schedulers, the JSON run state)."""
     models = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
     optims = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
-    extra = {k: v for k, v in state.items() if k not in models and k not in optims}
+    scheds = {k: v for k, v in state.items() if isinstance(v, LRScheduler)}
+    extra = {k: v for k, v in state.items() if k not in models and k not in optims and k not in scheds}
     for k in state:
         if "." in k:
             raise ValueError(f"checkpoint entry {k!r}: names may not contain '.' (they prefix tensor names)")
-    return nn.ModuleDict(models), optims, extra
+    return nn.ModuleDict(models), optims, scheds, extra
+
+
+def _device() -> torch.device:
+    """Where this rank's collectives take their tensors (NCCL: its GPU)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _all_gather_json(obj) -> list:
+    """Every rank's `obj` (JSON data), in rank order; collective. Bytes through all_gather: never a pickle
+    (all_gather_object pickles, and specco moves no pickles between processes either)."""
+    if not dist.is_initialized():
+        return [obj]
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(_device())
+    n = torch.tensor([data.numel()], device=_device())
+    sizes = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
+    dist.all_gather(sizes, n)
+    width = max(int(s) for s in sizes)
+    buf = torch.zeros(width, dtype=torch.uint8, device=_device())
+    buf[:data.numel()] = data
+    out = [torch.empty_like(buf) for _ in sizes]
+    dist.all_gather(out, buf)
+    return [json.loads(bytes(o[:int(s)].cpu().numpy()).decode()) for o, s in zip(out, sizes)]
+
+
+def _group_key(g: dict, i: int):
+    """How a param group is matched across ranks and layouts: its name (cotrain.build_optimizer's 'policy' /
+    'draft'), else its index. A pipeline stage without the draft has only the 'policy' group."""
+    return g.get("name", i)
+
+
+def _merge_groups(parts: list[list[dict]]) -> list[dict]:
+    """The (encoded) param groups of every rank merged by group: the parameter names united (pipeline stages
+    hold different layers; FSDP ranks and replicas the same names), the hyper-parameters equal on every rank."""
+    merged: dict = {}
+    for groups in parts:
+        for i, g in enumerate(groups):
+            key = _group_key(g, i)
+            m = merged.setdefault(key, {**g, "params": []})
+            if {k: v for k, v in g.items() if k != "params"} != {k: v for k, v in m.items() if k != "params"}:
+                raise ValueError(f"optimizer param group {key!r} has different hyper-parameters on different ranks")
+            m["params"] += [p for p in g["params"] if p not in m["params"]]
+    return list(merged.values())
+
+
+def _sched_part(sched: LRScheduler, where: str) -> dict:
+    """A scheduler's state split into per-param-group lists (by group key: pipeline stages hold different
+    groups) and the values every group shares (the step count)."""
+    keys = [_group_key(g, i) for i, g in enumerate(sched.optimizer.param_groups)]
+    sd = _json(sched.state_dict(), where)
+    per = {k: dict(zip(map(str, keys), v)) for k, v in sd.items() if isinstance(v, list) and len(v) == len(keys)}
+    return {"per_group": per, "shared": {k: v for k, v in sd.items() if k not in per}}
+
+
+def _merge_scheds(parts: list[dict]) -> dict:
+    out = {"per_group": {}, "shared": parts[0]["shared"]}
+    for part in parts:
+        if part["shared"] != out["shared"]:
+            raise ValueError(f"LR scheduler state differs between ranks ({part['shared']} vs {out['shared']})")
+        for k, v in part["per_group"].items():
+            out["per_group"].setdefault(k, {}).update(v)
+    return out
 
 
 def _model_tensors(container: nn.ModuleDict) -> dict:
@@ -147,16 +212,32 @@ def save(root: str | os.PathLike, step: int, state: dict, keep: int = 2) -> Path
     checkpoint directory."""
     root = Path(root)
     final, tmp = root / f"step_{step:06d}", root / f".tmp_step_{step:06d}"
-    container, optims, extra = _split(state)
+    container, optims, scheds, extra = _split(state)
     flat, rest = _flat_state(container, optims)
+    # what each rank holds, merged on every rank: under pipeline parallelism a rank holds its stage's tensors
+    # and param groups only (its draft group on the last stage alone); JSON through the group, no pickle
+    parts = _all_gather_json({
+        "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in flat.items()},
+        "optimizers": {k: _json(v, k) for k, v in rest.items()},
+        "schedulers": {k: _sched_part(v, k) for k, v in scheds.items()}})
     meta = {"format": FORMAT, "step": step, "world": dist.get_world_size() if dist.is_initialized() else 1,
-            "tensors": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
-                        for k, v in flat.items()},
-            "optimizers": {k: _json(v, k) for k, v in rest.items()}, "extra": _json(extra, "extra")}
+            "tensors": {k: v for p in parts for k, v in p["tensors"].items()},
+            "optimizers": {k: {"param_groups": _merge_groups([p["optimizers"][k]["param_groups"] for p in parts]),
+                               "scalars": {f: v for p in parts for f, v in p["optimizers"][k]["scalars"].items()}}
+                           for k in rest},
+            "schedulers": {k: _merge_scheds([p["schedulers"][k] for p in parts]) for k in scheds},
+            "extra": _json(extra, "extra")}
     if _rank() == 0:  # a crashed earlier write of this step may have left its temporary directory
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / SHARDS).mkdir(parents=True)
     _barrier()
+    # every rank writes into the directory rank 0 just made: a rank that cannot see it has another filesystem
+    # under `root` (two nodes without a shared disk). All ranks learn it here, before DCP's collectives
+    blind = [r for r, seen in enumerate(_all_gather_json((tmp / SHARDS).is_dir())) if not seen]
+    if blind:
+        raise CheckpointError(f"checkpoint root {root} is not one directory for every rank: rank(s) {blind} do not "
+                              "see what rank 0 wrote there. Sharded checkpoints need `root` on a filesystem every "
+                              "rank shares (one node's disk, or a shared filesystem across nodes): set out_dir to one")
     # every rank writes its own file (shard_index = rank + 1); fsynced (FileSystemWriter's sync_files). DCP's
     # closing collective returns only when every rank's write has finished.
     dcp.save(flat, storage_writer=HuggingFaceStorageWriter(str(tmp / SHARDS), save_distributed=True),
@@ -191,7 +272,8 @@ def _manifest(path: Path) -> dict:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise CheckpointError(f"{f}: format {got!r}, expected {FORMAT!r}")
-    kinds = {"step": int, "files": dict, "tensors": dict, "optimizers": dict, "extra": dict}
+    meta.setdefault("schedulers", {})  # none before schedulers were stored
+    kinds = {"step": int, "files": dict, "tensors": dict, "optimizers": dict, "schedulers": dict, "extra": dict}
     for k, t in kinds.items():
         if not isinstance(meta.get(k), t):
             raise CheckpointError(f"{f}: {k!r} is {type(meta.get(k)).__name__}, expected {t.__name__}: the file "
@@ -216,46 +298,81 @@ def _manifest(path: Path) -> dict:
     return meta
 
 
-def _restore_optimizer(meta_opt, template: dict, where: Path) -> dict:
-    """The optimizer state dict for set_optimizer_state_dict: the loaded tensors of `template` (its
-    'state'), the JSON scalars and param_groups of the checkpoint."""
+def _saved_groups(meta_opt, template: dict, where: Path) -> tuple[list, dict]:
+    """(param_groups, scalars) of a saved optimizer for this rank's optimizer `template`: each of its groups
+    matched by name with the saved one, the hyper-parameters the checkpoint's, the parameters this rank's (a
+    pipeline stage holds part of a saved group; one process resuming a pipeline checkpoint all of it)."""
     try:
         saved = _decode(meta_opt, {}, where)
-        groups, scalars = saved["param_groups"], saved["scalars"]
-        state = {fqn: dict(st) for fqn, st in template["state"].items()}
-        for fqn, st in scalars.items():
-            state.setdefault(fqn, {}).update(st)
-        names = [sorted(g["params"]) for g in groups]
+        by_key = {_group_key(g, i): g for i, g in enumerate(saved["param_groups"])}
+        scalars = saved["scalars"]
+        for g in by_key.values():
+            set(g["params"])
+        dict(scalars)
     except (TypeError, KeyError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{where / STATE}: an optimizer entry has the wrong type or shape ({type(e).__name__}: "
                               f"{e}): the file was damaged or edited") from None
-    expected = [sorted(g["params"]) for g in template["param_groups"]]
-    if names != expected:
-        raise CheckpointError(f"{where / STATE}: the optimizer's parameter groups name other parameters than the "
-                              f"model's ({[len(n) for n in names]} vs {[len(n) for n in expected]} per group)")
-    return {"state": state, "param_groups": groups}
+    groups = []
+    for i, g in enumerate(template["param_groups"]):
+        key = _group_key(g, i)
+        if key not in by_key or not set(g["params"]) <= set(by_key[key]["params"]):
+            have = sorted(by_key[key]["params"]) if key in by_key else []
+            raise CheckpointError(f"{where / STATE}: the optimizer's param group {key!r} names other parameters than "
+                                  f"the model's ({len(have)} saved, {len(g['params'])} here, e.g. "
+                                  f"{sorted(set(g['params']) - set(have))[:2]} missing)")
+        groups.append({**by_key[key], "params": g["params"]})
+    mine = {fqn for g in template["param_groups"] for fqn in g["params"]}
+    return groups, {fqn: st for fqn, st in scalars.items() if fqn in mine}
+
+
+def _saved_sched(meta_sched, sched: LRScheduler, where: Path) -> dict:
+    """The scheduler state for this rank's param groups (_sched_part's split, joined again)."""
+    keys = [str(_group_key(g, i)) for i, g in enumerate(sched.optimizer.param_groups)]
+    try:
+        sd = {**meta_sched["shared"], **{k: [v[g] for g in keys] for k, v in meta_sched["per_group"].items()}}
+        return _decode(sd, {}, where)
+    except (TypeError, KeyError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{where / STATE}: an LR scheduler entry has the wrong type or names other param "
+                              f"groups ({type(e).__name__}: {e}): the file was damaged or edited") from None
 
 
 def load(path: str | os.PathLike, state: dict) -> dict:
-    """Load checkpoint `path` into the models and optimizers of `state` (any layout: DTensor shards are filled
-    from the overlapping saved chunks) and return its JSON run state; collective. Build the optimizers over the
-    (sharded) models first, as for training. Raises CheckpointError naming the file or tensor at fault."""
+    """Load checkpoint `path` into the models, optimizers and LR schedulers of `state` (any layout: DTensor
+    shards are filled from the overlapping saved chunks; a pipeline stage takes its layers) and return its JSON
+    run state; collective. Build the optimizers over the (sharded) models first, as for training. Raises
+    CheckpointError naming the file or tensor at fault, on every rank alike."""
     path = Path(path)
     meta = _manifest(path)
-    container, optims, _ = _split(state)
+    container, optims, scheds, _ = _split(state)
     flat, _ = _flat_state(container, optims)  # the template: this layout's shards, filled in place below
     saved = meta["tensors"]
-    for k in sorted(set(flat) - set(saved)):
-        raise CheckpointError(f"{path / STATE} has no tensor {k!r}: the checkpoint is of another model or optimizer")
-    for k in sorted(set(saved) - set(flat)):
+    # this rank's verdicts, exchanged before any collective read: a refusal on one rank must raise on all of
+    # them (a rank left waiting in DCP's collectives would hang the job)
+    problems = [f"{path / STATE} has no tensor {k!r}: the checkpoint is of another model or optimizer"
+                for k in sorted(set(flat) - set(saved))]
+    problems += [f"{path / STATE}: tensor {k!r} was saved as {saved[k]['dtype']}{saved[k]['shape']}, the model has "
+                 f"{t.dtype}{list(t.shape)}" for k, t in flat.items() if k in saved and (
+                     list(t.shape) != saved[k]["shape"] or str(t.dtype).removeprefix("torch.") != saved[k]["dtype"])]
+    opt_groups, sched_states = {}, {}
+    try:
+        for name, opt in optims.items():
+            if name not in meta["optimizers"]:
+                raise CheckpointError(f"{path / STATE} has no optimizer {name!r}")
+            template = get_optimizer_state_dict(container, opt)
+            opt_groups[name] = (template, *_saved_groups(meta["optimizers"][name], template, path))
+        for name, sched in scheds.items():
+            if name not in meta["schedulers"]:
+                raise CheckpointError(f"{path / STATE} has no LR scheduler {name!r}")
+            sched_states[name] = _saved_sched(meta["schedulers"][name], sched, path)
+    except CheckpointError as e:
+        problems.append(str(e))
+    parts = _all_gather_json({"keys": sorted(flat), "problems": problems})
+    for part in parts:
+        if part["problems"]:
+            raise CheckpointError(part["problems"][0])
+    held = set().union(*(part["keys"] for part in parts))  # every rank's tensors: together, the whole checkpoint
+    for k in sorted(set(saved) - held):
         raise CheckpointError(f"{path / STATE} holds tensor {k!r}, which the model being loaded lacks")
-    for k, t in flat.items():
-        if list(t.shape) != saved[k]["shape"] or str(t.dtype).removeprefix("torch.") != saved[k]["dtype"]:
-            raise CheckpointError(f"{path / STATE}: tensor {k!r} was saved as {saved[k]['dtype']}{saved[k]['shape']}, "
-                                  f"the model has {t.dtype}{list(t.shape)}")
-    for name, opt in optims.items():
-        if name not in meta["optimizers"]:
-            raise CheckpointError(f"{path / STATE} has no optimizer {name!r}")
     try:
         with warnings.catch_warnings():  # one process (no group) is a layout we mean, not an accident
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -268,12 +385,17 @@ def load(path: str | os.PathLike, state: dict) -> dict:
         raise CheckpointError(f"{path / SHARDS}: reading the shards failed ({why}): a shard file is damaged") from None
     # the model's tensors were filled in place (`_model_tensors` are views of the live parameters and buffers)
     for name, opt in optims.items():
-        template = get_optimizer_state_dict(container, opt)  # the fqn -> tensor nesting; tensors refilled below
-        for fqn, st in template["state"].items():
+        template, groups, scalars = opt_groups[name]  # the fqn -> tensor nesting; tensors refilled below
+        osd = {fqn: dict(st) for fqn, st in template["state"].items()}
+        for fqn, st in osd.items():
             for k in st:
                 if f"{name}.state.{fqn}.{k}" in flat:
                     st[k] = flat[f"{name}.state.{fqn}.{k}"]
-        set_optimizer_state_dict(container, opt, _restore_optimizer(meta["optimizers"][name], template, path))
+        for fqn, st in scalars.items():
+            osd.setdefault(fqn, {}).update(st)
+        set_optimizer_state_dict(container, opt, {"state": osd, "param_groups": groups})
+    for name, sched in scheds.items():
+        sched.load_state_dict(sched_states[name])
     try:
         return _decode(meta["extra"], {}, path)
     except (TypeError, KeyError, ValueError) as e:
