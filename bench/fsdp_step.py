@@ -9,7 +9,8 @@ two ways a run can hold the policy:
             what every rank of a dp_shard run executes, less the collectives' transfer time
 
 The overhead of FSDP's machinery (its pre/post hooks, the per-unit bf16 casts of the all-gather path, the
-reduce-scatter bookkeeping) is fsdp1 / plain - 1. Each variant is built alone (the other's state freed), timed
+reduce-scatter bookkeeping) is fsdp1 / plain - 1. Each variant runs in its own process (a fresh CUDA context: FSDP's
+state once held ~11 GiB past its variant's end in one process and inflated the next peak), timed
 over --reps steps after --warmup (median, CUDA events), and measured for peak memory (max_memory_allocated over one
 step, everything the trainer holds included). The order is plain, fsdp1, plain again: the two plain medians
 bound the machine's drift.
@@ -25,9 +26,12 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -79,7 +83,7 @@ def _planned(pc: PolicyConfig, dcfg: DraftConfig, scfg: StepConfig, rows: int, s
 
 def _variant(name: str, base: Policy, draft: Eagle3Draft, batch: TrainBatch, scfg: StepConfig, args, mesh) -> dict:
     dev = batch.tokens.device
-    policy, d = copy.deepcopy(base).train(), copy.deepcopy(draft).train()
+    policy, d = copy.deepcopy(base).to(dev).train(), copy.deepcopy(draft).to(dev).train()  # base stays on the host
     sync = None
     if name == "fsdp1":
         apply_fsdp(policy, mesh, mixed_precision(torch.bfloat16))
@@ -118,6 +122,35 @@ def _variant(name: str, base: Policy, draft: Eagle3Draft, batch: TrainBatch, scf
     return out
 
 
+def _one(args) -> None:
+    """One variant of one size in this process (a fresh CUDA context: no variant's leftovers in another's peak)."""
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev.index)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(dev.type, (1,), mesh_dim_names=("fsdp",))
+    scfg = StepConfig(amp_dtype=torch.bfloat16, micro_batch_rows=args.micro_rows, draft_row_stride=8, ttt_passes=3)
+    pc = SIZES[args.size]
+    dcfg = DraftConfig.for_policy(pc, draft_vocab_size=min(args.draft_vocab, pc.vocab_size))
+    torch.manual_seed(0)
+    with torch.device(dev):
+        base, draft = Policy(pc), Eagle3Draft(dcfg)
+    batch = _batch(pc, args.rows, args.seq, min(args.completion, args.seq - 1), dev)
+    base, draft = base.cpu(), draft.cpu()  # the host keeps the base copies: the variant's peak is its own
+    v = _variant(args.variant, base, draft, batch, scfg, args, mesh)
+    plan = _planned(pc, dcfg, scfg, args.rows, args.seq, fsdp=args.variant == "fsdp1")
+    v.update(params=sum(p.numel() for p in base.parameters()), draft_params=sum(p.numel() for p in draft.parameters()),
+             planned_trainer_bytes=plan["trainer"],
+             planned={k: plan[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft")},
+             planned_over_measured=plan["trainer"] / v["peak_bytes"] if v["peak_bytes"] else None)
+    Path(args.json).write_text(json.dumps(v))
+    dist.destroy_process_group()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -130,51 +163,38 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # internal: one variant, one size
+    ap.add_argument("--size", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.variant:
+        return _one(args)
+    common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+              ("device", "rows", "seq", "completion", "micro_rows", "draft_vocab", "warmup", "reps")]
+    results, port = {}, 29533
+    with tempfile.TemporaryDirectory() as tmp:
+        for size in args.sizes.split(","):
+            row = {}
+            for name in ("plain", "fsdp1", "plain_again"):
+                f = Path(tmp) / f"{size}_{name}.json"
+                port += 1
+                subprocess.run([sys.executable, __file__, *common, "--variant", name.replace("_again", ""),
+                                "--size", size, "--json", str(f)], check=True,
+                               env={**os.environ, "MASTER_PORT": str(port)})
+                v = row[name] = json.loads(f.read_text())
+                print(f"{size:>5} {name:<12} step {v['step_s_median'] * 1e3:9.1f} ms   peak {v['peak_bytes'] / GiB:7.2f} "
+                      f"GiB   planned {v['planned_trainer_bytes'] / GiB:7.2f} GiB"
+                      + (f" ({v['planned_over_measured']:.3f})" if v["planned_over_measured"] else ""), flush=True)
+            plain = min(row["plain"]["step_s_median"], row["plain_again"]["step_s_median"])
+            row["fsdp_overhead"] = row["fsdp1"]["step_s_median"] / plain - 1
+            row["plain_drift"] = row["plain_again"]["step_s_median"] / row["plain"]["step_s_median"] - 1
+            print(f"{size:>5} FSDP at world 1: {row['fsdp_overhead'] * 100:+.1f}% step time "
+                  f"(plain drift {row['plain_drift'] * 100:+.1f}%)", flush=True)
+            results[size] = row
     dev = torch.device(args.device)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    from torch.distributed.device_mesh import init_device_mesh
-    mesh = init_device_mesh(dev.type, (1,), mesh_dim_names=("fsdp",))
-    scfg = StepConfig(amp_dtype=torch.bfloat16, micro_batch_rows=args.micro_rows, draft_row_stride=8, ttt_passes=3)
-    results = {}
-    for size in args.sizes.split(","):
-        pc = SIZES[size]
-        dcfg = DraftConfig.for_policy(pc, draft_vocab_size=min(args.draft_vocab, pc.vocab_size))
-        torch.manual_seed(0)
-        with torch.device(dev):
-            base, draft = Policy(pc), Eagle3Draft(dcfg)
-        nparam = sum(p.numel() for p in base.parameters())
-        batch = _batch(pc, args.rows, args.seq, min(args.completion, args.seq - 1), dev)
-        # the base copies live on the host while a variant runs, so its peak is its own
-        base, draft = base.cpu(), draft.cpu()
-        row = {"params": nparam, "draft_params": sum(p.numel() for p in draft.parameters())}
-        for name in ("plain", "fsdp1", "plain_again"):
-            v = _variant(name.replace("_again", ""), base.to(dev), draft.to(dev), batch, scfg, args, mesh)
-            base, draft = base.cpu(), draft.cpu()
-            plan = _planned(pc, dcfg, scfg, args.rows, args.seq, fsdp=name == "fsdp1")
-            v["planned_trainer_bytes"] = plan["trainer"]
-            v["planned"] = {k: plan[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft")}
-            v["planned_over_measured"] = plan["trainer"] / v["peak_bytes"] if v["peak_bytes"] else None
-            row[name] = v
-            print(f"{size:>5} {name:<12} step {v['step_s_median'] * 1e3:9.1f} ms   peak {v['peak_bytes'] / GiB:7.2f} GiB"
-                  f"   planned {plan['trainer'] / GiB:7.2f} GiB"
-                  + (f" ({v['planned_over_measured']:.3f})" if v["planned_over_measured"] else ""), flush=True)
-        plain = min(row["plain"]["step_s_median"], row["plain_again"]["step_s_median"])
-        row["fsdp_overhead"] = row["fsdp1"]["step_s_median"] / plain - 1
-        row["plain_drift"] = row["plain_again"]["step_s_median"] / row["plain"]["step_s_median"] - 1
-        print(f"{size:>5} FSDP at world 1: {row['fsdp_overhead'] * 100:+.1f}% step time "
-              f"(plain drift {row['plain_drift'] * 100:+.1f}%)", flush=True)
-        results[size] = row
-        del base, draft, batch
-        gc.collect()
     write_results({"rows": args.rows, "seq": args.seq, "completion": args.completion, "micro_rows": args.micro_rows,
-                   "step": {"amp": "bf16", "ttt_passes": scfg.ttt_passes, "draft_row_stride": scfg.draft_row_stride},
-                   "sizes": results}, "fsdp_step", dev, args.out)
-    dist.destroy_process_group()
+                   "step": {"amp": "bf16", "ttt_passes": 3, "draft_row_stride": 8}, "sizes": results},
+                  "fsdp_step", dev, args.out)
 
 
 if __name__ == "__main__":
