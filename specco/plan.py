@@ -91,6 +91,7 @@ class Shapes:
     compute_bytes: int  # matmul outputs: 2 under bf16 autocast, else 4
     engine_bytes: int  # the rollout engine's copy (rollout.dtype)
     compact_below: float
+    kl_reference: bool = False  # train.kl_coef > 0: the frozen starting policy is kept as the KL reference
 
 
 def _bytes(dtype: str) -> int:
@@ -136,7 +137,8 @@ def shapes(cfg: RunConfig, pc: PolicyConfig, prompt_tokens: int, device: str = "
                   minibatches=t.minibatches, micro_batch_rows=t.micro_batch_rows, draft_row_stride=t.draft_row_stride,
                   ttt_passes=d.ttt_passes, gamma=gamma, num_anchors=d.num_anchors or 16, loss_chunk=t.loss_chunk,
                   compute_bytes=2 if t.amp == "bf16" else _bytes(cfg.policy.dtype),
-                  engine_bytes=_bytes(cfg.rollout.dtype or cfg.policy.dtype), compact_below=r.compact_below)
+                  engine_bytes=_bytes(cfg.rollout.dtype or cfg.policy.dtype), compact_below=r.compact_below,
+                  kl_reference=t.kl_coef > 0)
 
 
 def _default_taps(num_layers: int):
@@ -201,6 +203,15 @@ def grad_bytes(params: int, lay: Layout) -> int:
 def adamw_bytes(params: int, lay: Layout) -> int:
     """AdamW's two moments, exp_avg and exp_avg_sq, fp32 like the parameters: 8 B/param, sharded like them."""
     return 8 * math.ceil(params / lay.shard)
+
+
+def reference_bytes(s: Shapes, lay: Layout) -> int:
+    """The KL reference (train.kl_coef > 0; 0 without): a frozen copy of the whole starting policy in the master
+    weights' fp32, 4 B/param, sharded over dp_shard × cp under FSDP like the trainer (trainer.make_arm cuts its
+    shards; under PP too it is the whole policy, not a stage: its log-probs need every layer), whole otherwise.
+    No gradients or AdamW state. Its forward's gathered layers are the no-grad log-prob recompute's (transient,
+    not at the train step's peak: module docstring)."""
+    return 4 * math.ceil(policy_params(s.policy) / lay.shard) if s.kl_reference else 0
 
 
 def compute_copy_bytes(pc: PolicyConfig, layers: int, first: bool, last: bool, lay: Layout, c: int) -> int:
@@ -321,7 +332,7 @@ def engine_weight_bytes(s: Shapes, engine_tp: int = 1) -> int:
 
 # -- one layout, every layout ----------------------------------------------------------------------------------
 
-COLUMNS = ("params", "compute", "grads", "adamw", "acts", "draft", "engine_w", "kv_cache", "total")
+COLUMNS = ("params", "compute", "grads", "adamw", "acts", "draft", "ref", "engine_w", "kv_cache", "total")
 
 
 def peak_bytes(m: dict[str, int], offload: bool) -> int:
@@ -331,8 +342,8 @@ def peak_bytes(m: dict[str, int], offload: bool) -> int:
     or activations, beside the engine)."""
     if not offload:
         return sum(v for k, v in m.items() if k != "total")
-    train = sum(m[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft"))
-    rollout = m["params"] + m["adamw"] + m["draft"] * 12 // 16 + m["engine_w"] + m["kv_cache"]
+    train = sum(m[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft", "ref"))
+    rollout = m["params"] + m["adamw"] + m["draft"] * 12 // 16 + m["ref"] + m["engine_w"] + m["kv_cache"]
     return max(train, rollout)
 
 
@@ -351,7 +362,7 @@ def rank_memory(s: Shapes, lay: Layout, offload: bool = False, engine_tp: int = 
              "grads": grad_bytes(P, lay), "adamw": adamw_bytes(P, lay),
              "acts": activation_bytes(s, lay, len(rng), last, min(lay.pp - stage, n_micro)),
              # the draft is replicated (parallel/fsdp.py): fp32 weights, gradients, AdamW (16 B/param) + autocast copy
-             "draft": D * (16 + (2 if c < 4 else 0)),
+             "draft": D * (16 + (2 if c < 4 else 0)), "ref": reference_bytes(s, lay),
              "engine_w": engine_weight_bytes(s, engine_tp) + rows * (s.gamma + 1) * pc.vocab_size * 4,
              "kv_cache": kv_cache_bytes(s, lay)}
         m["total"] = peak_bytes(m, offload)

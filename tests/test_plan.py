@@ -7,6 +7,7 @@ step on CPU (LiveTensorBytes of bench/cp_memory.py: what torch.cuda.max_memory_a
 allocator's rounding).
 """
 import dataclasses
+import math
 import json
 import sys
 from pathlib import Path
@@ -150,6 +151,23 @@ def test_sharding_and_stages_divide_exactly():
     assert abs(no_pp - 2 * pp2) <= 2 * 2 * 4096 * pc.hidden_size * 2
 
 
+def test_kl_reference_is_sharded_like_the_trainer():
+    """train.kl_coef > 0: the whole starting policy in fp32 on every rank without FSDP, 1/(dp_shard × cp) of it
+    under FSDP (trainer.make_arm shards it), the whole policy's shard under PP too; counted in both phases."""
+    pc = PRESETS["qwen3-8b"]
+    s = dataclasses.replace(_shapes(pc, rows=64, seq=4096, micro=2, c=2), kl_reference=True)
+    whole = 4 * policy_params(pc)
+    assert rank_memory(dataclasses.replace(s, kl_reference=False), Layout(1, 1, 8, 1, True, False))["ref"] == 0
+    assert rank_memory(s, Layout(1, 8, 1, 1, False, False))["ref"] == whole
+    for lay in (Layout(1, 1, 8, 1, True, False), Layout(1, 2, 4, 2, True, False), Layout(2, 1, 8, 1, True, False)):
+        assert rank_memory(s, lay)["ref"] == 4 * math.ceil(policy_params(pc) / 8), lay
+    lay = Layout(1, 1, 8, 1, True, False)
+    for offload in (False, True):  # the reference stays resident through the rollout and the train step
+        with_ref, without = (rank_memory(dataclasses.replace(s, kl_reference=k), lay, offload)["total"]
+                             for k in (True, False))
+        assert with_ref - without == 4 * math.ceil(policy_params(pc) / 8)
+
+
 def test_checkpointing_keeps_layer_inputs():
     pc = PRESETS["qwen3-8b"]
     s = dataclasses.replace(_shapes(pc, rows=64, seq=4096, micro=2, c=2), draft_kind=None)
@@ -180,15 +198,16 @@ def test_plan_ranks_fitting_layouts_first():
 def test_cli_table_and_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     main(["plan", "--gpus", "8", "--gpu-mem", "141", "--model", "qwen3-8b", "--top", "3", "--json", str(out),
-          "rollout.dtype=bfloat16", "train.micro_batch_rows=4", "rollout.max_new_tokens=2048"])
+          "rollout.dtype=bfloat16", "train.micro_batch_rows=4", "rollout.max_new_tokens=2048", "train.kl_coef=0.1"])
     text = capsys.readouterr().out.splitlines()
     assert text[0].startswith("policy 8.19 B params") and "fits" in text[1] and len(text) == 5
     data = json.loads(out.read_text())
     assert data["gpus"] == 8 and data["seq"] == 512 + 2048
     row = data["layouts"][0]
     assert row["pp"] * row["dp_replicate"] * row["dp_shard"] * row["cp"] == 8
-    assert abs(sum(row[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft", "engine_w", "kv_cache"))
-               - row["total"]) < 1e-6
+    assert row["ref"] > 0
+    assert abs(sum(row[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft", "ref", "engine_w",
+                                    "kv_cache")) - row["total"]) < 1e-6
 
 
 def test_cli_refuses_unknown_model(capsys):

@@ -2,7 +2,8 @@
 
 The demo config's models (fp64) at a small batch, two RL steps of the co-trained EAGLE-3 arm at dp_shard = 2 (the
 policy and its AdamW state sharded over 2 ranks, the draft replicated), with PPO (2 epochs x 2 minibatches: the
-log-prob recompute runs on the sharded policy) and a KL penalty (the whole reference copy):
+log-prob recompute runs on the sharded policy) and a KL penalty (the reference sharded like the trainer, its
+forwards in the recompute on every rank; trainer.make_arm cuts both from the starting policy, parallel/load.py):
 
 * every rank records its rollouts; rank 0 replays their union with `train_on_rollouts` on one process (the
   single-process step on the same rollouts): per-step losses, grad norms, PPO statistics, and every parameter
@@ -39,6 +40,12 @@ def _flat(st):
     from specco.runner.trainer import full_state
     return torch.cat([v.detach().flatten() for v in full_state(st.policy).values()]
                      + [p.detach().flatten() for p in st.draft.parameters()])
+
+
+def _bytes(model) -> int:
+    """The bytes of this rank's parameters (a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+    return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
 
 
 def _replay(rank, mesh, cfg_extra, arm, policy, draft, tok, tmp, rows, rec, flat):
@@ -85,6 +92,11 @@ def _shard2_worker(rank, world, tmp):
     s = st["state"]
     assert all(isinstance(p, DTensor) for p in s.policy.parameters())  # the trainer holds shards
     assert not any(isinstance(p, DTensor) for p in s.draft.parameters())  # the draft is whole on every rank
+    # the KL reference is sharded like the trainer (forward-only, frozen): each rank holds about half its bytes
+    assert all(isinstance(p, DTensor) and not p.requires_grad for p in s.ref.parameters())
+    for m in (s.ref, s.policy):
+        mine, whole = _bytes(m), sum(p.nbytes for p in policy.parameters())
+        assert 0.45 * whole <= mine <= 0.55 * whole, (rank, mine, whole)
     flat = _flat(s)
     # the engine's copy (refit from the gathered shards) is the trainer's whole policy, on every rank
     eng = torch.cat([v.flatten() for v in s.engine.policy.state_dict().values()])

@@ -16,6 +16,13 @@ Layouts: dp_shard 2, dp_shard 4, and HSDP 2 x 2 (a Replicate mesh dim). Mutation
 parts of a fused parameter walked in reverse order (HFTensors.read_rows_into; fails on qkv_proj at dp_shard 2),
 a part read at the wrong offset (a shape error), and a floor instead of FSDP's ceil chunk in shard_rows (its
 own check against the local shard's length).
+
+`sharded_copy` (the trainer's and the KL reference's shards in trainer.make_arm, cut from the whole starting
+policy in memory) against the same reference, `apply_fsdp(copy.deepcopy(whole))`: every local shard bit for bit,
+the tied head still the embedding, the whole policy left unchanged, activation checkpointing (`prepare`) on the
+copy's layers only, and a forward equal to the whole model's. A `forward_only` copy (the reference) holds only
+shards after a forward, root and last layer included; the trainer's layout keeps its root gathered there (so
+the check can fail). Mutation checked to fail here: every rank copying the first rows (`whole[name][:n]`).
 """
 import copy
 
@@ -26,7 +33,7 @@ from specco.model.config import PolicyConfig
 from specco.model.hf_io import load_policy, save_policy
 from specco.model.policy import Policy
 from specco.parallel.fsdp import apply_fsdp, shard_rows
-from specco.parallel.load import load_sharded_policy
+from specco.parallel.load import load_sharded_policy, sharded_copy
 from specco.parallel.mesh import Mesh, spawn_local
 
 pytestmark = pytest.mark.dist
@@ -75,3 +82,36 @@ def _check(rank, world, root, dp_shard):
 def test_sharded_load_equals_whole_load_shard_for_shard(tmp_path, world, dp_shard):
     _write(tmp_path)
     spawn_local(_check, world, tmp_path, dp_shard)
+
+
+def _check_copy(rank, world, root, dp_shard):
+    from torch.distributed.tensor import DTensor
+    from specco.train.activation_checkpointing import _CheckpointedForward, apply_activation_checkpointing
+    mesh = Mesh.build(dp=world, dp_shard=dp_shard, backend="gloo")
+    for name in CASES:
+        whole = load_policy(root / name).to(torch.float64)
+        before = {k: v.clone() for k, v in whole.state_dict().items()}
+        ref = dict(apply_fsdp(copy.deepcopy(whole), mesh.fsdp_mesh).named_parameters())
+        got = sharded_copy(whole, mesh.fsdp_mesh, prepare=apply_activation_checkpointing)
+        assert list(ref) == [k for k, _ in got.named_parameters()], name
+        for k, p in got.named_parameters():
+            assert torch.equal(shard_rows(p)[0], ref[k].to_local()), (name, k, rank)
+        assert all(isinstance(layer.__dict__.get("forward"), _CheckpointedForward) for layer in got.layers.values())
+        assert not any("forward" in layer.__dict__ for layer in whole.layers.values())  # the source is not wrapped
+        assert all(torch.equal(v, before[k]) for k, v in whole.state_dict().items()), name
+        if whole.cfg.tie_word_embeddings:
+            assert got.lm_head.weight is got.embed_tokens.weight
+        ids = torch.randint(0, SHAPE["vocab_size"], (2, 7), generator=torch.Generator().manual_seed(rank))
+        fwd_only = sharded_copy(whole, mesh.fsdp_mesh, forward_only=True,
+                                prepare=lambda m: m.requires_grad_(False)).eval()
+        with torch.no_grad():
+            assert torch.equal(got(ids).logits, whole(ids).logits), name
+            assert torch.equal(fwd_only(ids).logits, whole(ids).logits), name
+        assert all(isinstance(p, DTensor) and not p.requires_grad for p in fwd_only.parameters()), name
+        assert not all(isinstance(p, DTensor) for p in got.parameters()), name  # the trainer's root stays gathered
+
+
+@pytest.mark.parametrize("world,dp_shard", [(2, 2), (4, 2)], ids=["dp_shard2", "hsdp2x2"])
+def test_sharded_copy_equals_fsdp_of_a_deepcopy(tmp_path, world, dp_shard):
+    _write(tmp_path)
+    spawn_local(_check_copy, world, tmp_path, dp_shard)

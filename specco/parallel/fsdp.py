@@ -81,7 +81,7 @@ def layer_reshards_after_forward(model: nn.Module, reshard_after_forward: bool) 
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None,
-               reshard_after_forward: bool = True) -> nn.Module:
+               reshard_after_forward: bool = True, forward_only: bool = False) -> nn.Module:
     """Shard a Policy (or a pipeline stage of one) in place with FSDP2: each decoder layer, then the root.
 
     mesh: `Mesh.fsdp_mesh`, 1-D (fsdp,) for FSDP or 2-D (dp_replicate, fsdp) for HSDP; the fsdp axis is the
@@ -93,15 +93,19 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
     root (FSDP's own default: the head is needed again at once, and the block drafters read its live
     `lm_head.weight` and `embed_tokens` rows between the policy's forward and backward).
 
+    forward_only: a model that never runs a backward (the KL reference, trainer.make_arm): every unit, the last
+    layer and the root included, frees its gathered weights after its forward, since no backward will need them
+    (FSDP2 frees a unit left gathered only in its post-backward, which never comes; it would stay whole).
+
     Call it after activation checkpointing / compile (torchtitan's order) and BEFORE building the optimizer:
     fully_shard replaces every parameter with a DTensor shard. Gradients are summed, never averaged (module
     docstring). Returns `model` (its class now also an FSDPModule)."""
     mp_policy = mp_policy or MixedPrecisionPolicy()
     *layers, (root, _) = layer_reshards_after_forward(model, reshard_after_forward)
     for layer, reshard in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard or forward_only)
     # embeddings, norm, head: the root unit, left to FSDP's default (None: not resharded after forward)
-    fully_shard(root, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True if forward_only else None)
     for m in fsdp_modules(model):  # per unit: the setters below are not recursive
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)

@@ -33,8 +33,9 @@ sums gradients over all dp x cp ranks, so the update is the one of the whole bat
 tests/test_rl_cp.py). With parallel.pp > 1 (rl_pp.py) each rank trains its pipeline stage (the draft on
 the last) and holds a whole copy of the policy in its rollout engine, refit from the gathered stages.
 With parallel.dp_shard (FSDP, parallel/fsdp.py) the trainer's policy and its AdamW state are DTensor shards
-over mesh.fsdp_mesh, the stage's dp_shard x cp ranks (the draft stays whole on every rank); the engine and the
-KL reference keep whole copies, made before sharding; the refit gathers the shards in bounded buckets
+over mesh.fsdp_mesh, the stage's dp_shard x cp ranks (the draft stays whole on every rank), cut straight from
+the starting policy without a whole copy in between (parallel/load.sharded_copy); the KL reference is sharded
+the same way (forward-only), the engine keeps a whole copy; the refit gathers the shards in bounded buckets
 (runner/refit.py), so every rank's engine holds the same whole policy. The step is the same function: only its
 gradient strategy differs (grad_sync.grad_syncs). Under PP the recipe is torchtitan's: cut the stage, then
 activation checkpointing, then FSDP over the stage's ranks without resharding after forward; the refit gathers
@@ -61,6 +62,7 @@ from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..parallel.fsdp import apply_fsdp, mixed_precision
+from ..parallel.load import sharded_copy
 from ..parallel.mesh import Mesh
 from ..rollout.engine import RolloutEngine
 from .refit import MB, refit_engine
@@ -100,12 +102,29 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
              rank: int = 0, mesh: Mesh | None = None) -> ArmState:
     """An arm's models, engine, optimizer and sampler; `rank` is the data-parallel rank (its own sampler).
     `draft`: the warm draft of the arm's kind. With mesh.pp > 1 the training copy is this rank's pipeline
-    stage (the engine keeps the whole policy)."""
+    stage (the engine keeps the whole policy). Under FSDP (without PP) a rank's peak host memory here is
+    `policy` + the engine's whole copy + the trainer's and reference's shards (bench/shard_arm.py)."""
     _, mode = arm_config(cfg, arm)  # a ConfigError naming the choices for an unknown arm
-    ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.train.kl_coef > 0 else None
-    policy = copy.deepcopy(policy).train()
+    amp = step_config(cfg, mode).amp_dtype
+    # FSDP: bf16 autocast becomes FSDP's bf16 gather and compute (fp32 masters and reductions), for the trainer
+    # and the reference alike, so the reference's log-probs are computed as the trainer's are
+    sharded = cfg.parallel.fsdp and distributed(mesh)
+    mp = mixed_precision(amp) if sharded and amp == torch.bfloat16 else None
+    ref = None
+    if cfg.train.kl_coef > 0:  # forward-only; under FSDP its shards, gathered unit by unit in its forwards (on
+        # every rank: the log-prob recompute runs the same micro-batches everywhere) and freed after each
+        freeze = lambda m: m.requires_grad_(False)  # noqa: E731  (before fully_shard: frozen shards, no grads)
+        ref = (sharded_copy(policy, mesh.fsdp_mesh, mp_policy=mp, forward_only=True, prepare=freeze) if sharded
+               else freeze(copy.deepcopy(policy))).eval()
     draft = copy.deepcopy(draft) if (draft is not None and mode != "none") else None
     eng_policy, eng_draft = copy.deepcopy(policy).eval(), copy.deepcopy(draft) if draft is not None else None
+    if sharded and mesh.pp == 1:  # the trainer's shards cut straight from `policy`: no whole copy in between
+        # (parallel/load.sharded_copy). torchtitan's order: AC wraps the meta layers before FSDP; compile under
+        # FSDP is refused (derive.check_parallel). Under PP the stage is cut from a whole copy below
+        ac = apply_activation_checkpointing if cfg.train.activation_checkpointing else None
+        policy = sharded_copy(policy, mesh.fsdp_mesh, mp_policy=mp, prepare=ac).train()
+    else:
+        policy = copy.deepcopy(policy).train()
     if (dt := engine_dtype(cfg)) is not None:  # rollout.dtype: refit casts into these (engine.py)
         eng_policy, eng_draft = eng_policy.to(dt), eng_draft.to(dt) if eng_draft is not None else None
     engine = RolloutEngine(eng_policy, eng_draft, gen_cfg,
@@ -116,31 +135,30 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
         policy = pipeline.stage
         if mode == "cotrained" and not pipeline.last:
             draft = None  # the co-trained draft lives on the last stage; the engine has its own copy
-    if cfg.train.activation_checkpointing:  # the trainer's copy only: the engine's never runs a backward
+    cut = sharded and pipeline is None  # the trainer's copy is already sharded (and checkpointed) above
+    if cfg.train.activation_checkpointing and not cut:  # the trainer's copy only: the engine's runs no backward
         apply_activation_checkpointing(policy)
     if cfg.train.compile != "none":  # the trainer's copy only (train/compile.py); compiled here, not in step 1
-        secs = warm_up(apply_compile(policy, cfg.train.compile), step_config(cfg, mode).amp_dtype)
+        secs = warm_up(apply_compile(policy, cfg.train.compile), amp)
         if secs > 1.0:
             print(f"specco: arm {arm}: the trainer's layers compiled ({cfg.train.compile}) in {secs:.0f} s", flush=True)
     if cfg.train.compile_draft and mode == "cotrained" and draft is not None:  # the trainer's draft (and the
         # frozen shadow, measure.FrozenShadow, which copies it)
-        secs = warm_up_draft(apply_draft_compile(draft, cfg.train.compile), step_config(cfg, mode).amp_dtype,
-                             cfg.draft.ttt_passes)
+        secs = warm_up_draft(apply_draft_compile(draft, cfg.train.compile), amp, cfg.draft.ttt_passes)
         if secs > 1.0:
             print(f"specco: arm {arm}: the draft's layer compiled ({cfg.train.compile}) in {secs:.0f} s", flush=True)
     if cfg.train.warm_widths:  # the trainer's copy; the plans are the process's, so a later arm finds them made
+        # (already sharded under FSDP without PP: then a collective at the same shapes on every rank)
         shapes = train_shapes(cfg, gen_cfg.min_prompt_len)
-        secs = warm_shapes(policy, step_config(cfg, mode).amp_dtype, shapes)
+        secs = warm_shapes(policy, amp, shapes)
         print(f"specco: arm {arm}: the trainer warmed at {len(shapes)} micro-batch shapes in {secs:.1f} s", flush=True)
-    if cfg.parallel.fsdp and distributed(mesh):  # after AC / compile (torchtitan's order), before the optimizer:
-        # AdamW must hold the DTensor shards. bf16 autocast becomes FSDP's bf16 gather and compute (fp32 masters and
-        # reductions). The draft stays replicated (parallel/fsdp.py says why); engine and reference are copies above
-        # Under PP the unit is this rank's stage, cut above: 1F1B interleaves micro-batches' forwards and backwards,
-        # so a layer's weights stay gathered from its forward to its backward (torchtitan's choice under PP)
-        amp = step_config(cfg, mode).amp_dtype
-        apply_fsdp(policy, mesh.fsdp_mesh, mixed_precision(amp) if amp == torch.bfloat16 else None,
-                   reshard_after_forward=pipeline is None)
-        if pipeline is not None and amp == torch.bfloat16:  # bf16 weights: the residual stream, hence the
+    if sharded and pipeline is not None:  # after AC / compile (torchtitan's order), before the optimizer:
+        # AdamW must hold the DTensor shards. The draft stays replicated (parallel/fsdp.py says why); the engine's
+        # copy is whole (above). The unit is this rank's stage, cut above: 1F1B interleaves micro-batches'
+        # forwards and backwards, so a layer's weights stay gathered from its forward to its backward
+        # (torchtitan's choice under PP)
+        apply_fsdp(policy, mesh.fsdp_mesh, mp, reshard_after_forward=False)
+        if amp == torch.bfloat16:  # bf16 weights: the residual stream, hence the
             pipeline.act_dtype = amp  # activations and taps the stages exchange, are bf16 (cotrain_pp's act_dtype)
     opt = build_optimizer(policy, draft if mode == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
     sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps,
