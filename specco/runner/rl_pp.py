@@ -90,12 +90,20 @@ def pp_train_updates(st, train_draft, mbs, scfg, epochs: int, grad_group) -> lis
 
 
 def _draft_state(st, mesh: Mesh) -> dict | None:
-    """The co-trained draft's state from the last stage, on every stage (None for other arms)."""
+    """The co-trained draft's state from the last stage, on every stage (None for other arms): one broadcast
+    per tensor over the pipeline group, no pickle. Every rank's engine holds a draft of the same architecture,
+    so its state dict gives the names, shapes and dtypes the receivers allocate; the last stage sends its
+    trainer's tensors in those dtypes (what the refit would cast them to anyway)."""
     if st.mode != "cotrained":
         return None
-    box = [{k: v.detach().cpu() for k, v in st.draft.state_dict().items()} if st.pipeline.last else None]
-    dist.broadcast_object_list(box, group=mesh.pp_group, group_src=mesh.pp - 1)
-    return box[0]
+    mine = st.draft.state_dict() if st.pipeline.last else None
+    out = {}
+    for k, like in st.engine.draft.state_dict().items():
+        buf = (mine[k].detach().to(like.dtype).contiguous() if mine is not None
+               else torch.empty(like.shape, dtype=like.dtype, device=like.device))
+        dist.broadcast(buf, group=mesh.pp_group, group_src=mesh.pp - 1)
+        out[k] = buf
+    return out
 
 
 def gather_for_refit(st, mesh: Mesh) -> tuple[dict, dict | None]:
