@@ -3,10 +3,11 @@
 torchrun's agent keeps one TCPStore for the whole job; a restarted worker that rendezvoused in it unprefixed read
 the gloo addresses the killed attempt's workers had left there and connected to dead ports ("Connection refused"
 in init_process_group, or a hang: 1 run in 4 of the test below, 3 of 4 launches of the worker test).
-parallel/mesh.py gives each attempt its own namespace (TORCHELASTIC_RESTART_COUNT). Mutation checked: with
-`_attempt_store` returning no store (plain env://) the worker test failed or hung in 3 of 4 launches (rank 0 or
-rank 1 late, --standalone or an explicit c10d endpoint); each of its two launches fails by itself only sometimes
-(the race is torch's), so the test runs both.
+parallel/mesh.py gives each attempt its own namespace (TORCHELASTIC_RESTART_COUNT), which
+test_each_attempt_has_its_own_store_namespace checks deterministically. Mutations checked: `_attempt_store`
+returning the store without its prefix fails that test; returning no store (plain env://) made the worker launches
+below fail or hang in 3 of 4 tries (rank 0 or rank 1 late, --standalone or an explicit c10d endpoint) but pass in
+another try of both: the race is torch's, so those launches show the restart works, not that it cannot break.
 
 The worker test (tests/elastic_worker.py): rank 1 exits after the group formed, the restarted attempt must form
 its group again with one rank 3 s late (reading the store before its peer wrote to it), and all-reduce.
@@ -70,6 +71,35 @@ STANDALONE = ["--standalone"]
 
 def _endpoint() -> list:
     return ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "--rdzv-id=specco-elastic"]
+
+
+def test_each_attempt_has_its_own_store_namespace(monkeypatch):
+    """What the fix is, deterministically (the launches below race): through mesh._attempt_store, a key the ranks
+    of attempt 0 wrote to torchrun's store is invisible to attempt 1, and visible to attempt 0's other ranks."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from specco.parallel.mesh import _attempt_store
+    timeout = datetime.timedelta(seconds=30)
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)  # the agent's store
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "WORLD_SIZE": "2",
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+    def store(attempt: int, rank: int):
+        for k, v in {**env, "RANK": str(rank), "TORCHELASTIC_RESTART_COUNT": str(attempt)}.items():
+            monkeypatch.setenv(k, v)
+        s, r, w = _attempt_store(timeout)
+        assert (r, w) == (rank, 2)
+        return s
+
+    store(0, 1).set("rank_1", "attempt 0's address")
+    assert store(0, 0).get("rank_1") == b"attempt 0's address"
+    assert not store(1, 0).check(["rank_1"])  # attempt 1's rank 0 waits for attempt 1's rank 1
+    store(1, 1).set("rank_1", "attempt 1's address")
+    assert store(1, 0).get("rank_1") == b"attempt 1's address"
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert _attempt_store(timeout) == (None, 0, 0)  # outside torchrun: torch's own env://
 
 
 @pytest.mark.parametrize("late, rdzv", [(0, STANDALONE), (1, None)], ids=["rank0-late-standalone",
