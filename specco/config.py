@@ -388,8 +388,15 @@ class ParallelSpec:
     cp: int = 1
     pp: int = 1
     backend: str = "auto"  # auto -> nccl on CUDA, gloo on CPU
+    # seconds any wait of the process group may last (a collective, its start-up) before the rank raises, so a rank
+    # whose peer is stuck fails and torchrun --max-restarts can restart the job (parallel/mesh.py). The other ranks
+    # wait in a collective while rank 0 runs SFT and the warm start alone: keep it above those stages' time
+    timeout_s: float = 1800.0
 
     def __post_init__(self):
+        _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
+               and 0 < self.timeout_s < float("inf"), f"parallel.timeout_s={self.timeout_s!r}: must be a number of "
+               "seconds > 0 (torch's default is 1800)")
         for n in ("cp", "pp"):
             _check(getattr(self, n) >= 1, f"parallel.{n}={getattr(self, n)}: must be >= 1")
         for n in ("dp", "dp_shard", "dp_replicate"):

@@ -16,8 +16,12 @@ What "continues exactly" means (arm_checkpoint.py's docstring):
 Tolerance as tests/test_rl_cp.py: rtol 1e-9 (parameters atol 1e-10 after two AdamW steps): the checkpoint round
 trip is bit-exact (safetensors keeps the fp64 bytes), so only summation orders differ (reduce-scatter over 2 or
 4 shards, pipeline stages vs one process). policy/loss, ratio and KL statistics at 1e-6: fp32 log-probs by
-design. Mutation checked: skipping the LR scheduler's state on load (sharded_checkpoint.load) fails the dp_shard
-2 -> 4 comparison.
+design. The LR schedule's position (last_epoch, last LRs) after step 2 equals the reference's exactly.
+
+Mutation checked: skipping the LR scheduler's state on load (sharded_checkpoint.load) fails the dp_shard 2 -> 4
+test at that schedule check (last_epoch 1 instead of 2) and nowhere else: the losses, grad norms and parameters
+of step 2 all still matched, because AdamW's param groups carry step 2's LR through the checkpoint, and before
+the schedule check was added the test passed with the mutation.
 """
 from pathlib import Path
 
@@ -30,10 +34,11 @@ from test_rl_cp import _cfg, _close, _models
 
 pytestmark = pytest.mark.dist
 
-# PPO + KL: the moments, the schedule and the recompute go through the checkpoint; stride 1: the draft trains on
-# every row at any dp (the demo's stride picks rows by their local index)
+# PPO + KL: the moments, the schedule and the recompute go through the checkpoint; warmups of 2 steps: step 2's
+# LRs (policy and draft) are twice step 1's, so a schedule that restarted at the load shows; stride 1: the draft
+# trains on every row at any dp (the demo's stride picks rows by their local index)
 EXTRA = ("rollout.prompts_per_step=8", "train.checkpoint_every=1", "train.ppo_epochs=2", "train.minibatches=2",
-         "train.kl_coef=0.1", "train.draft_row_stride=1")
+         "train.kl_coef=0.1", "train.draft_row_stride=1", "train.warmup_steps=2", "train.draft_warmup_steps=2")
 CLOSE = ("draft/loss", "policy/grad_norm", "draft/grad_norm", "draft/tokens", "policy/clip_frac")
 FP32 = ("policy/loss", "policy/ratio_mean", "policy/ratio_dev", "policy/kl")
 
@@ -45,6 +50,14 @@ def _params(st) -> dict:
     if st.draft is not None:
         out.update({f"draft.{k}": v.detach().clone() for k, v in st.draft.state_dict().items()})
     return out
+
+
+def _sched(st) -> dict:
+    """Where the LR schedule stands: the step count it computes the next LRs from, and the last LRs it set. Step 2
+    alone would not show a schedule that restarted at the load (AdamW's param groups carry step 2's LR through the
+    checkpoint); from step 3 on it would."""
+    sd = st.sched.state_dict()
+    return {"last_epoch": sd["last_epoch"], "_last_lr": sd["_last_lr"]}
 
 
 def _compare_params(got: dict, want: dict):
@@ -120,7 +133,7 @@ def _shard_worker(rank, world, tmp, phase):
     params = _params(st["state"])  # collective
     torch.save(rec, tmp / f"rollouts{phase}_{rank}.pt")
     if rank == 0:
-        torch.save({"rows": rows, "params": params}, tmp / f"result{phase}.pt")
+        torch.save({"rows": rows, "params": params, "sched": _sched(st["state"])}, tmp / f"result{phase}.pt")
 
 
 def test_dp_shard2_checkpoint_resumes_at_dp_shard4_as_one_process_replay(tmp_path):
@@ -142,6 +155,7 @@ def test_dp_shard2_checkpoint_resumes_at_dp_shard4_as_one_process_replay(tmp_pat
         _compare_rows(got["rows"][0], q)
         assert q["policy/kl"] > 0 and q["policy/ratio_dev"] > 0
     _compare_params(got["params"], _params(ref))
+    assert got["sched"] == _sched(ref) and got["sched"]["last_epoch"] == 2, (got["sched"], _sched(ref))
 
 
 # -- HSDP 2x2 -> dp_shard 4 ---------------------------------------------------------------------------
@@ -165,6 +179,7 @@ def _hsdp_worker(rank, world, tmp):
     got, want = _params(st["state"]), _params(ref_st["state"])
     if rank == 0:
         _compare_params(got, want)
+        assert _sched(st["state"]) == _sched(ref_st["state"]), (_sched(st["state"]), _sched(ref_st["state"]))
 
 
 @pytest.mark.slow  # 4 processes, three runs

@@ -36,27 +36,68 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["Mesh", "init_distributed", "spawn_local"]
+__all__ = ["Mesh", "init_distributed", "spawn_local", "DEFAULT_TIMEOUT_S"]
+
+# torch's own default for a process group (30 min); the run's value is config.ParallelSpec.timeout_s
+DEFAULT_TIMEOUT_S = 1800.0
 
 
-def init_distributed(backend: str = "auto") -> str:
+def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
     """Initialise the default process group from torchrun's environment (idempotent).
 
-    backend 'auto' -> nccl when CUDA is available, gloo otherwise. Returns the backend used.
+    backend 'auto' -> nccl when CUDA is available, gloo otherwise. Returns the backend used. `timeout_s` bounds
+    every wait of this group (the store, a collective): a rank whose peer is stuck raises after it instead of
+    blocking, so torchrun can stop the job and restart it (parallel.timeout_s).
+
+    Under torchrun the group rendezvouses in a namespace of its own per restart (`_attempt_store`): torch's
+    agent keeps one TCPStore for the whole job, and without it a restarted worker reads the keys the previous
+    attempt's workers left there (their gloo addresses) and connects to a dead process ("Connection refused",
+    or a hang in init_process_group).
     """
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        timeout = timedelta(seconds=timeout_s)
+        store, rank, world = _attempt_store(timeout)
+        if store is None:  # not under torchrun: env:// as torch reads it
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            try:
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+            except RuntimeError as e:  # DistStoreError (a peer never came) is one
+                raise RuntimeError(
+                    f"rank {rank}: the process group of torchrun attempt {os.environ['TORCHELASTIC_RESTART_COUNT']} "
+                    f"did not form within parallel.timeout_s={timeout_s:g} s ({e}). Every rank of an attempt must "
+                    "start it; a re-rendezvous of an elastic --nnodes MIN:MAX job is not supported (use a fixed "
+                    "--nnodes N)") from e
     return backend
+
+
+def _attempt_store(timeout: timedelta):
+    """(store, rank, world) for this torchrun attempt: the job's store (MASTER_ADDR:MASTER_PORT, built as torch's
+    env:// does: a client of the agent's store, or hosted by rank 0) seen through the prefix
+    "specco/attempt<TORCHELASTIC_RESTART_COUNT>/", so the keys of an attempt whose workers were killed are
+    never read again. (None, 0, 0) outside torchrun.
+
+    Every worker of an attempt must agree on the count: torch's agents count a restart after a failure (every
+    node's, when a rank's death fails its peers' collectives), not a re-rendezvous for a node joining an elastic
+    job (--nnodes MIN:MAX); there the attempts' prefixes differ, the init times out after parallel.timeout_s,
+    and the error says so."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None, 0, 0
+    from torch.distributed.rendezvous import rendezvous
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"specco/attempt{attempt}/", store), rank, world
 
 
 @dataclass(frozen=True)
@@ -99,11 +140,12 @@ class Mesh:
         return torch.device("cpu")
 
     @classmethod
-    def build(cls, dp: int = 1, cp: int = 1, backend: str = "auto", pp: int = 1, dp_shard: int = 1) -> "Mesh":
+    def build(cls, dp: int = 1, cp: int = 1, backend: str = "auto", pp: int = 1, dp_shard: int = 1,
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> "Mesh":
         """Create the mesh and every group (collective: all ranks call it, once). Sizes that do not
         multiply to the job's WORLD_SIZE are an error naming the launch that would fit. `dp` is the whole
         data-parallel degree and `dp_shard` its FSDP factor (config.ParallelSpec's `dp` and `shard`):
-        dp_replicate = dp / dp_shard."""
+        dp_replicate = dp / dp_shard. `timeout_s`: how long any wait of the group may last (init_distributed)."""
         for name, n in (("pp", pp), ("dp", dp), ("cp", cp), ("dp_shard", dp_shard)):
             if n < 1:
                 raise ValueError(f"parallel.{name}={n}: must be >= 1")
@@ -111,7 +153,7 @@ class Mesh:
             raise ValueError(f"parallel.dp={dp} is not a multiple of parallel.dp_shard={dp_shard} "
                              "(dp = dp_replicate × dp_shard)")
         rep = dp // dp_shard
-        backend = init_distributed(backend)
+        backend = init_distributed(backend, timeout_s)
         world, rank = dist.get_world_size(), dist.get_rank()
         if pp * dp * cp != world:
             raise ValueError(f"parallel.pp × parallel.dp × parallel.cp = {pp} × {dp} × {cp} = {pp * dp * cp} but the "

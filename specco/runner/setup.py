@@ -58,7 +58,7 @@ def parallel_setup(cfg: RunConfig) -> Mesh | None:
         return None
     p = cfg.parallel
     backend = p.backend if p.backend != "auto" else ("nccl" if pick_device(cfg.device).type == "cuda" else "gloo")
-    return Mesh.build(dp, cp, backend, pp=pp, dp_shard=p.shard)
+    return Mesh.build(dp, cp, backend, pp=pp, dp_shard=p.shard, timeout_s=p.timeout_s)
 
 
 def _broadcast_object(obj, mesh: Mesh):

@@ -42,9 +42,9 @@ RUN_OUTPUTS = ("start_policy", "warm_draft", *(f"warm_draft_{k}" for k in DRAFT_
 _IGNORED_KEYS = ("out_dir",)
 # Keys a re-run may change and continue: train.steps extends (or ends early) a run, the others only set how often
 # it evaluates, saves and checkpoints. The new values are recorded. (Under train.lr_schedule = cosine the steps
-# after a resume follow the new length's schedule.)
+# after a resume follow the new length's schedule.) parallel.timeout_s only bounds how long a rank waits for its peers.
 _EXTENDING_KEYS = ("train.steps", "train.eval_every", "train.save_every", "train.checkpoint_every",
-                   "train.keep_checkpoints")
+                   "train.keep_checkpoints", "parallel.timeout_s")
 
 
 class StageError(RuntimeError):
