@@ -10,8 +10,8 @@ DTensor shards for the policy — and the draft's statistics), every clipped gra
 step, every parameter, gathered with `full_tensor()`. Co-trained EAGLE-3 and DFlash; micro-batches of 2 rows
 (several per rank) with the draft on every second row, so FSDP's per-micro-batch reduce-scatter and the
 held-unsharded accumulation (`hold_unsharded`) both sum across micro-batches. Then pp 2 × dp_shard 2
-(`cotrain_step` with a real pipe, 1F1B, each stage sharded, the draft on the last stage fed by the TapChannel) against the
-unsplit step, in fp64 and in bf16 (mixed precision under the pipeline, bf16 activations and taps on the wire).
+(`cotrain_step` with a real pipe, 1F1B, each stage sharded, the draft on the last stage fed by the TapChannel)
+against the unsplit step, in fp64 and in bf16 (mixed precision under the pipeline, bf16 activations and taps on the wire).
 
 Tolerance (fp64): rtol 1e-9, atol 1e-12, as the DP and CP tests: the sharded step does the same arithmetic in
 other summation orders (reduce-scatter vs one process's autograd accumulation, per-rank partial sums, the norm

@@ -9,6 +9,9 @@ offline warm start (train_policy=False), a packed row on one device (ZigzagPack(
 alone. The equivalences with other layouts (DP, CP, PP, FSDP) stay in their own tests (test_pp_cotrain.py,
 test_cp_cotrain.py, test_fsdp.py, ...), which now run this same function.
 
+Under a real pipe, what the one step does not implement (block drafters, the warm start, FSDP reductions held to
+the last micro-batch) is refused by name (`test_pipe_refusals_are_named`).
+
 Mutation checked: dividing the policy loss by the micro-batch's own token count instead of the step's global
 one (`counts.policy_tokens` -> None in `cotrain_step`'s forward) fails the micro-batched cases here.
 """
@@ -154,3 +157,20 @@ def test_one_step_equals_frozen_pp1_step_bit_for_bit(case, dtype):
         bad = [n for n in b if not torch.equal(a[n], b[n])]
         assert not bad, f"{tag}s differ: {bad[:5]}"
     assert any(n.startswith("draft.") for n in got[1]) == (kind is not None)
+
+
+class _Pipe:  # the last stage of a 2-stage pipe, as far as the step's checks read it (they run before any traffic)
+    group, stage, pp, idle = None, 1, 2, True
+
+
+@pytest.mark.parametrize("what,kw,match", [
+    ("block drafter", {"kind": "dflash"}, "block drafter under parallel.pp > 1"),
+    ("warm start", {"train_policy": False}, "train_policy=False"),
+    ("held FSDP reduction", {"grad_sync": {"policy": type("Held", (), {"hold": True})()}}, "hold_unsharded=True"),
+])
+def test_pipe_refusals_are_named(what, kw, match):
+    """What the single step does not implement under a real pipe is refused by name, before any communication."""
+    policy, draft = _models(kw.pop("kind", "eagle3"), torch.float64)
+    opt = build_optimizer(policy, draft, 1e-3, 1e-2)
+    with pytest.raises(ValueError, match=match):
+        cotrain_step(policy, draft, _batch(torch.float64), opt, None, StepConfig(), pipe=_Pipe(), **kw)

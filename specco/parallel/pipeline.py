@@ -153,7 +153,8 @@ def one_f_one_b(comm: PipeComm | NoPipe, num_micro: int, forward: Callable, act_
 
     forward(m, x) -> y: micro-batch m's stage forward; x is the received activation (a leaf that requires
         grad) or None on the first stage; y the activation to send (non-last stages) or the loss to
-        backpropagate (last stage; None when it has nothing to backpropagate: a frozen policy, pp = 1 only). The schedule runs the backwards itself: y.backward(dy) and x.grad
+        backpropagate (last stage; None when it has nothing to backpropagate: a frozen policy, pp = 1 only).
+        The schedule runs the backwards itself: y.backward(dy) and x.grad
         upstream, so a stage's backward is exactly autograd's over its forward.
     act_shape(m): the (B, S, h) activation shape of micro-batch m (every stage holds the whole batch).
     after_backward(m): last stage only, after micro-batch m's backward and its upstream send (the draft's

@@ -72,7 +72,7 @@ class PipelineArm:
 
 
 def pp_train_updates(st, train_draft, mbs, scfg, epochs: int, grad_group) -> list[dict]:
-    """The PPO updates of one RL step on this stage (epochs × minibatches co-training steps, each 1F1B over the stage)."""
+    """The PPO updates of one RL step on this stage: epochs × minibatches co-training steps (1F1B over the stage)."""
     pa: PipelineArm = st.pipeline
     # FSDP's reduce-scatter for a sharded stage (apply_fsdp without reshard after forward), else the all-reduce
     sync = grad_syncs(pa.stage, grad_group, reshard_after_forward=False)

@@ -377,10 +377,14 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
                 taps.post(m, out.stage_taps)  # posts and returns: the source never waits for the draft
             return out.hidden
         if kind is not None:
-            if pp == 1:  # nothing to overlap: the draft's work before the policy loss's vocabulary-sized buffers
-                draft_work(m, out)  # exist, while the weights a block drafter borrows (head, embeddings) are gathered
+            if pp == 1:
+                # nothing to overlap: the draft's work now, before the policy loss's vocabulary-sized fp32 buffers
+                # exist and while the weights a block drafter borrows (head, embeddings) are still gathered under
+                # FSDP (the policy's backward reshards them)
+                draft_work(m, out)
             else:
-                held[m] = (out.stage_taps, out.logits.detach())  # after m's backward (one_f_one_b's after_backward): overlaps the earlier stages'
+                # after m's backward (one_f_one_b's after_backward): it overlaps the earlier stages' backwards
+                held[m] = (out.stage_taps, out.logits.detach())
         if not train_policy:
             return None
         with amp_context(cfg, mb.tokens):
