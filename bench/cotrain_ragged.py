@@ -59,6 +59,7 @@ from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.ops.attention import ttt_attention  # noqa: E402
+from specco.parallel.layout import PaddedRows  # noqa: E402
 from specco.train.compile import apply_compile, apply_draft_compile, warm_up, warm_up_draft  # noqa: E402
 from specco.batch import round_up  # noqa: E402
 from specco.train.cotrain import (AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step,  # noqa: E402
@@ -104,7 +105,7 @@ def variant_step(name: str, a, policy, draft, opts, amp):
     impl = base if base in ("flash", "cudnn") else None
     attn = functools.partial(ttt_attention, impl=impl) if impl else ttt_attention
     return functools.partial(cotrain_step, policy, draft if use_draft else None, opt=opts[use_draft], sched=None,
-                             cfg=cfg, attn=attn)
+                             cfg=cfg, layout=PaddedRows(attn))
 
 
 def profiler(dev):

@@ -27,6 +27,7 @@ from specco.batch import TrainBatch  # noqa: E402
 from specco.model.config import PolicyConfig  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.runner.rollouts import Minibatch, recompute_logprobs  # noqa: E402
+from specco.parallel.layout import PADDED  # noqa: E402
 from specco.train.cotrain import StepConfig, cotrain_step  # noqa: E402
 
 SHAPES = {"long316m": dict(vocab_size=101, hidden_size=1024, intermediate_size=2816, num_layers=28, num_heads=16,
@@ -86,13 +87,13 @@ def main() -> None:
            "real_tokens": real, "padded_tokens_old": padded, "params": params}
     with torch.no_grad():
         res["old_s"] = timed(lambda: [recompute_logprobs(policy, b.tokens, cfg) for b in mbs], dev, a.iters)
-        res["new_s"] = timed(lambda: [Minibatch(b, {}, list(range(n))).logprobs(policy, cfg) for b in mbs], dev,
+        res["new_s"] = timed(lambda: [Minibatch(b, PADDED, list(range(n))).logprobs(policy, cfg) for b in mbs], dev,
                              a.iters)
     res["floor_s"] = 2 * params * real / (a.peak * 1e12)
     if not a.no_train:  # fwd + bwd + AdamW of the policy, no draft (lr 0: the weights stay as they are)
         opt = torch.optim.AdamW(policy.parameters(), lr=0.0)
         for b in mbs:
-            b.logp_old = Minibatch(b, {}, list(range(n))).logprobs(policy, cfg)
+            b.logp_old = Minibatch(b, PADDED, list(range(n))).logprobs(policy, cfg)
         res["train_s"] = timed(lambda: [cotrain_step(policy, None, b, opt, None, cfg) for b in mbs], dev, a.iters)
         res["train_floor_s"] = 3 * res["floor_s"]
     if a.compile != "none":
@@ -101,7 +102,7 @@ def main() -> None:
         t0 = time.perf_counter()
         with torch.no_grad():
             for b in mbs:
-                Minibatch(b, {}, list(range(n))).logprobs(policy, cfg)
+                Minibatch(b, PADDED, list(range(n))).logprobs(policy, cfg)
         if not a.no_train:
             for b in mbs:
                 cotrain_step(policy, None, b, opt, None, cfg)
@@ -109,7 +110,7 @@ def main() -> None:
             torch.cuda.synchronize()
         res["compile_first_calls_s"] = time.perf_counter() - t0
         with torch.no_grad():
-            res["compiled_new_s"] = timed(lambda: [Minibatch(b, {}, list(range(n))).logprobs(policy, cfg) for b in mbs],
+            res["compiled_new_s"] = timed(lambda: [Minibatch(b, PADDED, list(range(n))).logprobs(policy, cfg) for b in mbs],
                                           dev, a.iters)
         if not a.no_train:
             res["compiled_train_s"] = timed(lambda: [cotrain_step(policy, None, b, opt, None, cfg) for b in mbs], dev,
@@ -119,7 +120,7 @@ def main() -> None:
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-        for name, fn in (("recompute", lambda: Minibatch(mbs[0], {}, list(range(n))).logprobs(policy, cfg)),
+        for name, fn in (("recompute", lambda: Minibatch(mbs[0], PADDED, list(range(n))).logprobs(policy, cfg)),
                          ("train", None if a.no_train else lambda: cotrain_step(policy, None, mbs[0], opt, None, cfg))):
             if fn is None:
                 continue

@@ -43,9 +43,9 @@ from specco.model.policy import Policy, StageTaps  # noqa: E402
 from specco.parallel.mesh import Mesh, spawn_local  # noqa: E402
 from specco.parallel.pipeline import PipeComm, gather_stages, split_stage, stage_layer_ranges  # noqa: E402
 from specco.parallel.taps import EMBED, TapChannel, TapSpec  # noqa: E402
-from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, micro_batches, step_counts  # noqa: E402
+from specco.train.cotrain import (StepConfig, TrainBatch, _TeacherOut, build_optimizer, cotrain_step,  # noqa: E402
+                                  micro_batches, step_counts)
 from specco.train.drafters import EAGLE3  # noqa: E402
-from specco.train.cotrain_pp import _TeacherOut, pp_cotrain_step  # noqa: E402
 
 
 class _Queued:
@@ -168,7 +168,7 @@ def _worker(rank, world, a, store_path, out_path):
             w0 = taps.wait_s if taps is not None else 0.0
             dist.barrier()
             t0 = time.perf_counter()
-            pp_cotrain_step(stage, draft, batch, opt, None, cfg, pipe=pipe, taps=taps,
+            cotrain_step(stage, draft, batch, opt, None, cfg, pipe=pipe, taps=taps,
                             tap_layers=None if mode == "none" else aux, step=it)
             dist.barrier()
             if it >= a.warmup:

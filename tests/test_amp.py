@@ -14,6 +14,7 @@ import torch
 from specco.model.config import DraftConfig, PolicyConfig
 from specco.model.draft import Eagle3Draft
 from specco.model.policy import Policy
+from specco.parallel.layout import PaddedRows
 from specco.parallel.ring_attention import ring_ttt_attention
 from specco.parallel.zigzag import ZigzagLayout
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
@@ -40,7 +41,7 @@ def _batch():
 def _step(amp, attn=None):
     policy, draft = _models()
     opt = build_optimizer(policy, draft, 1e-3, 1e-3)
-    kw = {} if attn is None else {"attn": attn}
+    kw = {} if attn is None else {"layout": PaddedRows(attn)}
     m = cotrain_step(policy, draft, _batch(), opt, None, StepConfig(ttt_passes=3, amp_dtype=amp, draft_row_stride=1), **kw)
     grads = {name: torch.cat([p.grad.flatten() for p in mod.parameters()]) for name, mod in
              (("policy", policy), ("draft", draft))}

@@ -3,7 +3,7 @@ single-process step (cp = 1), and a packed row on one device (cp = 1 through `Bl
 
 Reference: `cotrain_step` on one process over right-padded (B, S_max) rows — causal SDPA in the policy,
 `block_attention` and `local_plan` in the draft. CP: the same sequences packed into one THD stream, zigzag-
-sharded, with `cp.step_fns` (ring policy attention, CP shift, `BlockCP`: per-sequence anchors from the gathered
+sharded, with `layout.ZigzagPack` (ring policy attention, CP shift, `BlockCP`: per-sequence anchors from the gathered
 content, each block on its anchor's rank, the trunk on the ring). Chunks are 1-5 tokens and blocks 3-4 slots,
 so most blocks straddle zigzag chunk borders (asserted), and a sequence is shorter than 2·cp. Compared: both
 losses (sums of the ranks' contributions), every global draft metric, every gradient of policy and draft and
@@ -19,7 +19,8 @@ import torch.distributed as dist
 from specco.model.config import PolicyConfig
 from specco.model.dflash import BlockDraft, BlockDraftConfig
 from specco.model.policy import Policy
-from specco.parallel.cp import shard_batch, step_fns
+from specco.parallel.cp import shard_batch
+from specco.parallel.layout import PaddedRows, ZigzagPack
 from specco.parallel.mesh import spawn_local
 from specco.parallel.zigzag import ZigzagLayout
 from specco.train.block_losses import sample_anchors
@@ -110,7 +111,7 @@ def _worker(rank, world, kind):
         assert _crossing_blocks(packed, cu, world, 6, 3) >= 6
     lay = ZigzagLayout(cu, world, rank)
     m, g, p = _step(*_models(kind), shard_batch(packed, lay), grad_group=dist.group.WORLD,
-                    **step_fns(dist.group.WORLD, lay))
+                    layout=ZigzagPack(dist.group.WORLD, lay))
     _compare(m, g, p, ref, world, sum_losses=True)
 
 
@@ -128,14 +129,16 @@ def test_block_cotrain_packed_row_equals_padded_rows(kind):
     ref = _step(*_models(kind), batch)
     packed, cu = _pack(batch)
     lay = ZigzagLayout(cu, 1, 0)
-    m, g, p = _step(*_models(kind), shard_batch(packed, lay), **step_fns(None, lay))
+    m, g, p = _step(*_models(kind), shard_batch(packed, lay), layout=ZigzagPack(None, lay))
     _compare(m, g, p, ref, 1, sum_losses=False)
 
 
 def test_block_drafter_on_packed_rows_without_plan_is_refused():
     packed, cu = _pack(_data())
     lay = ZigzagLayout(cu, 1, 0)
-    fns = step_fns(None, lay)
-    fns.pop("block")
-    with pytest.raises(ValueError, match="needs `block`"):
-        _step(*_models("dflash"), shard_batch(packed, lay), **fns)
+    with pytest.raises(ValueError, match="needs a packed layout"):
+        _step(*_models("dflash"), shard_batch(packed, lay), layout=PaddedRows())
+    no_plan = ZigzagPack(None, lay)
+    no_plan.block = None  # a packed layout without its block plan: the drafter kind refuses it by name
+    with pytest.raises(ValueError, match="needs a layout with a block plan"):
+        _step(*_models("dflash"), shard_batch(packed, lay), layout=no_plan)

@@ -3,7 +3,7 @@
 Reference: `cotrain_step` on one process over a right-padded (B, S_max) batch — plain causal SDPA in the
 policy, `ttt_attention` and `shift_left` in the draft. CP: the same sequences packed into one THD stream,
 zigzag-sharded with `shard_batch`, the policy's attention core, `cp_shift` and `ring_ttt_attention`
-passed in (`cp.step_fns`), global token counts, gradients summed over the group by cotrain_step's
+passed in (`layout.ZigzagPack`), global token counts, gradients summed over the group by cotrain_step's
 `grad_group`. Compared: policy loss and draft loss (sums of the ranks' contributions), draft metrics
 (already global), the gradient of every policy and draft parameter after the CP sum, the grad norms,
 and the parameters after the optimizer step. GQA policy, K = 3 TTT passes, a sequence shorter than 2·cp;
@@ -21,7 +21,8 @@ import torch.distributed as dist
 from specco.model.config import DraftConfig, PolicyConfig
 from specco.model.draft import Eagle3Draft, build_vocab_maps
 from specco.model.policy import Policy
-from specco.parallel.cp import shard_batch, step_fns
+from specco.parallel.cp import shard_batch
+from specco.parallel.layout import ZigzagPack
 from specco.parallel.mesh import spawn_local
 from specco.parallel.zigzag import ZigzagLayout
 from specco.train.activation_checkpointing import apply_activation_checkpointing
@@ -88,7 +89,7 @@ def _worker(rank, world, ckpt=False):
     policy, draft = _models()
     if ckpt:  # the ring runs again inside the backward's recompute: sends/receives must still pair up
         apply_activation_checkpointing(policy)
-    m, g, p = _step(policy, draft, local, grad_group=group, **step_fns(group, lay))
+    m, g, p = _step(policy, draft, local, grad_group=group, layout=ZigzagPack(group, lay))
 
     for key in ("policy/loss", "draft/loss"):  # each rank holds its local contribution to the global mean
         total = torch.tensor([m[key]], dtype=torch.float64)

@@ -60,7 +60,7 @@ def test_shadow_scores_both_drafts_without_changing_the_trajectory(tmp_path, kin
     acfg, mode = arm_config(cfg, arm)
     scfg = step_config(acfg, mode)
     whole = minibatches(record[0], 1, scfg, tok.pad_id, "cpu", None)[0]
-    ref = draft_eval(policy, warm, whole.batch, scfg, None, whole.fns)
+    ref = draft_eval(policy, warm, whole.batch, scfg, None, whole.layout)
     assert first[sim.format("frozen")] == pytest.approx(ref["draft/sim_accept_len"], rel=1e-6)
     assert first["shadow/frozen/loss"] == pytest.approx(ref["draft/loss"], rel=1e-6)
     # after the first update the co-trained draft is another draft (a high draft LR: it moves visibly)

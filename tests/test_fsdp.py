@@ -10,8 +10,8 @@ DTensor shards for the policy — and the draft's statistics), every clipped gra
 step, every parameter, gathered with `full_tensor()`. Co-trained EAGLE-3 and DFlash; micro-batches of 2 rows
 (several per rank) with the draft on every second row, so FSDP's per-micro-batch reduce-scatter and the
 held-unsharded accumulation (`hold_unsharded`) both sum across micro-batches. Then pp 2 × dp_shard 2
-(`pp_cotrain_step`, 1F1B, each stage sharded, the draft on the last stage fed by the TapChannel) against the
-unsplit step, in fp64 and in bf16 (mixed precision under the pipeline, bf16 activations and taps on the wire).
+(`cotrain_step` with a real pipe, 1F1B, each stage sharded, the draft on the last stage fed by the TapChannel)
+against the unsplit step, in fp64 and in bf16 (mixed precision under the pipeline, bf16 activations and taps on the wire).
 
 Tolerance (fp64): rtol 1e-9, atol 1e-12, as the DP and CP tests: the sharded step does the same arithmetic in
 other summation orders (reduce-scatter vs one process's autograd accumulation, per-rank partial sums, the norm
@@ -42,7 +42,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from specco.model.dflash import BlockDraft
-from specco.parallel.cp import shard_batch, step_fns
+from specco.parallel.cp import shard_batch
+from specco.parallel.layout import ZigzagPack
 from specco.parallel.fsdp import apply_fsdp, mixed_precision
 from specco.parallel.mesh import Mesh, spawn_local
 from specco.parallel.zigzag import ZigzagLayout
@@ -176,7 +177,7 @@ def _worker(rank, world, kind, dp_shard, cp, hold):
                              logp_old=b.logp_old[mine])
             packed, cu = pack_rows(sub, LENS[mine])
             lay = ZigzagLayout(cu, cp, mesh.cp_rank)
-            local.append((shard_batch(packed, lay), step_fns(mesh.cp_group, lay)))
+            local.append((shard_batch(packed, lay), {"layout": ZigzagPack(mesh.cp_group, lay)}))
     policy, draft = _models(kind)
     apply_fsdp(policy, mesh.fsdp_mesh)
     assert isinstance(policy.layers["0"].mlp.gate_up_proj.weight, DTensor) and not isinstance(draft.fc.weight, DTensor)
@@ -245,7 +246,6 @@ def _pp_worker(rank, world, bf16):
 
     from specco.parallel.pipeline import PipeComm, split_stage, stage_layer_ranges
     from specco.parallel.taps import TapChannel, TapSpec
-    from specco.train.cotrain_pp import pp_cotrain_step
     from test_pp_cotrain import CFG, S as PS, _batch, _models as pp_models
     pp, dp = 2, 2
     dtype = torch.float32 if bf16 else torch.float64
@@ -274,7 +274,7 @@ def _pp_worker(rank, world, bf16):
         ([(f"draft.{n}", p) for n, p in d.named_parameters()] if last else [])
     rtol = 2e-2 if bf16 else TOL["rtol"]
     for step, (m_ref, g_ref) in enumerate(ref_hist, start=1):
-        m = pp_cotrain_step(stage, d, mine, opt, None, cfg, pipe=PipeComm(mesh.pp_group), taps=ch, tap_layers=aux,
+        m = cotrain_step(stage, d, mine, opt, None, cfg, pipe=PipeComm(mesh.pp_group), taps=ch, tap_layers=aux,
                             step=step, grad_group=mesh.grad_group, grad_sync=grad_syncs(stage, mesh.grad_group),
                             act_dtype=wire)
         losses = torch.tensor([m["policy/loss"], m["draft/loss"]], dtype=torch.float64)

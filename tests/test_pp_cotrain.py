@@ -1,7 +1,7 @@
 """Co-training under pipeline parallelism equals the unsplit step (docs/DESIGN.md §5).
 
 Reference: `cotrain_step` on one process, the unsplit Policy and the draft, the same micro-batches.
-PP: `split_stage` per rank, `pp_cotrain_step` (1F1B, the draft on the last stage fed by the TapChannel
+PP: `split_stage` per rank, `cotrain_step` with a real pipe (1F1B, the draft on the last stage fed by the TapChannel
 with fewer slots than micro-batches). Compared on every rank for its stage: policy loss, draft loss,
 the grad norms, the gradient of every policy parameter it holds and (last stage) of every draft
 parameter, and the parameters after the optimizer step. 5 layers, so neither pp = 2 (3 + 2) nor
@@ -25,7 +25,6 @@ from specco.parallel.mesh import Mesh, spawn_local
 from specco.parallel.pipeline import PipeComm, split_stage, stage_layer_ranges
 from specco.parallel.taps import TapChannel, TapSpec
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
-from specco.train.cotrain_pp import pp_cotrain_step
 
 V, S, B = 53, 9, 6
 TOL = dict(rtol=1e-9, atol=1e-12)
@@ -85,7 +84,7 @@ def _worker(rank, world, pp, dp, slots):
         if with_draft:
             spec = TapSpec.for_stages(ranges, aux, policy.cfg.hidden_size, torch.float64, CFG.micro_batch_rows * S)
             ch = TapChannel(spec, mesh.tap_group, slots=slots, timeout_s=60)
-        m = pp_cotrain_step(stage, d, mine, opt, None, CFG, pipe=pipe, taps=ch, tap_layers=aux if with_draft else None,
+        m = cotrain_step(stage, d, mine, opt, None, CFG, pipe=pipe, taps=ch, tap_layers=aux if with_draft else None,
                             step=1, grad_group=mesh.grad_group)
         return m, stage, d, pipe.log
 
@@ -129,7 +128,8 @@ def _cp_worker(rank, world):
     """pp = 2 × cp = 2: the packed, zigzag-sharded batch of tests/test_cp_cotrain.py; each stage runs the
     ring attention on its own CP group, the draft on the last stage reads its CP shard's taps."""
     import test_cp_cotrain as T
-    from specco.parallel.cp import shard_batch, step_fns
+    from specco.parallel.cp import shard_batch
+    from specco.parallel.layout import ZigzagPack
     from specco.parallel.zigzag import ZigzagLayout
     mesh = Mesh.build(cp=2, pp=2, backend="gloo")
     s, last = mesh.pp_rank, mesh.pp_rank == 1
@@ -145,8 +145,9 @@ def _cp_worker(rank, world):
     spec = TapSpec.for_stages(stage_layer_ranges(4, 2), draft.cfg.aux_layer_ids, 32, torch.float64, lay.num_local)
     ch = TapChannel(spec, mesh.tap_group, slots=2, timeout_s=60)
     cfg = StepConfig(ttt_passes=3, loss_chunk=5, policy_grad_clip=1.0, draft_grad_clip=1.0, draft_row_stride=1)
-    m = pp_cotrain_step(stage, d, local, opt, None, cfg, pipe=PipeComm(mesh.pp_group), taps=ch,
-                        tap_layers=draft.cfg.aux_layer_ids, grad_group=mesh.grad_group, **step_fns(mesh.cp_group, lay))
+    m = cotrain_step(stage, d, local, opt, None, cfg, pipe=PipeComm(mesh.pp_group), taps=ch,
+                        tap_layers=draft.cfg.aux_layer_ids, grad_group=mesh.grad_group,
+                        layout=ZigzagPack(mesh.cp_group, lay))
     losses = torch.tensor([m["policy/loss"], m["draft/loss"]], dtype=torch.float64)
     dist.all_reduce(losses, group=mesh.grad_group)
     torch.testing.assert_close(losses, torch.tensor([m_ref["policy/loss"], m_ref["draft/loss"]],

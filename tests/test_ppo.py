@@ -17,6 +17,7 @@ import torch
 from specco.batch import TrainBatch
 from specco.config_load import load_config
 from specco.model.config import ConfigError
+from specco.parallel.layout import PADDED
 from specco.runner.derive import generate_config, step_config
 from specco.runner.rl import run_arm
 from specco.runner.warmstart import new_draft
@@ -152,7 +153,7 @@ def test_logprob_recompute_runs_the_train_steps_micro_batches():
         tokens[b, n:] = 0
     batch = TrainBatch(tokens=tokens, target_mask=mask, advantages=torch.randn(B))
     cfg = dataclasses.replace(StepConfig(), micro_batch_rows=2)
-    got = Minibatch(batch, {}, list(range(B))).logprobs(policy, cfg)
+    got = Minibatch(batch, PADDED, list(range(B))).logprobs(policy, cfg)
     whole = recompute_logprobs(policy, tokens, cfg)
     at = mask[:, 1:] != 0  # log-prob of token j sits at position j - 1
     assert torch.allclose(got[:, :-1][at], whole[:, :-1][at], atol=1e-5, rtol=0)
@@ -181,7 +182,7 @@ def test_first_update_skips_its_recompute_and_trains_the_same():
         p = copy.deepcopy(policy)
         batch = TrainBatch(tokens=tokens, target_mask=mask, advantages=torch.randn(B, generator=torch.Generator().manual_seed(2)))
         if recompute:
-            batch.logp_old = Minibatch(batch, {}, list(range(B))).logprobs(p, cfg)
+            batch.logp_old = Minibatch(batch, PADDED, list(range(B))).logprobs(p, cfg)
         m = cotrain_step(p, None, batch, build_optimizer(p, None, 1e-2, 1e-2), None, cfg)
         results.append((m, [t.detach().clone() for t in p.parameters()]))
     (m_a, w_a), (m_b, w_b) = results

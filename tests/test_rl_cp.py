@@ -151,7 +151,8 @@ def test_packed_rows_on_one_device_attend_within_sequences_or_are_refused():
     the step equals the padded-rows step (fp64: losses, every gradient); without them it is refused
     (causal SDPA over the row would attend across sequence borders — the issue's -0.1796 vs -0.1275)."""
     from specco.batch import TrainBatch, pack
-    from specco.parallel.cp import shard_batch, step_fns
+    from specco.parallel.cp import shard_batch
+    from specco.parallel.layout import ZigzagPack
     from specco.parallel.zigzag import ZigzagLayout
     from specco.train.cotrain import StepConfig, build_optimizer, cotrain_step
     from test_cp_cotrain import V, _models as small_models
@@ -174,12 +175,12 @@ def test_packed_rows_on_one_device_attend_within_sequences_or_are_refused():
     m_ref, g_ref = step(rows)
     packed = pack(rows, lens)
     layout = ZigzagLayout(packed.cu_seqlens, 1, 0)
-    m, grads = step(shard_batch(packed, layout), **step_fns(None, layout))
+    m, grads = step(shard_batch(packed, layout), layout=ZigzagPack(None, layout))
     _close(m["policy/loss"], m_ref["policy/loss"], "policy/loss", 1e-6)
     _close(m["draft/loss"], m_ref["draft/loss"], "draft/loss")
     for a, b in zip(grads, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
-    with pytest.raises(ValueError, match="packed batch .5 sequences in a row. needs a packing-aware"):
+    with pytest.raises(ValueError, match="packed batch .5 sequences in a row. needs a packed layout"):
         step(packed)
 
 

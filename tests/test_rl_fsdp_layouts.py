@@ -203,7 +203,6 @@ def _pp_bf16_step_worker(rank, world):
     from specco.parallel.pipeline import PipeComm, split_stage, stage_layer_ranges
     from specco.parallel.taps import TapChannel, TapSpec
     from specco.train.cotrain import build_optimizer, cotrain_step
-    from specco.train.cotrain_pp import pp_cotrain_step
     from test_pp_cotrain import CFG, S as PS, _batch, _models as pp_models
     cfg = dataclasses.replace(CFG, amp_dtype=torch.bfloat16)
     policy, draft = (m.float() for m in pp_models())
@@ -219,7 +218,7 @@ def _pp_bf16_step_worker(rank, world):
     aux = draft.cfg.aux_layer_ids
     spec = TapSpec.for_stages(stage_layer_ranges(policy.cfg.num_layers, 2), aux, policy.cfg.hidden_size,
                               torch.float32, cfg.micro_batch_rows * PS)
-    m = pp_cotrain_step(stage, d, batch, build_optimizer(stage, d, 1e-3, 1e-2), None, cfg,
+    m = cotrain_step(stage, d, batch, build_optimizer(stage, d, 1e-3, 1e-2), None, cfg,
                         pipe=PipeComm(mesh.pp_group), taps=TapChannel(spec, mesh.tap_group, slots=3, timeout_s=60),
                         tap_layers=aux, step=1)
     for k in ("policy/loss", "draft/loss", "policy/grad_norm", "draft/grad_norm"):

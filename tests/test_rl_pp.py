@@ -2,7 +2,7 @@
 
 The demo config at a small batch (tests/test_rl_cp.py's models and task), two RL steps of the co-trained
 arm, fp64 models. pp = 2: pipeline stage 0 generates with the single process's sampler and shares the
-rollouts with stage 1, each stage trains its layers with `pp_cotrain_step` (the draft on stage 1 fed by
+rollouts with stage 1, each stage trains its layers with `cotrain_step` with a real pipe (the draft on stage 1 fed by
 the TapChannel), the engines are refit from the gathered stages — so the run equals the single-process
 run_arm step by step: the same rollouts (tokens compared exactly, also in step 2, which samples from the
 refit engine), losses, grad norms, and every parameter of each stage and of the draft after both steps.

@@ -1,6 +1,6 @@
 """Block drafters (DFlash / DSpark) under context parallelism and on packed rows (docs/DESIGN.md §2b, §4).
 
-    plan = BlockCP(cp_group, layout).plan(tokens, target_mask, N, γ)     # cp.step_fns passes it as `block`
+    plan = BlockCP(cp_group, layout).plan(tokens, target_mask, N, γ)     # layout.ZigzagPack(...).block
 
 Anchors. Every CP rank all-gathers the token ids and target masks of its group (integers: O(S) per rank,
 never K/V) and draws, per sequence, exactly the anchors a single process draws for that sequence
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..ops.attention import autocast_inputs, merge_lse
 from ..ops.block_attention import block_part_bwd, block_part_fwd, trunk_prefix_bwd, trunk_prefix_fwd
 from ..ops.sdpa_adapter import lse_dtype
+from .cp import cp_shift
 from .ring_attention import ring_bwd_schedule, ring_fwd_schedule
 from .zigzag import ZigzagLayout
 
@@ -42,7 +43,7 @@ _KV_TAG, _DKV_TAG = 2, 3  # distinct from ring_attention's tags: the policy's ri
 
 
 class BlockCP:
-    """The block drafter's share of `cp.step_fns`: its plan (anchors, labels, teacher gather, attention)
+    """The block drafter's share of a `layout.ZigzagPack`: its plan (anchors, labels, teacher gather, attention)
     on `layout`'s zigzag shards over `group` (the CP group; None when layout.cp == 1)."""
 
     def __init__(self, group, layout: ZigzagLayout):
@@ -105,7 +106,6 @@ class BlockCP:
         def teacher(logits: torch.Tensor) -> torch.Tensor:
             """(B, T_local, V) detached -> (B, N, γ, V): logits at p+j through the CP shift (a collective)."""
             idx = anchors[..., None].expand(-1, -1, logits.shape[-1])
-            from .cp import cp_shift  # cp.py imports this module for step_fns
             return torch.stack([cp_shift(logits, j, self.group, lay).gather(1, idx) for j in range(gamma)], dim=2)
 
         attn = functools.partial(ring_block_attention, group=self.group, layout=lay, ranges=tuple(ranges))

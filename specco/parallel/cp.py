@@ -1,10 +1,10 @@
 """Context parallelism applied from outside (STYLE §1): the recipe, the CP-aware shift, the batch shard.
 
-    layout = ZigzagLayout(cu_seqlens, cp, cp_rank)          # per packed batch
-    batch = shard_batch(packed_batch, layout)               # tokens, masks, logps, positions -> local
+    zig = ZigzagLayout(cu_seqlens, cp, cp_rank)             # per packed batch
+    batch = shard_batch(packed_batch, zig)                  # tokens, masks, logps, positions -> local
     cotrain_step(policy, draft, batch, ..., grad_group=dp×cp group,
-                 **step_fns(cp_group, layout))              # shift, TTT attention, policy attention core,
-                                                            # block drafters' plan (block_cp.py)
+                 layout=ZigzagPack(cp_group, zig))          # parallel/layout.py: shift, TTT attention, policy
+                                                            # attention core, block drafters' plan (block_cp.py)
 
 The model files stay distributed-free and nothing is patched onto them: the policy's forward gets an
 attention core (`attn_core`), TTT gets a shift and an attention, the losses get global counts (the
@@ -22,11 +22,10 @@ import torch
 import torch.distributed as dist
 
 from ..batch import TrainBatch
-from .block_cp import BlockCP
 from .ring_attention import ring_causal_attention, ring_ttt_attention
 from .zigzag import ZigzagLayout
 
-__all__ = ["step_fns", "cp_core", "cp_shift", "cp_attn", "global_count", "shard_batch"]
+__all__ = ["cp_core", "cp_shift", "cp_attn", "global_count", "shard_batch"]
 
 
 def cp_core(group, layout: ZigzagLayout):
@@ -35,16 +34,8 @@ def cp_core(group, layout: ZigzagLayout):
 
 
 def cp_attn(group, layout: ZigzagLayout):
-    """The `attn` argument of ttt_forward / cotrain_step under CP."""
+    """The TTT attention of ttt_forward under CP (ZigzagPack.attn)."""
     return functools.partial(ring_ttt_attention, group=group, layout=layout)
-
-
-def step_fns(group, layout: ZigzagLayout) -> dict:
-    """The keyword arguments of `cotrain_step` (and of the policy forward's `attn_core`) for a packed batch
-    with `layout` on `group` (the CP group; None when layout.cp == 1). `block`: a block drafter's anchors,
-    teacher gather and ring block attention (block_cp.py), unused by an EAGLE-3 draft."""
-    return {"shift": functools.partial(cp_shift, group=group, layout=layout), "attn": cp_attn(group, layout),
-            "attn_core": cp_core(group, layout), "block": BlockCP(group, layout)}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@
     stage  = split_stage(policy, pp, s)             a plain Policy holding ranges[s]; embedding on s = 0,
                                                     final norm + head on s = pp - 1 (the model file stays plain)
     one_f_one_b(comm, M, forward, backward, ...)    warmup / steady / cooldown over M micro-batches
+    one_f_one_b(NoPipe(), M, ...)                   pp = 1: the stage is the whole policy, the schedule the plain
+                                                    micro-batch loop (warm-up 0: forward, backward per micro-batch)
 
 The schedule is the non-interleaved 1F1B of PipeDream-Flush / Megatron: stage s runs pp - 1 - s warmup
 forwards, then alternates one forward and one backward, then drains the remaining backwards. Each stage
@@ -27,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from ..model.policy import Policy
 
-__all__ = ["stage_layer_ranges", "split_stage", "PipeComm", "one_f_one_b", "gather_stages"]
+__all__ = ["stage_layer_ranges", "split_stage", "PipeComm", "NoPipe", "one_f_one_b", "gather_stages"]
 
 
 def stage_layer_ranges(num_layers: int, pp: int) -> list[range]:
@@ -133,13 +135,26 @@ class PipeComm:
         return not self._sends
 
 
-def one_f_one_b(comm: PipeComm, num_micro: int, forward: Callable, act_shape: Callable, dtype, device,
+class NoPipe:
+    """The pipe of one stage (pp = 1): the only stage is first and last, so 1F1B never sends or receives and
+    runs as the plain micro-batch loop. Lets the co-training step be one function for every pp (REVIEW item 2)."""
+    group, stage, pp, idle = None, 0, 1, True
+
+    def __init__(self):
+        self.log: list[tuple] = []  # always empty: no traffic
+
+    def wait_sends(self):
+        pass
+
+
+def one_f_one_b(comm: PipeComm | NoPipe, num_micro: int, forward: Callable, act_shape: Callable, dtype, device,
                 after_backward: Callable | None = None) -> None:
     """Run the 1F1B schedule of this stage over `num_micro` micro-batches.
 
     forward(m, x) -> y: micro-batch m's stage forward; x is the received activation (a leaf that requires
         grad) or None on the first stage; y the activation to send (non-last stages) or the loss to
-        backpropagate (last stage). The schedule runs the backwards itself: y.backward(dy) and x.grad
+        backpropagate (last stage; None when it has nothing to backpropagate: a frozen policy, pp = 1 only).
+        The schedule runs the backwards itself: y.backward(dy) and x.grad
         upstream, so a stage's backward is exactly autograd's over its forward.
     act_shape(m): the (B, S, h) activation shape of micro-batch m (every stage holds the whole batch).
     after_backward(m): last stage only, after micro-batch m's backward and its upstream send (the draft's
@@ -162,7 +177,8 @@ def one_f_one_b(comm: PipeComm, num_micro: int, forward: Callable, act_shape: Ca
     def bwd(m):
         x, y = live.pop(m)
         if last:
-            y.backward()
+            if y is not None:
+                y.backward()
         else:
             torch.autograd.backward(y, comm.recv_bwd(act_shape(m), dtype, device, m))
         if not first:

@@ -5,7 +5,7 @@
 
 The CLI will call `run_cotrain_step_cp(cfg, ...)`; everything it does is the recipe of cp.py:
 per batch, build the ZigzagLayout, shard the packed batch, and pass the CP shift, ring attention
-and policy attention core to `cotrain_step` (`cp.step_fns`). Metrics are printed on rank 0.
+and policy attention core to `cotrain_step` (`layout.ZigzagPack`). Metrics are printed on rank 0.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from ..config_load import load_config
 from ..model.config import ConfigError, DraftConfig, PolicyConfig
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
-from ..parallel.cp import shard_batch, step_fns
+from ..parallel.cp import shard_batch
+from ..parallel.layout import ZigzagPack
 from ..parallel.mesh import Mesh
 from ..parallel.zigzag import ZigzagLayout
 from ..train.activation_checkpointing import apply_activation_checkpointing
@@ -104,10 +105,10 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         packed, cu = synthetic_packed_batch(seq_lens, _SYNTH_VOCAB, seed=1000 * step + mesh.dp_rank, device=device)
-        layout = ZigzagLayout(cu, mesh.cp, mesh.cp_rank)
-        batch = shard_batch(packed, layout)
+        zig = ZigzagLayout(cu, mesh.cp, mesh.cp_rank)
+        batch = shard_batch(packed, zig)
         m = cotrain_step(policy, draft, batch, opt, None, step_cfg, grad_group=mesh.grad_group,
-                         **step_fns(mesh.cp_group, layout))
+                         layout=ZigzagPack(mesh.cp_group, zig))
         # The two losses are each rank's contribution to the global mean: report their sum.
         losses = torch.tensor([m.get("policy/loss", 0.0), m.get("draft/loss", 0.0)], dtype=torch.float64,
                               device=device)

@@ -24,7 +24,7 @@ from ..config import RunConfig
 from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
-from ..model.ttt import shift_left
+from ..parallel.layout import PADDED
 from ..parallel.mesh import Mesh
 from ..train.cotrain import StepConfig, amp_context, micro_batches, step_counts
 from ..train.drafters import draft_rows, drafter
@@ -37,39 +37,37 @@ __all__ = ["draft_eval", "draft_evals", "clone_generator", "FrozenDraftEval", "P
 
 
 def draft_eval(policy: Policy, draft: Eagle3Draft | BlockDraft, b: TrainBatch, cfg: StepConfig, count_group=None,
-               fns: dict | None = None) -> dict:
+               layout=PADDED) -> dict:
     """Draft metrics without training it (frozen arm): TTT loss per pass, top-1, simulated tau for EAGLE-3;
     per-slot acceptance / top-1, probabilistic and greedy tau, confidence error for a block drafter.
     `count_group` (DP x CP): global counts, so the metrics are global and the loss is this
-    rank's share of the global mean (summed over ranks like the co-trained arm's). `fns`: the layout's
-    step arguments (Minibatch.fns; None: padded rows, of which only the draft's rows are run, in
+    rank's share of the global mean (summed over ranks like the co-trained arm's). `layout`: the batch's
+    (parallel/layout.py, Minibatch.layout; padded rows: only the draft's rows are run, in
     cfg.micro_batch_rows micro-batches: a 256-row batch of 2,000-token rows in one forward was 9× its tokens)."""
-    return draft_evals(policy, {"draft": draft}, b, cfg, count_group, fns)["draft"]
+    return draft_evals(policy, {"draft": draft}, b, cfg, count_group, layout)["draft"]
 
 
 @torch.no_grad()
 def draft_evals(policy: Policy, drafts: dict, b: TrainBatch, cfg: StepConfig, count_group=None,
-                fns: dict | None = None) -> dict[str, dict]:
+                layout=PADDED) -> dict[str, dict]:
     """`draft_eval` of several drafts of one kind and one set of aux layers ({name: draft}) on one policy forward
     per micro-batch: {name: metrics} (config frozen_shadow scores the co-trained draft and its frozen copy)."""
-    fns = fns or {}
-    shift_kw = {k: fns[k] for k in ("shift", "attn") if k in fns}
     first = next(iter(drafts.values()))
     kind = drafter(first)
     parts = [(None, b)]
-    if not fns and b.cu_seqlens is None:  # padded rows: only the draft's, in micro-batches like the train step's
+    if not layout.packed and b.cu_seqlens is None:  # padded rows: only the draft's, in micro-batches like the train step's
         b = b.take(torch.arange(b.tokens.shape[0], device=b.tokens.device)[draft_rows(b, cfg)])
         cfg = dataclasses.replace(cfg, draft_row_stride=1)
         parts = micro_batches(b, cfg.micro_batch_rows, width_multiple=cfg.width_multiple)
-    counts = step_counts(b, cfg, fns.get("shift", shift_left), count_group, first, fns.get("block"))
+    counts = step_counts(b, cfg, layout, count_group, first)
     loss, stats = dict.fromkeys(drafts, 0.0), dict.fromkeys(drafts)
     for rows, mb in parts:
         with amp_context(cfg, mb.tokens):
-            out = policy(mb.tokens, mb.positions, tap_layers=first.cfg.aux_layer_ids, attn_core=fns.get("attn_core"))
+            out = policy(mb.tokens, mb.positions, tap_layers=first.cfg.aux_layer_ids, attn_core=layout.attn_core)
             for name, draft in drafts.items():
                 # EAGLE-3: TTT loss per pass, top-1, simulated tau; a block drafter: per-slot acceptance,
                 # probabilistic tau, confidence error (train/block_losses.BlockStats)
-                l_d, s = kind.loss(draft, policy, out, mb, cfg, counts.draft, rows, block=fns.get("block"), **shift_kw)
+                l_d, s = kind.loss(draft, policy, out, mb, cfg, counts.draft, rows, layout=layout)
                 loss[name], stats[name] = loss[name] + l_d, s if stats[name] is None else stats[name] + s
     reduced = all_reduce_sums(list(stats.values()), count_group)
     return {name: metrics_to_floats({**st.metrics(), "draft/loss": loss[name]}) for name, st in zip(drafts, reduced)}
@@ -107,7 +105,7 @@ class FrozenDraftEval(StepHooks):
         t0 = time.perf_counter()
         whole = self.where.whole(ro, scfg)
         policy = st.engine.policy if st.pipeline is not None else st.policy
-        m = draft_eval(policy, st.draft, whole.batch, scfg, grad_group(self.where.mesh), whole.fns)
+        m = draft_eval(policy, st.draft, whole.batch, scfg, grad_group(self.where.mesh), whole.layout)
         m["time/draft_eval"] = time.perf_counter() - t0
         return m
 
@@ -204,7 +202,7 @@ class FrozenShadow(StepHooks):
         t0 = time.perf_counter()
         whole = self.where.whole(ro, scfg)  # the rows the step's draft trains on (scfg: its stride)
         scores = draft_evals(st.policy, {"cotrained": st.draft, "frozen": self.frozen}, whole.batch, scfg,
-                             grad_group(self.where.mesh), whole.fns)
+                             grad_group(self.where.mesh), whole.layout)
         m = {f"shadow/{tag}/{k.partition('/')[2]}": v for tag, ms in scores.items() for k, v in ms.items()}
         m["time/shadow"] = time.perf_counter() - t0
         return m

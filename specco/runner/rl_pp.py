@@ -9,7 +9,7 @@ What each rank holds (rank = (pp_rank · dp + dp_rank) · cp + cp_rank, parallel
     are generated once per DP rank (pipeline stage 0, CP rank 0) and shared with the other stages and CP
     ranks (rollouts.collect_rollouts).
 
-Per PPO update: `pp_cotrain_step` (1F1B, the TapChannel feeding the draft). Refit: `gather_stages` (one
+Per PPO update: `cotrain_step` over the stage (1F1B, the TapChannel feeding the draft). Refit: `gather_stages` (one
 broadcast per stage over the pipeline group) plus the draft's state from the last stage — timed as
 `time/gather` in the metrics. Checkpoints are sharded (arm_checkpoint.py): each stage writes its layers and
 their AdamW moments, so a run resumes at another parallel.pp (or on one process).
@@ -27,7 +27,7 @@ from ..parallel.mesh import Mesh
 from ..parallel.pipeline import PipeComm, gather_stages, split_stage, stage_layer_ranges
 from ..parallel.taps import TapChannel, TapSpec
 from ..train.cotrain import micro_batches
-from ..train.cotrain_pp import pp_cotrain_step
+from ..train.cotrain import cotrain_step
 from ..train.grad_sync import grad_syncs
 
 __all__ = ["PipelineArm", "pp_train_updates", "gather_for_refit"]
@@ -72,7 +72,7 @@ class PipelineArm:
 
 
 def pp_train_updates(st, train_draft, mbs, scfg, epochs: int, grad_group) -> list[dict]:
-    """The PPO updates of one RL step on this stage (epochs × minibatches pp_cotrain_steps)."""
+    """The PPO updates of one RL step on this stage: epochs × minibatches co-training steps (1F1B over the stage)."""
     pa: PipelineArm = st.pipeline
     # FSDP's reduce-scatter for a sharded stage (apply_fsdp without reshard after forward), else the all-reduce
     sync = grad_syncs(pa.stage, grad_group, reshard_after_forward=False)
@@ -81,10 +81,10 @@ def pp_train_updates(st, train_draft, mbs, scfg, epochs: int, grad_group) -> lis
         for mb in mbs:
             use = pa.tap_layers if scfg.draft_weight > 0 else None  # None: no draft trains (arms none, frozen)
             taps = pa.channel(mbs, scfg.micro_batch_rows, scfg.width_multiple) if use is not None else None
-            hist.append(pp_cotrain_step(pa.stage, train_draft, mb.batch, st.opt, None, scfg, pipe=pa.pipe,
+            hist.append(cotrain_step(pa.stage, train_draft, mb.batch, st.opt, None, scfg, pipe=pa.pipe,
                                         taps=taps, tap_layers=use, step=pa.updates,
                                         grad_group=grad_group, grad_sync=sync, act_dtype=pa.act_dtype,
-                                        **mb.fns))
+                                        layout=mb.layout))
             pa.updates += 1
     return hist
 

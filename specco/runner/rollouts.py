@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from ..batch import TrainBatch, device_indices, pack, round_up
 from ..model.policy import Policy
-from ..model.ttt import shift_left
-from ..parallel.cp import shard_batch, step_fns
+from ..parallel.cp import shard_batch
+from ..parallel.layout import PADDED, PaddedRows, ZigzagPack
 from ..parallel.mesh import Mesh
 from ..parallel.zigzag import ZigzagLayout
 from ..rollout.control import expected_tokens
@@ -251,20 +251,21 @@ def collect_rollouts(engine, gen, cfg, source, rewards, tokenizer, data_offset: 
 
 @torch.no_grad()
 def recompute_logprobs(policy: Policy, tokens: torch.Tensor, cfg: StepConfig, positions=None,
-                       shift=shift_left, attn_core=None) -> torch.Tensor:
+                       layout=PADDED) -> torch.Tensor:
     """log p(token i+1) at position i by the training policy (indexed like the logits, batch.py). Under
-    the train step's own precision (cfg.amp_dtype) and layout (`shift`, `attn_core`: the CP ones on a
-    zigzag shard), so the PPO ratio of an unchanged policy is exactly 1."""
+    the train step's own precision (cfg.amp_dtype) and layout (parallel/layout.py: its shift and attention
+    core, the CP ones on a zigzag shard), so the PPO ratio of an unchanged policy is exactly 1."""
     with amp_context(cfg, tokens):
-        return token_logprobs(policy(tokens, positions, attn_core=attn_core).logits, shift(tokens, 1), cfg.temperature)
+        return token_logprobs(policy(tokens, positions, attn_core=layout.attn_core).logits, layout.shift(tokens, 1),
+                              cfg.temperature)
 
 
 @dataclass
 class Minibatch:
-    """One PPO minibatch as this rank's co-training step sees it: the (local) batch and the step's
-    layout-specific arguments (`cotrain_step(**fns)`: shift, attn, attn_core; {} = single-device rows)."""
+    """One PPO minibatch as this rank's co-training step sees it: the (local) batch and its layout
+    (parallel/layout.py: PaddedRows for single-device rows, ZigzagPack for a CP shard; `cotrain_step(layout=)`)."""
     batch: TrainBatch
-    fns: dict
+    layout: PaddedRows | ZigzagPack
     rows: list[int]  # the Rollouts rows it holds, in order
 
     def logprobs(self, policy: Policy, cfg: StepConfig) -> torch.Tensor:
@@ -275,10 +276,9 @@ class Minibatch:
         Same shapes as the train step's forward, so an unchanged policy's PPO ratio is exactly 1. Positions
         past a row's cut stay 0: nothing trained reads them."""
         b = self.batch
-        cuts = None if self.fns else micro_batch_cuts(b, cfg.micro_batch_rows, cfg.width_multiple)
+        cuts = None if self.layout.packed else micro_batch_cuts(b, cfg.micro_batch_rows, cfg.width_multiple)
         if cuts is None:  # a CP shard (its own layout) or one micro-batch: one forward
-            return recompute_logprobs(policy, b.tokens, cfg, b.positions, self.fns.get("shift", shift_left),
-                                      self.fns.get("attn_core"))
+            return recompute_logprobs(policy, b.tokens, cfg, b.positions, self.layout)
         out = torch.zeros(b.tokens.shape, dtype=torch.float32, device=b.tokens.device)
         for (_, width), rows in zip(cuts, device_indices([idx for idx, _ in cuts], b.tokens.device)):
             part = b.take(rows).trimmed(width)
@@ -293,12 +293,12 @@ def _layout(batch: TrainBatch, lengths: list[int], rows_of: list[int], cfg: Step
     In the pack the draft's rows (every draft_row_stride-th sequence) are marked in draft_mask, so the
     draft's loss, counts and metrics are those of the padded layout's row stride."""
     if mesh is None or mesh.cp == 1:
-        return Minibatch(batch, {}, rows_of)
+        return Minibatch(batch, PADDED, rows_of)
     rows = torch.zeros(batch.tokens.shape[0], 1, device=batch.target_mask.device, dtype=batch.target_mask.dtype)
     rows[::cfg.draft_row_stride] = 1
     packed = pack(TrainBatch(**{**vars(batch), "draft_mask": batch.target_mask * rows}), lengths)
-    layout = ZigzagLayout(packed.cu_seqlens, mesh.cp, mesh.cp_rank)
-    return Minibatch(shard_batch(packed, layout), step_fns(mesh.cp_group, layout), rows_of)
+    zig = ZigzagLayout(packed.cu_seqlens, mesh.cp, mesh.cp_rank)
+    return Minibatch(shard_batch(packed, zig), ZigzagPack(mesh.cp_group, zig), rows_of)
 
 
 def minibatches(ro: Rollouts, n: int, cfg: StepConfig, pad_id: int, device, mesh: Mesh | None) -> list[Minibatch]:

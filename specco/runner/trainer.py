@@ -159,7 +159,7 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
         # (torchtitan's choice under PP)
         apply_fsdp(policy, mesh.fsdp_mesh, mp, reshard_after_forward=False)
         if amp == torch.bfloat16:  # bf16 weights: the residual stream, hence the
-            pipeline.act_dtype = amp  # activations and taps the stages exchange, are bf16 (cotrain_pp's act_dtype)
+            pipeline.act_dtype = amp  # activations and taps the stages exchange, are bf16 (cotrain_step's act_dtype)
     opt = build_optimizer(policy, draft if mode == "cotrained" else None, cfg.train.lr, cfg.train.draft_lr)
     sched = build_scheduler(opt, cfg.train.steps, cfg.train.warmup_steps, cfg.train.draft_warmup_steps,
                             cfg.train.lr_schedule)
@@ -295,7 +295,7 @@ def run_updates(st: ArmState, train_draft, mbs: list[Minibatch], scfg: StepConfi
     # per optimizer group: FSDP's reduce-scatter for a sharded policy, the all-reduce over `group` otherwise
     sync = grad_syncs(st.policy, group)
     return [cotrain_step(st.policy, train_draft, mb.batch, st.opt, None, scfg, grad_group=group, grad_sync=sync,
-                         **mb.fns) for _ in range(epochs) for mb in mbs]
+                         layout=mb.layout) for _ in range(epochs) for mb in mbs]
 
 
 def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device, mesh: Mesh | None = None,
@@ -321,7 +321,7 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
         # value a recompute gives, tests/test_grpo.py), and recomputing them would be a wasted forward
         for mb in mbs[1:] if t.ppo_epochs == 1 else mbs:
             mb.batch.logp_old = mb.logprobs(whole_policy, scfg)
-        if not mbs[0].fns:  # padded rows: compare with the engine's log-probs
+        if not mbs[0].layout.packed:  # padded rows: compare with the engine's log-probs
             m["logprob_gap_engine_vs_trainer"] = max(engine_logprob_gap(ro, mb) for mb in mbs
                                                      if mb.batch.logp_old is not None)
     if st.ref is not None:

@@ -1,17 +1,21 @@
-"""The co-training step: one optimizer step on L_policy + lambda * L_draft, for every layout.
+"""The co-training step: one optimizer step on L_policy + lambda * L_draft, for every layout and every pp.
 
     counts = step_counts(batch)                 global denominators, ONE all-reduce, before any forward
-    for each micro-batch (the whole batch is one micro-batch when train.micro_batch_rows = 0):
-        policy forward (records taps; its logits are the detached teacher)
-        L_policy on the logits  -> backward                       (policy_loss)
-        lambda * L_draft        -> its own backward               (the kind's loss, train/drafters.py)
+    one_f_one_b over this rank's stage (parallel/pipeline.py; the whole batch is one micro-batch when
+    train.micro_batch_rows = 0):
+        forward(m): the stage's forward (records taps; a source stage posts them on the TapChannel);
+                    on the last stage L_policy on the logits (policy_loss), which the schedule backpropagates
+        draft_work(m): on the last stage, lambda * L_draft -> its own backward (the kind's loss,
+                    train/drafters.py; the logits are its detached teacher)
     optimizer_step: per-group gradient sync (train/grad_sync.py: an all-reduce of the sums, or FSDP's
                     reduce-scatter of them inside the backward), grad-norm clip, one AdamW step
 
-These are the parts a pipeline schedule needs: the policy loss runs where the logits are (the last
-stage), the draft loss and its backward per micro-batch on the draft's stage, and the optimizer step
-once. Every loss is divided by the *global* counts, so micro-batches' and ranks' losses and gradients
-add up to the whole batch's (tests: micro-batched == whole batch, DP == CP == single process, fp64).
+pp = 1 is the same schedule with a no-op pipe (`NoPipe`): the stage is the whole policy, warm-up 0, then
+forward and backward per micro-batch, so amp, block drafters, compile and the layouts have one path. Only where
+the draft's work sits differs: on a real pipe after m's backward (it overlaps the earlier stages' backwards,
+off the critical path), at pp = 1 before the policy loss (nothing to overlap; see `cotrain_step`). Every loss
+is divided by the *global* counts, so micro-batches', stages' and ranks' losses and gradients add up to the
+whole batch's (tests: micro-batched == whole batch, DP == CP == PP == single process, fp64).
 
 The draft never changes the policy: taps, embeddings and teacher logits are detached, so the
 policy's gradient is the same for any lambda (tested), and the two backwards touch disjoint
@@ -32,9 +36,9 @@ import torch.distributed as dist
 from ..batch import TrainBatch, device_indices, longest_first, round_up
 from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
-from ..model.policy import Policy
-from ..model.ttt import shift_left
-from ..ops.attention import ttt_attention
+from ..model.policy import Policy, Taps
+from ..parallel.layout import PADDED
+from ..parallel.pipeline import NoPipe, PipeComm, one_f_one_b
 from .drafters import EAGLE3, draft_rows, drafter  # noqa: F401 (draft_rows: its callers import it here too)
 from .grad_sync import AllReduceSync, clip_grad_norm, reduce_grads  # noqa: F401 (re-exported: one home each)
 from .step_config import AMP_DTYPES, LR_SCHEDULES, StepConfig  # noqa: F401 (re-exported)
@@ -134,15 +138,14 @@ def picks_rows(rows, batch: TrainBatch) -> bool:
     return len(range(batch.tokens.shape[0])[rows]) > 0 if isinstance(rows, slice) else rows.numel() > 0
 
 
-def step_counts(batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left, group=None,
-                draft=None, block=None) -> StepCounts:
+def step_counts(batch: TrainBatch, cfg: StepConfig, layout=PADDED, group=None, draft=None) -> StepCounts:
     """Both denominators of the step on the whole `batch`, summed over `group` in one all-reduce.
 
     CP ranks hold disjoint tokens (zero padding), so each token is counted once; the counts are exact
     integers (fp64). The draft's are its kind's (train/drafters.py: per TTT pass for EAGLE-3, the default when
-    `draft` is None; per slot for a block drafter, through `block.plan` under CP / for packed rows)."""
-    policy_n = shift(batch.target_mask, 1).sum().reshape(1)
-    draft_n, weights = (EAGLE3 if draft is None else drafter(draft)).counts(draft, batch, cfg, shift, block)
+    `draft` is None; per slot for a block drafter, through `layout.block.plan` under CP / for packed rows)."""
+    policy_n = layout.shift(batch.target_mask, 1).sum().reshape(1)
+    draft_n, weights = (EAGLE3 if draft is None else drafter(draft)).counts(draft, batch, cfg, layout)
     n = torch.cat([policy_n.double(), draft_n.double()])  # (1 + K,) or (1 + γ,)
     if group is not None:
         dist.all_reduce(n, group=group)
@@ -151,7 +154,7 @@ def step_counts(batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left
 
 # -- the two losses ----------------------------------------------------------------------------------
 
-def policy_loss(logits, batch: TrainBatch, cfg: StepConfig, num_tokens=None, shift: Callable = shift_left
+def policy_loss(logits, batch: TrainBatch, cfg: StepConfig, num_tokens=None, shift: Callable = PADDED.shift
                 ) -> tuple[torch.Tensor, PolicyStats]:
     """The GRPO clipped surrogate (+ k3 KL) of `batch` from the policy's logits, divided by `num_tokens`
     (StepCounts.policy_tokens; default: the batch's own trained-token count).
@@ -264,72 +267,169 @@ class SpanTimer:
         return sum(a.elapsed_time(b) for a, b in pairs) / 1e3
 
 
+@dataclass
+class _TeacherOut:
+    """What a drafter kind's loss reads of a policy output, rebuilt on the last stage of a real pipe: the taps
+    joined from every stage (the TapChannel's and its own) and the detached teacher logits."""
+    taps: Taps
+    logits: torch.Tensor
+
+
 def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: TrainBatch,
                  opt: torch.optim.Optimizer, sched, cfg: StepConfig, *,
-                 train_policy: bool = True, grad_group=None, policy_norm_group=None,
-                 shift: Callable = shift_left, attn: Callable = ttt_attention,
-                 attn_core: Callable | None = None, block=None, grad_sync: dict | None = None) -> dict:
+                 train_policy: bool = True, grad_group=None, policy_norm_group=None, layout=PADDED,
+                 grad_sync: dict | None = None, pipe: PipeComm | NoPipe | None = None, taps=None,
+                 tap_layers: tuple[int, ...] | None = None, step: int = 0,
+                 act_dtype: torch.dtype | None = None) -> dict:
     """One optimizer step on `batch` (this rank's share of the global batch); returns metrics as floats.
 
+    The step is the 1F1B schedule over this rank's pipeline stage (parallel/pipeline.py: `one_f_one_b`). With no
+    `pipe` (pp = 1) `policy` is the whole policy, the pipe a no-op and 1F1B the plain micro-batch loop; under
+    parallel.pp > 1 `policy` is this rank's `split_stage` and `pipe` the schedule's PipeComm on the pp group.
+    Either way, per micro-batch m on the last stage: the policy forward and L_policy (`forward(m)`), its backward
+    (the schedule's), and the drafter kind's loss and own backward (`draft_work(m)`); the optimizer step once.
+
     `train_policy=False` is the offline warm start: the policy is frozen (forward under no_grad) and
-    only the draft learns. `grad_group` (DP x CP ranks) sums counts, statistics and gradients;
-    `shift`/`attn` are the TTT shift and trunk+branch attention and `attn_core` the policy's attention
-    core (None: causal SDPA over each row) — the CP ones under context parallelism — and `block` a block
-    drafter's plan there (parallel.block_cp.BlockCP; `cp.step_fns` passes all four). A packed batch
-    (several sequences per row) needs a packing-aware core: causal SDPA would attend across borders.
+    only the draft learns (pp = 1). `grad_group` (this stage's DP x CP ranks) sums counts, statistics and
+    gradients; `layout` is how the batch's tokens lie on this rank (parallel/layout.py: PaddedRows, or ZigzagPack
+    for a CP shard or a packed row): its shift, TTT attention, policy attention core and block plan. A packed
+    batch (several sequences per row) needs a packed layout: causal SDPA would attend across borders.
     `grad_sync`: each optimizer group's gradient strategy (train/grad_sync.py: `grad_syncs(policy, grad_group)`
-    under FSDP); None: both all-reduced over `grad_group`.
+    under FSDP; a stage under PP is sharded without reshard after forward, as 1F1B wants, and may not hold
+    its reduction to the last micro-batch); None: both all-reduced over `grad_group`. `policy_norm_group`:
+    the ranks holding the policy's other parts for the clip norm (default: the pipeline group).
+
+    Under a real pipe: `taps`, the TapChannel carrying the earlier stages' taps to the draft on the last stage
+    (docs/DESIGN.md §5); `tap_layers`, the draft's aux layer ids (every stage needs them to know what to tap;
+    default: `draft`'s); `step`, the stamp of this step's taps; `act_dtype`, the dtype of the activations the
+    stages exchange, i.e. of the residual stream (None: the parameters'; under FSDP's mixed_precision(bf16)
+    pass torch.bfloat16: a mismatch is an error naming both, never a garbled receive).
 
     Metrics: "policy/loss" and "draft/loss" are this rank's contributions (they sum to the global
-    losses over `grad_group`); every other metric is global (from statistics summed over the group).
+    losses over `grad_group`); every other metric is global (from statistics summed over the group). Under a
+    real pipe every stage returns the last stage's losses and statistics with the common norms.
     """
-    if batch.packed and attn_core is None:
-        raise ValueError(f"a packed batch ({len(batch.cu_seqlens) - 1} sequences in a row) needs a packing-aware "
-                         "attention core and shift (parallel.cp.sequence_parallel with cp=1 on one device): "
-                         "plain causal attention would cross sequence borders")
-    use_draft = draft is not None and (cfg.draft_weight > 0 or not train_policy)
+    pipe = pipe or NoPipe()
+    pp, s = pipe.pp, pipe.stage
+    first, last = s == 0, s == pp - 1
+    if batch.packed and not layout.packed:
+        raise ValueError(f"a packed batch ({len(batch.cu_seqlens) - 1} sequences in a row) needs a packed layout "
+                         f"(parallel.layout.ZigzagPack(None, ZigzagLayout(cu_seqlens, 1, 0)) on one device), not "
+                         f"{layout!r}: plain causal attention would cross sequence borders")
+    if tap_layers is None and draft is not None:
+        tap_layers = draft.cfg.aux_layer_ids
+    use_draft = tap_layers is not None and (cfg.draft_weight > 0 or not train_policy)
     weight = cfg.draft_weight if train_policy else 1.0
-    tap_ids = draft.cfg.aux_layer_ids if use_draft else None
-    kind = drafter(draft) if use_draft else None  # train/drafters.py: the draft's counts and loss
+    syncs = grad_sync or default_syncs(grad_group)
+    if pp > 1:
+        _check_pipe(draft, tap_layers, use_draft, last, taps, pp, train_policy, syncs)
+    kind = drafter(draft) if use_draft and last else None  # train/drafters.py: the draft's counts and loss
     if kind is not None:
-        kind.check_layout(batch, shift, block)
-    counts = step_counts(batch, cfg, shift, grad_group, draft if use_draft else None, block)
+        kind.check_layout(batch, layout)
+    mbs = list(micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride, cfg.width_multiple))
+    # the draft's counts on every stage: the all-reduce over grad_group has one shape on every rank
+    counts = step_counts(batch, cfg, layout, grad_group, draft if kind is not None else None)
+    wire = act_dtype or next(policy.parameters()).dtype  # the receive buffers' dtype, forward and backward
     losses = {"policy/loss": 0.0, "draft/loss": 0.0}
-    pol_stats = d_stats = None
+    stats: dict = {"policy": None, "draft": None}
+    held: dict[int, tuple] = {}  # last stage of a real pipe: m -> (its own taps, teacher logits) until the draft's work
     opt.zero_grad(set_to_none=True)
     draft_time = SpanTimer(batch.tokens.device)  # the draft's forward and backward: its share of the step
-    syncs = grad_sync or default_syncs(grad_group)
-    mbs = list(micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride, cfg.width_multiple))
-    for m, (d_rows, mb) in enumerate(mbs):
+    if taps is not None:
+        taps.begin(step, len(mbs))
+
+    def add(key, st, loss):
+        stats[key] = st if stats[key] is None else stats[key] + st
+        losses[f"{key}/loss"] += loss.detach()
+
+    def draft_work(m, out=None):
+        """lambda * L_draft of micro-batch m and its own backward: the draft's graph is disjoint from the
+        policy's (taps, embeddings and teacher logits are detached), so it may run before or after the policy's."""
+        d_rows, mb = mbs[m]
+        if out is None:  # a real pipe: the taps of m from the earlier stages, joined with this stage's
+            own, logits = held.pop(m)
+            # every micro-batch's taps are consumed, in order, even if the row stride gives the draft none here
+            parts = taps.wait(m, *mb.tokens.shape[:2]) if taps is not None else []
+            out = _TeacherOut(draft.join_taps(parts + [own]), logits)
+        if not picks_rows(d_rows, mb):  # the draft's rows are the batch's rows 0 mod draft_row_stride
+            return
+        draft_time.start()
+        with amp_context(cfg, mb.tokens):
+            l_d, st = kind.loss(draft, policy, out, mb, cfg, counts.draft, d_rows, layout=layout)
+        add("draft", st, l_d)
+        if l_d.requires_grad:  # the backward outside autocast (as torch advises)
+            (weight * l_d).backward()
+        draft_time.stop()
+
+    def forward(m, x):
+        _, mb = mbs[m]
         for sync in syncs.values():  # FSDP may hold its reductions (and gathered weights) until the last
             sync.micro_batch(last=m == len(mbs) - 1)
-        # Forwards and losses under the step's precision; the backwards outside autocast (as torch advises).
+        # The forward and losses under the step's precision; the backwards outside autocast (as torch advises).
+        with amp_context(cfg, mb.tokens), torch.set_grad_enabled(train_policy):
+            out = policy(mb.tokens if first else None, mb.positions, tap_layers=tap_layers if use_draft else None,
+                         hidden_in=x, compute_logits=last, attn_core=layout.attn_core)
+        if not last:
+            if out.hidden.dtype != wire:
+                raise ValueError(f"stage {s} emits {out.hidden.dtype} activations but the schedule receives {wire}: "
+                                 "pass cotrain_step(act_dtype=...) = the stage's compute dtype")
+            if use_draft and taps is not None and taps.is_source:
+                taps.post(m, out.stage_taps)  # posts and returns: the source never waits for the draft
+            return out.hidden
+        if kind is not None:
+            if pp == 1:
+                # nothing to overlap: the draft's work now, before the policy loss's vocabulary-sized fp32 buffers
+                # exist and while the weights a block drafter borrows (head, embeddings) are still gathered under
+                # FSDP (the policy's backward reshards them)
+                draft_work(m, out)
+            else:
+                # after m's backward (one_f_one_b's after_backward): it overlaps the earlier stages' backwards
+                held[m] = (out.stage_taps, out.logits.detach())
+        if not train_policy:
+            return None
         with amp_context(cfg, mb.tokens):
-            with torch.set_grad_enabled(train_policy):
-                out = policy(mb.tokens, mb.positions, tap_layers=tap_ids, attn_core=attn_core)
-            l_d = None
-            if use_draft and picks_rows(d_rows, mb):
-                draft_time.start()
-                l_d, s = kind.loss(draft, policy, out, mb, cfg, counts.draft, d_rows, shift=shift, attn=attn,
-                                   block=block)
-                d_stats = s if d_stats is None else d_stats + s
-                losses["draft/loss"] += l_d.detach()
-        if l_d is not None and l_d.requires_grad:  # its own backward: the draft's graph is disjoint from the policy's
-            (weight * l_d).backward()
-        if l_d is not None:
-            draft_time.stop()
-        if train_policy:
-            with amp_context(cfg, mb.tokens):
-                l_pol, s = policy_loss(out.logits, mb, cfg, counts.policy_tokens, shift)
-            pol_stats = s if pol_stats is None else pol_stats + s
-            losses["policy/loss"] += l_pol.detach()
-            l_pol.backward()
+            l_pol, st = policy_loss(out.logits, mb, cfg, counts.policy_tokens, layout.shift)
+        add("policy", st, l_pol)
+        return l_pol
+
+    one_f_one_b(pipe, len(mbs), forward, lambda m: (*mbs[m][1].tokens.shape[:2], policy.cfg.hidden_size),
+                wire, batch.tokens.device, after_backward=draft_work if (pp > 1 and kind is not None) else None)
+    if taps is not None:
+        taps.end()
+    assert not held, f"last stage: the draft never ran on micro-batches {sorted(held)}"
     metrics = {k: v for k, v in losses.items() if torch.is_tensor(v)}
-    stats = [s for s in (pol_stats, d_stats) if s is not None]
-    for s in all_reduce_sums(stats, grad_group):
-        metrics.update(s.metrics())
-    metrics.update(optimizer_step(opt, sched, cfg, train_policy, grad_group, policy_norm_group, syncs))
+    if last:  # losses and statistics live where the logits are
+        for st in all_reduce_sums([v for v in stats.values() if v is not None], grad_group):
+            metrics.update(st.metrics())
+    norm_group = policy_norm_group if policy_norm_group is not None else pipe.group
+    metrics.update(optimizer_step(opt, sched, cfg, train_policy, grad_group, norm_group, syncs))
     metrics = metrics_to_floats(metrics)
-    if use_draft:
+    if kind is not None:
         metrics["time/train_draft"] = draft_time.seconds()
+    if pp > 1:  # every stage returns the same metrics: the last stage's (losses, statistics) with the common norms
+        box = [metrics]
+        dist.broadcast_object_list(box, group=pipe.group, group_src=pp - 1)
+        metrics = {**metrics, **box[0]}
     return metrics
+
+
+def _check_pipe(draft, tap_layers, use_draft: bool, last: bool, taps, pp: int, train_policy: bool, syncs: dict):
+    """What the step refuses under parallel.pp > 1, by name."""
+    if not train_policy:
+        raise ValueError("train_policy=False (the warm start) runs on one stage: pass no pipe")
+    if any(getattr(sync, "hold", False) for sync in syncs.values()):
+        # 1F1B runs later micro-batches' forwards before earlier ones' backwards: no single "last" backward to hold to
+        raise ValueError("grad_syncs(hold_unsharded=True) under parallel.pp > 1: the stage's reduction cannot be "
+                         "held to one micro-batch under 1F1B; use hold_unsharded=False")
+    if use_draft and last and (draft is None or tuple(tap_layers) != draft.cfg.aux_layer_ids):
+        raise ValueError(f"the last stage trains the draft: it needs the draft, whose aux_layer_ids must be "
+                         f"tap_layers={tap_layers}")
+    if use_draft and last and drafter(draft) is not EAGLE3:
+        raise ValueError("a block drafter under parallel.pp > 1: its loss borrows the policy's embedding (first "
+                         "stage) and head (last stage); the pipeline co-trains EAGLE-3 drafts only")
+    if use_draft:
+        if taps is None:
+            raise ValueError("a draft under parallel.pp > 1 needs the TapChannel (parallel.taps.TapChannel)")
+        if taps.R < pp:  # 1F1B's warmup runs stage 0 pp - 1 forwards ahead (parallel/taps.py: slots and 1F1B)
+            raise ValueError(f"TapChannel slots={taps.R} < parallel.pp={pp}: the first stage would wait for "
+                             "credits the last stage cannot give yet (deadlock); use slots >= pp + 1")

@@ -1,8 +1,9 @@
 """The drafter kinds as the training step sees them: one object per kind, answering the step's two questions.
 
     kind = drafter(draft)                               EAGLE3 or BLOCK: the one place a draft's class is looked at
-    n, weights = kind.counts(draft, batch, cfg, shift, block)       the loss's per-pass / per-slot target counts
-    loss, stats = kind.loss(draft, policy, out, mb, cfg, denominator, rows, shift=, attn=, block=)
+    kind.check_layout(batch, layout)                    refuses a layout the kind cannot train on
+    n, weights = kind.counts(draft, batch, cfg, layout)             the loss's per-pass / per-slot target counts
+    loss, stats = kind.loss(draft, policy, out, mb, cfg, denominator, rows, layout=layout)
 
 The co-training step (train/cotrain.py), the frozen draft's and the shadow's evaluations (runner/measure.py) and
 the step's counts call these and nothing kind-specific, so a third drafter kind is one more object here (and its
@@ -12,9 +13,9 @@ EAGLE-3 (model/draft.py, model/ttt.py, train/losses.py): K test-time-training pa
 policy's taps; its counts are the targets of each pass (pass d predicts d tokens ahead: fewer of them), weighted
 by `pass_weights`. A block drafter (DFlash, DSpark: model/dflash.py, train/block_losses.py): a block of γ mask
 slots after each sampled anchor; its counts are the valid predictions per slot, weighted by `slot_weights`, and
-its logits go through the policy's live (detached) head. Under context parallelism or on packed rows a block
-drafter needs the layout's per-sequence plan (`block`: parallel.block_cp.BlockCP, from cp.step_fns); EAGLE-3
-takes the layout's `shift` and TTT `attn` instead.
+its logits go through the policy's live (detached) head. `layout` is the batch's (parallel/layout.py:
+PaddedRows or ZigzagPack): under context parallelism or on packed rows a block drafter uses its per-sequence plan
+(`layout.block`: parallel.block_cp.BlockCP); EAGLE-3 uses its `shift` and TTT `attn`.
 
 Both losses use the same rows (`draft_rows`: every cfg.draft_row_stride-th row) and the same detached teacher (the
 policy's logits of the forward that made the taps), and are divided by the step's GLOBAL denominator
@@ -30,7 +31,7 @@ import torch
 from ..batch import TrainBatch
 from ..model.dflash import BlockDraft, slot_weights
 from ..model.ttt import shift_left, ttt_forward
-from ..ops.attention import ttt_attention
+from ..parallel.layout import PADDED
 from .block_losses import block_draft_loss, block_slot_counts, local_plan
 from .losses import DraftStats, draft_loss_parts, normalize_draft_loss, pass_target_masks, pass_weights
 from .step_config import StepConfig
@@ -63,25 +64,25 @@ class _Eagle3:
     """EAGLE-3: K TTT passes of the draft layer, soft CE against the detached policy logits per pass."""
     name = "eagle3"
 
-    def check_layout(self, batch: TrainBatch, shift: Callable, block) -> None:
+    def check_layout(self, batch: TrainBatch, layout) -> None:
         """Nothing to check: the layout's `shift` and `attn` carry EAGLE-3 across CP ranks and packed rows."""
 
-    def counts(self, draft, batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left, block=None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def counts(self, draft, batch: TrainBatch, cfg: StepConfig, layout=PADDED) -> tuple[torch.Tensor, torch.Tensor]:
         """((K,) targets of each pass on this rank's draft rows, (K,) pass weights)."""
         rows = draft_rows(batch, cfg)
-        n = torch.stack([m.sum() for m in pass_target_masks(draft_mask(batch)[rows], cfg.ttt_passes, shift)])
+        n = torch.stack([m.sum() for m in pass_target_masks(draft_mask(batch)[rows], cfg.ttt_passes, layout.shift)])
         return n, pass_weights(cfg.ttt_passes, cfg.pass_decay)
 
     def loss(self, draft, policy, out, batch: TrainBatch, cfg: StepConfig, denominator: torch.Tensor | None = None,
-             rows=None, shift: Callable = shift_left, attn: Callable = ttt_attention, block=None):
+             rows=None, layout=PADDED):
         """L_draft of one (micro-)batch from a policy output with taps, and its summed statistics (DraftStats).
         `denominator`: the step's global one (None: this batch's own counts). Only the rows `rows` are used (a
         slice or index tensor; None: `draft_rows`): the policy forward that made `out` ran on all rows anyway."""
         rows = draft_rows(batch, cfg) if rows is None else rows
         aux, embed, logits = out.taps.aux[rows], out.taps.embed[rows], out.logits[rows]
-        outs = ttt_forward(draft, aux, embed, _positions(batch)[rows], cfg.ttt_passes, shift=shift, attn=attn)
-        parts = draft_loss_parts(draft, outs, logits, draft_mask(batch)[rows], cfg.loss_chunk, shift)
+        outs = ttt_forward(draft, aux, embed, _positions(batch)[rows], cfg.ttt_passes, shift=layout.shift,
+                           attn=layout.attn)
+        parts = draft_loss_parts(draft, outs, logits, draft_mask(batch)[rows], cfg.loss_chunk, layout.shift)
         loss = normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), denominator)
         return loss, DraftStats.of(parts)
 
@@ -90,38 +91,37 @@ class _Block:
     """A block drafter (DFlash / DSpark): γ mask slots after sampled anchors, logits through the policy's head."""
     name = "block"
 
-    def check_layout(self, batch: TrainBatch, shift: Callable, block) -> None:
+    def check_layout(self, batch: TrainBatch, layout) -> None:
         """Under CP (a shift other than shift_left) or on packed rows the anchors and the trunk's ring are per
-        sequence: the layout's plan (`block`) is required."""
-        if block is None and (shift is not shift_left or batch.packed):
-            raise ValueError("a block drafter under context parallelism or on packed rows needs `block` "
-                             "(parallel.block_cp.BlockCP, passed by cp.step_fns): its anchors and trunk ring are "
-                             "per sequence")
+        sequence: the layout's plan (`layout.block`) is required."""
+        if layout.block is None and (layout.shift is not shift_left or batch.packed):
+            raise ValueError(f"a block drafter under context parallelism or on packed rows needs a layout with a "
+                             f"block plan (parallel.layout.ZigzagPack), not {layout!r}: its anchors and trunk ring "
+                             "are per sequence")
 
     @staticmethod
     def _plan(block) -> Callable:
         """The plan function of block_losses: `local_plan`, or BlockCP's, which builds on it per sequence."""
         return local_plan if block is None else functools.partial(block.plan, local=local_plan)
 
-    def counts(self, draft, batch: TrainBatch, cfg: StepConfig, shift: Callable = shift_left, block=None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def counts(self, draft, batch: TrainBatch, cfg: StepConfig, layout=PADDED) -> tuple[torch.Tensor, torch.Tensor]:
         """((γ,) valid predictions per slot on this rank's draft rows, (γ,) slot weights). The anchors depend only
         on each row's content, so micro-batches agree; under CP each block is counted on the rank holding its
-        anchor (`block.plan`)."""
+        anchor (`layout.block.plan`)."""
         rows = draft_rows(batch, cfg)
-        n = block_slot_counts(draft, batch.tokens[rows], draft_mask(batch)[rows], self._plan(block))
+        n = block_slot_counts(draft, batch.tokens[rows], draft_mask(batch)[rows], self._plan(layout.block))
         return n, slot_weights(draft.cfg)
 
     def loss(self, draft, policy, out, batch: TrainBatch, cfg: StepConfig, denominator: torch.Tensor | None = None,
-             rows=None, shift: Callable = shift_left, attn: Callable = ttt_attention, block=None):
+             rows=None, layout=PADDED):
         """As EAGLE-3's (the same rows, taps and detached teacher; BlockStats); the logits use the policy's live
-        head and the mask slots its embed_tokens[mask_id], both detached. `shift`/`attn` are EAGLE-3's: unused."""
+        head and the mask slots its embed_tokens[mask_id], both detached. Of the layout only `block` is read."""
         rows = draft_rows(batch, cfg) if rows is None else rows
         mask_emb = policy.embed_tokens.weight[draft.cfg.mask_id].detach()
         return block_draft_loss(draft, out.taps.aux[rows], out.taps.embed[rows], out.logits[rows],
                                 batch.tokens[rows], draft_mask(batch)[rows], _positions(batch)[rows],
                                 policy.lm_head.weight, mask_emb, denominator,
-                                chunk=max(1, cfg.loss_chunk // draft.cfg.gamma), plan=self._plan(block))
+                                chunk=max(1, cfg.loss_chunk // draft.cfg.gamma), plan=self._plan(layout.block))
 
 
 EAGLE3, BLOCK = _Eagle3(), _Block()
