@@ -50,12 +50,8 @@ levels may lower k or switch to plain freely.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:  # levels.py imports Choice from here
-    from .levels import Level
 
 
 def expected_tokens(alphas: torch.Tensor) -> float:
@@ -182,7 +178,8 @@ class LevelK:
     Without a controller (speculation control off) every level runs the k it was built with (k_max, or 0
     without a draft) and nothing is recorded.
 
-    The level's `k` is the one state this writes: Level.round runs `level.k`'s step set."""
+    `level`: a levels.Level (not imported: levels.py imports Choice from here). Its `k` is the one thing this
+    writes: Level.round runs `level.k`'s step set."""
 
     def __init__(self, ctl: SpecController | None):
         self.ctl = ctl
@@ -193,7 +190,7 @@ class LevelK:
         """A new call: no choices yet."""
         self.choices = []
 
-    def enter(self, level: Level, allow_speculation: bool) -> None:
+    def enter(self, level, allow_speculation: bool) -> None:
         """Choose `level`'s k from its measured costs (measured on first use) and the pooled plus this call's
         acceptance. allow_speculation False: plain (a plain call, or below a level that chose plain: the rule
         for levels in the module docstring)."""
@@ -208,7 +205,7 @@ class LevelK:
         if not allow_speculation:
             level.k = 0
 
-    def recheck(self, level: Level, rounds: int) -> None:
+    def recheck(self, level, rounds: int) -> None:
         """After `rounds` rounds at this level: every `recheck_rounds`-th, re-choose a speculating level's k from
         the acceptance of its latest rounds alone (LevelRecheck). Once plain, a level stays plain (its draft
         state is no longer kept up to date)."""
