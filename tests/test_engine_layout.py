@@ -12,7 +12,6 @@ import torch
 
 from test_rollout_helpers import random_draft, tiny_policy
 from test_block_rollout import _block_draft
-from specco.rollout import compaction
 from specco.rollout.config import GenerateConfig
 from specco.rollout.control import LevelK, SpecController
 from specco.rollout.drafters import BLOCK, EAGLE3, engine_kind

@@ -300,18 +300,21 @@ class DecodeRunner:
     # -- decode ----------------------------------------------------------------------------
     @torch.no_grad()
     def run(self):
-        """Decode rounds until every row is finished (gpt-fast's decode_n_tokens, with the batch shrinking)."""
+        """Decode rounds until every row is finished: gpt-fast's decode_n_tokens, except that the batch moves to a
+        smaller level when most rows are done (compaction) and a level may re-choose its k (control.LevelK).
+        `phases`: one per level decoded at (phases.py)."""
         cfg = self.cfg
         clock = PhaseClock(self.st)
-        for _ in range(cfg.max_new_tokens - 1):  # each round emits >= 1 token per live row
+        # the prefill emitted token 1 and every round emits >= 1 per live row: T - 1 rounds always suffice
+        for _ in range(cfg.max_new_tokens - 1):
             live = int((~self.st.finished).sum())  # the one host sync per round
             if live == 0:
                 break
             size = compaction.compact_size(live, self.st.finished.numel(), cfg.compact_below, cfg.compact_min_rows)
             if size is not None:
-                clock.lap(self.st, size)
+                clock.lap(self.st, size)  # the phase ends at the level it leaves
                 self._compact(size)
-            else:
+            else:  # a level just entered was chosen for; re-checks count its rounds from there
                 self.k_choice.recheck(self.level, clock.rounds)
             self.round()
             clock.tick()
