@@ -32,7 +32,7 @@ def _gen(policy, draft, prompts, cfg, G, seed):
     r = DecodeRunner(policy, cfg, draft)
     r.prefill(prompts, G, generator=torch.Generator(device="cuda").manual_seed(seed))
     r.run()
-    return r.result(), sorted(r.levels)
+    return r.result(), sorted(r.stack.levels)
 
 
 def main():

@@ -136,21 +136,12 @@ def cmd_generate(a):
 
 
 def cmd_export(a):
-    from .export import export_dflash, export_draft, load_any_draft
-    from .model.dflash import BlockDraft
+    from .export import export_any_draft, load_any_draft
     from .model.hf_io import load_policy_config
     policy_cfg = load_policy_config(a.policy) if a.policy else None
     draft = load_any_draft(a.draft, policy_cfg)
-    if isinstance(draft, BlockDraft):  # one layout for both engines (specco/export/FORMATS.md, "DFlash")
-        if policy_cfg is None:
-            raise SystemExit("specco export: a block drafter needs --policy (the target's depth goes into its config)")
-        out = export_dflash(draft, a.out, policy_cfg, dtype=a.dtype, overwrite=a.force)
-        print(f"DFlash draft written to {out} for {a.engine} (block size {draft.cfg.block_size}, target layers "
-              f"{list(draft.cfg.aux_layer_ids)}, mask token {draft.cfg.mask_id})")
-        return
-    out = export_draft(draft, a.out, a.engine, policy_cfg, dtype=a.dtype, overwrite=a.force)
-    print(f"{a.engine} EAGLE-3 draft written to {out} (aux layers {list(draft.cfg.aux_layer_ids)}, "
-          f"draft vocab {draft.cfg.draft_vocab_size}/{draft.cfg.target_vocab_size})")
+    _, line = export_any_draft(draft, a.out, a.engine, policy_cfg, dtype=a.dtype, overwrite=a.force)
+    print(line)
 
 
 def cmd_cotrain_cp(a):

@@ -98,7 +98,7 @@ def test_compaction_changes_no_output(kind, sampling):
     ref, _ = _run(policy, draft, prompts, off, G, seed=5)
     got, runner = _run(policy, draft, prompts, on, G, seed=5)
     assert (ref.lengths < T).sum() >= 24 and (ref.lengths == T).any(), "rows should finish at many rounds"
-    assert runner.levels, "compaction never happened: the test would prove nothing"
+    assert runner.stack.levels, "compaction never happened: the test would prove nothing"
     _assert_same(got, ref)
     # The runner is reused: a second call (new prompts, same shape bucket) goes through the kept
     # compacted states and must again match a generation without compaction.
@@ -126,7 +126,7 @@ def test_compaction_nests():
         size = compaction.compact_size(live, runner.st.finished.numel(), on.compact_below, on.compact_min_rows)
         if size is not None:
             runner._compact(size)
-        depth = max(depth, len(runner.chain))
+        depth = max(depth, runner.stack.depth)
         runner.round()
     got = runner.result()
     ref, _ = _run(policy, None, prompts, off, G, seed=3)
@@ -200,7 +200,8 @@ def test_compaction_down_to_one_row_changes_no_output(kind, control):
     off = GenerateConfig(**{**base.__dict__, "eos_token_id": eos, "compact_below": 0.0})
     ref, _ = _run(policy, draft, prompts, off, G, seed=5)
     got, runner = _run(policy, draft, prompts, on, G, seed=5)
-    assert min(runner.levels) < 8, f"no level below 8 rows ({sorted(runner.levels)}): the test would prove nothing"
+    levels = sorted(runner.stack.levels)
+    assert min(levels) < 8, f"no level below 8 rows ({levels}): the test would prove nothing"
     assert [p.rows for p in runner.phases][-1] < 8
     if control:
         assert torch.equal(got.lengths, ref.lengths) and torch.equal(got.tokens, ref.tokens)
@@ -218,7 +219,7 @@ def test_compaction_with_bucket_padding_rows():
     off = GenerateConfig(**{**base.__dict__, "eos_token_id": eos, "compact_below": 0.0, "bucket_shapes": False})
     got, runner = _run(policy, draft, prompts, on, 4, seed=11)
     ref, _ = _run(policy, draft, prompts, off, 4, seed=11)
-    assert runner.shape.prompts == 16 and runner.levels
+    assert runner.shape.prompts == 16 and runner.stack.levels
     _assert_same(got, ref)
 
 
@@ -236,7 +237,7 @@ def test_compaction_with_a_block_drafter_changes_no_output(kind, sampling):
     base = GenerateConfig(max_new_tokens=40, sampling=sampling, num_draft_tokens=3, eos_token_id=2)
     ref, _ = _run(policy, draft, prompts, GenerateConfig(**{**base.__dict__, "compact_below": 0.0}), 2, seed=1)
     got, runner = _run(policy, draft, prompts, GenerateConfig(**{**base.__dict__, "compact_below": 0.6}), 2, seed=1)
-    assert runner.levels, "compaction never happened: the test would prove nothing"
+    assert runner.stack.levels, "compaction never happened: the test would prove nothing"
     assert (ref.lengths < 40).any() and ref.tau > 1.0
     _assert_same(got, ref)
 

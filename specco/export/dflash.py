@@ -22,7 +22,7 @@ import torch
 
 from ..model.config import ConfigError, PolicyConfig, hf_rope_fields, rope_config_from_hf
 from ..model.dflash import BlockDraft, BlockDraftConfig
-from .eagle3 import _DTYPES, _check_against_policy, _read_tensors, _refuse, load_draft, write_checked
+from .eagle3 import _DTYPES, _check_against_policy, _read_tensors, _refuse, export_draft, load_draft, write_checked
 
 ARCHITECTURE = "DFlashDraftModel"  # vLLM's registry: qwen3_dflash.DFlashQwen3ForCausalLM; SGLang's DFlashDraftModel
 
@@ -197,3 +197,20 @@ def load_any_draft(path: str | os.PathLike, policy_cfg: PolicyConfig | None = No
     if is_block_draft_dir(path):
         return load_block_draft(path, policy_cfg, device=device, dtype=dtype)
     return load_draft(path, policy_cfg, device=device, dtype=dtype)
+
+
+def export_any_draft(draft, out: str | os.PathLike, engine: str, policy_cfg: PolicyConfig | None = None,
+                     dtype: str | None = None, overwrite: bool = False) -> tuple[Path, str]:
+    """Write `draft` in its kind's serving layout (the counterpart of `load_any_draft`): a block drafter in
+    DFlash's (one layout for both engines, FORMATS.md "DFlash"; it needs `policy_cfg`, whose depth goes into
+    its config), an EAGLE-3 draft in `engine`'s. Returns (out, one line saying what was written)."""
+    if isinstance(draft, BlockDraft):
+        if policy_cfg is None:
+            raise ConfigError("a block drafter's export needs the target policy (specco export --policy): its depth "
+                              "goes into the draft's config")
+        path, dc = export_dflash(draft, out, policy_cfg, dtype=dtype, overwrite=overwrite), draft.cfg
+        return path, (f"DFlash draft written to {path} for {engine} (block size {dc.block_size}, target layers "
+                      f"{list(dc.aux_layer_ids)}, mask token {dc.mask_id})")
+    path, dc = export_draft(draft, out, engine, policy_cfg, dtype=dtype, overwrite=overwrite), draft.cfg
+    return path, (f"{engine} EAGLE-3 draft written to {path} (aux layers {list(dc.aux_layer_ids)}, "
+                  f"draft vocab {dc.draft_vocab_size}/{dc.target_vocab_size})")

@@ -13,15 +13,28 @@ a row to another batch changes nothing but floating-point batch-size effects of 
 uniforms of each round are still drawn for all the original rows and then gathered (generate.py), so
 a sampled generation consumes the same random stream as without compaction and, up to those rounding
 effects, emits the same tokens.
+
+Where the levels live. `LevelStack` holds a runner's root level (every row) and the compacted levels (one per
+size, built on first use and kept across calls); while a generation compacts, the levels it entered form a
+chain, each holding some rows of the one before:
+
+    stack = LevelStack(root, make)     make(rows, root_rows) -> a new Level (levels.py) of `rows` rows
+    stack.current                      the level the next round runs on
+    stack.enter(size)                  move the current level's live rows into the `size`-row level
+    stack.unwind()                     write the outputs back, innermost first: the root is current again
 """
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from ..model.layers import KVCache
 from .state import DecodeState
+
+if TYPE_CHECKING:  # levels.py builds the levels; this module only moves rows between them
+    from .levels import Level
 
 # Run-level counters (not per row): carried over as they are.
 COUNTERS = ("n_emitted", "n_row_forwards", "n_accepted", "n_proposed", "n_tried")
@@ -71,3 +84,43 @@ def scatter_outputs(child: DecodeState, parent: DecodeState, rows: torch.Tensor)
         getattr(parent, name).index_copy_(0, rows, getattr(child, name))
     for name in COUNTERS:
         getattr(parent, name).copy_(getattr(child, name))
+
+
+class LevelStack:
+    """A runner's root level, its compacted levels by size, and the chain of levels the running generation
+    entered (module docstring). `make(rows, root_rows)` builds a level (with its graphs) around a `root_rows`
+    buffer: which root row each of its rows holds, rewritten at each entry."""
+
+    def __init__(self, root: Level, make: Callable[[int, torch.Tensor], Level]):
+        self.root, self.make = root, make
+        self.levels: dict[int, Level] = {}  # compacted levels by row count, kept across calls
+        self.chain: list[tuple[Level, torch.Tensor]] = []  # entered levels: (level, rows of its parent)
+
+    @property
+    def current(self) -> Level:
+        return self.chain[-1][0] if self.chain else self.root
+
+    @property
+    def depth(self) -> int:
+        """How many compactions the running generation is in (0: at the root)."""
+        return len(self.chain)
+
+    def enter(self, size: int) -> Level:
+        """Gather the current level's live rows (and finished ones as padding: pick_rows) into the `size`-row
+        level, which becomes current. Its state's counters carry on from the parent's (COUNTERS)."""
+        parent = self.current
+        level = self.levels.get(size)
+        if level is None:  # built (and captured) once per size, reused by later calls
+            level = self.levels[size] = self.make(size, torch.empty(size, dtype=torch.long, device=parent.st.n.device))
+        rows = pick_rows(parent.st.finished, size)
+        gather_state(parent.st, level.st, rows)
+        # root rows compose down the chain: the root's rows are themselves (root_rows None)
+        level.root_rows.copy_(rows if parent.root_rows is None else parent.root_rows[rows])
+        self.chain.append((level, rows))
+        return level
+
+    def unwind(self) -> None:
+        """Write every entered level's outputs back into its parent, innermost first; the root is current."""
+        while self.chain:
+            level, rows = self.chain.pop()
+            scatter_outputs(level.st, self.current.st, rows)

@@ -169,3 +169,50 @@ class LevelRecheck:
         if choice.k > k_now:  # deeper than this window could see: a probe, judged by the next window
             self.probe_k = choice.k
         return choice
+
+
+class LevelK:
+    """The per-level choice of k for one runner (module docstring): `enter` picks a level's k when a call
+    enters it (the root after the prefill, each compacted level after its gather), `recheck` re-chooses within
+    the level every `recheck_rounds` rounds; `choices` records every pick of the running call, root first.
+    Without a controller (speculation control off) every level runs the k it was built with (k_max, or 0
+    without a draft) and nothing is recorded.
+
+    `level`: a levels.Level (not imported: levels.py imports Choice from here). Its `k` is the one thing this
+    writes: Level.round runs `level.k`'s step set."""
+
+    def __init__(self, ctl: SpecController | None):
+        self.ctl = ctl
+        self.choices: list[Choice] = []  # one per level entered, and one per change of k within a level
+        self._recheck: LevelRecheck | None = None  # the current level's re-check
+
+    def start(self) -> None:
+        """A new call: no choices yet."""
+        self.choices = []
+
+    def enter(self, level, allow_speculation: bool) -> None:
+        """Choose `level`'s k from its measured costs (measured on first use) and the pooled plus this call's
+        acceptance. allow_speculation False: plain (a plain call, or below a level that chose plain: the rule
+        for levels in the module docstring)."""
+        if self.ctl is not None:
+            if not level.costs:
+                level.measure()
+            live = (level.st.n_accepted, level.st.n_tried)  # this call's counts so far (compaction copies them)
+            level.choice = self.ctl.choose(level.costs, level.rows, allow_speculation, live)
+            level.k = level.choice.k
+            self.choices.append(level.choice)
+            self._recheck = LevelRecheck(self.ctl, live)
+        if not allow_speculation:
+            level.k = 0
+
+    def recheck(self, level, rounds: int) -> None:
+        """After `rounds` rounds at this level: every `recheck_rounds`-th, re-choose a speculating level's k from
+        the acceptance of its latest rounds alone (LevelRecheck). Once plain, a level stays plain (its draft
+        state is no longer kept up to date)."""
+        ctl = self.ctl
+        if ctl is None or level.k == 0 or rounds == 0 or ctl.recheck_rounds <= 0 or rounds % ctl.recheck_rounds:
+            return
+        choice = self._recheck(level.costs, level.rows, level.k, (level.st.n_accepted, level.st.n_tried))
+        if choice is not None and choice.k != level.k:
+            level.k, level.choice = choice.k, choice
+            self.choices.append(choice)

@@ -31,7 +31,8 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from .config import OFFLOAD_MODES
 from .control import SpecController
-from .generate import DecodeRunner, GenerateConfig, GenerateOutput, seeded_generator
+from .config import GenerateConfig
+from .generate import DecodeRunner, GenerateOutput, seeded_generator
 from .shapes import pad_prompts, runner_shape
 from .weights import (InPlaceLoad, RefitError, ReleasedWeights, compare_fingerprints, fingerprint_rows,
                       weights_fingerprint)

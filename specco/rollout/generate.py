@@ -25,47 +25,35 @@ A runner built for longer prompts serves shorter ones, right-padded (RunnerShape
 
 Live-row compaction (compaction.py). `run()` moves the live rows into a smaller state once they are
 <= cfg.compact_below of the batch (and again from there); each compacted size gets its own buffers
-and graphs, built on first use and kept by the runner. `result()` writes the outputs back. Stepping a
-runner by hand (`round()`) never compacts.
+and graphs, built on first use and kept by the runner's LevelStack. `result()` writes the outputs back.
+Stepping a runner by hand (`round()`) never compacts.
+
+The runner's pieces: the drafter kind (drafters.py: the draft's buffers, prefill and round steps), the levels
+(levels.py: a state with its step sets and graphs) in a LevelStack (compaction.py), the per-level k choice
+(control.LevelK) and the phase timing (phases.PhaseClock). What is left here is the prefill and the decode loop.
 """
 from __future__ import annotations
 
-import time
 import warnings
-from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from ..model.dflash import BlockDraft
-from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from . import compaction
+from .compaction import LevelStack
 from .config import GenerateConfig  # noqa: F401 (its home; re-exported)
-from .control import Choice, LevelRecheck, SpecController
+from .control import LevelK, SpecController
+from .drafters import engine_kind
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
-from .shapes import PromptBuffers, RunnerShape, execution_modes, pad_prompts, runner_shape, speculation_control
 from .levels import Level, PlainSteps, new_state
-from .sampling import SamplingParams, keyed_gumbel, pick_tokens_logp
-from .block_spec import BlockSpeculativeSteps, block_prefill
-from .speculative import SpeculativeSteps, draft_prefill, gather_rows
+from .phases import Phase, PhaseClock  # noqa: F401 (Phase re-exported: GenerateOutput.phases holds them)
+from .sampling import keyed_gumbel, pick_tokens_logp
+from .shapes import PromptBuffers, RunnerShape, execution_modes, pad_prompts, runner_shape, speculation_control
+from .speculative import gather_rows
 from .state import fill_groups, group_leaders, is_stop
-
-
-class Phase(NamedTuple):
-    """One level a call decoded at (DecodeRunner.run): its rows, decode rounds and wall seconds (timed between
-    the per-round host syncs; a level's first use includes its capture), and the tokens emitted and live
-    row-rounds there, whose ratio is the level's own τ: a tail level's acceptance apart from the call's mean."""
-    rows: int
-    rounds: int
-    seconds: float
-    emitted: int
-    row_rounds: int
-
-    @property
-    def tau(self) -> float:
-        return self.emitted / self.row_rounds if self.row_rounds else 1.0
 
 
 @dataclass
@@ -96,25 +84,27 @@ def seeded_generator(device) -> torch.Generator:
 
 class DecodeRunner:
     """Static buffers and (on GPU) captured step graphs for generation at one shape; one batched
-    generation at a time. `generate` is prefill -> rounds -> result.
+    generation at a time. `generate` is prefill -> run -> result.
 
     A runner can be reused: `prefill` with prompts of the same shape bucket refills the buffers and
     replays the graphs captured the first time (a new bucket reallocates and recaptures). The
     graphs read the models' parameters in place, so in-place weight updates (RolloutEngine.refit)
     are seen by the next replay; replacing parameter tensors is not (the engine checks for that).
 
-    Levels (levels.py): the root holds every row; compaction adds smaller levels, kept across calls.
-    Each level has step sets for k = 0 (plain) and, with a draft, k = 1..k_max; `level.k` is the one
-    its rounds run — k_max unless speculation control (control.py) chose another.
+    Levels (levels.py): the root holds every row; compaction enters smaller levels (`stack`, a
+    compaction.LevelStack), kept across calls. Each level has step sets for k = 0 (plain) and, with a
+    draft, k = 1..k_max; `level.k` is the one its rounds run — k_max unless speculation control
+    (`k_choice`, control.LevelK) chose another.
 
     Tests and the benchmark drive it step by step: `prefill`, `round`, `result`;
     `level.graphs[k].run(name)` replays a single captured step, `prefill_graph.run('prefill')` the
     prefill.
     """
 
-    def __init__(self, policy: Policy, cfg: GenerateConfig, draft: Eagle3Draft | None = None,
+    def __init__(self, policy: Policy, cfg: GenerateConfig, draft=None,
                  generator: torch.Generator | None = None, controller: SpecController | None = None):
         self.policy, self.cfg, self.draft = policy, cfg, draft
+        self.kind = engine_kind(draft)  # drafters.py: the draft's buffers, prefill and round steps
         self.device = next(policy.parameters()).device
         self.generator = generator
         self.use_graphs, _ = execution_modes(cfg, self.device)  # (bucketing: runner_shape)
@@ -124,30 +114,31 @@ class DecodeRunner:
         self.stop_ids = None if cfg.eos_token_id is None else torch.tensor(stops, dtype=torch.long, device=self.device)
         control = speculation_control(cfg, self.device)
         self.controller = (controller or SpecController(self.k)) if control and draft is not None else None
+        self.k_choice = LevelK(self.controller)
         self.shape: RunnerShape | None = None
         self.io: PromptBuffers | None = None
-        self.root: Level | None = None
-        self.level: Level | None = None  # the level rounds run on now
+        self.stack: LevelStack | None = None  # the root level and the compacted ones (_allocate)
         self.prefill_graph: StepGraphs | None = None
         self.ropes: tuple[RopeTable, RopeTable | None] | None = None
         self.pool = None
-        self.levels: dict[int, Level] = {}  # compacted levels by row count, kept across calls
-        self.chain: list[tuple[Level, torch.Tensor]] = []  # active compactions: (level, parent rows)
-        self.choices: list[Choice] = []  # one per level entered, and one per change of k within a level
-        self._recheck: LevelRecheck | None = None  # the current level's re-check of k (control.py)
         self.num_rows = self.group_size = 0
         self.num_target_forwards = 0
-        self.phases: list[Phase] = []  # this call's levels entered, in order
+        self.phases: tuple[Phase, ...] = ()  # this call's levels decoded at, in order (run)
         self.speculate = True  # False: this call decodes plainly (prefill_padded)
+
+    @property
+    def level(self) -> Level:
+        """The level rounds run on now."""
+        return self.stack.current
 
     @property
     def st(self):
         """The decode state rounds run on now."""
-        return self.level.st
+        return self.stack.current.st
 
     def nbytes(self) -> int:
         """Bytes of this runner's buffers: every level's state (KV caches first of all) and the prompts'."""
-        levels = ([self.root] if self.root is not None else []) + list(self.levels.values())
+        levels = [self.stack.root, *self.stack.levels.values()] if self.stack is not None else []
         tensors = [t for lv in levels for t in lv.st.small_tensors()]
         tensors += [c.k for lv in levels for c in (lv.st.t_cache, lv.st.d_cache) if c is not None]
         tensors += [c.v for lv in levels for c in (lv.st.t_cache, lv.st.d_cache) if c is not None]
@@ -189,7 +180,7 @@ class DecodeRunner:
         if self.shape is None or not self.shape.holds(shape):
             self._allocate(shape)
         shape = self.shape
-        self._uncompact()  # a generation left unfinished by step-by-step driving
+        self.stack.unwind()  # a generation left unfinished by step-by-step driving
         self.num_rows, self.group_size = B0 * group_size, group_size
         io = self.io
         # Host -> device: the whole padded block in one copy per buffer (padding prompts: one
@@ -209,14 +200,14 @@ class DecodeRunner:
                           out=io.key0[: self.num_rows])
         self.prefill_graph.run("prefill")
         self.num_target_forwards = 1
-        self.phases = []
-        self.choices = []
-        self._choose(self.root, allow_speculation=speculate)
+        self.phases = ()
+        self.k_choice.start()
+        self.k_choice.enter(self.stack.root, allow_speculation=speculate)
 
     def _allocate(self, shape: RunnerShape):
         """Static buffers for `shape`, the root level and the prefill step (and their graphs)."""
         dev = self.device
-        self.shape, self.levels, self.chain = shape, {}, []
+        self.shape = shape
         N = shape.prompts * shape.group_size
         sampled, keyed = not self.cfg.sampling.greedy, self.cfg.sampling.keyed
         self.io = PromptBuffers(ids=torch.zeros(shape.prompts, shape.prompt_len, dtype=torch.long, device=dev),
@@ -241,7 +232,7 @@ class DecodeRunner:
                                 scaling=dc.rope_scaling)
         self.ropes = (rope, d_rope)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.root = self.level = self._new_level(N, None)
+        self.stack = LevelStack(self._new_level(N, None), self._new_level)
         self.prefill_graph = StepGraphs({"prefill": self._prefill_step}, self.use_graphs)
         if self.use_graphs:
             # Captured before any prompt is loaded: the buffers hold zeros (valid ids, lengths 1,
@@ -249,8 +240,8 @@ class DecodeRunner:
             # rows finished.
             def freeze():
                 self.io.real.fill_(False)
-                self.root.st.finished.fill_(True)
-            self.prefill_graph.capture(self.root.st.small_tensors(), ["prefill"], freeze, pool=self.pool)
+                self.stack.root.st.finished.fill_(True)
+            self.prefill_graph.capture(self.stack.root.st.small_tensors(), ["prefill"], freeze, pool=self.pool)
 
     def _new_level(self, rows: int, root_rows: torch.Tensor | None) -> Level:
         """A level of `rows` rows: zeroed state, step sets for k = 0..k_max, graphs captured on GPU
@@ -260,42 +251,18 @@ class DecodeRunner:
                        self.shape.cache_len, self.device)
         # Without speculation control only k_max runs (0 without a draft): no other step set is built.
         ks = range(self.k + 1) if self.controller is not None else [self.k]
-        spec = BlockSpeculativeSteps if isinstance(self.draft, BlockDraft) else SpeculativeSteps
         steps = {k: PlainSteps(self.policy, st, cfg.sampling, cfg.max_new_tokens, self.stop_ids, rope)
-                 if k == 0 else spec(self.policy, self.draft, st, cfg.sampling, k, cfg.max_new_tokens,
-                                     self.stop_ids, rope, d_rope) for k in ks}
+                 if k == 0 else self.kind.steps(self.policy, self.draft, st, cfg.sampling, k, cfg.max_new_tokens,
+                                                self.stop_ids, rope, d_rope) for k in ks}
         level = Level(st, steps, self.use_graphs, root_rows)
         if self.use_graphs:
             level.capture(lambda: st.finished.fill_(True), self.pool)
         return level
 
-    def _choose(self, level: Level, allow_speculation: bool):
-        """Speculation control: pick the level's k (k_max without a controller)."""
-        if self.controller is None:
-            return
-        if not level.costs:
-            level.measure()
-        live = (level.st.n_accepted, level.st.n_tried)  # this call's counts so far (compaction copies them)
-        level.choice = self.controller.choose(level.costs, level.rows, allow_speculation, live)
-        level.k = level.choice.k
-        self.choices.append(level.choice)
-        self._recheck = LevelRecheck(self.controller, (level.st.n_accepted, level.st.n_tried))
-
-    def _rechoose(self):
-        """Re-choose the current level's k from the acceptance of this level's latest rounds alone
-        (control.LevelRecheck: the rows left are not the ones the pooled estimate came from, and a level's
-        rows change as they go). Once plain, the level stays plain (its draft state is no longer kept up
-        to date)."""
-        level = self.level
-        choice = self._recheck(level.costs, level.rows, level.k, (level.st.n_accepted, level.st.n_tried))
-        if choice is not None and choice.k != level.k:
-            level.k, level.choice = choice.k, choice
-            self.choices.append(choice)
-
     def _prefill_step(self):
         """Target prefill over the prompts (once per prompt: the G samples of a group share its
         cache rows), first token per sample, state reset, draft prompt catch-up. In place."""
-        cfg, policy, draft, st, io = self.cfg, self.policy, self.draft, self.root.st, self.io
+        cfg, policy, draft, st, io = self.cfg, self.policy, self.draft, self.stack.root.st, self.io
         G, S = self.shape.group_size, self.shape.prompt_len
         rope, d_rope = self.ropes
         tap_layers = tuple(draft.cfg.aux_layer_ids) if draft is not None else None
@@ -327,26 +294,31 @@ class DecodeRunner:
         st.finished.copy_(finished)
         for t in (st.n_emitted, st.n_row_forwards, st.n_accepted, st.n_proposed, st.n_tried):
             t.zero_()
-        if isinstance(draft, BlockDraft):
-            block_prefill(draft, taps.aux, G, st.d_cache, d_rope)
-        elif draft is not None:
-            d_logits0, d_hidden0 = draft_prefill(policy, draft, io.ids, io.lens, taps.aux, first, G,
-                                                 st.d_cache, d_rope)
-            st.d_logits0.copy_(d_logits0)
-            st.d_hidden0.copy_(d_hidden0)
+        if self.kind is not None:
+            self.kind.prefill(policy, draft, st, io.ids, io.lens, taps.aux, first, G, d_rope)
 
     # -- decode ----------------------------------------------------------------------------
-    def _fill_uniforms(self):
-        # One host-side RNG launch per round, outside the graphs. Only the real rows draw (the
-        # same stream as an unpadded batch); padding rows keep the valid uniform 0. After a
-        # compaction the draw is still for every original row, then gathered: the same stream.
-        root = self.root.st
-        if root.u is not None:
-            u = root.u[: self.num_rows]
-            torch.rand(u.shape, generator=self.generator, device=self.device, out=u)
-            if self.chain:
-                level = self.chain[-1][0]
-                torch.index_select(root.u, 0, level.root_rows, out=level.st.u)
+    @torch.no_grad()
+    def run(self):
+        """Decode rounds until every row is finished: gpt-fast's decode_n_tokens, except that the batch moves to a
+        smaller level when most rows are done (compaction) and a level may re-choose its k (control.LevelK).
+        `phases`: one per level decoded at (phases.py)."""
+        cfg = self.cfg
+        clock = PhaseClock(self.st)
+        # the prefill emitted token 1 and every round emits >= 1 per live row: T - 1 rounds always suffice
+        for _ in range(cfg.max_new_tokens - 1):
+            live = int((~self.st.finished).sum())  # the one host sync per round
+            if live == 0:
+                break
+            size = compaction.compact_size(live, self.st.finished.numel(), cfg.compact_below, cfg.compact_min_rows)
+            if size is not None:
+                clock.lap(self.st, size)  # the phase ends at the level it leaves
+                self._compact(size)
+            else:  # a level just entered was chosen for; re-checks count its rounds from there
+                self.k_choice.recheck(self.level, clock.rounds)
+            self.round()
+            clock.tick()
+        self.phases = clock.stop(self.st)
 
     @torch.no_grad()
     def round(self):
@@ -355,69 +327,25 @@ class DecodeRunner:
         self.level.round()
         self.num_target_forwards += 1
 
-    @torch.no_grad()
-    def run(self):
-        # Each round emits >= 1 token per live row, so T - 1 rounds always suffice.
-        # `phases`: rounds and wall time per level (the batch, then each compacted size), timed between the
-        # per-round host syncs, so a phase holds exactly its own rounds: how much of a rollout is its tail.
-        rows, rounds, t0 = self.st.finished.numel(), 0, time.perf_counter()
-        counts = self._counters()
-        for _ in range(self.cfg.max_new_tokens - 1):
-            live = int((~self.st.finished).sum())  # the one host sync per round
-            if live == 0:
-                break
-            size = compaction.compact_size(live, self.st.finished.numel(), self.cfg.compact_below,
-                                           self.cfg.compact_min_rows)
-            if size is not None:
-                t = time.perf_counter()
-                counts = self._end_phase(rows, rounds, t - t0, counts)
-                rows, rounds, t0 = size, 0, t
-                self._compact(size)
-            elif (self.controller is not None and self.level.k > 0 and rounds > 0
-                  and self.controller.recheck_rounds > 0 and rounds % self.controller.recheck_rounds == 0):
-                self._rechoose()
-            self.round()
-            rounds += 1
-        self._end_phase(rows, rounds, time.perf_counter() - t0, counts)
-
-    def _counters(self) -> tuple[int, int]:
-        """(tokens emitted, live row-rounds) so far in this call: one host read. The counters run on across
-        levels (compaction.COUNTERS), so a phase's τ is the difference of two reads."""
-        emitted, forwards = torch.stack((self.st.n_emitted, self.st.n_row_forwards)).tolist()
-        return emitted, forwards
-
-    def _end_phase(self, rows: int, rounds: int, seconds: float, before: tuple[int, int]) -> tuple[int, int]:
-        now = self._counters()
-        self.phases.append(Phase(rows, rounds, seconds, now[0] - before[0], now[1] - before[1]))
-        return now
+    def _fill_uniforms(self):
+        # One host-side RNG launch per round, outside the graphs. Only the real rows draw (the
+        # same stream as an unpadded batch); padding rows keep the valid uniform 0. After a
+        # compaction the draw is still for every original row, then gathered: the same stream.
+        root, level = self.stack.root.st, self.level
+        if root.u is not None:
+            u = root.u[: self.num_rows]
+            torch.rand(u.shape, generator=self.generator, device=self.device, out=u)
+            if level.root_rows is not None:
+                torch.index_select(root.u, 0, level.root_rows, out=level.st.u)
 
     def _compact(self, size: int):
-        """Move the live rows into a `size`-row level (compaction.py) and make it the current one."""
-        level = self.levels.get(size)
-        if level is None:  # built (and captured) once per size, reused by later calls
-            level = self.levels[size] = self._new_level(size, torch.empty(size, dtype=torch.long,
-                                                                          device=self.device))
-        rows = compaction.pick_rows(self.st.finished, size)
-        compaction.gather_state(self.st, level.st, rows)
-        parent_root_rows = self.chain[-1][0].root_rows if self.chain else None
-        level.root_rows.copy_(rows if parent_root_rows is None else parent_root_rows[rows])
+        """Move the live rows into a `size`-row level (compaction.LevelStack) and choose its k there: a level
+        entered from a plain one stays plain (control.py)."""
         speculating = self.level.k > 0
-        self.chain.append((level, rows))
-        self.level = level
-        self._choose(level, allow_speculation=speculating)  # plain stays plain: control.py
-        if not speculating:
-            level.k = 0
-
-    def _uncompact(self):
-        """Write every compacted state's outputs back, innermost first; the root is current again."""
-        while self.chain:
-            level, rows = self.chain.pop()
-            parent = self.chain[-1][0].st if self.chain else self.root.st
-            compaction.scatter_outputs(level.st, parent, rows)
-        self.level = self.root
+        self.k_choice.enter(self.stack.enter(size), allow_speculation=speculating)
 
     def result(self) -> GenerateOutput:
-        self._uncompact()
+        self.stack.unwind()
         st, T, N = self.st, self.cfg.max_new_tokens, self.num_rows
         out_len = st.out_len[:N]
         valid = torch.arange(T, device=self.device)[None, :] < out_len[:, None]  # (N, T)
@@ -430,11 +358,11 @@ class DecodeRunner:
         if self.controller is not None and self.speculate:  # a plain baseline call tested no draft token
             self.controller.update(*counts)
         return GenerateOutput(tokens, out_len.clone(), logprobs, tau, rate, self.num_target_forwards,
-                              self.group_size, tuple(self.choices), counts, st.row_rounds[:N].clone(),
-                              tuple(self.phases))
+                              self.group_size, tuple(self.k_choice.choices), counts, st.row_rounds[:N].clone(),
+                              self.phases)
 
 
-def generate(policy: Policy, prompts: Sequence, cfg: GenerateConfig, draft: Eagle3Draft | None = None,
+def generate(policy: Policy, prompts: Sequence, cfg: GenerateConfig, draft=None,
              group_size: int = 1, generator: torch.Generator | None = None,
              controller: SpecController | None = None) -> GenerateOutput:
     """Generate up to cfg.max_new_tokens tokens for each prompt, `group_size` samples per prompt.

@@ -14,11 +14,9 @@ from typing import Callable
 
 import torch
 
-from ..model.dflash import BlockDraft
-from ..model.draft import Eagle3Draft
-from ..model.layers import KVCache
 from ..model.policy import Policy
 from .control import Choice
+from .drafters import engine_kind
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
 from .sampling import SamplingParams, keyed_gumbel, pick_tokens_logp
@@ -50,9 +48,10 @@ class PlainSteps:
         st.last_tok.copy_(torch.where(live, tok, st.last_tok))
 
 
-def new_state(policy: Policy, draft: Eagle3Draft | BlockDraft | None, params: SamplingParams, max_new_tokens: int,
+def new_state(policy: Policy, draft, params: SamplingParams, max_new_tokens: int,
               k_max: int, rows: int, cache_len: int, device) -> DecodeState:
-    """Zeroed decode buffers for `rows` rows (cache length, k_max draft tokens, sampling or greedy)."""
+    """Zeroed decode buffers for `rows` rows (cache length, k_max draft tokens, sampling or greedy); the draft's
+    own buffers are its kind's (drafters.py)."""
     T, W = max_new_tokens, k_max + 1
     sampled = not params.greedy and not params.keyed  # inverse-CDF uniforms; coupled draws use row keys
     zeros = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=device)  # noqa: E731
@@ -63,22 +62,17 @@ def new_state(policy: Policy, draft: Eagle3Draft | BlockDraft | None, params: Sa
         n_emitted=zeros(), n_row_forwards=zeros(), n_accepted=zeros(k_max), n_proposed=zeros(k_max),
         n_tried=zeros(k_max), t_cache=policy.new_cache(rows, cache_len))
     n_uniforms = 1
-    if draft is not None:
-        d_dtype = draft.fc.weight.dtype
+    kind = engine_kind(draft)
+    if kind is not None:
         n_aux = len(draft.cfg.aux_layer_ids)
-        if isinstance(draft, BlockDraft):  # the trunk K/V of every draft layer; no carried pass-1 output
-            c = draft.cfg
-            st.d_cache = KVCache.empty(c.num_layers, rows, c.num_kv_heads, cache_len, c.head_dim, device, d_dtype)
-        else:
-            st.d_cache = draft.new_cache(rows, cache_len)
-            st.d_logits0 = zeros(rows, draft.cfg.draft_vocab_size, dt=d_dtype)
-            st.d_hidden0 = zeros(rows, draft.cfg.hidden_size, dt=d_dtype)
+        for name, t in kind.draft_buffers(policy, draft, rows, cache_len, device).items():
+            setattr(st, name, t)
         st.draft_tok = zeros(rows, k_max)
         st.taps = zeros(rows, W, n_aux * policy.cfg.hidden_size, dt=st.t_cache.k.dtype)
         st.num_accepted, st.block = zeros(rows), zeros(rows, W)
         if sampled:
             st.q_draft = zeros(rows, k_max, policy.cfg.vocab_size, dt=torch.float32)
-        n_uniforms = SpeculativeSteps.num_uniforms(k_max)
+        n_uniforms = kind.steps.num_uniforms(k_max)
     if sampled:
         st.u = zeros(rows, n_uniforms, dt=torch.float32)
     if params.keyed:

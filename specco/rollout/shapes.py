@@ -8,15 +8,13 @@ Also the right-padded prompt layout the prefill step reads (`pad_prompts`, `Prom
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from ..batch import round_up
-from ..model.dflash import BlockDraft
-
-if TYPE_CHECKING:  # generate.py imports this module
-    from .generate import GenerateConfig
+from .config import GenerateConfig
+from .drafters import engine_kind
 
 
 @dataclass(frozen=True)
@@ -64,12 +62,9 @@ def speculation_control(cfg: GenerateConfig, device: torch.device) -> bool:
 
 
 def lookahead(cfg: GenerateConfig, draft) -> int:
-    """How many positions past n a round may write: k (verify of k+1 tokens), or for a block drafter
-    the block's last slot n+W-1 if that is further."""
-    if draft is None:
-        return 0
-    k = cfg.num_draft_tokens
-    return max(k, draft.cfg.block_size - 1) if isinstance(draft, BlockDraft) else k
+    """How many positions past n a round may write (the drafter kind's lookahead at k_max; 0 without a draft)."""
+    kind = engine_kind(draft)
+    return 0 if kind is None else kind.lookahead(draft, cfg.num_draft_tokens)
 
 
 def runner_shape(cfg: GenerateConfig, device: torch.device, draft, num_prompts: int,

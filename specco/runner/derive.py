@@ -3,7 +3,7 @@
     arm_config(cfg, arm)               -> (the run config as `arm` sees it, the arm's mode)
     warm_configs(cfg)                  -> {draft kind: the config its warm start runs with}
     step_config(cfg, mode)             -> train.cotrain.StepConfig      (the co-training step)
-    generate_config(cfg, eos, pad)     -> rollout.generate.GenerateConfig (the rollout engine)
+    generate_config(cfg, eos, pad)     -> rollout.config.GenerateConfig (the rollout engine)
     check_parallel(cfg, world, cmd)    -> the launch's (pp, dp, cp), or a ConfigError naming what to change
 
 Both derived configs are frozen dataclasses; their values come from the run config's one set of
@@ -19,7 +19,7 @@ import torch
 from ..batch import longest_first, round_up
 from ..config import BLOCK_KINDS, RunConfig, split_arm
 from ..model.config import ConfigError
-from ..rollout.generate import GenerateConfig
+from ..rollout.config import GenerateConfig
 from ..rollout.sampling import SamplingParams
 from ..train.cotrain import AMP_DTYPES, StepConfig
 

@@ -18,7 +18,7 @@ from ..model.dflash import BlockDraft, BlockDraftConfig
 from ..model.draft import Eagle3Draft, build_vocab_maps
 from ..model.policy import Policy
 from ..rollout.engine import RolloutEngine
-from ..rollout.generate import GenerateConfig
+from ..rollout.config import GenerateConfig
 from ..train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
 from .rollouts import pad_pairs, rollout_pairs
 
