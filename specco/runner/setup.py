@@ -38,7 +38,7 @@ from ..model.policy import Policy
 from ..parallel.mesh import Mesh
 from .derive import check_parallel
 
-__all__ = ["pick_device", "parallel_setup", "from_rank0", "share_model", "share_policy"]
+__all__ = ["pick_device", "parallel_setup", "from_rank0", "share_tensors", "share_model", "share_policy"]
 
 
 def pick_device(name: str) -> torch.device:
@@ -77,6 +77,24 @@ def from_rank0(objs: tuple, mesh: Mesh | None, device) -> tuple:
         raise TypeError("from_rank0 sends small objects; send models with share_model (tensor broadcasts)")
     out = _broadcast_object(objs, mesh)
     return objs if mesh.rank == 0 else out
+
+
+@torch.no_grad()
+def share_tensors(tensors: tuple | None, mesh: Mesh | None, device) -> tuple:
+    """Rank 0's tuple of `tensors` (e.g. the warm-start pool) on every rank, on the device type rank 0's are on
+    (`device` where that is not the CPU): their shapes and dtypes as one small object, then one broadcast each.
+    A collective: every rank calls it; rank 0 gets its own tensors back."""
+    if mesh is None:
+        return tensors
+    layout = _broadcast_object([(tuple(t.shape), t.dtype, t.device.type) for t in tensors]
+                               if mesh.rank == 0 else None, mesh)
+    out = []
+    for i, (shape, dtype, where) in enumerate(layout):
+        wire = tensors[i].to(mesh.device).contiguous() if mesh.rank == 0 else torch.empty(
+            shape, dtype=dtype, device=mesh.device)
+        dist.broadcast(wire, group=dist.group.WORLD, group_src=0)
+        out.append(wire.to("cpu" if where == "cpu" else device))
+    return tuple(tensors) if mesh.rank == 0 else tuple(out)
 
 
 def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
