@@ -201,7 +201,8 @@ def prepare_draft(cfg: RunConfig, policy, tok, data, out: Path, progress=True, k
     Under a mesh every rank calls it (a collective) with the same policy: rank 0 decides whether the stage is
     done (then reads it and share_model sends it); otherwise every rank builds the initial draft (so a bad
     draft.init fails everywhere alike) and takes rank 0's weights, the warm start runs data-parallel over the
-    world (warm_start's `group`), and rank 0 alone measures tau and commits; the other ranks' metrics are {}."""
+    world (warm_start's `group`; on rank 0 alone, then sent, when its batch has fewer draft rows than ranks), and
+    rank 0 alone measures tau and commits; the other ranks' metrics are {}."""
     kind = kind or cfg.draft.kind
     stage = warm_draft_stage(kind, cfg.draft.kind)
     d_dir = out / stage
@@ -227,9 +228,16 @@ def prepare_draft(cfg: RunConfig, policy, tok, data, out: Path, progress=True, k
         f"{cfg.train.warm_start_batch} rows on {tokens.shape[0]} policy samples, draft vocab "
         f"{draft.cfg.draft_vocab_size}/{draft.cfg.target_vocab_size}", progress)
     scfg: StepConfig = step_config(kcfg, "cotrained")
-    hist = warm_start(policy, draft, tokens, mask, cfg.train.warm_start_steps, cfg.train.warm_start_lr,
-                      batch_size=cfg.train.warm_start_batch, scfg=scfg, seed=cfg.train.seed, progress=progress,
-                      group=None if mesh is None else dist.group.WORLD)
+    world = 1 if mesh is None else dist.get_world_size()
+    # a batch with fewer draft rows than ranks (a tiny test job's) does not split: rank 0 trains alone and sends it
+    split = world > 1 and -(-cfg.train.warm_start_batch // scfg.draft_row_stride) >= world
+    hist = []
+    if rank == 0 or split:
+        hist = warm_start(policy, draft, tokens, mask, cfg.train.warm_start_steps, cfg.train.warm_start_lr,
+                          batch_size=cfg.train.warm_start_batch, scfg=scfg, seed=cfg.train.seed, progress=progress,
+                          group=dist.group.WORLD if split else None)
+    if world > 1 and not split:
+        draft = share_model(draft, mesh, dev)
     for i, h in enumerate(hist):
         check_finite(f"{kind} draft warm start step {i + 1}", h, ("draft/loss", "draft/grad_norm"))
     check_finite(f"{kind} draft warm start", modules=(draft,))

@@ -164,8 +164,8 @@ def dp_rows(n: int, stride: int, rank: int, world: int) -> slice:
 def warm_start(policy: Policy, draft: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor,
                steps: int, lr: float, batch_size: int, scfg: StepConfig, seed: int = 0,
                progress: bool = True, group=None) -> list[dict]:
-    """Offline draft training on a fixed pool; returns per-step metrics (cotrain_step's: draft/loss is this rank's
-    share, summing to the global loss over `group`; the others are global, the same on every rank).
+    """Offline draft training on a fixed pool; returns per-step metrics, the global batch's (the same on every rank
+    of `group`: cotrain_step's draft/loss, each rank's share, summed here).
     `group`: data-parallel over its ranks (module docstring)."""
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     share = dp_rows(batch_size, scfg.draft_row_stride, rank, world)
@@ -181,7 +181,12 @@ def warm_start(policy: Policy, draft: Eagle3Draft, tokens: torch.Tensor, mask: t
         idx = torch.randint(0, tokens.shape[0], (batch_size,), generator=g)[share]
         dev = next(policy.parameters()).device
         b = TrainBatch(tokens=tokens[idx].to(dev), target_mask=mask[idx].to(dev))
-        hist.append(cotrain_step(policy, draft, b, opt, sched, scfg, train_policy=False, grad_group=group))
+        m = cotrain_step(policy, draft, b, opt, sched, scfg, train_policy=False, grad_group=group)
+        if group is not None:
+            loss = torch.tensor([m["draft/loss"]], dtype=torch.float64, device=dev)
+            dist.all_reduce(loss, group=group)
+            m["draft/loss"] = loss.item()
+        hist.append(m)
     return hist
 
 

@@ -168,8 +168,8 @@ def sft(policy, tokenizer, source, steps: int, batch_size: int = 128, lr: float 
     cpu_s = time.process_time() - c0  # CPU seconds of all threads: robust to a busy machine
     tail = losses[-max(1, min(20, len(losses))):] if losses else [float("nan")]
     return {"steps": steps, "loss_first": losses[0] if losses else float("nan"),
-            "loss_last": sum(tail) / len(tail), "losses": losses, "grad_norms": gnorms, "time_s": elapsed, "cpu_s": cpu_s,
-            "steps_per_s": steps / elapsed if elapsed > 0 else float("nan"),
+            "loss_last": sum(tail) / len(tail), "losses": losses, "grad_norms": gnorms, "time_s": elapsed,
+            "cpu_s": cpu_s, "steps_per_s": steps / elapsed if elapsed > 0 else float("nan"),
             "offset": offset}
 
 
