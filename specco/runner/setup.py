@@ -3,10 +3,11 @@
     policy = share_policy(policy, readable, mesh, device)   # rank 0's policy on every rank
     draft = share_model(draft, mesh, device)                # rank 0's warm draft (or None) on every rank
     (tok,) = from_rank0((tok,), mesh, device)               # small objects only (the tokenizer)
+    tokens, mask = share_tensors((tokens, mask), mesh, device)  # rank 0's tensors (the warm-start pool)
 
-No model is pickled (REVIEW item 6). Only rank 0 makes the starting policy and drafts (SFT, warm start) and only
-its out_dir holds them: the nodes of a job need not share a path (tests/test_multinode.py). So the weights travel
-as tensors: a model's recipe — its class, its config, each tensor's name, shape and dtype — goes as one small
+No model is pickled (REVIEW item 6). Rank 0 loads (or builds) the starting policy and reads finished stages from
+out_dir; the other ranks get them from it (then run SFT and the warm start with it, data-parallel: prepare.py), so
+they need not read rank 0's paths (tests/test_multinode.py). So the weights travel as tensors: a model's recipe — its class, its config, each tensor's name, shape and dtype — goes as one small
 object; every other rank builds the model on the meta device from it (no storage, no init), allocates it
 (`to_empty`) and receives each tensor by one `dist.broadcast` straight into it. What a pickled
 broadcast_object_list cost and this does not: rank 0's deepcopy of the model plus its pickle (two more copies on
