@@ -7,8 +7,8 @@ rank writes its own shards into out_dir/ckpt; runner/arm_checkpoint.py). Nothing
 working directory. Without a shared out_dir the first checkpoint stops with an error naming the ranks that do not
 see rank 0's directory (tests/test_sharded_checkpoint.py: test_root_not_shared_is_named).
 
-What makes it work (runner/pipeline.py, runner/rl.py): SFT and the warm start run on rank 0 and reach the other
-ranks through the process group; rollouts are shared over the CP group; only rank 0 logs.
+What makes it work (runner/pipeline.py, runner/rl.py): SFT and the warm start run data-parallel over every rank,
+rank 0 deciding whether their outputs exist; rollouts are shared over the CP group; only rank 0 logs.
 """
 import json
 import os

@@ -32,11 +32,11 @@ from ..faults import point
 from ..model.config import ConfigError
 from ..model.hf_io import save_policy
 from ..rollout.shapes import speculation_control
-from .derive import arm_config, generate_config, on_device, warm_configs
+from .derive import arm_config, generate_config, on_device
 from .prepare import copy_tokenizer_files, evaluate, prepare_drafts, prepare_policy, say, source_dir
 from .report import MetricsLog, plot_arms, read_jsonl
 from .rl import full_models, run_arm
-from .setup import from_rank0, parallel_setup, pick_device, share_model, share_policy
+from .setup import parallel_setup, pick_device
 from .stages import RunLock, commit_dir, record_config, remove_stale_temporaries, seed_stage
 from .validate import JobData, check_job
 
@@ -78,22 +78,12 @@ def _run(cfg: RunConfig, data: JobData, mesh, rank: int, progress: bool, force_n
         # the engine's decode attention included (ops/decode_attention._ieee)
         torch.set_float32_matmul_precision("high")
     t_start = time.perf_counter()
-    # The starting policy and drafts are made on rank 0 (each stage is skipped when its output exists in rank 0's
-    # out_dir); the other ranks receive them through the process group as tensors, never pickled (setup.py), so
-    # no path needs to be shared between nodes (only rank 0 reads and writes out_dir). Without an SFT stage the
-    # policy is policy.source's weights: ranks that can all read it load it themselves (setup.share_policy).
-    policy = tok = readable = None
-    sft_m, drafts, warm_m = {}, {}, {}
-    if rank == 0:
-        policy, tok, sft_m = prepare_policy(cfg, data, out, device, progress)
-        # (not smollm2's converted copy: source_dir would convert it again on a resume)
-        readable = cfg.policy.source if data.sft is None and cfg.policy.source not in ("", "tiny", "smollm2") else None
-    (tok,) = from_rank0((tok,), mesh, device)
-    policy = share_policy(policy, readable, mesh, device)
-    if rank == 0:
-        drafts, warm_m = prepare_drafts(cfg, policy, tok, data, out, progress)
-    kinds = tuple(warm_configs(cfg)) if any(a != "none" for a in cfg.arms) else ()
-    drafts = {k: share_model(drafts.get(k), mesh, device) for k in kinds}
+    # Every rank runs the start-up stages together (prepare.py): rank 0 decides whether each stage's output exists
+    # in out_dir and reads it, or makes the starting weights; they reach the other ranks as tensors, never pickled
+    # (setup.py); SFT and the draft warm start are data-parallel over every rank, which end with the same bits;
+    # only rank 0 writes out_dir.
+    policy, tok, sft_m = prepare_policy(cfg, data, out, device, progress, mesh)
+    drafts, warm_m = prepare_drafts(cfg, policy, tok, data, out, progress, mesh)
     say(f"[3/4] RL: {cfg.train.steps} GRPO steps x arms {', '.join(cfg.arms)}"
         + (f" on {mesh.dp} data-parallel x {mesh.cp} context-parallel ranks" if mesh is not None else ""), progress)
     arm_rows = {}

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..config import RunConfig
 from ..data.tokenizer import build_char_tokenizer, load_tokenizer
@@ -26,6 +27,7 @@ from ..train.cotrain import AMP_DTYPES, StepConfig
 from ..train.nonfinite import check_finite
 from ..train.sft import sft, tiny_policy_config
 from .derive import at_temperature, generate_config, step_config, warm_configs
+from .setup import from_rank0, share_model, share_policy, share_tensors
 from .stages import commit_dir, load_stage, seed_stage, warm_draft_stage
 from .warmstart import initial_draft, load_draft_dir, measure_tau, sample_pool, warm_start
 
@@ -71,42 +73,64 @@ def copy_tokenizer_files(src: Path | None, tok, dst: Path) -> None:
             shutil.copyfile(src / name, dst / name)
 
 
-def prepare_policy(cfg: RunConfig, data, out: Path, device, progress=True):
+def prepare_policy(cfg: RunConfig, data, out: Path, device, progress=True, mesh=None):
     """The RL starting point: the HF checkpoint (SFT'd when [sft] data is given) or the SFT'd tiny model.
-    Cached in out/start_policy. Returns (policy, tokenizer, metrics)."""
+    Cached in out/start_policy. Returns (policy, tokenizer, metrics).
+
+    Under a mesh every rank calls it (a collective): rank 0 decides whether the stage is done and reads (or
+    builds) the starting weights, setup.share_policy brings them to every rank (each reads a directory it sees
+    itself, else a tensor broadcast), SFT runs data-parallel over every rank of the world (sft's `group`: every
+    rank holds the whole policy here, pipeline stages included, so none idles), and rank 0 commits the stage."""
     pol_dir = out / "start_policy"
-    if pol_dir.is_dir():  # committed whole (stages.commit_dir): done
-        return load_stage(pol_dir, lambda: (load_policy(pol_dir, device=device), load_tokenizer(pol_dir),
-                                            json.loads((pol_dir / "sft_metrics.json").read_text())))
-    src = source_dir(cfg, out)
-    tok = start_tokenizer(cfg, out)
-    seed_stage(cfg.train.seed, "sft")
-    if src is None:
-        pc = tiny_policy_config(tok, cfg.policy.hidden_size, cfg.policy.num_layers, cfg.policy.num_heads,
-                                cfg.policy.num_kv_heads, cfg.policy.intermediate_size, cfg.policy.max_positions)
-        policy = Policy(pc).to(device)
-        say(f"[1/4] a from-scratch {pc.num_params / 1e6:.2f}M-parameter policy", progress)
-    else:
-        policy = load_policy(src, device=device)
-        say(f"[1/4] loaded policy {src} ({policy.cfg.num_params / 1e6:.1f}M parameters)", progress)
-    policy = policy.to(getattr(torch, cfg.policy.dtype))
+    rank = 0 if mesh is None else mesh.rank
+    (done,) = from_rank0((pol_dir.is_dir(),), mesh, device)  # rank 0's answer for every rank
+    if done:  # committed whole (stages.commit_dir): done
+        policy = tok = metrics = None
+        if rank == 0:
+            policy, tok, metrics = load_stage(pol_dir, lambda: (
+                load_policy(pol_dir, device=device), load_tokenizer(pol_dir),
+                json.loads((pol_dir / "sft_metrics.json").read_text())))
+        tok, metrics = from_rank0((tok, metrics), mesh, device)
+        return share_policy(policy, pol_dir, mesh, device), tok, metrics
+    policy = tok = src = None
+    if rank == 0:  # (source_dir converts smollm2 once: rank 0 only)
+        src = source_dir(cfg, out)
+        tok = start_tokenizer(cfg, out)
+        seed_stage(cfg.train.seed, "sft")
+        if src is None:
+            pc = tiny_policy_config(tok, cfg.policy.hidden_size, cfg.policy.num_layers, cfg.policy.num_heads,
+                                    cfg.policy.num_kv_heads, cfg.policy.intermediate_size, cfg.policy.max_positions)
+            policy = Policy(pc).to(device)
+            say(f"[1/4] a from-scratch {pc.num_params / 1e6:.2f}M-parameter policy", progress)
+        else:
+            policy = load_policy(src, device=device)
+            say(f"[1/4] loaded policy {src} ({policy.cfg.num_params / 1e6:.1f}M parameters)", progress)
+        policy = policy.to(getattr(torch, cfg.policy.dtype))
+    (tok,) = from_rank0((tok,), mesh, device)
+    # before SFT the weights are policy.source's cast to policy.dtype: ranks that can read it load it themselves
+    # (not smollm2's converted copy: source_dir would convert it again)
+    readable = cfg.policy.source if cfg.policy.source not in ("", "tiny", "smollm2") else None
+    policy = share_policy(policy, readable, mesh, device)
     metrics = {}
     if data.sft is not None:
         s = cfg.sft
         say(f"      SFT on {data.sft.name}: {s.steps} steps x {s.batch} rows, lr {s.lr:g}", progress)
         m = sft(policy, tok, data.sft, s.steps, batch_size=s.batch, lr=s.lr, seed=cfg.train.seed + SFT_STREAM,
-                progress=progress, amp_dtype=AMP_DTYPES.get(cfg.train.amp), micro_batch_rows=s.micro_batch_rows)
+                progress=progress, amp_dtype=AMP_DTYPES.get(cfg.train.amp), micro_batch_rows=s.micro_batch_rows,
+                group=None if mesh is None else dist.group.WORLD)
         metrics = {"sft_time_s": m["time_s"], "sft_steps": s.steps, "sft_loss_first": m["loss_first"],
                    "sft_final_loss": m["loss_last"]}
         check_finite(f"SFT ({s.steps} steps)", {"sft/final_loss": m["loss_last"]}, modules=(policy,))
-    with commit_dir(pol_dir) as tmp:
-        save_policy(policy, tmp)
-        point("start_policy/model")
-        copy_tokenizer_files(src, tok, tmp)
-        point("start_policy/tokenizer")
-        (tmp / "sft_metrics.json").write_text(json.dumps(metrics))
-    if src is not None:  # the copied files are what the outputs and a resumed run load
-        tok = load_tokenizer(pol_dir)
+    if rank == 0:
+        with commit_dir(pol_dir) as tmp:
+            save_policy(policy, tmp)
+            point("start_policy/model")
+            copy_tokenizer_files(src, tok, tmp)
+            point("start_policy/tokenizer")
+            (tmp / "sft_metrics.json").write_text(json.dumps(metrics))
+        if src is not None:  # the copied files are what the outputs and a resumed run load
+            tok = load_tokenizer(pol_dir)
+    (tok,) = from_rank0((tok,), mesh, device)
     return policy, tok, metrics
 
 
@@ -134,56 +158,91 @@ def evaluate(cfg: RunConfig, policy, draft, tok, source, rewards, seed: int = 0)
     return res
 
 
-def prepare_drafts(cfg: RunConfig, policy, tok, data, out: Path, progress=True) -> tuple[dict, dict]:
+def prepare_drafts(cfg: RunConfig, policy, tok, data, out: Path, progress=True, mesh=None) -> tuple[dict, dict]:
     """Every warm draft the arms use ({kind: draft}, {kind: warm metrics}), kinds as derive.warm_configs.
     The warm-start pool is the same for every kind (one seed): sampled at most once per run, and not at all
-    when every kind's warm draft is already on disk. A job without a draft arm has none."""
+    when every kind's warm draft is already on disk. A job without a draft arm has none. Under a mesh every rank
+    calls it (prepare_draft says what each does)."""
     if not any(a != "none" for a in cfg.arms):
         return {}, {}
-    pool = warm_pool(cfg, policy, data.train, tok)
+    pool = warm_pool(cfg, policy, data.train, tok, mesh)
     drafts, metrics = {}, {}
     for kind in warm_configs(cfg):
-        drafts[kind], metrics[kind] = prepare_draft(cfg, policy, tok, data, out, progress, kind=kind, pool=pool)
+        drafts[kind], metrics[kind] = prepare_draft(cfg, policy, tok, data, out, progress, kind=kind, pool=pool,
+                                                    mesh=mesh)
     return drafts, metrics
 
 
-def warm_pool(cfg: RunConfig, policy, source, tok):
+def warm_pool(cfg: RunConfig, policy, source, tok, mesh=None):
     """The warm-start pool (tokens, mask) of policy samples on training prompts, as a function that samples it on
-    its first call only. Sampled without a draft, so the run config's k (or any arm's) does not change it."""
+    its first call only. Sampled without a draft, so the run config's k (or any arm's) does not change it. Under
+    a mesh the call is a collective: rank 0 samples and broadcasts it (setup.share_tensors) -- one engine's
+    sampling, not each rank's, so no rank depends on another's kernels drawing the same bits."""
     gcfg = generate_config(cfg, tok.stop_ids, tok.pad_id)
-    return functools.cache(lambda: sample_pool(policy, source, tok, n_prompts=cfg.train.warm_start_prompts, group=4,
-                                               gen_cfg=gcfg, seed=cfg.train.seed + 1000))
+    dev = next(policy.parameters()).device
+
+    def sample():
+        pool = None
+        if mesh is None or mesh.rank == 0:
+            pool = sample_pool(policy, source, tok, n_prompts=cfg.train.warm_start_prompts, group=4, gen_cfg=gcfg,
+                               seed=cfg.train.seed + 1000)
+        return share_tensors(pool, mesh, dev)
+    return functools.cache(sample)
 
 
-def prepare_draft(cfg: RunConfig, policy, tok, data, out: Path, progress=True, kind: str | None = None, pool=None):
+def prepare_draft(cfg: RunConfig, policy, tok, data, out: Path, progress=True, kind: str | None = None, pool=None,
+                  mesh=None):
     """The starting draft of `kind` (default draft.kind) and its offline sim-vs-real tau figures, cached in
     out/warm_draft (draft.kind) or out/warm_draft_<kind> (stages.warm_draft_stage): imported from draft.init
     and/or warm-started for train.warm_start_steps on the policy's own samples. `pool`: warm_pool's function,
     shared by the kinds (None: this call's own). The draft and its warm start see the config of the kind's
-    co-trained arm (derive.warm_configs: a new block drafter's γ is its rollout.k)."""
+    co-trained arm (derive.warm_configs: a new block drafter's γ is its rollout.k).
+
+    Under a mesh every rank calls it (a collective) with the same policy: rank 0 decides whether the stage is
+    done (then reads it and share_model sends it); otherwise every rank builds the initial draft (so a bad
+    draft.init fails everywhere alike) and takes rank 0's weights, the warm start runs data-parallel over the
+    world (warm_start's `group`; on rank 0 alone, then sent, when its batch has fewer draft rows than ranks), and
+    rank 0 alone measures tau and commits; the other ranks' metrics are {}."""
     kind = kind or cfg.draft.kind
     stage = warm_draft_stage(kind, cfg.draft.kind)
     d_dir = out / stage
-    if d_dir.is_dir():  # committed whole (stages.commit_dir): done
-        dev = next(policy.parameters()).device
-        return load_stage(d_dir, lambda: (load_draft_dir(d_dir, device=dev),
-                                          json.loads((d_dir / "warm_metrics.json").read_text())))
-    point(f"{stage}/start")
+    rank = 0 if mesh is None else mesh.rank
+    dev = next(policy.parameters()).device
+    (done,) = from_rank0((d_dir.is_dir(),), mesh, dev)  # rank 0's answer for every rank
+    if done:  # committed whole (stages.commit_dir): done
+        draft, metrics = None, {}
+        if rank == 0:
+            draft, metrics = load_stage(d_dir, lambda: (load_draft_dir(d_dir, device=dev),
+                                                        json.loads((d_dir / "warm_metrics.json").read_text())))
+        return share_model(draft, mesh, dev), metrics
+    if rank == 0:
+        point(f"{stage}/start")
     kcfg = warm_configs(cfg)[kind]
     gcfg = generate_config(kcfg, tok.stop_ids, tok.pad_id)
     t = time.perf_counter()  # warm_time_s: includes sampling the pool when this kind is the first to need it
     tokens, mask = (pool or warm_pool(cfg, policy, data.train, tok))()
     seed_stage(cfg.train.seed, stage)  # the new draft's init draws from the global RNG
-    draft = initial_draft(policy, tokens, kcfg.draft, gamma=kcfg.rollout.k, mask_fallback=tok.pad_id)
+    draft = share_model(initial_draft(policy, tokens, kcfg.draft, gamma=kcfg.rollout.k, mask_fallback=tok.pad_id),
+                        mesh, dev)
     say(f"[2/4] {kind} draft warm start: {cfg.train.warm_start_steps} offline steps x "
         f"{cfg.train.warm_start_batch} rows on {tokens.shape[0]} policy samples, draft vocab "
         f"{draft.cfg.draft_vocab_size}/{draft.cfg.target_vocab_size}", progress)
     scfg: StepConfig = step_config(kcfg, "cotrained")
-    hist = warm_start(policy, draft, tokens, mask, cfg.train.warm_start_steps, cfg.train.warm_start_lr,
-                      batch_size=cfg.train.warm_start_batch, scfg=scfg, seed=cfg.train.seed, progress=progress)
+    world = 1 if mesh is None else dist.get_world_size()
+    # a batch with fewer draft rows than ranks (a tiny test job's) does not split: rank 0 trains alone and sends it
+    split = world > 1 and -(-cfg.train.warm_start_batch // scfg.draft_row_stride) >= world
+    hist = []
+    if rank == 0 or split:
+        hist = warm_start(policy, draft, tokens, mask, cfg.train.warm_start_steps, cfg.train.warm_start_lr,
+                          batch_size=cfg.train.warm_start_batch, scfg=scfg, seed=cfg.train.seed, progress=progress,
+                          group=dist.group.WORLD if split else None)
+    if world > 1 and not split:
+        draft = share_model(draft, mesh, dev)
     for i, h in enumerate(hist):
         check_finite(f"{kind} draft warm start step {i + 1}", h, ("draft/loss", "draft/grad_norm"))
     check_finite(f"{kind} draft warm start", modules=(draft,))
+    if rank != 0:
+        return draft, {}
     last = hist[-min(10, len(hist)):] if hist else []
     sim = sum(h["draft/sim_accept_len"] for h in last) / max(1, len(last))
     real = {f"T={T}": measure_tau(policy, draft, data.train, min(64, cfg.train.warm_start_prompts),

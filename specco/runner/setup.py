@@ -3,10 +3,11 @@
     policy = share_policy(policy, readable, mesh, device)   # rank 0's policy on every rank
     draft = share_model(draft, mesh, device)                # rank 0's warm draft (or None) on every rank
     (tok,) = from_rank0((tok,), mesh, device)               # small objects only (the tokenizer)
+    tokens, mask = share_tensors((tokens, mask), mesh, device)  # rank 0's tensors (the warm-start pool)
 
-No model is pickled (REVIEW item 6). Only rank 0 makes the starting policy and drafts (SFT, warm start) and only
-its out_dir holds them: the nodes of a job need not share a path (tests/test_multinode.py). So the weights travel
-as tensors: a model's recipe — its class, its config, each tensor's name, shape and dtype — goes as one small
+No model is pickled (REVIEW item 6). Rank 0 loads (or builds) the starting policy and reads finished stages from
+out_dir; the other ranks get them from it (then run SFT and the warm start with it, data-parallel: prepare.py), so
+they need not read rank 0's paths (tests/test_multinode.py). So the weights travel as tensors: a model's recipe — its class, its config, each tensor's name, shape and dtype — goes as one small
 object; every other rank builds the model on the meta device from it (no storage, no init), allocates it
 (`to_empty`) and receives each tensor by one `dist.broadcast` straight into it. What a pickled
 broadcast_object_list cost and this does not: rank 0's deepcopy of the model plus its pickle (two more copies on
@@ -38,7 +39,7 @@ from ..model.policy import Policy
 from ..parallel.mesh import Mesh
 from .derive import check_parallel
 
-__all__ = ["pick_device", "parallel_setup", "from_rank0", "share_model", "share_policy"]
+__all__ = ["pick_device", "parallel_setup", "from_rank0", "share_tensors", "share_model", "share_policy"]
 
 
 def pick_device(name: str) -> torch.device:
@@ -77,6 +78,24 @@ def from_rank0(objs: tuple, mesh: Mesh | None, device) -> tuple:
         raise TypeError("from_rank0 sends small objects; send models with share_model (tensor broadcasts)")
     out = _broadcast_object(objs, mesh)
     return objs if mesh.rank == 0 else out
+
+
+@torch.no_grad()
+def share_tensors(tensors: tuple | None, mesh: Mesh | None, device) -> tuple:
+    """Rank 0's tuple of `tensors` (e.g. the warm-start pool) on every rank, on the device type rank 0's are on
+    (`device` where that is not the CPU): their shapes and dtypes as one small object, then one broadcast each.
+    A collective: every rank calls it; rank 0 gets its own tensors back."""
+    if mesh is None:
+        return tensors
+    layout = _broadcast_object([(tuple(t.shape), t.dtype, t.device.type) for t in tensors]
+                               if mesh.rank == 0 else None, mesh)
+    out = []
+    for i, (shape, dtype, where) in enumerate(layout):
+        wire = tensors[i].to(mesh.device).contiguous() if mesh.rank == 0 else torch.empty(
+            shape, dtype=dtype, device=mesh.device)
+        dist.broadcast(wire, group=dist.group.WORLD, group_src=0)
+        out.append(wire.to("cpu" if where == "cpu" else device))
+    return tuple(tensors) if mesh.rank == 0 else tuple(out)
 
 
 def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

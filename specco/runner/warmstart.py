@@ -4,6 +4,10 @@ Data are the policy's own samples on task prompts (what the draft will have to p
 generated once by the rollout engine without a draft. The draft then trains with the co-training
 step in offline mode (policy frozen). Afterwards the simulated acceptance length from TTT
 (teacher-forced top-1 agreement chains) is compared with the real tau of the rollout engine.
+
+`warm_start(..., group=G)` is data-parallel over G's ranks (each with the same pool and draft): every rank draws
+the same batch of pool rows and trains on a contiguous share of it (`dp_rows`), the co-training step summing
+counts and gradients over G (its `grad_group`), so every rank ends with the same draft.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import dataclasses
 import time
 
 import torch
+import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from ..model.config import ConfigError, DraftConfig
@@ -143,10 +148,27 @@ def initial_draft(policy: Policy, tokens: torch.Tensor, spec, gamma: int | None 
     return draft
 
 
+def dp_rows(n: int, stride: int, rank: int, world: int) -> slice:
+    """Rank `rank`'s contiguous share of a batch of `n` rows over `world` ranks, cut at multiples of `stride`: the
+    draft trains on the rows 0 mod train.draft_row_stride of the batch it is given (cotrain.micro_batches), so a
+    share that starts at such a row trains on exactly the whole batch's draft rows that fall in it."""
+    blocks = -(-n // stride)  # the batch's draft rows, one per block of `stride` rows
+    if blocks < world:
+        raise ConfigError(f"a warm-start batch of {n} rows trains the draft on {blocks} (train.draft_row_stride="
+                         f"{stride}), fewer than the {world} data-parallel ranks: set train.warm_start_batch >= "
+                         f"{world * stride}")
+    lo, hi = rank * blocks // world, (rank + 1) * blocks // world
+    return slice(lo * stride, min(n, hi * stride))
+
+
 def warm_start(policy: Policy, draft: Eagle3Draft, tokens: torch.Tensor, mask: torch.Tensor,
                steps: int, lr: float, batch_size: int, scfg: StepConfig, seed: int = 0,
-               progress: bool = True) -> list[dict]:
-    """Offline draft training on a fixed pool; returns per-step metrics."""
+               progress: bool = True, group=None) -> list[dict]:
+    """Offline draft training on a fixed pool; returns per-step metrics, the global batch's (the same on every rank
+    of `group`: cotrain_step's draft/loss, each rank's share, summed here).
+    `group`: data-parallel over its ranks (module docstring)."""
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    share = dp_rows(batch_size, scfg.draft_row_stride, rank, world)
     opt = build_optimizer(None, draft, lr, lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)) * max(0.1, 1 - s / max(1, steps)))
@@ -155,10 +177,16 @@ def warm_start(policy: Policy, draft: Eagle3Draft, tokens: torch.Tensor, mask: t
     policy.eval()
     draft.train()
     for step in tqdm(range(steps), desc="draft warm start", disable=not progress, leave=False):
-        idx = torch.randint(0, tokens.shape[0], (batch_size,), generator=g)
+        # the same draw on every rank (one generator seed), then this rank's share of it
+        idx = torch.randint(0, tokens.shape[0], (batch_size,), generator=g)[share]
         dev = next(policy.parameters()).device
         b = TrainBatch(tokens=tokens[idx].to(dev), target_mask=mask[idx].to(dev))
-        hist.append(cotrain_step(policy, draft, b, opt, sched, scfg, train_policy=False))
+        m = cotrain_step(policy, draft, b, opt, sched, scfg, train_policy=False, grad_group=group)
+        if group is not None:
+            loss = torch.tensor([m["draft/loss"]], dtype=torch.float64, device=dev)
+            dist.all_reduce(loss, group=group)
+            m["draft/loss"] = loss.item()
+        hist.append(m)
     return hist
 
 

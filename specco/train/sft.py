@@ -10,6 +10,12 @@ pretrained policy gets this stage only when `[sft] data` names a file of prompts
 Batches are examples `offset + step * batch_size, ...` of the source's stream `seed` (data.source: each
 example's `prompt_ids` and `reference` text), so a resumed run sees the same data.
 
+Data-parallel (`sft(..., group=G)`, every rank of G calling it with the same model): each rank trains on rows
+rank::world of every batch; the loss is divided by the batch's GLOBAL completion-token count (one scalar
+all-reduce) and the gradients are SUMMED over G (train/grad_sync.reduce_grads, as the RL step), so every rank
+ends with the same bits (an all-reduce gives every rank the same result) and with the single-process model up
+to summation order (tests/test_sft_dp.py).
+
 `generate_simple` is deliberately the dumbest correct decoder -- a full-recompute forward per new
 token, no KV cache -- so this module does not depend on the rollout engine (`train` and `rollout`
 never import each other).
@@ -21,12 +27,14 @@ import time
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from specco.batch import device_indices, longest_first
 from specco.data.source import reference_ids
-from specco.model.config import PolicyConfig
+from specco.model.config import ConfigError, PolicyConfig
+from specco.train.grad_sync import reduce_grads
 
 
 def tiny_policy_config(tokenizer, hidden_size: int = 96, num_layers: int = 4, num_heads: int = 4,
@@ -62,9 +70,10 @@ def sft_batch(examples, tokenizer, device="cpu"):
 
 
 def sft_loss(policy, input_ids, loss_mask, num_tokens=None):
-    """Next-token cross-entropy summed over completion tokens (fp32 logits), divided by `num_tokens`
+    """Next-token cross-entropy summed over completion tokens (logits in fp32 at least), divided by `num_tokens`
     (default: this batch's own completion-token count, i.e. the mean)."""
-    logits = policy(input_ids).logits[:, :-1].float()  # (B, S-1, V) predicts tokens 1..S-1
+    logits = policy(input_ids).logits[:, :-1]  # (B, S-1, V) predicts tokens 1..S-1
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least (fp64 in tests)
     targets = input_ids[:, 1:]
     mask = loss_mask[:, :-1]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
@@ -99,7 +108,7 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) ->
 def sft(policy, tokenizer, source, steps: int, batch_size: int = 128, lr: float = 3e-3,
         seed: int = 0, offset: int = 0, warmup: int | None = None, weight_decay: float = 0.01,
         grad_clip: float = 1.0, progress: bool = True, amp_dtype: torch.dtype | None = None,
-        micro_batch_rows: int = 0) -> dict:
+        micro_batch_rows: int = 0, group=None) -> dict:
     """Train `policy` in place for `steps` AdamW steps; returns metrics.
 
     `amp_dtype` (train.amp): the forward and loss under autocast in that dtype, fp32 weights and AdamW
@@ -110,7 +119,14 @@ def sft(policy, tokenizer, source, steps: int, batch_size: int = 128, lr: float 
 
     Data: examples `offset + k*batch_size ...` of `source`'s stream `seed`; the returned `offset` is where
     the next stage (or a resumed SFT) continues.
+
+    `group` (a process group, None: this process alone): data-parallel over its ranks (module docstring); the
+    returned losses are the global batch's, the same on every rank. Needs batch_size >= its size.
     """
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+    if batch_size < world:
+        raise ConfigError(f"SFT batch of {batch_size} rows over {world} data-parallel ranks: every rank needs a "
+                         f"row; set sft.batch >= {world}")
     device = next(policy.parameters()).device
     warmup = max(1, steps // 20) if warmup is None else warmup
     decay = [p for n, p in policy.named_parameters() if p.dim() >= 2]
@@ -119,14 +135,17 @@ def sft(policy, tokenizer, source, steps: int, batch_size: int = 128, lr: float 
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, steps, warmup))
     policy.train()
-    losses = []
+    losses, gnorms = [], []
     t0, c0 = time.perf_counter(), time.process_time()
     bar = tqdm(range(steps), desc="sft", disable=not progress, dynamic_ncols=True)
     for step in bar:
-        examples = source.examples(batch_size, seed=seed, offset=offset)
+        examples = source.examples(batch_size, seed=seed, offset=offset)[rank::world]  # this rank's rows
         offset += batch_size
         ids, mask = sft_batch(examples, tokenizer, device)
-        n_tok = mask[:, :-1].sum().clamp(min=1)
+        n_tok = mask[:, :-1].sum()
+        if group is not None:  # the global batch's count: each rank's loss is its share of the global mean
+            dist.all_reduce(n_tok, group=group)
+        n_tok = n_tok.clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss = 0.0
         for mb_ids, mb_mask in sft_micro_batches(ids, mask, micro_batch_rows):
@@ -134,10 +153,14 @@ def sft(policy, tokenizer, source, steps: int, batch_size: int = 128, lr: float 
                 part = sft_loss(policy, mb_ids, mb_mask, n_tok)
             part.backward()
             loss = loss + part.detach()
+        reduce_grads(policy.parameters(), group)  # SUM: the losses are divided by the global count already
+        if group is not None:
+            dist.all_reduce(loss, group=group)
         gnorm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
         opt.step()
         sched.step()
         losses.append(loss.item())
+        gnorms.append(gnorm.item())
         if step % 10 == 0 or step == steps - 1:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", gnorm=f"{gnorm.item():.2f}")
     policy.eval()
@@ -145,8 +168,8 @@ def sft(policy, tokenizer, source, steps: int, batch_size: int = 128, lr: float 
     cpu_s = time.process_time() - c0  # CPU seconds of all threads: robust to a busy machine
     tail = losses[-max(1, min(20, len(losses))):] if losses else [float("nan")]
     return {"steps": steps, "loss_first": losses[0] if losses else float("nan"),
-            "loss_last": sum(tail) / len(tail), "losses": losses, "time_s": elapsed, "cpu_s": cpu_s,
-            "steps_per_s": steps / elapsed if elapsed > 0 else float("nan"),
+            "loss_last": sum(tail) / len(tail), "losses": losses, "grad_norms": gnorms, "time_s": elapsed,
+            "cpu_s": cpu_s, "steps_per_s": steps / elapsed if elapsed > 0 else float("nan"),
             "offset": offset}
 
 
