@@ -85,7 +85,7 @@ def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S
 def _attempt_store(timeout: timedelta):
     """(store, rank, world) for this torchrun attempt: the job's store (MASTER_ADDR:MASTER_PORT, built as torch's
     env:// does: a client of the agent's store, or hosted by rank 0) seen through the prefix
-    "specco/attempt<TORCHELASTIC_RESTART_COUNT>/", so the keys of an attempt whose workers were killed are
+    "specco-attempt<TORCHELASTIC_RESTART_COUNT>/", so the keys of an attempt whose workers were killed are
     never read again. (None, 0, 0) outside torchrun.
 
     Every worker of an attempt must agree on the count: torch's agents count a restart after a failure (every
@@ -97,7 +97,7 @@ def _attempt_store(timeout: timedelta):
         return None, 0, 0
     from torch.distributed.rendezvous import rendezvous
     store, rank, world = next(rendezvous("env://", timeout=timeout))
-    return dist.PrefixStore(f"specco/attempt{attempt}/", store), rank, world
+    return dist.PrefixStore(f"specco-attempt{attempt}/", store), rank, world
 
 
 @dataclass(frozen=True)
