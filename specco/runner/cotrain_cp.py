@@ -119,7 +119,7 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
         check_finite(f"cotrain-cp step {step}", m, ("policy/loss", "draft/loss", "policy/grad_norm",
                                                      "draft/grad_norm"))
         m["step"] = step
-        m["tokens/local"] = layout.num_local
+        m["tokens/local"] = zig.num_local
         if device.type == "cuda":  # this rank's figures (rank 0 prints): time incl. the metrics' syncs
             torch.cuda.synchronize(device)
             m["mem/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
