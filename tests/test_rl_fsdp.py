@@ -42,6 +42,19 @@ def _flat(st):
                      + [p.detach().flatten() for p in st.draft.parameters()])
 
 
+def _resumes_exactly(run, rows, flat, whole, rank) -> None:
+    """A run stopped after its first step and resumed from the checkpoint (`run(name, stop_after=, state_out=)`)
+    equals the uninterrupted one (`rows`, weights `flat`) bit for bit; `whole(st)`: the arm's weights, whole."""
+    part1 = run("b", stop_after=1)
+    fin = {}
+    part2 = run("b", state_out=fin)
+    assert [r["step"] for r in part1 + part2] == [1, 2]
+    for a, b in zip(rows, part1 + part2):
+        for k in ("reward", "policy/loss", "draft/loss", "tau", "policy/grad_norm", "draft/grad_norm"):
+            assert a[k] == b[k], (rank, k, a[k], b[k])
+    assert torch.equal(whole(fin["state"]), flat)
+
+
 def _bytes(model) -> int:
     """The bytes of this rank's parameters (a DTensor's local shard)."""
     from torch.distributed.tensor import DTensor
@@ -102,14 +115,7 @@ def _shard2_worker(rank, world, tmp):
     eng = torch.cat([v.flatten() for v in s.engine.policy.state_dict().values()])
     assert torch.equal(eng, flat[:eng.numel()])
     # resume from the step-1 checkpoint: the same run
-    part1 = run("b", stop_after=1)
-    fin = {}
-    part2 = run("b", state_out=fin)
-    assert [r["step"] for r in part1 + part2] == [1, 2]
-    for a, b in zip(rows, part1 + part2):
-        for k in ("reward", "policy/loss", "draft/loss", "tau", "policy/grad_norm", "draft/grad_norm"):
-            assert a[k] == b[k], (rank, k, a[k], b[k])
-    assert torch.equal(_flat(fin["state"]), flat)
+    _resumes_exactly(run, rows, flat, _flat, rank)
     # the measurements (plain baseline: the updates rerun from copies of the sharded state; frozen shadow) leave
     # the sharded arm's trajectory as it is
     runs = {}

@@ -46,7 +46,7 @@ import torch
 
 from specco.parallel.mesh import Mesh, spawn_local
 from test_rl_cp import _cfg, _models
-from test_rl_fsdp import EXTRA, _flat, _replay
+from test_rl_fsdp import EXTRA, _flat, _replay, _resumes_exactly
 
 pytestmark = pytest.mark.dist
 
@@ -115,14 +115,7 @@ def _pp_fsdp_worker(rank, world, tmp, cp):
     eng = s.engine.policy.state_dict()
     for k, v in full_state(s.policy).items():
         assert torch.equal(eng[k], v), k
-    part1 = run("b", stop_after=1)
-    fin = {}
-    part2 = run("b", state_out=fin)
-    assert [r["step"] for r in part1 + part2] == [1, 2]
-    for a, b in zip(rows, part1 + part2):
-        for k in ("reward", "policy/loss", "draft/loss", "tau", "policy/grad_norm", "draft/grad_norm"):
-            assert a[k] == b[k], (rank, k, a[k], b[k])
-    assert torch.equal(_whole(fin["state"]), flat)
+    _resumes_exactly(run, rows, flat, _whole, rank)
     _replay(rank, mesh, EXTRA, "cotrained", policy, draft, tok, tmp, rows, rec, flat)
 
 
