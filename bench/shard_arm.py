@@ -46,28 +46,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent))  # _results
 from specco.model.config import PolicyConfig  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.parallel.mesh import spawn_local  # noqa: E402
-
-MB = 2 ** 20
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _measure(make):
-    """(peak - before, after - before, the result) of `make()` in this process's resident memory (as
-    bench/sharded_load.py, which is not imported: it puts its own checkout first on the path)."""
-    import gc
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = _status("VmRSS")
-    out = make()
-    return _status("VmHWM") - before, _status("VmRSS") - before, out
-
+from _hostmem import MB, measure as _measure  # noqa: E402
 
 def _local_bytes(model) -> int:
     from torch.distributed.tensor import DTensor

@@ -35,28 +35,7 @@ from specco.model.config import PolicyConfig  # noqa: E402
 from specco.model.hf_io import load_policy, save_policy  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.parallel.mesh import spawn_local  # noqa: E402
-
-MB = 2 ** 20
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status field in bytes (VmRSS, VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _measure(load):
-    """(peak - before, after - before, the loaded model) of `load()` in this process's resident memory."""
-    import gc
-    gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = _status("VmRSS")
-    model = load()
-    peak, after = _status("VmHWM"), _status("VmRSS")
-    return peak - before, after - before, model
-
+from _hostmem import MB, measure as _measure  # noqa: E402
 
 def _local_bytes(model) -> int:
     from torch.distributed.tensor import DTensor
