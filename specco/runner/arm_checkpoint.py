@@ -33,17 +33,16 @@ on one process, or start over.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..config import RunConfig
 from ..parallel.mesh import Mesh
 from ..train import sharded_checkpoint
-from ..train.checkpoint import FORMAT as WHOLE_FORMAT, CheckpointError, _step_dirs, load_latest, save_checkpoint
+from ..train.checkpoint import (FORMAT as WHOLE_FORMAT, CheckpointError, _step_dirs, load_latest, rng_state,
+                                save_checkpoint, set_rng_state)
 from .trainer import ArmState, distributed, refit_arm
 
 __all__ = ["save_arm", "resume_arm"]
@@ -67,17 +66,16 @@ def _objects(st: ArmState) -> dict:
 
 
 def _rng_json() -> dict:
-    """Rank 0's global RNG states as JSON data (train/checkpoint.rng_state's, its tensors as byte lists)."""
-    return {"torch": torch.get_rng_state().tolist(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else None}
+    """Rank 0's global RNG states (train/checkpoint.rng_state: which generators a checkpoint keeps) as JSON data,
+    the torch and CUDA states as byte lists."""
+    s = rng_state()
+    return {**s, "torch": s["torch"].tolist(), "cuda": None if s["cuda"] is None else [c.tolist() for c in s["cuda"]]}
 
 
 def _set_rng_json(s: dict) -> None:
-    torch.set_rng_state(torch.tensor(s["torch"], dtype=torch.uint8))
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    if s.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(x, dtype=torch.uint8) for x in s["cuda"]])
+    """`_rng_json`'s states restored (train/checkpoint.set_rng_state)."""
+    set_rng_state({**s, "torch": torch.tensor(s["torch"], dtype=torch.uint8),
+                   "cuda": None if s.get("cuda") is None else [torch.tensor(c, dtype=torch.uint8) for c in s["cuda"]]})
 
 
 def _samplers(st: ArmState, mesh: Mesh) -> list[list[int]]:
