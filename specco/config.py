@@ -47,6 +47,9 @@ class PolicySpec:
     # the tiny policy's max_position_embeddings (its RoPE is trained only up to the longest SFT
     # sequence; the engine warns past this): prompt + rollout.max_new_tokens should fit
     max_positions: int = 256
+    # the tiny policy's RoPE base: a larger base (Qwen's 1e6) keeps more of the rotary dimensions slow, which long
+    # contexts need to match content across tens of thousands of positions
+    rope_theta: float = 10000.0
     # The trainer's weights (and AdamW state). float32 is the master copy mixed precision needs: bf16 compute
     # comes from train.amp and the rollout engine's copy from rollout.dtype, both "auto" (bf16 for a pretrained
     # policy on a GPU). bfloat16 here trains bf16 weights directly, which rounds away updates at RL's small LRs
@@ -59,6 +62,7 @@ class PolicySpec:
                f"policy.hidden_size={self.hidden_size} must be divisible by policy.num_heads={self.num_heads}")
         _check(self.num_heads % self.num_kv_heads == 0,
                f"policy.num_heads={self.num_heads} must be a multiple of policy.num_kv_heads={self.num_kv_heads}")
+        _check(self.rope_theta > 0, f"policy.rope_theta={self.rope_theta}: must be > 0")
         _check(self.num_layers >= 2, f"policy.num_layers={self.num_layers}: need >= 2 for EAGLE-3 taps")
         _check(self.dtype in ("float32", "bfloat16", "float16"),
                f"policy.dtype={self.dtype!r}: use float32, bfloat16 or float16")

@@ -110,7 +110,7 @@ def policy_config(cfg: RunConfig, model: str | None = None) -> PolicyConfig:
         from .data.tokenizer import build_char_tokenizer
         from .train.sft import tiny_policy_config
         return tiny_policy_config(build_char_tokenizer(), ps.hidden_size, ps.num_layers, ps.num_heads,
-                                  ps.num_kv_heads, ps.intermediate_size, ps.max_positions)
+                                  ps.num_kv_heads, ps.intermediate_size, ps.max_positions, ps.rope_theta)
     from .model.hf_io import load_policy_config
     try:
         return load_policy_config(src)

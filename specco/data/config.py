@@ -14,7 +14,8 @@ from specco.model.config import ConfigError
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 TRUNCATIONS = ("error", "left", "drop")
-FORMATS = ("auto", "chat", "compact", "cot", "rewrite")
+FORMATS = ("auto", "chat", "compact", "cot", "rewrite", "lookup")
+LOOKUP_CONTEXT = (16384, 32768)  # the lookup format's default ledger lengths, tokens
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,13 @@ class DataSpec:
     chat_template: str = ""
     # reasoning_gym sources only: "chat" (the question, the system prompt, answer in <answer> tags), or the
     # from-scratch char model's arithmetic formats "compact" (`4-1-7=` -> `-4`), "cot" (worked partial sums,
-    # then `>-4`), "rewrite" (the chain rewritten line by line, the long-reasoning workload). "auto" = chat
-    # when a chat template is in use, else cot.
+    # then `>-4`), "rewrite" (the chain rewritten line by line, the long-reasoning workload), "lookup" (the
+    # chain's terms are named facts hidden in a long ledger of distractors; the completion looks each one up, then
+    # rewrites: the long-context workload). "auto" = chat when a chat template is in use, else cot.
     format: str = "auto"
+    # "lookup" only: the prompt's length range in tokens [lo, hi], drawn log-uniformly per prompt
+    # ([] = [16384, 32768]; [n, n] = every prompt ~n tokens).
+    context_tokens: tuple[int, ...] = ()
     # "cot" / "rewrite": the fraction of SFT references that show their worked steps; the rest answer
     # directly ('>-4'), so RL has a mode to discover (procedural.shows_steps).
     cot_fraction: float = 0.25
@@ -81,6 +86,13 @@ class DataSpec:
                f"data.options={self.options}: options are reasoning_gym dataset arguments; data.source="
                f"{self.source!r} is a file -- remove data.options")
         _check(self.format in FORMATS, f"data.format={self.format!r}: choose from {', '.join(FORMATS)}")
+        object.__setattr__(self, "context_tokens", tuple(self.context_tokens))
+        ct = self.context_tokens
+        _check(not ct or self.format == "lookup",
+               f"data.context_tokens={list(ct)}: only the 'lookup' format has a context length; remove it or set "
+               f"data.format = \"lookup\"")
+        _check(not ct or (len(ct) == 2 and all(isinstance(x, int) for x in ct) and 16 <= ct[0] <= ct[1]),
+               f"data.context_tokens={list(ct)}: give [lo, hi] token counts with 16 <= lo <= hi (e.g. [16384, 32768])")
         _check(0.0 <= self.cot_fraction <= 1.0,
                f"data.cot_fraction={self.cot_fraction}: must be in [0, 1] (1 = every SFT reference shows its steps)")
         _check(isinstance(self.max_prompt_tokens, int) and self.max_prompt_tokens >= 0,
@@ -103,6 +115,11 @@ class DataSpec:
         _check(isinstance(self.seed, int) and self.seed >= 0, f"data.seed={self.seed!r}: must be an integer >= 0")
         for key in ("prompt_key",):
             _check(bool(getattr(self, key)), f"data.{key} is empty: name the prompt column")
+
+    @property
+    def lookup_context(self) -> tuple[int, int]:
+        """The lookup format's prompt length range (context_tokens, or its default)."""
+        return tuple(self.context_tokens) if self.context_tokens else LOOKUP_CONTEXT
 
     @property
     def procedural(self) -> str | None:

@@ -17,13 +17,14 @@ unchanged, item for item. Streams of different seeds are disjoint for their firs
 only on (name, options, seed, i) -- BLOCK is part of that definition for the size-dependent datasets, so
 changing it changes their streams.
 
-The formats of the from-scratch char model's arithmetic ("compact", "cot", "rewrite") and of a chat model
+The formats of the from-scratch char model's arithmetic ("compact", "cot", "rewrite", "lookup") and of a chat model
 ("chat") live here too; their answers are read by `specco.rewards.extract.extract_answer`.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import random
 import re
 from collections import OrderedDict
@@ -97,15 +98,71 @@ def shows_steps(index: int, seed: int, cot_fraction: float) -> bool:
     return random.Random(f"{seed}:{index}").random() < cot_fraction
 
 
-def tiny_completion(entry: dict, format: str, max_terms: int | None, steps: bool) -> tuple[str, str]:
+# -- the long-context lookup format (issue 35) ----------------------------------------------------------------
+# A chain's terms become named facts hidden in a long ledger; the question names them. Fact names are single
+# uppercase letters (one char token each, so finding a fact is one induction-head match: "K=" in the question's
+# restatement attends to "K=" in the ledger and copies the digit after it); the ledger's distractors are
+# two-lowercase-letter names, never equal to a fact's name, so exactly one place in the prompt answers each lookup.
+LOOKUP_KEYS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_FILLER_NAMES = [a + b for a in "abcdefghijklmnopqrstuvwxyz" for b in "abcdefghijklmnopqrstuvwxyz"]
+_FILLER = [f"{n}={d};" for n in _FILLER_NAMES for d in "0123456789"]  # 6,760 distractor entries of 5 chars
+
+
+def lookup_context_length(lo: int, hi: int, rng: random.Random) -> int:
+    """A ledger length in [lo, hi], log-uniform: an SFT curriculum over 1K-32K sees every scale of distance
+    while most rows stay short (the attention's cost grows with the square of the length)."""
+    return lo if lo >= hi else int(round(math.exp(rng.uniform(math.log(lo), math.log(hi)))))
+
+
+def lookup_task(expression: str, context: tuple[int, int], key: str, max_terms: int | None
+                ) -> tuple[str, str, str]:
+    """(prompt, worked completion, direct completion) of a +/- chain of one-digit terms as a lookup task:
+
+        prompt      'qa=3;K=4;zz=0;...;B=1;...;Q=7;...;Z=3;...\n?K-B-Q+Z='      ~context chars, facts anywhere
+        worked      'K=4,B=1,Q=7,Z=3\n' + rewrite_steps('4 - 1 - 7 + 3', max_terms)     (ends '>-1')
+        direct      'K=4,B=1,Q=7,Z=3\n>-1'
+
+    The answer is the chain's own (reasoning_gym's chain_sum scores it unchanged). The completion first resolves
+    every name (the long-range part: each value sits somewhere in 16K-32K tokens of prompt), then works the sum
+    locally as the 'rewrite' format does, so completions keep that format's ~0.4-2K tokens. `key`
+    seeds the item's names, fact positions and distractors (deterministic in it)."""
+    toks = expression.split()
+    if len(toks) % 2 == 0 or any(op not in "+-" for op in toks[1::2]) or \
+            any(len(t) != 1 or not t.isdigit() for t in toks[0::2]):
+        raise ValueError(f"lookup mode needs a +/- chain of one-digit terms like '4 - 1 - 7', got {expression!r} "
+                         "(chain_sum with min_digits = max_digits = 1, allow_negation = false)")
+    terms = toks[0::2]
+    if len(terms) > len(LOOKUP_KEYS):
+        raise ValueError(f"lookup mode names each term with one of {len(LOOKUP_KEYS)} letters; the chain has "
+                         f"{len(terms)} terms (set max_terms <= {len(LOOKUP_KEYS)})")
+    rng = random.Random(f"lookup:{key}")
+    names = rng.sample(LOOKUP_KEYS, len(terms))
+    question = "\n?" + names[0] + "".join(op + nm for op, nm in zip(toks[1::2], names[1:])) + "="
+    facts = [f"{nm}={t};" for nm, t in zip(names, terms)]
+    length = lookup_context_length(context[0], context[1], rng)
+    fill = max(0, length - len(question) - sum(map(len, facts))) // 5
+    ledger = rng.choices(_FILLER, k=fill)
+    for fact in facts:  # uniform positions through the ledger, in no particular order
+        ledger.insert(rng.randrange(len(ledger) + 1), fact)
+    resolved = ",".join(f"{nm}={t}" for nm, t in zip(names, terms)) + "\n"
+    worked = resolved + rewrite_steps(expression, max_terms)
+    return "".join(ledger)[:-1] + question, worked, resolved + ">" + worked.rsplit(">", 1)[1]
+
+
+def tiny_completion(entry: dict, format: str, max_terms: int | None, steps: bool,
+                    context: tuple[int, int] | None = None, key: str = "") -> tuple[str, str]:
     """(prompt, reference completion) of a reasoning_gym arithmetic item in a char-model format: the
     compact prompt `4-1-7=` and the answer ('compact'), the worked steps ('cot'), the rewritten chain
-    ('rewrite'); with steps=False the direct answer '>-4' instead of the steps. Needs the item's
-    metadata['expression'] (chain_sum, basic_arithmetic...)."""
+    ('rewrite'), the chain's terms looked up in a long ledger first ('lookup', `context` = its length range in
+    tokens, `key` seeding the ledger); with steps=False the direct answer '>-4' instead of the steps. Needs the
+    item's metadata['expression'] (chain_sum, basic_arithmetic...)."""
     expr = entry.get("metadata", {}).get("expression")
     if expr is None:
-        raise ValueError("has no metadata['expression']: the compact/cot/rewrite formats exist only for "
+        raise ValueError("has no metadata['expression']: the compact/cot/rewrite/lookup formats exist only for "
                          "arithmetic chains (chain_sum, basic_arithmetic); use the 'chat' format")
+    if format == "lookup":
+        prompt, worked, direct = lookup_task(expr, context, key, max_terms)
+        return prompt, worked if steps else direct
     prompt = expr.replace(" ", "") + "="
     if format == "compact":
         return prompt, entry["answer"]

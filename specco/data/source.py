@@ -205,7 +205,8 @@ class ProceduralSource:
         else:
             try:
                 prompt, ref = tiny_completion(entry, self.fmt, self.spec.options.get("max_terms"),
-                                              shows_steps(idx, stream, self.spec.cot_fraction))
+                                              shows_steps(idx, stream, self.spec.cot_fraction),
+                                              self.spec.lookup_context, key=f"{stream}:{idx}")
             except ValueError as e:
                 raise ConfigError(f"data.format={self.fmt!r}: {where} {e}") from None
             ids = self.formatter.tokenizer.encode(prompt, add_special_tokens=True)

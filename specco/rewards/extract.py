@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-FORMATS = ("chat", "compact", "cot", "rewrite")
+FORMATS = ("chat", "compact", "cot", "rewrite", "lookup")
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\b")
 
@@ -67,7 +67,7 @@ def extract_answer(text: str, format: str) -> str | None:
     when the completion has no answer in that format (reasoning_gym's scorers give None 0 points)."""
     if format == "chat":
         return answer_tag(text)
-    if format in ("cot", "rewrite"):  # worked steps, then '>answer'; no '>' means no answer
+    if format in ("cot", "rewrite", "lookup"):  # worked steps, then '>answer'; no '>' means no answer
         return text.rsplit(">", 1)[1].strip() if ">" in text else None
     if format == "compact":
         return text.strip()

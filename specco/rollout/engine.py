@@ -219,6 +219,22 @@ class RolloutEngine:
             self.released = None
         return counts
 
+    # -- one-shot engines -----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Drop the kept runners (KV caches, captured graphs, their pools) now. An engine used for one call (the
+        warm-start pool, the tau check, an evaluation) must give them back before the next one is built: at 32K
+        tokens a runner's buffers are tens of GB, and sitting in reference cycles they outlive the engine (on the
+        H200 the long-context run's tau check found 61 GB of earlier engines' graph pools and ran out of memory)."""
+        if self._runners:
+            self._runners.clear()
+            _release_dropped(self.device)
+
+    def __enter__(self) -> "RolloutEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- rollout.offload ----------------------------------------------------------------------------------------
     def release(self, weights: bool, refilled: Sequence[str] = ("policy", "draft")) -> int:
         """Give the device memory back between a rollout and the next refit (rollout.offload): the kept runners

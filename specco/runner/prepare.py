@@ -99,7 +99,8 @@ def prepare_policy(cfg: RunConfig, data, out: Path, device, progress=True, mesh=
         seed_stage(cfg.train.seed, "sft")
         if src is None:
             pc = tiny_policy_config(tok, cfg.policy.hidden_size, cfg.policy.num_layers, cfg.policy.num_heads,
-                                    cfg.policy.num_kv_heads, cfg.policy.intermediate_size, cfg.policy.max_positions)
+                                    cfg.policy.num_kv_heads, cfg.policy.intermediate_size, cfg.policy.max_positions,
+                                    cfg.policy.rope_theta)
             policy = Policy(pc).to(device)
             say(f"[1/4] a from-scratch {pc.num_params / 1e6:.2f}M-parameter policy", progress)
         else:
@@ -147,7 +148,8 @@ def evaluate(cfg: RunConfig, policy, draft, tok, source, rewards, seed: int = 0)
     run_gcfg = generate_config(cfg, tok.stop_ids, tok.pad_id)
     for name, temp in (("greedy", 0.0), ("sampled", cfg.rollout.temperature)):
         gcfg = at_temperature(run_gcfg, temp)
-        out = RolloutEngine(policy, draft, gcfg).generate(prompts, generator=torch.Generator(device=dev).manual_seed(seed))
+        with RolloutEngine(policy, draft, gcfg) as engine:
+            out = engine.generate(prompts, generator=torch.Generator(device=dev).manual_seed(seed))
         comps = [out.tokens[i, :int(out.lengths[i])].tolist() for i in range(len(examples))]
         texts = [tok.decode(c) for c in comps]
         scored = rewards([e.prompt for e in examples], texts, comps, [e.columns for e in examples])

@@ -97,6 +97,7 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Block
     bar.close()
     if log is not None:
         log.close()
+    st.engine.close()  # the arm's KV caches and graphs, now: the next arm allocates its own (engine.close says why)
     if state_out is not None:
         state_out["state"], state_out["hooks"] = st, hooks
     return rows

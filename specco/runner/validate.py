@@ -82,8 +82,12 @@ def load_sft(cfg: RunConfig, tok) -> PromptSource:
     """The SFT examples: [sft] data read like [data] (its keys, templating and, for a reasoning_gym source, its
     format and options), every row with a reference completion."""
     procedural = cfg.sft.data.startswith("reasoning_gym:")
+    if cfg.sft.context_tokens and not (procedural and cfg.data.format == "lookup"):
+        raise ConfigError(f"sft.context_tokens={list(cfg.sft.context_tokens)}: only a reasoning_gym sft.data in the "
+                          f"'lookup' format (data.format) has a context length; remove it")
     spec = dataclasses.replace(cfg.data, source=cfg.sft.data, eval="", eval_fraction=0.0,
-                               options=cfg.data.options if procedural else {})
+                               options=cfg.data.options if procedural else {},
+                               context_tokens=cfg.sft.context_tokens or cfg.data.context_tokens)
     return load_data(spec, tok, need_reference=True)[0]
 
 

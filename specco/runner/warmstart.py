@@ -32,12 +32,12 @@ def sample_pool(policy: Policy, source, tokenizer, n_prompts: int, group: int, g
                 seed: int, batch_prompts: int = 32):
     """Policy samples on training prompts (`source`: data.source.PromptSource, stream `seed`): right-padded tokens
     (N, S) and completion mask (N, S)."""
-    engine = RolloutEngine(policy, None, gen_cfg)
     g = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
     seqs = []
-    for off in range(0, n_prompts, batch_prompts):
-        prompts = [e.prompt_ids for e in source.examples(min(batch_prompts, n_prompts - off), seed=seed, offset=off)]
-        seqs += rollout_pairs(prompts, engine.generate(prompts, group_size=group, generator=g))
+    with RolloutEngine(policy, None, gen_cfg) as engine:
+        for off in range(0, n_prompts, batch_prompts):
+            prompts = [e.prompt_ids for e in source.examples(min(batch_prompts, n_prompts - off), seed=seed, offset=off)]
+            seqs += rollout_pairs(prompts, engine.generate(prompts, group_size=group, generator=g))
     return pad_pairs(seqs, tokenizer.pad_id)
 
 
@@ -202,10 +202,11 @@ def measure_tau(policy: Policy, draft: Eagle3Draft, source, n_prompts: int, gen_
     prompts = [e.prompt_ids for e in source.examples(n_prompts, seed=seed, offset=0)]
     res = {}
     for name, d in (("plain", None), ("draft", draft)):
-        eng = RolloutEngine(policy, d, gen_cfg)
-        t = time.perf_counter()
-        out = eng.generate(prompts, group_size=1, generator=torch.Generator(device=next(policy.parameters()).device).manual_seed(seed))
-        dt = time.perf_counter() - t
+        with RolloutEngine(policy, d, gen_cfg) as eng:
+            t = time.perf_counter()
+            out = eng.generate(prompts, group_size=1,
+                               generator=torch.Generator(device=next(policy.parameters()).device).manual_seed(seed))
+            dt = time.perf_counter() - t
         res[name] = {"tau": out.tau, "tokens_per_s": float(out.lengths.sum()) / dt,
                      "accept_rate": [round(x, 4) for x in out.accept_rate.tolist()]}
     return res

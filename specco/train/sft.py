@@ -39,12 +39,12 @@ from specco.train.grad_sync import reduce_grads
 
 def tiny_policy_config(tokenizer, hidden_size: int = 96, num_layers: int = 4, num_heads: int = 4,
                        num_kv_heads: int = 2, intermediate_size: int = 256,
-                       max_position_embeddings: int = 256) -> PolicyConfig:
+                       max_position_embeddings: int = 256, rope_theta: float = 10000.0) -> PolicyConfig:
     """A Llama-style from-scratch policy sized for a CPU demo, matched to `tokenizer`."""
     return PolicyConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size,
                         intermediate_size=intermediate_size, num_layers=num_layers,
                         num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        max_position_embeddings=max_position_embeddings, model_type="llama",
+                        max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, model_type="llama",
                         bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
 
 

@@ -19,11 +19,16 @@ class SFTSpec:
     lr: float = 1e-5
     # Sequences per SFT step
     batch: int = 16
+    # A reasoning_gym `data` in the "lookup" format: the SFT prompts' length range in tokens ([] = [data]'s
+    # context_tokens). A wide range (e.g. [1024, 32768], drawn log-uniformly) teaches retrieval at every distance
+    # while most rows stay short
+    context_tokens: tuple[int, ...] = ()
     # Rows per forward/backward (0 = the whole batch): micro-batches take the rows longest first, each cut to its
     # own length, and accumulate the whole batch's mean loss (train.sft.sft_micro_batches)
     micro_batch_rows: int = 0
 
     def __post_init__(self):
+        object.__setattr__(self, "context_tokens", tuple(self.context_tokens))
         for name in ("steps", "batch", "micro_batch_rows"):
             v = getattr(self, name)
             if v < 0 or (name == "batch" and v < 1):
