@@ -30,6 +30,7 @@ from .forward import RopeTable, block_propose_hidden, block_trunk_write
 from .sampling import keyed_draw, processed_probs, sample_from_probs
 from .speculative import SpeculativeSteps
 from .state import fill_groups, group_leaders
+from .tp import gather_vocab, tp_group_of
 
 
 class BlockSpeculativeSteps(SpeculativeSteps):
@@ -67,7 +68,9 @@ class BlockSpeculativeSteps(SpeculativeSteps):
                                       st.n, st.d_cache, self.draft_rope)  # (B, W, h)
         slots = draft.predicting(hidden[:, None])[:, 0, : self.k]  # (B, k, h): slot j predicts x_{n+1+j}
         if draft.kind == "dflash":  # independent slots: one head GEMM and one sampling for all of them
-            st.draft_tok[:, : self.k].copy_(self._slot_tokens(draft.logits(slots, head), 0))  # logits (B, k, V)
+            # under engine tp the head is this rank's V/tp rows: the slots' logits gathered along the vocabulary
+            logits = gather_vocab(draft.logits(slots, head), tp_group_of(policy))  # (B, k, V)
+            st.draft_tok[:, : self.k].copy_(self._slot_tokens(logits, 0))
             return
         prev = st.last_tok
         for j in range(self.k):  # DSpark: the Markov bias of slot j needs the proposal before it

@@ -82,6 +82,9 @@ class RolloutEngine:
                              f"(it holds {sorted(held)})")
         if policy.embed_tokens is None or policy.lm_head is None:
             raise ValueError("speculative rollouts need a whole policy (embedding and head)")
+        if getattr(policy, "tp_group", None) is not None and getattr(draft.cfg, "kind", "eagle3") == "dspark":
+            raise ValueError("a DSpark draft on a tensor-parallel engine is not supported (its Markov bias reads "
+                             "whole-vocabulary rows); use DFlash or EAGLE-3, or rollout tp 1")
 
     @property
     def device(self) -> torch.device:

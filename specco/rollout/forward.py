@@ -33,6 +33,7 @@ from ..model.layers import KVCache, causal_sdpa, rope_cos_sin
 from ..model.policy import Policy, Taps
 from ..ops.decode_attention import decode_attention
 from ..ops.decode_kernels import add_rms_norm, rope_qkv_write, silu_mul
+from .tp import head_logits, reduce_partial, tp_group_of
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class RopeTable:
 
 
 def _attend(attn, x_normed, positions, cache_k, cache_v, rope: RopeTable, prefill: bool, eps: float,
-            visible: torch.Tensor | None = None):
+            visible: torch.Tensor | None = None, tp=None):
     """One attention block on normed inputs (B, T, in) -> o_proj output (B, T, out).
 
     positions (B, T): RoPE positions and where the new K/V are written; visible (B, T): the last key
@@ -73,11 +74,11 @@ def _attend(attn, x_normed, positions, cache_k, cache_v, rope: RopeTable, prefil
         o = o.transpose(1, 2)  # (B, T, H, D)
     else:
         o = decode_attention(q, cache_k, cache_v, positions if visible is None else visible)  # (B, T, H, D)
-    return attn.o_proj(o.reshape(B, T, H * D))
+    return reduce_partial(attn.o_proj(o.reshape(B, T, H * D)), tp)  # tp: each rank's heads' share, summed
 
 
-def _mlp(mlp, x_normed):
-    return mlp.down_proj(silu_mul(mlp.gate_up_proj(x_normed)))
+def _mlp(mlp, x_normed, tp=None):
+    return reduce_partial(mlp.down_proj(silu_mul(mlp.gate_up_proj(x_normed))), tp)
 
 
 def _rows(x):  # (B, T, n) -> (B*T, n) for the row-wise kernels
@@ -94,7 +95,7 @@ def policy_forward(policy: Policy, input_ids: torch.Tensor, positions: torch.Ten
     the training forward's PolicyOutput (taps: embedding and the aux layers' outputs, ascending ids).
     """
     B, T = input_ids.shape
-    eps = policy.cfg.rms_norm_eps
+    eps, tp = policy.cfg.rms_norm_eps, tp_group_of(policy)  # tp: a shard of rollout/tp.py (None: whole)
     x = policy.embed_tokens(input_ids)  # (B, T, h)
     embed = x
     resid, aux = None, []
@@ -102,9 +103,9 @@ def policy_forward(policy: Policy, input_ids: torch.Tensor, positions: torch.Ten
         i = int(key)
         h, xn = add_rms_norm(_rows(x), resid, layer.input_layernorm.weight, eps)  # (B*T, h) each
         a = _attend(layer.self_attn, xn.view(B, T, -1), positions, cache.k[i], cache.v[i], rope,
-                    prefill, eps)
+                    prefill, eps, tp=tp)
         h, xn = add_rms_norm(_rows(a), h, layer.post_attention_layernorm.weight, eps)
-        x, resid = _mlp(layer.mlp, xn), h  # layer output = x + resid, added by the next norm
+        x, resid = _mlp(layer.mlp, xn, tp), h  # layer output = x + resid, added by the next norm
         if tap_layers is not None and i in tap_layers:
             aux.append((x + resid).view(B, T, -1))
     _, hidden = add_rms_norm(x, resid, policy.norm.weight, eps)
@@ -112,7 +113,7 @@ def policy_forward(policy: Policy, input_ids: torch.Tensor, positions: torch.Ten
     taps = None
     if tap_layers is not None:
         taps = Taps(embed, torch.cat(aux, dim=-1), tuple(tap_layers))  # aux (B, T, k*h)
-    logits = policy.lm_head(hidden) if compute_logits else None
+    logits = head_logits(policy, hidden) if compute_logits else None
     return logits, hidden, taps
 
 

@@ -47,6 +47,7 @@ from .config import GenerateConfig  # noqa: F401 (its home; re-exported)
 from .control import LevelK, SpecController
 from .drafters import engine_kind
 from .forward import RopeTable, policy_forward
+from .tp import head_logits
 from .graphs import StepGraphs
 from .levels import Level, PlainSteps, new_state
 from .phases import Phase, PhaseClock  # noqa: F401 (Phase re-exported: GenerateOutput.phases holds them)
@@ -270,7 +271,7 @@ class DecodeRunner:
         _, hidden, taps = policy_forward(policy, io.ids, pos, group_leaders(st.t_cache, G), rope,
                                          tap_layers=tap_layers, prefill=True, compute_logits=False)
         fill_groups(st.t_cache, G, S)
-        logits = policy.lm_head(gather_rows(hidden, io.lens - 1))  # (B0, V): last positions
+        logits = head_logits(policy, gather_rows(hidden, io.lens - 1))  # (B0, V): last positions
         logits = logits.repeat_interleave(G, dim=0)  # (N, V)
         n0 = io.lens.repeat_interleave(G)  # (N,) the first token's position
         noise = io.u0

@@ -18,6 +18,8 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
+from .tp import shard_of
+
 
 class RefitError(RuntimeError):
     """New weights could not be loaded into the rollout engine exactly."""
@@ -37,6 +39,9 @@ class InPlaceLoad:
     def __init__(self, model: nn.Module, what: str):
         self.what = what
         self.own = model.state_dict()  # views of the parameters (the fused projections' parts too): no copy
+        # a tensor-parallel engine shard (rollout/tp.py) takes whole tensors and keeps its rank's slice of the cut ones
+        self.slices = getattr(model, "tp_slices", {})
+        self.tp = (getattr(model, "tp_rank", 0), getattr(model, "tp_size", 1))
         self.seen: set[str] = set()
         self.unexpected: list[str] = []
         self.repeated: list[str] = []
@@ -52,10 +57,12 @@ class InPlaceLoad:
                 self.unexpected.append(name)
             elif name in self.seen:
                 self.repeated.append(name)
-            elif tuple(tensor.shape) != tuple(dst.shape):
+            elif (dim := self.slices.get(name)) is not None and tensor.shape[dim] != dst.shape[dim] * self.tp[1]:
+                self.bad_shape.append((name, tuple(tensor.shape), f"{tuple(dst.shape)} x {self.tp[1]} along {dim}"))
+            elif tuple(tensor.shape if dim is None else shard_of(tensor, dim, *self.tp).shape) != tuple(dst.shape):
                 self.bad_shape.append((name, tuple(tensor.shape), tuple(dst.shape)))
-            else:
-                dst.copy_(tensor)  # in place, cast to the engine's dtype (round to nearest even)
+            else:  # in place, cast to the engine's dtype (round to nearest even)
+                dst.copy_(tensor if dim is None else shard_of(tensor, dim, *self.tp))
                 self.seen.add(name)
         bucket.clear()
 

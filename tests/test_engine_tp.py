@@ -1,0 +1,93 @@
+"""Tensor parallelism of the rollout engine (rollout/tp.py), on gloo: 2 ranks, each decoding with its shard.
+
+Every case decodes the same prompts with the whole policy (tp 1) and with the rank's shard (tp 2) from the same
+generator, fp64 models, and requires the same tokens and lengths: plain decoding, EAGLE-3 and DFlash, greedy,
+coupled sampling and rejection sampling at T = 1. The shards' sums differ from the whole policy's only in
+summation order (the all-reduce adds two partial o_proj / down_proj outputs), ~1e-16 relative in fp64, far below
+any gap between a row's two best logits or between a uniform and an acceptance ratio here. Equal tokens under
+rejection sampling from the same uniforms mean the tp 2 engine draws from the tp 1 engine's distribution, whose
+losslessness tests/test_speculative.py checks (χ²). A mutation (the all-reduce after the row-parallel projections
+dropped) must change the tokens; the refit of whole tensors into a shard keeps exactly the rank's slices.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from specco.parallel.mesh import spawn_local
+
+pytestmark = pytest.mark.dist
+
+
+def _cases():
+    from specco.rollout.sampling import SamplingParams
+    return {"greedy": SamplingParams(temperature=0.0), "coupled": SamplingParams(temperature=1.0, coupled=True),
+            "rejection": SamplingParams(temperature=1.0)}
+
+
+def _worker(rank, world):
+    from test_block_rollout import _block_draft
+    from test_rollout_helpers import random_draft, tiny_policy
+    import specco.rollout.forward as fwd
+    from specco.rollout.config import GenerateConfig
+    from specco.rollout.engine import RolloutEngine
+    from specco.rollout.tp import tp_shard
+    from specco.rollout.weights import InPlaceLoad
+    policy = tiny_policy(V=32, h=32, layers=4, kv=2).double()
+    shard = tp_shard(policy, dist.group.WORLD)
+    assert shard.cfg.num_heads == 2 and shard.cfg.num_kv_heads == 1 and shard.lm_head.weight.shape == (16, 32)
+    prompts = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 11, 12, 2]]
+
+    def tokens(model, draft, params, k=3):
+        cfg = GenerateConfig(max_new_tokens=12, sampling=params, num_draft_tokens=k)
+        with RolloutEngine(model, draft, cfg) as eng:
+            out = eng.generate(prompts, group_size=2, generator=torch.Generator().manual_seed(7))
+        return out.tokens, out.lengths
+
+    drafts = {"plain": None, "eagle3": random_draft(policy).double(), "dflash": _block_draft(policy, "dflash")}
+    for dname, draft in drafts.items():
+        for cname, params in _cases().items():
+            a, b = tokens(policy, draft, params), tokens(shard, draft, params)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (dname, cname, a, b)
+    # mutation: without the all-reduce each rank decodes with half of every attention and MLP output
+    reduce = fwd.reduce_partial
+    fwd.reduce_partial = lambda x, group: x
+    try:
+        assert not torch.equal(tokens(policy, None, _cases()["greedy"])[0], tokens(shard, None, _cases()["greedy"])[0])
+    finally:
+        fwd.reduce_partial = reduce
+    # refit: the trainer's whole tensors, each rank keeps its slice, in place
+    torch.manual_seed(5)
+    new = tiny_policy(V=32, h=32, layers=4, kv=2, seed=5).double()
+    ptrs = [p.data_ptr() for p in shard.parameters()]
+    load = InPlaceLoad(shard, "policy")
+    load.write(list(new.state_dict().items()))
+    load.finish()
+    assert ptrs == [p.data_ptr() for p in shard.parameters()]
+    want = tp_shard(new, dist.group.WORLD).state_dict()
+    for k, v in shard.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert torch.equal(tokens(new, None, _cases()["greedy"])[0], tokens(shard, None, _cases()["greedy"])[0])
+    bad = InPlaceLoad(shard, "policy")  # a tensor of the wrong whole size is named, not sliced
+    bad.write([("layers.0.self_attn.q_proj.weight", torch.zeros(16, 32, dtype=torch.float64))])
+    assert bad.bad_shape and bad.bad_shape[0][0] == "layers.0.self_attn.q_proj.weight"
+
+
+def test_engine_tp2_decodes_the_tp1_tokens_and_refits_its_slices():
+    spawn_local(_worker, 2)
+
+
+def _refusal_worker(rank, world):
+    from test_block_rollout import _block_draft
+    from test_rollout_helpers import tiny_policy
+    from specco.rollout.config import GenerateConfig
+    from specco.rollout.engine import RolloutEngine
+    from specco.rollout.tp import tp_shard
+    with pytest.raises(ValueError, match="num_kv_heads = 1 is not divisible by 2"):
+        tp_shard(tiny_policy(kv=1), dist.group.WORLD)
+    policy = tiny_policy(V=32, kv=2)
+    with pytest.raises(ValueError, match="DSpark"):
+        RolloutEngine(tp_shard(policy, dist.group.WORLD), _block_draft(policy, "dspark"), GenerateConfig())
+
+
+def test_engine_tp_refuses_what_it_cannot_split():
+    spawn_local(_refusal_worker, 2)
