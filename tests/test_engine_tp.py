@@ -1,5 +1,8 @@
 """Tensor parallelism of the rollout engine (rollout/tp.py), on gloo: 2 ranks, each decoding with its shard.
 
+Greedy and coupled sampling choose tokens vocabulary-parallel (a reduction per row, never whole logits), checked
+against the whole rule on random blocks with planted ties; rejection sampling gathers the logits.
+
 Every case decodes the same prompts with the whole policy (tp 1) and with the rank's shard (tp 2) from the same
 generator, fp64 models, and requires the same tokens and lengths: plain decoding, EAGLE-3 and DFlash, greedy,
 coupled sampling and rejection sampling at T = 1. The shards' sums differ from the whole policy's only in
@@ -70,6 +73,52 @@ def _worker(rank, world):
     bad = InPlaceLoad(shard, "policy")  # a tensor of the wrong whole size is named, not sliced
     bad.write([("layers.0.self_attn.q_proj.weight", torch.zeros(16, 32, dtype=torch.float64))])
     assert bad.bad_shape and bad.bad_shape[0][0] == "layers.0.self_attn.q_proj.weight"
+
+
+def _pick_worker(rank, world):
+    """pick_vocab_parallel on random blocks equals the whole rule (greedy: argmax and raw log_softmax; coupled:
+    argmax(log_softmax(z/T) + G) and its log-prob), ties to the lowest id across the ranks' blocks; the rejection
+    verify from blocks equals the whole-logits rule (fp32 sums per block: ties to a cdf boundary within ~1e-7 could
+    differ, none among these 128 rows)."""
+    from specco.rollout.sampling import SamplingParams, keyed_gumbel
+    from specco.rollout.tp import pick_vocab_parallel
+    torch.manual_seed(0)
+    z = torch.randn(3, 4, 32, dtype=torch.float64)
+    z[0, 0, 5] = z[0, 0, 21] = 9.0  # a tie across the two ranks' blocks (ids 5 and 21): id 5 wins
+    z[1, 0, 18] = z[1, 0, 30] = 9.0  # within rank 1's block: id 18
+    local = z[..., rank * 16:(rank + 1) * 16]
+    key, pos = torch.tensor([3, 8, 11]), torch.arange(12).view(3, 4) + 40
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, coupled=True)):
+        tok, logp = pick_vocab_parallel(local, params, dist.group.WORLD, key, pos)
+        if params.greedy:
+            lp = z.float().log_softmax(-1)
+            want = z.argmax(-1)
+        else:
+            lp = (z.float() / 0.7).log_softmax(-1)
+            want = (lp + keyed_gumbel(key, pos, 32)).argmax(-1)
+        assert torch.equal(tok, want), (params, tok, want)
+        torch.testing.assert_close(logp, lp.gather(-1, want[..., None])[..., 0], rtol=0, atol=2e-6)  # fp32 sums
+    assert tok.shape == (3, 4) and int(z[0, 0].argmax()) == 5
+    # rejection sampling's verify from the blocks == acceptance.verify_sampling_logits on the whole logits: random
+    # drafts (rejections, residual draws), a draft equal to the target (all accepted: the bonus draw from p_k)
+    from specco.rollout.acceptance import verify_sampling_logits
+    from specco.rollout.tp import verify_sampling_vocab_parallel
+    B, k, T = 64, 3, 0.8
+    g = torch.Generator().manual_seed(1)
+    zl = torch.randn(B, k + 1, 32, generator=g, dtype=torch.float64)
+    for q in (torch.softmax(torch.randn(B, k, 32, generator=g), -1), (zl[:, :k].float() / T).softmax(-1)):
+        d = torch.multinomial(q.reshape(-1, 32), 1, generator=g).view(B, k)
+        ua, ur = torch.rand(B, k, generator=g), torch.rand(B, generator=g)
+        want, wlogp = verify_sampling_logits(zl, T, q, d, ua, ur, impl="torch")
+        got, glogp = verify_sampling_vocab_parallel(zl[..., rank * 16:(rank + 1) * 16], T, q, d, ua, ur,
+                                                    dist.group.WORLD)
+        assert torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.tokens, want.tokens)
+        torch.testing.assert_close(glogp.float(), wlogp, rtol=0, atol=2e-6)
+    assert int(want.num_accepted.eq(k).sum()) > B // 2  # the second draft is the target: mostly all accepted
+
+
+def test_vocab_parallel_pick_equals_the_whole_rule():
+    spawn_local(_pick_worker, 2)
 
 
 def test_engine_tp2_decodes_the_tp1_tokens_and_refits_its_slices():

@@ -55,10 +55,14 @@ def _leading_true(mask: torch.Tensor) -> torch.Tensor:
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
     """target_logits: (B, k+1, V) for the positions of [x_n, x̂_1..x̂_k]; draft_tokens: (B, k)."""
-    target_argmax = target_logits.argmax(-1)  # (B, k+1)
-    a = _leading_true(draft_tokens == target_argmax[:, :-1])  # (B,)
-    # Accepted draft tokens equal the argmax, so the whole emitted block is the argmax row.
-    return Verdict(a, target_argmax)
+    return verify_tokens(target_logits.argmax(-1), draft_tokens)
+
+
+def verify_tokens(target_tokens: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
+    """The target's own choices (B, k+1) at [x_n, x̂_1..x̂_k] (argmax, or the keyed draw) against the draft's (B, k):
+    draft tokens are accepted while they equal the target's, so the emitted block is the target's row."""
+    a = _leading_true(draft_tokens == target_tokens[:, :-1])  # (B,)
+    return Verdict(a, target_tokens)
 
 
 def _accept(p_x: torch.Tensor, q_x: torch.Tensor, u_accept: torch.Tensor) -> torch.Tensor:

@@ -88,7 +88,7 @@ def _rows(x):  # (B, T, n) -> (B*T, n) for the row-wise kernels
 @torch.no_grad()
 def policy_forward(policy: Policy, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                    rope: RopeTable, tap_layers: tuple[int, ...] | None = None, prefill: bool = False,
-                   compute_logits: bool = True):
+                   compute_logits: bool = True, whole_logits: bool = True):
     """Cached forward of the whole policy. input_ids, positions (B, T); writes K/V at `positions`.
 
     Returns (logits (B, T, V) or None, final-normed hidden (B, T, h), Taps or None) — the fields of
@@ -113,7 +113,9 @@ def policy_forward(policy: Policy, input_ids: torch.Tensor, positions: torch.Ten
     taps = None
     if tap_layers is not None:
         taps = Taps(embed, torch.cat(aux, dim=-1), tuple(tap_layers))  # aux (B, T, k*h)
-    logits = head_logits(policy, hidden) if compute_logits else None
+    logits = None
+    if compute_logits:  # whole_logits=False: a tp shard's own vocabulary block (rollout/tp.pick_vocab_parallel)
+        logits = head_logits(policy, hidden) if whole_logits else policy.lm_head(hidden)
     return logits, hidden, taps
 
 

@@ -47,7 +47,7 @@ from .config import GenerateConfig  # noqa: F401 (its home; re-exported)
 from .control import LevelK, SpecController
 from .drafters import engine_kind
 from .forward import RopeTable, policy_forward
-from .tp import head_logits
+from .tp import head_logits, pick_vocab_parallel, tp_group_of, vocab_parallel
 from .graphs import StepGraphs
 from .levels import Level, PlainSteps, new_state
 from .phases import Phase, PhaseClock  # noqa: F401 (Phase re-exported: GenerateOutput.phases holds them)
@@ -271,14 +271,21 @@ class DecodeRunner:
         _, hidden, taps = policy_forward(policy, io.ids, pos, group_leaders(st.t_cache, G), rope,
                                          tap_layers=tap_layers, prefill=True, compute_logits=False)
         fill_groups(st.t_cache, G, S)
-        logits = head_logits(policy, gather_rows(hidden, io.lens - 1))  # (B0, V): last positions
-        logits = logits.repeat_interleave(G, dim=0)  # (N, V)
         n0 = io.lens.repeat_interleave(G)  # (N,) the first token's position
-        noise = io.u0
         if io.key0 is not None:
             st.key.copy_(io.key0)
-            noise = keyed_gumbel(io.key0, n0[:, None], logits.shape[-1])[:, 0]  # (N, V)
-        first, first_logp = pick_tokens_logp(logits, cfg.sampling, noise)
+        last = gather_rows(hidden, io.lens - 1)  # (B0, h): the prompts' last positions
+        if vocab_parallel(policy, cfg.sampling):  # a tp shard: its vocabulary block, one reduction per row
+            local = policy.lm_head(last).repeat_interleave(G, dim=0)[:, None]  # (N, 1, V/tp)
+            first, first_logp = pick_vocab_parallel(local, cfg.sampling, tp_group_of(policy), io.key0,
+                                                    n0[:, None])
+            first, first_logp = first[:, 0], first_logp[:, 0]
+        else:
+            logits = head_logits(policy, last).repeat_interleave(G, dim=0)  # (N, V)
+            noise = io.u0
+            if io.key0 is not None:
+                noise = keyed_gumbel(io.key0, n0[:, None], logits.shape[-1])[:, 0]  # (N, V)
+            first, first_logp = pick_tokens_logp(logits, cfg.sampling, noise)
         st.n.copy_(n0)
         st.last_tok.copy_(first)
         st.out_tokens.zero_()

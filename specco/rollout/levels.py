@@ -20,6 +20,7 @@ from .drafters import engine_kind
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
 from .sampling import SamplingParams, keyed_gumbel, pick_tokens_logp
+from .tp import pick_vocab_parallel, tp_group_of, vocab_parallel
 from .speculative import SpeculativeSteps
 from .state import DecodeState, commit
 
@@ -36,12 +37,21 @@ class PlainSteps:
 
     def decode(self):
         st = self.st
-        logits, _, _ = policy_forward(self.policy, st.last_tok[:, None], st.n[:, None], st.t_cache, self.rope)
+        vp = vocab_parallel(self.policy, self.params)  # a tp shard choosing from its vocabulary block
+        logits, _, _ = policy_forward(self.policy, st.last_tok[:, None], st.n[:, None], st.t_cache, self.rope,
+                                      whole_logits=not vp)
+        if vp:
+            tok, logp = pick_vocab_parallel(logits, self.params, tp_group_of(self.policy), st.key, (st.n + 1)[:, None])
+            self._commit(tok[:, 0], logp[:, 0])
+            return
         if st.key is not None:  # coupled: the keyed noise of the token's position n+1
             noise = keyed_gumbel(st.key, (st.n + 1)[:, None], logits.shape[-1])[:, 0]
         else:
             noise = st.u[:, 0] if st.u is not None else None
-        tok, logp = pick_tokens_logp(logits[:, 0], self.params, noise)
+        self._commit(*pick_tokens_logp(logits[:, 0], self.params, noise))
+
+    def _commit(self, tok, logp):
+        st = self.st
         commit(st, tok[:, None], torch.ones_like(tok), logp[:, None], self.max_new_tokens, self.stop_ids)
         live = ~st.finished
         st.n.add_(live.long())

@@ -129,11 +129,12 @@ def _mix31(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 13)
 
 
-def keyed_gumbel(key: torch.Tensor, pos: torch.Tensor, vocab: int) -> torch.Tensor:
+def keyed_gumbel(key: torch.Tensor, pos: torch.Tensor, vocab: int, start: int = 0) -> torch.Tensor:
     """Gumbel noise (B, W, vocab) fp32 for rows with keys `key` (B,) int64 at absolute positions `pos` (B, W):
     a pure function of (key, position, id), so any step that draws the token at that position sees the same
-    noise. Static shapes, no RNG state: capturable in a CUDA graph."""
-    v = torch.arange(vocab, device=key.device)
+    noise. Static shapes, no RNG state: capturable in a CUDA graph. `start`: the noise of ids start..start+vocab-1
+    (a tensor-parallel engine's vocabulary block, rollout/tp.py)."""
+    v = torch.arange(start, start + vocab, device=key.device)
     x = _mix31((_mix31(key & _MASK31)[:, None] + pos) & _MASK31)  # (B, W)
     x = _mix31((x[..., None] + v * 0x3C6EF373) & _MASK31)  # (B, W, V)
     u = ((x >> 7).float() + 0.5) * (1.0 / (1 << 24))  # 24 bits, in (0, 1)

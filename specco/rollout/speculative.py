@@ -30,6 +30,7 @@ from ..model.layers import KVCache
 from ..model.policy import Policy
 from . import acceptance
 from .forward import RopeTable, draft_step, policy_forward
+from .tp import pick_vocab_parallel, tp_group_of, verify_sampling_vocab_parallel, vocab_parallel
 from .sampling import (SamplingParams, keyed_draw, keyed_gumbel, processed_logprobs, processed_probs,
                        sample_from_probs)
 from .state import DecodeState, commit, fill_groups, group_leaders
@@ -95,9 +96,17 @@ class SpeculativeSteps:
         draft_tok = st.draft_tok[:, :k]
         inp = torch.cat([st.last_tok[:, None], draft_tok], dim=1)  # (B, k+1)
         pos = st.n[:, None] + self.offsets  # (B, k+1)
-        logits, _, taps = policy_forward(self.policy, inp, pos, st.t_cache, self.rope, tap_layers=self.aux)
         p = self.params
-        if p.greedy:
+        vp = vocab_parallel(self.policy, p, verify=True)  # a tp shard choosing from its vocabulary block
+        logits, _, taps = policy_forward(self.policy, inp, pos, st.t_cache, self.rope, tap_layers=self.aux,
+                                         whole_logits=not vp)
+        if vp and not p.greedy and not p.keyed:  # rejection sampling, p never gathered
+            verdict, logp = verify_sampling_vocab_parallel(logits, p.temperature, st.q_draft[:, :k], draft_tok,
+                                                           st.u[:, k:2 * k], st.u[:, 2 * k], tp_group_of(self.policy))
+        elif vp:  # greedy / coupled: the target's own choices at the k+1 positions, then agreement
+            target, logp = pick_vocab_parallel(logits, p, tp_group_of(self.policy), st.key, pos + 1)
+            verdict = acceptance.verify_tokens(target, draft_tok)
+        elif p.greedy:
             verdict = acceptance.verify_greedy(logits, draft_tok)
             logp = logits.float().log_softmax(-1).gather(-1, verdict.tokens[..., None]).squeeze(-1)  # raw (generate.py)
         elif p.keyed:

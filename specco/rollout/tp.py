@@ -14,15 +14,18 @@ What a rank holds (Megatron's split, as the trainer's parallel/tp.py; the engine
     embedding, norms, q/k norms, the draft: whole on every rank
 
 The KV cache is the rank's kv heads only (Hkv/tp of them): the cache's memory and every step's cache read split tp
-ways, which is what a long-context decode step is bound by. A layer costs two all-reduces of (B, T, h); the head one
-all-gather of (B, T, V). Every rank then holds the same whole logits, draws the same tokens from the same noise and
-keeps the same draft state, so sampling, verification, compaction and speculation control run unchanged.
+ways, which is what a long-context decode step is bound by. A layer costs two all-reduces of (B, T, h); the head
+either one all-gather of (B, T, V) (`head_logits`, where the sampling rule reads whole logits) or a reduction of 5
+numbers per row (below). Every rank ends with the same tokens from the same noise and keeps the same draft state, so
+verification, compaction and speculation control run unchanged.
 
-Not yet vocabulary-parallel: the sampler, the verify's acceptance and the residual draw read whole logits, so the
-head's output is gathered (B·(k+1) rows of V per verify) where a reduction of (max, argmax, log-sum-exp) per row
-would do for greedy and coupled sampling. Tied heads are held as an untied copy of the head's rows (the refit
-writes the embedding and the head's slice from the same tensor). DSpark (its Markov bias reads whole-vocabulary
-rows of its own) is refused.
+Greedy and coupled sampling (no top-k / top-p) choose tokens vocabulary-parallel (`pick_vocab_parallel`): each rank
+reduces its V/tp logits to (its best score, that id, its logit, its max, its sum of exponentials) and one all-gather
+of those 5 numbers per row picks the token and its log-prob: the plain step, the prefill's first token and the
+verify of greedy / coupled speculation never gather logits. Rejection sampling (its acceptance ratios and residual
+draw read p over the whole vocabulary) and top-k / top-p gather the head's output. Tied heads are held as an untied
+copy of the head's rows (the refit writes the embedding and the head's slice from the same tensor). DSpark (its
+Markov bias reads whole-vocabulary rows of its own) is refused.
 """
 from __future__ import annotations
 
@@ -114,3 +117,103 @@ def gather_vocab(local: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
+
+
+def vocab_parallel(policy: nn.Module, params, verify: bool = False) -> bool:
+    """Whether `policy` (a shard or not) chooses tokens from its vocabulary block under these sampling params:
+    greedy and coupled (`pick_vocab_parallel`), and in a verify plain temperature sampling too
+    (`verify_sampling_vocab_parallel`); top-k / top-p (a sort over the whole vocabulary) gather the logits."""
+    plain = params.top_k == 0 and params.top_p == 1.0
+    return tp_group_of(policy) is not None and (params.greedy or (plain and (params.keyed or verify)))
+
+
+def pick_vocab_parallel(local: torch.Tensor, params, group, key: torch.Tensor | None = None,
+                        pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy or coupled token choice from this rank's vocabulary block of the logits, (B, W, V/tp) -> (tokens
+    (B, W), log p (B, W) fp32), the whole-vocabulary rule's: greedy argmax(z) with log p the raw log_softmax;
+    coupled argmax(z/T + G) (G = keyed_gumbel of the rows' keys `key` (B,) at positions `pos` (B, W), this block's
+    ids only) with log p of the tempered distribution. argmax(log p + G) = argmax(z/T + G), the log-sum-exp being
+    one constant per row (so the fp32 sums round differently from the whole path's: a tie within rounding may
+    break the other way, as between a verify forward and a one-token step). Ties go to the lowest id, as
+    torch.argmax's: the first rank holding the best score wins."""
+    from .sampling import keyed_gumbel
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = local.shape[-1]
+    z = local.float() if params.greedy else local.float() / params.temperature  # (B, W, n)
+    score = z if params.greedy else z + keyed_gumbel(key, pos, n, start=rank * n)
+    best, idx = score.max(-1)  # (B, W)
+    m = z.max(-1).values
+    stats = torch.stack([best.double(), (idx + rank * n).double(), z.gather(-1, idx[..., None])[..., 0].double(),
+                         m.double(), (z - m[..., None]).exp().sum(-1).double()], dim=-1)  # (..., 5)
+    parts = [torch.empty_like(stats) for _ in range(tp)]
+    dist.all_gather(parts, stats, group=group)
+    allst = torch.stack(parts, dim=-2)  # (..., tp, 5)
+    win = allst[..., 0].argmax(-1, keepdim=True)  # (..., 1): the first rank with the best score
+    tok = allst[..., 1].gather(-1, win)[..., 0].long()
+    z_tok = allst[..., 2].gather(-1, win)[..., 0]
+    M = allst[..., 3].max(-1).values
+    lse = M + (allst[..., 4] * (allst[..., 3] - M[..., None]).exp()).sum(-1).log()
+    return tok, (z_tok - lse).float()
+
+
+def _owned(local: torch.Tensor, ids: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values of `local` (..., n) at global ids (...) where this rank's block holds them, else 0; the mask)."""
+    n = local.shape[-1]
+    mine = (ids >= rank * n) & (ids < (rank + 1) * n)
+    idx = (ids - rank * n).clamp(0, n - 1)
+    return torch.where(mine, local.gather(-1, idx[..., None])[..., 0], torch.zeros((), dtype=local.dtype)), mine
+
+
+def verify_sampling_vocab_parallel(local: torch.Tensor, temperature: float, q_draft: torch.Tensor,
+                                   draft_tokens: torch.Tensor, u_accept: torch.Tensor, u_residual: torch.Tensor,
+                                   group):
+    """acceptance.verify_sampling_logits (plain temperature sampling) from this rank's vocabulary block of the
+    target logits (B, k+1, V/tp): the same rule, p never gathered. q_draft (B, k, V) is the replicated draft's.
+
+        lse_j                  each rank's (max, sum of exps) all-gathered                       (B, k+1, 2) x tp
+        z(x̂_j), z(emitted)     the owner's value, 0 elsewhere, all-reduced (sum)                  (B, k) / (B, k+1)
+        residual draw          each rank's residual mass all-gathered; the rank whose segment holds u·total draws
+                               inside its block with the rescaled uniform, its token all-reduced (max of -1s)
+    The inverse CDF runs per block, so its cumulative sums round differently from the whole vocabulary's: a
+    uniform within ~1e-7 of a cdf boundary may land on the neighbouring token, as with the fused kernels."""
+    from .acceptance import Verdict, _accept, _emit
+    from .sampling import sample_from_probs
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    B, k1, n = local.shape
+    k = k1 - 1
+    z = local.float() / temperature  # (B, k+1, n)
+    m = z.max(-1).values
+    stats = torch.stack([m, (z - m[..., None]).exp().sum(-1)], -1)  # (B, k+1, 2)
+    parts = [torch.empty_like(stats) for _ in range(tp)]
+    dist.all_gather(parts, stats, group=group)
+    allst = torch.stack(parts, -2)  # (B, k+1, tp, 2)
+    M = allst[..., 0].max(-1).values
+    lse = M + (allst[..., 1] * (allst[..., 0] - M[..., None]).exp()).sum(-1).log()  # (B, k+1)
+    z_x, _ = _owned(z[:, :k], draft_tokens, rank)
+    dist.all_reduce(z_x, group=group)
+    p_x = (z_x - lse[:, :k]).exp()
+    q_x = q_draft.gather(-1, draft_tokens[..., None])[..., 0]
+    a = _accept(p_x, q_x, u_accept)  # (B,) the same on every rank (replicated inputs)
+    rows = torch.arange(B, device=a.device)
+    p_a = (z[rows, a] - lse[rows, a][:, None]).exp()  # (B, n): this block of p at position a
+    q_a = q_draft[rows, a.clamp(max=k - 1), rank * n:(rank + 1) * n] * (a < k)[:, None]
+    residual = (p_a - q_a).clamp_min(0.0)
+    mass = torch.stack([residual.sum(-1), p_a.sum(-1)], -1)  # (B, 2)
+    mparts = [torch.empty_like(mass) for _ in range(tp)]
+    dist.all_gather(mparts, mass, group=group)
+    masses = torch.stack(mparts, 1)  # (B, tp, 2)
+    empty = masses[..., 0].sum(-1) <= 0  # p == q up to rounding: draw from p (acceptance.verify_sampling)
+    residual = torch.where(empty[:, None], p_a, residual)
+    seg = torch.where(empty[:, None], masses[..., 1], masses[..., 0])  # (B, tp) each block's share
+    cum = seg.cumsum(-1)
+    target = u_residual.to(cum.dtype) * cum[:, -1]
+    owner = (cum <= target[:, None]).sum(-1).clamp(max=tp - 1)  # the first block whose segment ends past u·total
+    before = torch.where(owner > 0, cum.gather(-1, (owner - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(target))
+    u_in = ((target - before) / seg.gather(-1, owner[:, None])[:, 0].clamp_min(1e-30)).clamp(0, 1 - 1e-7)
+    tok = sample_from_probs(residual, u_in) + rank * n  # (B,) meaningful on the owner only
+    tok = torch.where(owner == rank, tok, torch.full_like(tok, -1))
+    dist.all_reduce(tok, op=dist.ReduceOp.MAX, group=group)
+    tokens = _emit(draft_tokens, a, tok)
+    z_t, _ = _owned(z, tokens, rank)
+    dist.all_reduce(z_t, group=group)
+    return Verdict(a, tokens), z_t - lse
