@@ -367,7 +367,7 @@ class TrainSpec:
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    """The device mesh (parallel/mesh.py): pp × dp × cp ranks, dp = dp_replicate × dp_shard.
+    """The device mesh (parallel/mesh.py): pp × dp × cp × tp ranks, dp = dp_replicate × dp_shard.
 
     `dp` is the data-parallel degree: how many shares the step's prompts split into (the runner reads it). It
     factors as torchtitan's axes: dp_replicate ranks hold whole copies (their gradients all-reduced), dp_shard
@@ -387,6 +387,10 @@ class ParallelSpec:
     dp_replicate: int = 0
     cp: int = 1
     pp: int = 1
+    # tensor parallelism of the trainer's policy (parallel/tp.py): its decoder layers' projections column / row
+    # sharded over tp ranks, which hold the same tokens; the draft, embedding and head stay whole on every rank.
+    # The innermost mesh axis; the world is pp × dp × cp × tp. The rollout engine is not tensor-parallel
+    tp: int = 1
     backend: str = "auto"  # auto -> nccl on CUDA, gloo on CPU
     # seconds any wait of the process group may last (a collective, its start-up) before the rank raises, so a rank
     # whose peer is stuck fails and torchrun --max-restarts can restart the job (parallel/mesh.py). The other ranks
@@ -397,7 +401,7 @@ class ParallelSpec:
         _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
                and 0 < self.timeout_s < float("inf"), f"parallel.timeout_s={self.timeout_s!r}: must be a number of "
                "seconds > 0 (torch's default is 1800)")
-        for n in ("cp", "pp"):
+        for n in ("cp", "pp", "tp"):
             _check(getattr(self, n) >= 1, f"parallel.{n}={getattr(self, n)}: must be >= 1")
         for n in ("dp", "dp_shard", "dp_replicate"):
             _check(getattr(self, n) >= 0, f"parallel.{n}={getattr(self, n)}: must be >= 1 (or 0: derived)")

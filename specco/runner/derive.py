@@ -112,7 +112,8 @@ def on_device(cfg: RunConfig, device: torch.device) -> RunConfig:
     saved policy taken from the masters (config.py refuses rollout.dtype=bfloat16 with a reason until then)."""
     pretrained_gpu = torch.device(device).type == "cuda" and cfg.policy.source != "tiny"
     whole_elsewhere = cfg.parallel.pp > 1 or cfg.parallel.fsdp  # the engine's copy has other duties (above)
-    amp = cfg.train.amp if cfg.train.amp != "auto" else ("bf16" if pretrained_gpu else "none")
+    # under tensor parallelism "auto" is fp32: its bf16 is not tested yet (check_parallel refuses amp=bf16 there)
+    amp = cfg.train.amp if cfg.train.amp != "auto" else ("bf16" if pretrained_gpu and cfg.parallel.tp == 1 else "none")
     dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else (
         "bfloat16" if pretrained_gpu and not whole_elsewhere else "")
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp),
@@ -131,7 +132,7 @@ def at_temperature(gen_cfg: GenerateConfig, temperature: float) -> GenerateConfi
 
 
 # What each command runs: the mesh dimensions it supports.
-_SUPPORTED = {"train": ("pp", "dp", "cp"), "cotrain-cp": ("dp", "cp")}
+_SUPPORTED = {"train": ("pp", "dp", "cp", "tp"), "cotrain-cp": ("dp", "cp")}
 
 
 def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
@@ -147,6 +148,28 @@ def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
                           f"sharded layers is not wired yet; set train.compile=none or {off}")
 
 
+def _check_tp(cfg: RunConfig) -> None:
+    """What tensor parallelism (parallel.tp, parallel/tp.py) is not wired into, refused by name with the fix: it
+    is tested (tests/test_tp.py) alone and with data parallelism and FSDP, in fp32/fp64, without compile."""
+    p, off = cfg.parallel, "or set parallel.tp=1"
+    for dim, what in (("pp", "pipeline"), ("cp", "context")):
+        if getattr(p, dim) > 1:
+            raise ConfigError(f"parallel.tp={p.tp} with parallel.{dim}={getattr(p, dim)}: tensor × {what} parallelism "
+                              f"is not implemented; set parallel.{dim}=1 {off}")
+    if cfg.train.compile != "none":
+        raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.tp={p.tp}: compiling the "
+                          f"tensor-parallel layers is not wired; set train.compile=none {off}")
+    if cfg.train.amp == "bf16":
+        raise ConfigError(f"train.amp=bf16 with parallel.tp={p.tp}: mixed precision of the tensor-parallel layers "
+                          f"is not tested yet; set train.amp=none (fp32) {off}")
+    if cfg.policy.source == "tiny":  # a pretrained policy's sizes are read at load: apply_tp checks them there
+        for key in ("num_heads", "num_kv_heads", "intermediate_size"):
+            n = getattr(cfg.policy, key)
+            if n % p.tp:
+                raise ConfigError(f"parallel.tp={p.tp}: policy.{key}={n} is not a multiple of it (each tp rank holds "
+                                  f"{key} / tp of every layer); pick a tp that divides it")
+
+
 def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[int, int, int]:
     """Validate cfg.parallel against the launch (WORLD_SIZE = `world`) for `command`; return (pp, dp, cp).
 
@@ -154,22 +177,26 @@ def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[
     (pipeline parallelism: `specco train` only), sizes whose product is not the number of processes, prompts that
     do not split into whole GRPO groups per data-parallel rank and PPO minibatch."""
     p = cfg.parallel
-    for dim in ("pp", "dp", "cp"):
+    for dim in ("pp", "dp", "cp", "tp"):
         if getattr(p, dim) > 1 and dim not in _SUPPORTED[command]:
-            what = "pipeline parallelism runs in `specco train` only" if dim == "pp" else "not supported"
+            what = {"pp": "pipeline parallelism runs in `specco train` only",
+                    "tp": "tensor parallelism runs in `specco train` only"}.get(dim, "not supported")
             raise ConfigError(f"parallel.{dim}={getattr(p, dim)}: {what} in `specco {command}`; "
                               f"set parallel.{dim}=1")
-    n = p.pp * p.dp * p.cp
+    n = p.pp * p.dp * p.cp * p.tp
     if n != world:
+        others = p.pp * p.cp * p.tp
         if world == 1:
             how = f"launch it with `torchrun --nproc-per-node {n} -m specco {command} ...` (or --nnodes x --nproc-per-node = {n})"
-        elif world % (p.pp * p.cp) == 0:
-            how = f"set parallel.dp={world // (p.pp * p.cp)}" + "".join(
-                f" (with parallel.{k}={v})" for k, v in (("pp", p.pp), ("cp", p.cp)) if v > 1)
+        elif world % others == 0:
+            how = f"set parallel.dp={world // others}" + "".join(
+                f" (with parallel.{k}={v})" for k, v in (("pp", p.pp), ("cp", p.cp), ("tp", p.tp)) if v > 1)
         else:
-            how = f"set parallel.pp x parallel.dp x parallel.cp = {world}"
-        raise ConfigError(f"parallel.pp x parallel.dp x parallel.cp = {p.pp} x {p.dp} x {p.cp} = {n} but "
-                          f"{world} process(es) were launched (WORLD_SIZE): {how}")
+            how = f"set parallel.pp x parallel.dp x parallel.cp x parallel.tp = {world}"
+        raise ConfigError(f"parallel.pp x parallel.dp x parallel.cp x parallel.tp = {p.pp} x {p.dp} x {p.cp} x "
+                          f"{p.tp} = {n} but {world} process(es) were launched (WORLD_SIZE): {how}")
+    if p.tp > 1:
+        _check_tp(cfg)
     if cfg.train.compile != "none" and command != "train":
         raise ConfigError(f"train.compile={cfg.train.compile!r}: compiles the RL trainer's layers (`specco train`); "
                           f"`specco {command}` does not; set train.compile=none")

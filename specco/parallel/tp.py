@@ -1,0 +1,137 @@
+"""Tensor parallelism of the trainer's policy, applied from outside the plain model (STYLE §1; torchtitan's
+`apply_tp`, gpt-fast's `tp.py`): DTensor `parallelize_module` over the `tp` axis of the mesh.
+
+    mesh = Mesh.build(dp=2, dp_shard=2, tp=2)
+    apply_tp(policy, mesh.tp_mesh)            # TP first ...
+    apply_fsdp(policy, mesh.fsdp_mesh)        # ... then FSDP over the dp_shard × cp ranks: 2-D (fsdp, tp) DTensors
+    opt = build_optimizer(policy, draft, ...)
+
+What each of the tp ranks holds, per decoder layer (Megatron's split; h hidden, H / Hkv query / kv heads, I the
+MLP width):
+
+    q_proj, k_proj, v_proj   column-parallel  Shard(0) of the output rows: H/tp query and Hkv/tp kv heads
+    o_proj                   row-parallel     Shard(1): the input columns of those heads; the output all-reduced
+    gate_proj, up_proj       column-parallel  I/tp rows each
+    down_proj                row-parallel     Shard(1); the output all-reduced
+    q_norm, k_norm (Qwen3)   replicated DTensors; the input seen as Shard(2) (the heads dim), see below
+    input / post-attention norms, the embedding, the final norm, lm_head: plain, replicated (below)
+
+So a layer's forward costs two all-reduces of (B, S, h) (after o_proj and after down_proj) and its backward two
+(the gradients flowing into q/k/v and gate/up, whose input is replicated). Between them every rank holds its heads'
+activations only: attention runs on H/tp query and Hkv/tp kv heads of the same GQA groups (head j of a rank's
+queries reads kv head j // G of the rank's kv heads, as globally, because both are cut into tp contiguous blocks
+and G = H / Hkv is preserved), so the attention core (SDPA, the ring, packed rows) is the unsharded one.
+
+**The fused projections.** The policy trains `qkv_proj` = rows [q | k | v] and `gate_up_proj` = [gate | up] as one
+Linear each (model/layers.fuse_linears). Column-sharding the fused weight in tp contiguous blocks would give rank 0
+all of q and part of k, rank 1 the rest: wrong heads everywhere. The choices were (a) permute the fused rows to
+[q_0 k_0 v_0 | q_1 k_1 v_1 | ...] before distributing (gpt-fast's `weight_splits`), or (b) split the fused Linear
+back into its parts and shard each (`layers.unfuse_linears`). (a) keeps one GEMM, but the DTensor's global view
+is then the permuted tensor: its state dict, the refit to the engine, the checkpoints and the HF export would all
+have to know and undo the permutation, and FSDP's second cut along dim 0 of the local rows would cut across the
+local q/k/v again. (b) gives plain ColwiseParallel placements whose global view is exactly HF's `q_proj.weight`
+(the names `state_dict()` already reported for the fused module), so the refit's `full_tensor()`, DCP and the
+export need nothing new, and FSDP2's 2-D sharding composes as torchtitan's does. It costs three (two) GEMMs for
+one in training, where each is large and compute-bound; the engine keeps its fused copy for decode, where the
+fusion pays (docs/DESIGN.md §6). We take (b).
+
+**Head counts.** The views in `Attention.qkv` use -1 for the head dim count, and `apply_tp` sets each attention's
+`num_heads` / `num_kv_heads` (and the MLP's `inter`) to the rank's local counts, so nothing reads the global ones.
+
+**q/k norms.** Qwen3's q_norm / k_norm weights (head_dim,) are shared by every head. A plain replicated weight would
+get, on each rank, the gradient of its own heads only — a partial sum that must be all-reduced over tp (nothing
+else would: the weight is not a DTensor and its inputs are local). As torchtitan's Qwen3 does, they are
+`SequenceParallel(sequence_dim=2)` modules: their weight becomes a Replicate DTensor and their input is declared
+Shard(2) (the heads), so DTensor's autograd turns the partial gradient into the sum. (A test drops this and fails.)
+
+**Embedding and lm_head: replicated.** Every rank holds them whole and computes the whole (B, S, V) logits. Why,
+and what it costs: the four consumers of full-vocabulary rows (docs/REVIEW.md) — the policy's token log-probs
+(`train/losses.token_logprobs`), the EAGLE-3 teacher's softmax / gather / argmax over the draft vocabulary, the
+block drafters reading the live `lm_head.weight` and `embed_tokens` rows, the engine's sampling and verification —
+then read the tensors they read at tp = 1 and need neither a loss-parallel form nor a gather; the draft's teacher
+and taps are the same on every tp rank, so the draft (replicated, parallel/fsdp.py says why) trains identically on
+every rank with no all-reduce over tp. The price is compute and memory: at Qwen3-8B's shapes (h 4096, 36 layers,
+V 151,936) the head is 0.62 B of 8.19 B parameters and 2·h·V = 1.24 GFLOP per token of the forward against the
+layers' ~14.9 GFLOP; at tp 8 a rank does 1.9 GFLOP of layers and the whole 1.24 GFLOP of head per token (40% of its
+forward), and holds the head and the embedding whole (2 × 0.62 B, sharded only by FSDP). A vocabulary-parallel head
+(ColwiseParallel with Shard(-1) logits under `loss_parallel`) removes both; it needs each of those four consumers
+in a loss-parallel form (a max / logsumexp / gather as reductions over the tp group), which is the next step here.
+
+**No sequence parallelism yet.** The residual stream, hence the taps the draft reads and the norms' inputs, is
+replicated over tp: the taps reach the draft unsharded by construction. SP (norms on Shard(1) activations,
+all-gather before q/k/v and gate/up, reduce-scatter after o/down) would save the norms' activation memory and
+turn each all-reduce into a reduce-scatter + all-gather of the same bytes; the taps would then need a gather.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from ..model.layers import unfuse_linears
+
+__all__ = ["apply_tp", "layer_plan", "tp_copy"]
+
+
+def layer_plan(qk_norm: bool) -> dict:
+    """The parallelize_module plan of one decoder layer (module docstring's table)."""
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    if qk_norm:
+        # (B, S, H_local, D): the heads dim (2) is what the tp ranks hold different parts of
+        plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def apply_tp(policy: nn.Module, tp_mesh: DeviceMesh, *, plan: dict | None = None) -> nn.Module:
+    """Shard a Policy (or a pipeline stage of one) in place over `tp_mesh` (`Mesh.tp_mesh`, 1-D): each decoder
+    layer's projections unfused and column / row-parallel, its local head counts set (module docstring). The
+    embedding, norms and head stay plain (replicated). Call it on the plain model BEFORE activation checkpointing
+    and FSDP (torchtitan's order), and before building the optimizer (the parameters become DTensors). A
+    collective over tp_mesh (distribute_tensor broadcasts nothing but checks nothing either: every rank must hold
+    the same weights, which the callers' copies of one starting policy do). `plan`: the layers' plan (default
+    `layer_plan`; tests/test_tp.py passes broken ones and checks that they fail). Returns `policy`."""
+    tp = tp_mesh.size()
+    cfg = policy.cfg
+    for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
+                    ("intermediate_size", cfg.intermediate_size)):
+        if n % tp:  # a boundary: the config check refuses it first (derive.check_parallel), this is the backstop
+            raise ValueError(f"tensor parallelism over {tp} ranks: policy {name}={n} is not a multiple of {tp}")
+    plan = layer_plan(cfg.qk_norm) if plan is None else plan
+    for layer in policy.layers.values():
+        attn, mlp = layer.self_attn, layer.mlp
+        unfuse_linears(attn, "qkv_proj")
+        unfuse_linears(mlp, "gate_up_proj")
+        attn.num_heads, attn.num_kv_heads = cfg.num_heads // tp, cfg.num_kv_heads // tp  # local counts
+        mlp.inter = cfg.intermediate_size // tp
+        parallelize_module(layer, tp_mesh, plan)
+    return policy
+
+
+def tp_copy(policy: nn.Module, tp_mesh: DeviceMesh, fsdp_mesh: DeviceMesh | None = None, *, prepare=None,
+            **fsdp) -> nn.Module:
+    """A tensor-parallel copy of the whole `policy` (left as it is), FSDP-sharded too over `fsdp_mesh` when given:
+    torchtitan's order — TP, then `prepare(model)` (activation checkpointing, freezing a reference), then FSDP
+    (`fsdp`: apply_fsdp's mp_policy / reshard_after_forward / forward_only). A collective over both meshes.
+
+    Unlike parallel/load.sharded_copy, each rank holds a transient whole copy while the shards are cut: FSDP's
+    meta-init-then-fill-rows path reads rows of dim 0 only (fsdp.shard_rows), and a row-parallel weight is cut
+    along dim 1. What this costs: one whole policy per rank for the moment of the copy, the same as the engine's."""
+    import copy
+
+    from .fsdp import apply_fsdp
+    model = apply_tp(copy.deepcopy(policy), tp_mesh)
+    if prepare is not None:
+        prepare(model)
+    if fsdp_mesh is not None:
+        apply_fsdp(model, fsdp_mesh, **fsdp)
+    return model

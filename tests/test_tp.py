@@ -1,0 +1,187 @@
+"""Tensor parallelism of the trainer (parallel/tp.py) on gloo == one process, in fp64.
+
+Co-training step. Reference: `cotrain_step` on one process over the whole batch, two optimizer steps (two
+batches), the policy with FUSED qkv / gate-up projections as it trains at tp = 1. Under test: `Mesh.build(tp=2)`
+(and tp 2 × dp_shard 2: 2-D (fsdp, tp) FSDP2 over the TP DTensors), `apply_tp` (each projection unfused and
+column / row sharded, local head counts), AdamW on the DTensors, `grad_syncs` (the all-reduce over the dp ranks
+of one tp rank, or FSDP's reduce-scatter). The policy is Qwen2/3-flavoured (q/k norm AND qkv bias) so that every
+placement is exercised: the sharded bias rows, the q/k norms' replicated weights whose gradient is a sum over the
+ranks' heads. Compared after each step: both losses, both grad norms, the draft's statistics, every clipped
+gradient; after the second step every parameter — the TP tensors gathered with `full_tensor()` and the parts
+concatenated back into the fused layout the reference holds. Co-trained EAGLE-3 and DFlash.
+
+Tolerance: rtol 1e-9, atol 1e-12 (the DP / CP / FSDP tests' own): the same arithmetic in other summation orders
+(a row-parallel matmul's two partial sums all-reduced vs one dot product; q/k/v as three GEMMs vs one). A wrong
+placement is O(1) off and a missing all-reduce is off by the other rank's share; both are far outside.
+
+Mutations (test_tp_mutations_fail): the same comparison must FAIL for each of three broken recipes —
+  fused_cut_naively   the fused qkv / gate-up weights column-sharded as one block each (rank 0 gets q and half
+                      of k, ...): the wrong heads, the forward is wrong;
+  o_proj_no_reduce    o_proj's output left as the rank's partial sum (RowwiseParallel with a Partial output
+                      used locally): the all-reduce after attention is missing;
+  qk_norm_plain       q_norm / k_norm left plain tensors: each rank's gradient is its own heads' share, never
+                      summed over tp (a missing gradient all-reduce; the forward is right).
+
+RL loop: two RL steps of the co-trained EAGLE-3 arm at tp 2 (the demo's tiny policy, fp64, PPO 2 × 2 with a KL
+reference tensor-parallel like the trainer), every rank recording its rollouts; rank 0 replays them on one
+process (`train_on_rollouts`) as tests/test_rl_fsdp.py does: losses, grad norms, PPO statistics and every
+parameter after both steps, and each rank's engine refit with the gathered whole policy. Tolerances as there.
+
+Measured (pytest -s prints them), fp64: see the report lines `tp ... max deviations`.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from specco.model.config import DraftConfig, PolicyConfig
+from specco.model.dflash import BlockDraft, BlockDraftConfig
+from specco.model.draft import Eagle3Draft, build_vocab_maps
+from specco.model.policy import Policy
+from specco.parallel.fsdp import apply_fsdp
+from specco.parallel.mesh import Mesh, spawn_local
+from specco.parallel.tp import apply_tp, layer_plan
+from specco.train.cotrain import StepConfig
+from specco.train.grad_sync import grad_syncs
+import test_fsdp as F
+
+pytestmark = pytest.mark.dist
+
+V, B = F.V, F.B
+TOL = F.TOL
+CFG = StepConfig(ttt_passes=3, loss_chunk=5, draft_row_stride=2, micro_batch_rows=4)
+
+
+def _models(kind):
+    """A Qwen-flavoured tiny policy (q/k norm, qkv bias, GQA 4:2) and a co-trained draft of `kind`, fp64."""
+    torch.manual_seed(0)
+    pc = PolicyConfig(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4,
+                      num_kv_heads=2, qk_norm=True, attention_bias=True)
+    policy = Policy(pc).double()
+    with torch.no_grad():  # non-trivial norms and biases, so a misplaced one shows
+        for n, p in policy.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    if kind == "eagle3":
+        draft = Eagle3Draft(DraftConfig.for_policy(pc, 40, aux_layer_ids=(0, 2, 3)))
+        draft.set_vocab_maps(*build_vocab_maps(torch.rand(V), 40))
+    else:
+        draft = BlockDraft(BlockDraftConfig.for_policy(pc, kind, gamma=3, mask_id=V - 1, num_layers=2, num_anchors=6,
+                                                       aux_layer_ids=(0, 2, 3)))
+    with torch.no_grad():  # far-from-uniform draft attention so that errors would show
+        for p in draft.parameters():
+            if p.dim() == 2:
+                p.mul_(6.0)
+    return policy, draft.double()
+
+
+_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _fused(named: dict) -> dict:
+    """A tensor-parallel model's whole tensors by name, with the unfused parts concatenated back into the fused
+    names the reference (tp = 1) model holds (rows [q | k | v], [gate | up])."""
+    out = dict(named)
+    for n in list(named):
+        for fused, parts in _PARTS.items():
+            stem, _, suffix = n.rpartition(".")  # policy.layers.0.self_attn.q_proj, weight
+            mod, _, leaf = stem.rpartition(".")
+            if leaf == parts[0]:
+                keys = [f"{mod}.{p}.{suffix}" for p in parts]
+                out[f"{mod}.{fused}.{suffix}"] = torch.cat([out.pop(k) for k in keys])
+    return out
+
+
+def _mutate(policy, mesh, mutation):
+    """A broken tensor-parallel recipe (module docstring), applied in place of apply_tp."""
+    if mutation == "fused_cut_naively":
+        for layer in policy.layers.values():
+            layer.self_attn.num_heads, layer.self_attn.num_kv_heads = 2, 1
+            layer.mlp.inter = 24
+            parallelize_module(layer, mesh, {"self_attn.qkv_proj": ColwiseParallel(),
+                                             "self_attn.o_proj": RowwiseParallel(),
+                                             "mlp.gate_up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+        return
+    plan = layer_plan(qk_norm=True)
+    if mutation == "o_proj_no_reduce":  # the same weight shards, the output left as this rank's partial sum
+        plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=Partial())
+    elif mutation == "qk_norm_plain":
+        del plan["self_attn.q_norm"], plan["self_attn.k_norm"]
+    else:
+        raise ValueError(mutation)
+    apply_tp(policy, mesh, plan=plan)
+
+
+def _steps(policy, draft, batches, **kw):
+    """Two steps (test_fsdp._two_steps), with the whole tensors in the fused layout."""
+    hist, params = F._two_steps(policy, draft, batches, CFG, **kw)
+    return [(m, _fused(g)) for m, g in hist], _fused(params)
+
+
+def _cotrain_worker(rank, world, kind, dp_shard, mutation):
+    dp = world // 2
+    mesh = Mesh.build(dp=dp, dp_shard=dp_shard or 1, tp=2, backend="gloo")
+    assert mesh.tp_rank == rank % 2 and mesh.dp_rank == rank // 2  # tp innermost
+    full = [F._dp_batch(7), F._dp_batch(8)]
+    ref_hist, ref_params = _steps(*_models(kind), [(b, {}) for b in full])
+    h = B // dp
+    local = [(b.rows(mesh.dp_rank * h, (mesh.dp_rank + 1) * h), {}) for b in full]
+    policy, draft = _models(kind)
+    if mutation:
+        _mutate(policy, mesh.tp_mesh, mutation)
+    else:
+        apply_tp(policy, mesh.tp_mesh)
+        attn = policy.layers["0"].self_attn
+        assert attn.qkv_proj is None and (attn.num_heads, attn.num_kv_heads) == (2, 1)
+        assert attn.q_proj.weight.to_local().shape == (2 * 8, 32)  # 2 local heads of 8
+        assert attn.o_proj.weight.to_local().shape == (32, 2 * 8)
+    if dp_shard:
+        apply_fsdp(policy, mesh.fsdp_mesh)
+        if not mutation:
+            assert policy.layers["0"].self_attn.q_proj.weight.device_mesh.ndim == 2  # (fsdp, tp)
+    hist, params = _steps(policy, draft, local, grad_group=mesh.grad_group,
+                          grad_sync=grad_syncs(policy, mesh.grad_group))
+    assert not any(isinstance(p, DTensor) for p in draft.parameters())  # the draft is whole on every rank
+    dev = F._deviations(hist, params, ref_hist, ref_params, mesh.grad_group)  # collective: before any assert
+    if rank == 0:
+        print(f"tp 2 dp_shard {dp_shard} {kind} {mutation or ''} max deviations:",
+              {k: f"{v:.2e}" for k, v in dev.items()})
+    if mutation:  # the comparison must catch it: some deviation far outside the tolerance
+        assert max(dev["loss_rel"], dev["norm_rel"], dev["grad_abs"], dev["param_abs"]) > 1e3 * TOL["rtol"], dev
+        return
+    for (m, g), (m_ref, g_ref) in zip(hist, ref_hist):
+        for key in m_ref:  # global metrics: grad norms, the draft's statistics, LRs (losses: in dev, summed)
+            if key.startswith(("draft/", "policy/grad_norm")) and key != "draft/loss":
+                assert abs(m[key] - m_ref[key]) <= TOL["rtol"] * max(1.0, abs(m_ref[key])), (key, m[key], m_ref[key])
+        assert g.keys() == g_ref.keys()
+        for n in g_ref:
+            torch.testing.assert_close(g[n], g_ref[n], **TOL, msg=lambda s: f"grad {n}: {s}")
+    assert params.keys() == ref_params.keys()
+    for n in ref_params:
+        torch.testing.assert_close(params[n], ref_params[n], **TOL, msg=lambda s: f"param {n}: {s}")
+    assert dev["loss_rel"] <= TOL["rtol"], dev
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_tp2_cotrain_equals_single_process(kind):
+    spawn_local(_cotrain_worker, 2, kind, 0, None)
+
+
+# 4 processes: ~8 s (EAGLE-3) / ~5 s (DFlash) here on 2 shared cores; DFlash in the slow lane
+@pytest.mark.parametrize("kind", ["eagle3", pytest.param("dflash", marks=pytest.mark.slow)])
+def test_tp2_dp_shard2_cotrain_equals_single_process(kind):
+    spawn_local(_cotrain_worker, 4, kind, 2, None)
+
+
+@pytest.mark.parametrize("mutation", ["fused_cut_naively", "o_proj_no_reduce", "qk_norm_plain"])
+def test_tp_mutations_fail(mutation):
+    spawn_local(_cotrain_worker, 2, "eagle3", 0, mutation)
+
+
+def test_layer_plan_covers_every_projection():
+    """The plan names every projection of an unfused layer, q/k norms only for a q/k-norm policy."""
+    plan = layer_plan(qk_norm=True)
+    assert {k.split(".")[-1] for k in plan} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj", "q_norm", "k_norm"}
+    assert "self_attn.q_norm" not in layer_plan(qk_norm=False)
