@@ -142,7 +142,13 @@ def _cotrain_worker(rank, world, kind, dp_shard, mutation):
             assert policy.layers["0"].self_attn.q_proj.weight.device_mesh.ndim == 2  # (fsdp, tp)
     hist, params = _steps(policy, draft, local, grad_group=mesh.grad_group,
                           grad_sync=grad_syncs(policy, mesh.grad_group))
-    assert not any(isinstance(p, DTensor) for p in draft.parameters())  # the draft is whole on every rank
+    assert not any(isinstance(p, DTensor) for p in draft.parameters())  # the draft is whole on every rank ...
+    # ... and the same bits on every tp rank: its inputs (taps, teacher logits, the head's rows) are replicated,
+    # so it needs no all-reduce over tp (one would double its gradient)
+    mine = torch.cat([p.detach().flatten() for p in draft.parameters()])
+    both = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(both, mine, group=mesh.tp_group)
+    draft_same = torch.equal(both[0], both[1])  # asserted below (a broken recipe breaks it too)
     dev = F._deviations(hist, params, ref_hist, ref_params, mesh.grad_group)  # collective: before any assert
     if rank == 0:
         print(f"tp 2 dp_shard {dp_shard} {kind} {mutation or ''} max deviations:",
@@ -161,6 +167,7 @@ def _cotrain_worker(rank, world, kind, dp_shard, mutation):
     for n in ref_params:
         torch.testing.assert_close(params[n], ref_params[n], **TOL, msg=lambda s: f"param {n}: {s}")
     assert dev["loss_rel"] <= TOL["rtol"], dev
+    assert draft_same
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
@@ -185,3 +192,80 @@ def test_layer_plan_covers_every_projection():
     assert {k.split(".")[-1] for k in plan} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                 "down_proj", "q_norm", "k_norm"}
     assert "self_attn.q_norm" not in layer_plan(qk_norm=False)
+
+
+# -- the RL loop ---------------------------------------------------------------------------------------------------
+
+def _rl_worker(rank, world, tmp, dp_shard):
+    """Two RL steps of the co-trained EAGLE-3 arm at tp 2 (× dp_shard 2 on 4 processes), replayed on one process
+    (test_rl_fsdp._replay: losses, grad norms, PPO statistics, every parameter after both steps)."""
+    from pathlib import Path
+
+    from test_grpo import DigitTask
+    from test_rl_cp import _cfg, _models as rl_models
+    from test_rl_fsdp import EXTRA, _flat, _replay, _resumes_exactly
+    from specco.runner.rl import run_arm
+    tmp = Path(tmp)
+    tok, policy, draft = rl_models()
+    layout = ("parallel.tp=2",) + (("parallel.dp_shard=2",) if dp_shard else ())
+    cfg = _cfg(tmp, *layout, *EXTRA)
+    mesh = Mesh.build(cfg.parallel.dp, 1, dp_shard=cfg.parallel.shard, tp=2)
+    st, rec = {}, []
+    rows = run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / "a", progress=False, mesh=mesh,
+                   state_out=st, record=rec)
+    s = st["state"]
+    assert isinstance(s.policy.layers["0"].self_attn.q_proj.weight, DTensor)  # the trainer's layers are sharded
+    assert isinstance(s.ref.layers["0"].mlp.down_proj.weight, DTensor)  # the KL reference too
+    assert not any(isinstance(p, DTensor) for p in s.draft.parameters())
+    # the tp ranks of a DP group trained on the same rollouts
+    mine = [[p for p in ro.pairs] for ro in rec]
+    both = [None] * 2
+    dist.all_gather_object(both, mine, group=mesh.tp_group)
+    assert both[0] == both[1]
+    flat = _flat(s)  # the trainer's whole weights: state-dict order, HF's parts (q_proj, ...) as the fused model's
+    eng = torch.cat([v.flatten() for v in s.engine.policy.state_dict().values()])
+    assert torch.equal(eng, flat[:eng.numel()])  # each rank's engine: the gathered whole policy
+    from specco.runner.rl import full_models
+    assert full_models(s) == (s.engine.policy, s.engine.draft)  # evaluated and saved: the whole copies
+    # stopped after step 1 and resumed from its (sharded, TP) checkpoint: the same run, bit for bit
+    run = lambda d, **kw: run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / d,  # noqa: E731
+                                  progress=False, mesh=mesh, **kw)
+    _resumes_exactly(run, rows, flat, _flat, rank)
+    _replay(rank, mesh, cfg_extra=EXTRA, arm="cotrained", policy=policy, draft=draft, tok=tok, tmp=tmp, rows=rows,
+            rec=rec, flat=flat)
+
+
+def test_rl_loop_tp2_equals_single_process(tmp_path):
+    spawn_local(_rl_worker, 2, str(tmp_path), False)
+
+
+@pytest.mark.slow  # 4 processes
+def test_rl_loop_tp2_dp_shard2_equals_single_process(tmp_path):
+    spawn_local(_rl_worker, 4, str(tmp_path), True)
+
+
+# -- what is refused -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, world, command, match", [
+    (("parallel.pp=2",), 4, "train", r"parallel.tp=2 with parallel.pp=2: tensor × pipeline"),
+    (("parallel.cp=2",), 4, "train", r"parallel.tp=2 with parallel.cp=2: tensor × context"),
+    (("train.compile=aot_eager",), 2, "train", r"train.compile='aot_eager' with parallel.tp=2"),
+    (("train.amp=bf16",), 2, "train", r"train.amp=bf16 with parallel.tp=2"),
+    (("policy.num_kv_heads=1",), 2, "train", r"policy.num_kv_heads=1 is not a multiple"),
+    ((), 2, "cotrain-cp", r"tensor parallelism runs in `specco train` only"),
+    ((), 3, "train", r"parallel.tp = 1 x 1 x 1 x 2 = 2 but 3 process"),
+])
+def test_tp_layouts_not_wired_are_refused_by_name(tmp_path, extra, world, command, match):
+    from test_rl_cp import _cfg
+    from specco.model.config import ConfigError
+    from specco.runner.derive import check_parallel
+    cfg = _cfg(tmp_path, "parallel.tp=2", *extra)
+    with pytest.raises(ConfigError, match=match):
+        check_parallel(cfg, world, command)
+
+
+def test_tp_size_is_checked():
+    from specco.model.config import ConfigError
+    from specco.config import ParallelSpec
+    with pytest.raises(ConfigError, match="parallel.tp=0: must be >= 1"):
+        ParallelSpec(tp=0)

@@ -45,7 +45,7 @@ else would: the weight is not a DTensor and its inputs are local). As torchtitan
 Shard(2) (the heads), so DTensor's autograd turns the partial gradient into the sum. (A test drops this and fails.)
 
 **Embedding and lm_head: replicated.** Every rank holds them whole and computes the whole (B, S, V) logits. Why,
-and what it costs: the four consumers of full-vocabulary rows (docs/REVIEW.md) — the policy's token log-probs
+and what it costs: the four consumers of full-vocabulary rows (issue 37's list) — the policy's token log-probs
 (`train/losses.token_logprobs`), the EAGLE-3 teacher's softmax / gather / argmax over the draft vocabulary, the
 block drafters reading the live `lm_head.weight` and `embed_tokens` rows, the engine's sampling and verification —
 then read the tensors they read at tp = 1 and need neither a loss-parallel form nor a gather; the draft's teacher
@@ -71,7 +71,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 from ..model.layers import unfuse_linears
 
-__all__ = ["apply_tp", "layer_plan", "tp_copy"]
+__all__ = ["apply_tp", "layer_plan", "tp_copy", "is_tensor_parallel"]
 
 
 def layer_plan(qk_norm: bool) -> dict:
@@ -115,6 +115,11 @@ def apply_tp(policy: nn.Module, tp_mesh: DeviceMesh, *, plan: dict | None = None
         mlp.inter = cfg.intermediate_size // tp
         parallelize_module(layer, tp_mesh, plan)
     return policy
+
+
+def is_tensor_parallel(model: nn.Module) -> bool:
+    """Whether `apply_tp` sharded `model` (a layer's projections unfused and distributed)."""
+    return any(getattr(layer.self_attn, "qkv_proj", 0) is None for layer in model.layers.values())
 
 
 def tp_copy(policy: nn.Module, tp_mesh: DeviceMesh, fsdp_mesh: DeviceMesh | None = None, *, prepare=None,

@@ -111,7 +111,8 @@ def on_device(cfg: RunConfig, device: torch.device) -> RunConfig:
     which must not be a rounded copy. A bf16 engine there needs the recompute pipelined over the stages and the
     saved policy taken from the masters (config.py refuses rollout.dtype=bfloat16 with a reason until then)."""
     pretrained_gpu = torch.device(device).type == "cuda" and cfg.policy.source != "tiny"
-    whole_elsewhere = cfg.parallel.pp > 1 or cfg.parallel.fsdp  # the engine's copy has other duties (above)
+    # the engine's copy has other duties (above); under tensor parallelism too (the trainer holds shards)
+    whole_elsewhere = cfg.parallel.pp > 1 or cfg.parallel.fsdp or cfg.parallel.tp > 1
     # under tensor parallelism "auto" is fp32: its bf16 is not tested yet (check_parallel refuses amp=bf16 there)
     amp = cfg.train.amp if cfg.train.amp != "auto" else ("bf16" if pretrained_gpu and cfg.parallel.tp == 1 else "none")
     dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else (
