@@ -130,8 +130,8 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
         ref = ref.eval()
     draft = copy.deepcopy(draft) if (draft is not None and mode != "none") else None
     eng_policy, eng_draft = copy.deepcopy(policy).eval(), copy.deepcopy(draft) if draft is not None else None
-    if tp:  # TP (+ AC) (+ FSDP) over a transient whole copy (tp_copy says why); pp, cp and compile are refused
-        # with tp (derive.check_parallel)
+    if tp:  # TP (+ AC) (+ FSDP) over a transient whole copy (tp_copy says why); pp and compile are refused with tp
+        # (derive.check_parallel)
         ac = apply_activation_checkpointing if cfg.train.activation_checkpointing else None
         policy = tp_copy(policy, mesh.tp_mesh, mesh.fsdp_mesh if sharded else None, prepare=ac, mp_policy=mp).train()
     elif sharded and mesh.pp == 1:  # the trainer's shards cut straight from `policy`: no whole copy in between
