@@ -306,6 +306,24 @@ def _rl_worker(rank, world, tmp, dp_shard, cp=1):
     run = lambda d, **kw: run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / d,  # noqa: E731
                                   progress=False, mesh=mesh, **kw)
     _resumes_exactly(run, rows, flat, _flat, rank)
+    if dp_shard == 0 and cp == 1:
+        # a TP checkpoint resumed without TP: refused by name (its projections are unfused)
+        from specco.train.checkpoint import CheckpointError
+        with pytest.raises(CheckpointError, match=r"saved at parallel.tp > 1 .* cannot be resumed at parallel.tp = 1"):
+            run_arm(_cfg(tmp, "parallel.dp=2", *EXTRA), "cotrained", policy, draft, DigitTask(), tok, tmp / "a",
+                    progress=False, mesh=Mesh.build(2, 1))
+        # the measurements (plain baseline: the updates rerun from copies of the TP state; frozen shadow) and
+        # on_nonfinite=skip's copy leave the arm's trajectory as it is (test_rl_fsdp's check)
+        runs = {}
+        for name, hooks in (("with", ("plain_baseline=[cotrained]", "frozen_shadow=[cotrained]")), ("without", ())):
+            cfg_m = _cfg(tmp, *layout, *EXTRA, "rollout.sampler=coupled", "rollout.spec_control=on",
+                         "train.on_nonfinite=skip", *hooks)
+            runs[name] = {}
+            runs[name]["rows"] = run_arm(cfg_m, "cotrained", policy, draft, DigitTask(), tok, tmp / name,
+                                         progress=False, mesh=mesh, state_out=runs[name])
+        assert "time/rollout_plain" in runs["with"]["rows"][0]
+        assert [r["policy/loss"] for r in runs["with"]["rows"]] == [r["policy/loss"] for r in runs["without"]["rows"]]
+        assert torch.equal(_flat(runs["with"]["state"]), _flat(runs["without"]["state"]))
     _replay(rank, mesh, cfg_extra=EXTRA, arm="cotrained", policy=policy, draft=draft, tok=tok, tmp=tmp, rows=rows,
             rec=rec, flat=flat)
 
