@@ -365,3 +365,21 @@ def test_tp_size_is_checked():
     from specco.config import ParallelSpec
     with pytest.raises(ConfigError, match="parallel.tp=0: must be >= 1"):
         ParallelSpec(tp=0)
+
+
+def test_unfuse_linears_is_the_same_function_and_state_dict():
+    """layers.unfuse_linears (what apply_tp starts with) on one process: the same forward in fp64, the same
+    state-dict keys and tensors (HF's parts), loadable both ways."""
+    from specco.model.layers import unfuse_linears
+    fused, _ = _models("eagle3")
+    split, _ = _models("eagle3")
+    for layer in split.layers.values():
+        unfuse_linears(layer.self_attn, "qkv_proj")
+        unfuse_linears(layer.mlp, "gate_up_proj")
+    ids = torch.randint(0, V, (2, 9))
+    torch.testing.assert_close(split(ids).logits, fused(ids).logits, rtol=1e-12, atol=1e-14)
+    a, b = fused.state_dict(), split.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert "layers.0.self_attn.q_proj.weight" in b and "layers.0.mlp.up_proj.weight" in b
+    split.load_state_dict(a)  # HF parts into the unfused model (no concatenation: the hook stands aside)
+    fused.load_state_dict(b)  # and back into the fused one
