@@ -388,8 +388,9 @@ class ParallelSpec:
     cp: int = 1
     pp: int = 1
     # tensor parallelism of the trainer's policy (parallel/tp.py): its decoder layers' projections column / row
-    # sharded over tp ranks, which hold the same tokens; the draft, embedding and head stay whole on every rank.
-    # The innermost mesh axis; the world is pp × dp × cp × tp. The rollout engine is not tensor-parallel
+    # sharded over tp ranks, which hold the same tokens, and its head's vocabulary rows (logits gathered); the draft
+    # and the embedding stay whole on every rank. The innermost mesh axis; the world is pp × dp × cp × tp. The
+    # rollout engine is not tensor-parallel
     tp: int = 1
     backend: str = "auto"  # auto -> nccl on CUDA, gloo on CPU
     # seconds any wait of the process group may last (a collective, its start-up) before the rank raises, so a rank

@@ -14,7 +14,8 @@ MLP width):
     gate_proj, up_proj       column-parallel  I/tp rows each
     down_proj                row-parallel     Shard(1); the output all-reduced
     q_norm, k_norm (Qwen3)   replicated DTensors; the input seen as Shard(2) (the heads dim), see below
-    input / post-attention norms, the embedding, the final norm, lm_head: plain, replicated (below)
+    input / post-attention norms, the embedding, the final norm: plain, replicated
+    lm_head                  column-parallel over the vocabulary, its logits all-gathered (below)
 
 So a layer's forward costs two all-reduces of (B, S, h) (after o_proj and after down_proj) and its backward two
 (the gradients flowing into q/k/v and gate/up, whose input is replicated). Between them every rank holds its heads'
@@ -44,18 +45,25 @@ else would: the weight is not a DTensor and its inputs are local). As torchtitan
 `SequenceParallel(sequence_dim=2)` modules: their weight becomes a Replicate DTensor and their input is declared
 Shard(2) (the heads), so DTensor's autograd turns the partial gradient into the sum. (A test drops this and fails.)
 
-**Embedding and lm_head: replicated.** Every rank holds them whole and computes the whole (B, S, V) logits. Why,
-and what it costs: the four consumers of full-vocabulary rows (issue 37's list) — the policy's token log-probs
-(`train/losses.token_logprobs`), the EAGLE-3 teacher's softmax / gather / argmax over the draft vocabulary, the
-block drafters reading the live `lm_head.weight` and `embed_tokens` rows, the engine's sampling and verification —
-then read the tensors they read at tp = 1 and need neither a loss-parallel form nor a gather; the draft's teacher
-and taps are the same on every tp rank, so the draft (replicated, parallel/fsdp.py says why) trains identically on
-every rank with no all-reduce over tp. The price is compute and memory: at Qwen3-8B's shapes (h 4096, 36 layers,
-V 151,936) the head is 0.62 B of 8.19 B parameters and 2·h·V = 1.24 GFLOP per token of the forward against the
-layers' ~14.9 GFLOP; at tp 8 a rank does 1.9 GFLOP of layers and the whole 1.24 GFLOP of head per token (40% of its
-forward), and holds the head and the embedding whole (2 × 0.62 B, sharded only by FSDP). A vocabulary-parallel head
-(ColwiseParallel with Shard(-1) logits under `loss_parallel`) removes both; it needs each of those four consumers
-in a loss-parallel form (a max / logsumexp / gather as reductions over the tp group), which is the next step here.
+**The head: vocabulary rows sharded, logits gathered; the embedding replicated.** lm_head is ColwiseParallel with a
+Replicate output: each rank holds V/tp rows of the head (its weight, gradient and AdamW moments / tp) and computes
+those logits (the head's FLOPs / tp), then the logits are all-gathered, so every rank holds the whole (B, S, V)
+logits as at tp = 1. That is the explicit gather the four readers of full-vocabulary rows (issue 37's list) need:
+the policy's token log-probs (`train/losses.token_logprobs`), the EAGLE-3 teacher's softmax / gather / argmax over
+the draft vocabulary and the block drafters' teacher read the gathered logits unchanged; the block drafters' own
+logits through the live head gather its weight (`train/drafters`, detached, once per micro-batch); the engine holds
+its whole copy. Its backward needs no communication beyond the usual all-reduce of the input's gradient (each rank
+takes its columns of the logits' gradient). Why not loss-parallel (logits left Shard(-1), every reader a reduction
+over tp: a max / logsumexp / target gather for the log-probs, the same per teacher): it saves the gather's bytes,
+tokens × V per micro-batch (8K tokens × 151,936 × 2 B = 2.5 GB in bf16, ~6 ms over NVLink), and the whole logits'
+memory on each rank, but needs every reader rewritten in that form, the EAGLE-3 teacher's draft-vocabulary subset
+and the block drafters' full-vocabulary soft targets included; it is the next step. Why not replicated: at Qwen3-8B's
+shapes (h 4096, 36 layers, V 151,936) the head is 0.62 B of 8.19 B parameters and 2·h·V = 1.24 GFLOP per token
+against the layers' ~14.9; at tp 8 a rank would do 1.9 GFLOP of layers and the whole 1.24 of head per token (40% of
+its forward) and hold the head whole. The embedding stays replicated (a lookup: no FLOPs to split; a vocabulary-
+parallel one needs a masked lookup and an all-reduce of (B, S, h)); a head tied to it (tie_word_embeddings) stays
+replicated with it. Every rank thus sees the same taps and teacher, so the draft (replicated, parallel/fsdp.py says
+why) trains identically on every tp rank with no all-reduce over tp.
 
 **No sequence parallelism yet.** The residual stream, hence the taps the draft reads and the norms' inputs, is
 replicated over tp: the taps reach the draft unsharded by construction. SP (norms on Shard(1) activations,
@@ -66,6 +74,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
@@ -94,8 +103,8 @@ def layer_plan(qk_norm: bool) -> dict:
 
 def apply_tp(policy: nn.Module, tp_mesh: DeviceMesh, *, plan: dict | None = None) -> nn.Module:
     """Shard a Policy (or a pipeline stage of one) in place over `tp_mesh` (`Mesh.tp_mesh`, 1-D): each decoder
-    layer's projections unfused and column / row-parallel, its local head counts set (module docstring). The
-    embedding, norms and head stay plain (replicated). Call it on the plain model BEFORE activation checkpointing
+    layer's projections unfused and column / row-parallel, its local head counts set, the head's vocabulary rows
+    sharded with its logits gathered (module docstring). The embedding and norms stay plain (replicated). Call it on the plain model BEFORE activation checkpointing
     and FSDP (torchtitan's order), and before building the optimizer (the parameters become DTensors). A
     collective over tp_mesh (distribute_tensor broadcasts nothing but checks nothing either: every rank must hold
     the same weights, which the callers' copies of one starting policy do). `plan`: the layers' plan (default
@@ -107,6 +116,11 @@ def apply_tp(policy: nn.Module, tp_mesh: DeviceMesh, *, plan: dict | None = None
         if n % tp:  # a boundary: the config check refuses it first (derive.check_parallel), this is the backstop
             raise ValueError(f"tensor parallelism over {tp} ranks: policy {name}={n} is not a multiple of {tp}")
     plan = layer_plan(cfg.qk_norm) if plan is None else plan
+    head = policy.lm_head
+    if head is not None and head.weight is not getattr(policy.embed_tokens, "weight", None):  # a tied head stays
+        # replicated with its embedding (module docstring)
+        # (a vocabulary tp does not divide is cut as torch.chunk cuts: the tests' 61 tokens are 31 + 30 rows)
+        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
     for layer in policy.layers.values():
         attn, mlp = layer.self_attn, layer.mlp
         unfuse_linears(attn, "qkv_proj")

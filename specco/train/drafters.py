@@ -27,6 +27,7 @@ import functools
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..batch import TrainBatch
 from ..model.dflash import BlockDraft, slot_weights
@@ -120,8 +121,14 @@ class _Block:
         mask_emb = policy.embed_tokens.weight[draft.cfg.mask_id].detach()
         return block_draft_loss(draft, out.taps.aux[rows], out.taps.embed[rows], out.logits[rows],
                                 batch.tokens[rows], draft_mask(batch)[rows], _positions(batch)[rows],
-                                policy.lm_head.weight, mask_emb, denominator,
+                                _whole(policy.lm_head.weight), mask_emb, denominator,
                                 chunk=max(1, cfg.loss_chunk // draft.cfg.gamma), plan=self._plan(layout.block))
+
+
+def _whole(weight: torch.Tensor) -> torch.Tensor:
+    """The policy's head weight whole and detached: gathered from its vocabulary shards under tensor parallelism
+    (parallel/tp.py, an all-gather over tp), as it is otherwise (a plain tensor; under FSDP its unsharded one)."""
+    return weight.detach().full_tensor() if isinstance(weight, DTensor) else weight
 
 
 EAGLE3, BLOCK = _Eagle3(), _Block()
