@@ -138,6 +138,9 @@ def _cotrain_worker(rank, world, kind, dp_shard, mutation, cp=1, ac=False):
     dp = world // (2 * cp)
     mesh = Mesh.build(dp=dp, cp=cp, dp_shard=dp_shard or 1, tp=2, backend="gloo")
     assert mesh.tp_rank == rank % 2 and mesh.dp_rank == rank // (2 * cp)  # tp innermost
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x, group=mesh.grad_group)  # the dp × cp ranks of MY tp rank: rank % 2 + 2k
+    assert x.item() == sum(r for r in range(world) if r % 2 == rank % 2), x
     cfg = CFG
     if cp == 1:  # rows split over dp
         full = [F._dp_batch(7), F._dp_batch(8)]

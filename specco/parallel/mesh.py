@@ -19,7 +19,7 @@ stages are the outermost dimension (they may sit on different nodes: only activa
 
     cp_group    ranks with the same (pp, dp, tp)    ring attention, CP shift, sharing a DP group's rollouts
     dp_group    ranks with the same (pp, cp, tp)    metrics of the DP replicas
-    pp_group    ranks with the same (dp, cp)        the pipeline schedule's point-to-point traffic
+    pp_group    ranks with the same (dp, cp, tp)    the pipeline schedule's point-to-point traffic
     grad_group  the dp × cp ranks of one stage      gradient sums and loss counts (CP ranks hold disjoint tokens)
                 and one tp rank
     tp_group    ranks with the same (pp, dp, cp)    tensor parallelism (parallel/tp.py, via tp_mesh); sharing rollouts
