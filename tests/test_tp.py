@@ -5,8 +5,8 @@ batches), the policy with FUSED qkv / gate-up projections as it trains at tp = 1
 `apply_tp` (each projection unfused and column / row sharded, local head counts, the head's 61 vocabulary rows cut
 31 + 30 with its logits gathered), AdamW on the DTensors, `grad_syncs` (the all-reduce over the dp ranks of one tp
 rank, or FSDP's reduce-scatter); also tp 2 × dp_shard 2 (TP then FSDP2: 2-D (fsdp, tp) DTensors), tp 2 × cp 2 (the
-sequences packed and zigzagged over the cp group, ring attention on the local heads) and tp 2 with activation
-checkpointing. The policy is Qwen2/3-flavoured (q/k norm AND qkv bias, non-unit norms) so that every placement is
+sequences packed and zigzagged over the cp group, ring attention on the local heads), pp 2 × tp 2 (each stage cut,
+then TP'd; 1F1B and the TapChannel per tp rank) and tp 2 with activation checkpointing. The policy is Qwen2/3-flavoured (q/k norm AND qkv bias, non-unit norms) so that every placement is
 exercised: the sharded bias rows, the q/k norms' replicated weights whose gradient is a sum over the ranks' heads.
 Compared after each step: both losses, both grad norms, the draft's statistics, every clipped gradient; after the
 second step every parameter — the TP tensors gathered with `full_tensor()` and the parts concatenated back into
@@ -32,7 +32,8 @@ Mutations (test_tp_mutations_fail): the same comparison must FAIL for each of th
                       summed over tp (a missing gradient all-reduce; the forward is right at step 1: gradients
                       2.9e-4, parameters 3.7e-3 off).
 
-RL loop: two RL steps of the co-trained EAGLE-3 arm at tp 2, tp 2 × dp_shard 2 and tp 2 × cp 2 (the demo's tiny
+RL loop (pp 2 × tp 2: as tests/test_rl_pp.py, against each rank's own single-process run, with a resume): two
+RL steps of the co-trained EAGLE-3 arm at tp 2, tp 2 × dp_shard 2 and tp 2 × cp 2 (the demo's tiny
 policy, fp64, PPO 2 × 2 with a KL reference tensor-parallel like the trainer), every rank recording its rollouts;
 rank 0 replays them on one process (`train_on_rollouts`) as tests/test_rl_fsdp.py does: losses, grad norms, PPO
 statistics and every parameter after both steps (rtol 1e-9, atol 1e-10; measured 3.5e-14 at most), each rank's
@@ -226,6 +227,49 @@ def test_tp2_cp2_cotrain_equals_single_process(kind):
     spawn_local(_cotrain_worker, 4, kind, 0, None, 2)
 
 
+def _pp_worker(rank, world, kind):
+    """pp 2 × tp 2: each stage cut, then tensor-parallel over its 2 tp ranks; 1F1B over the stages (each tp rank
+    of a stage exchanging its replicated activations with the same tp rank of the next), the draft replicated on
+    the last stage fed by the TapChannel (one channel per tp rank); against the unsplit single-process step."""
+    from specco.parallel.pipeline import PipeComm, split_stage, stage_layer_ranges
+    from specco.parallel.taps import TapChannel, TapSpec
+    from specco.train.cotrain import build_optimizer, cotrain_step
+    pp = 2
+    mesh = Mesh.build(pp=pp, tp=2, backend="gloo")
+    s, last = mesh.pp_rank, mesh.pp_rank == pp - 1
+    assert (s, mesh.tp_rank) == divmod(rank, 2)
+    policy, draft = _models(kind)
+    full = [F._dp_batch(7), F._dp_batch(8)]
+    ref_hist, ref_params = _steps(*_models(kind), [(b, {}) for b in full])
+    stage = apply_tp(split_stage(policy, pp, s), mesh.tp_mesh)
+    d = draft if last else None
+    opt = build_optimizer(stage, d, F.LR, F.DRAFT_LR)
+    aux = draft.cfg.aux_layer_ids
+    spec = TapSpec.for_stages(stage_layer_ranges(policy.cfg.num_layers, pp), aux, policy.cfg.hidden_size,
+                              torch.float64, CFG.micro_batch_rows * full[0].tokens.shape[1])
+    ch = TapChannel(spec, mesh.tap_group, slots=pp + 1, timeout_s=60)
+    named = [(f"policy.{n}", p) for n, p in stage.named_parameters()] + \
+        ([(f"draft.{n}", p) for n, p in d.named_parameters()] if last else [])
+    for step, (batch, (m_ref, g_ref)) in enumerate(zip(full, ref_hist), start=1):
+        m = cotrain_step(stage, d, batch, opt, None, CFG, pipe=PipeComm(mesh.pp_group), taps=ch, tap_layers=aux,
+                         step=step, grad_group=mesh.grad_group, grad_sync=grad_syncs(stage, mesh.grad_group))
+        losses = torch.tensor([m["policy/loss"], m["draft/loss"]], dtype=torch.float64)
+        dist.all_reduce(losses, group=mesh.grad_group)  # a group of one here: each stage's own share
+        ref = torch.tensor([m_ref["policy/loss"], m_ref["draft/loss"]], dtype=torch.float64)
+        assert ((losses - ref).abs() <= TOL["rtol"] * ref.abs()).all(), (losses, ref)
+        for k in ("policy/grad_norm", "draft/grad_norm"):  # the policy's over both stages' shards
+            assert abs(m[k] - m_ref[k]) <= TOL["rtol"] * m_ref[k], (k, m[k], m_ref[k])
+        grads = _fused({n: F._full(p.grad) for n, p in named if p.grad is not None})
+        for n, g in grads.items():
+            torch.testing.assert_close(g, g_ref[n], **TOL, msg=lambda e: f"stage {s} grad {n}: {e}")
+    for n, p in _fused({n: F._full(p.detach()) for n, p in named}).items():
+        torch.testing.assert_close(p, ref_params[n], **TOL, msg=lambda e: f"stage {s} {n}: {e}")
+
+
+def test_pp2_tp2_cotrain_equals_single_process():
+    spawn_local(_pp_worker, 4, "eagle3")
+
+
 def _bf16_worker(rank, world, kind, dp_shard):
     """bf16 autocast over fp32 masters (and under FSDP its bf16 gathers, fp32 reductions: trainer.make_arm's mixed
     precision) at tp 2 against the single-process autocast step; tolerances derived in tests/test_fsdp.py.
@@ -341,6 +385,51 @@ def _rl_worker(rank, world, tmp, dp_shard, cp=1):
             rec=rec, flat=flat)
 
 
+def _rl_pp_worker(rank, world, tmp):
+    """pp 2 × tp 2 in the RL loop (test_rl_pp's check): every rank's own single-process run on the same data and
+    sampler is the reference; the same rollouts, metrics, and every stage parameter (gathered, fused names) after
+    two steps with PPO 2 × 2, a KL reference and a resume from the step-1 checkpoint."""
+    from pathlib import Path
+
+    from test_grpo import DigitTask
+    from test_rl_cp import _cfg, _close, _models as rl_models
+    from specco.runner.rl import run_arm
+    tmp = Path(tmp)
+    tok, policy, draft = rl_models()
+    extra = ("rollout.prompts_per_step=4", "train.ppo_epochs=2", "train.minibatches=2", "train.kl_coef=0.1",
+             "train.checkpoint_every=1")
+    ref_state, ref_rec = {}, []
+    ref = run_arm(_cfg(tmp, *extra), "cotrained", policy, draft, DigitTask(), tok, tmp / f"ref{rank}", progress=False,
+                  state_out=ref_state, record=ref_rec)
+    mesh = Mesh.build(pp=2, tp=2, backend="gloo")
+    cfg = _cfg(tmp, "parallel.pp=2", "parallel.tp=2", *extra)
+    st, rec = {}, []
+    run = lambda **kw: run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / "pp", progress=False,  # noqa
+                               mesh=mesh, record=rec, **kw)
+    rows = run(stop_after=1) + run(state_out=st)  # one step, "crash", resume from its checkpoint
+    assert [a.pairs for a in rec] == [b.pairs for b in ref_rec]  # the same rollouts, step 2 from the refit engine
+    for r, q in zip(rows, ref):
+        for k in ("policy/loss", "policy/ratio_mean", "policy/kl"):
+            _close(r[k], q[k], k, 1e-6)
+        for k in ("draft/loss", "policy/grad_norm", "draft/grad_norm", "draft/tokens"):
+            _close(r[k], q[k], k)
+    s = st["state"]
+    assert isinstance(s.policy.layers[next(iter(s.policy.layers))].mlp.down_proj.weight, DTensor)
+    got = _fused({f"policy.{n}": F._full(p.detach()) for n, p in s.policy.named_parameters()})
+    if s.draft is not None:
+        got.update({f"draft.{n}": p.detach() for n, p in s.draft.named_parameters()})
+    want = {f"policy.{n}": p.detach() for n, p in ref_state["state"].policy.named_parameters()}
+    want.update({f"draft.{n}": p.detach() for n, p in ref_state["state"].draft.named_parameters()})
+    assert got and ("draft.fc.weight" in got) == (mesh.pp_rank == 1)
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-9, atol=1e-10, msg=k)
+
+
+@pytest.mark.slow  # 4 processes, each with its own single-process reference run
+def test_rl_loop_pp2_tp2_equals_single_process(tmp_path):
+    spawn_local(_rl_pp_worker, 4, str(tmp_path))
+
+
 def test_rl_loop_tp2_equals_single_process(tmp_path):
     spawn_local(_rl_worker, 2, str(tmp_path), False)
 
@@ -358,7 +447,6 @@ def test_rl_loop_tp2_cp2_equals_single_process(tmp_path):
 # -- what is refused -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, world, command, match", [
-    (("parallel.pp=2",), 4, "train", r"parallel.tp=2 with parallel.pp=2: tensor × pipeline"),
     (("train.compile=aot_eager",), 2, "train", r"train.compile='aot_eager' with parallel.tp=2"),
     (("policy.num_kv_heads=1",), 2, "train", r"policy.num_kv_heads=1 is not a multiple"),
     ((), 2, "cotrain-cp", r"tensor parallelism runs in `specco train` only"),

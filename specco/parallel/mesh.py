@@ -173,9 +173,6 @@ class Mesh:
         if dp % dp_shard:
             raise ValueError(f"parallel.dp={dp} is not a multiple of parallel.dp_shard={dp_shard} "
                              "(dp = dp_replicate × dp_shard)")
-        if pp > 1 and tp > 1:  # the stage groups below are cut from a (pp, dp, cp) grid; config refuses it first
-            raise ValueError(f"parallel.pp={pp} with parallel.tp={tp}: pipeline × tensor parallelism is not "
-                             "implemented; set one of them to 1")
         rep = dp // dp_shard
         backend = init_distributed(backend, timeout_s)
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -191,21 +188,23 @@ class Mesh:
         fsdp_mesh = stage._unflatten(0, (rep, dp_shard * cp), ("dp_replicate", "fsdp"))  # (rep, dp_shard · cp)
         if rep == 1:  # plain FSDP: a 2-D mesh would make FSDP all-reduce over a group of one
             fsdp_mesh = fsdp_mesh["fsdp"]
-        grid = dm.mesh.reshape(pp, dp, cp * tp)  # global ranks; (rep, dp_shard) -> dp row-major, as dp_mesh (tp
-        # is 1 whenever the grid is read: pp > 1)
+        grid = dm.mesh.reshape(pp, dp, cp, tp)  # global ranks; (rep, dp_shard) -> dp row-major, as dp_mesh
         # one stage's dp × cp ranks of one tp rank: the whole world only without pp and tp
         grad_group = dist.group.WORLD if pp == tp == 1 else stage.get_group() if pp == 1 else None
         tap_group = None
         if pp > 1:  # new_group is collective: every rank creates every group, in the same order
+            me = (dm.get_local_rank("pp"), dp_mesh.get_local_rank(), dm.get_local_rank("cp"), dm.get_local_rank("tp"))
             for s in range(pp):
-                g = dist.new_group(grid[s].flatten().tolist())
-                if dm.get_local_rank("pp") == s:
-                    grad_group = g
+                for t in range(tp):
+                    g = dist.new_group(grid[s, :, :, t].flatten().tolist())
+                    if (me[0], me[3]) == (s, t):
+                        grad_group = g
             for d in range(dp):
                 for c in range(cp):
-                    g = dist.new_group(grid[:, d, c].tolist())
-                    if (dp_mesh.get_local_rank(), dm.get_local_rank("cp")) == (d, c):
-                        tap_group = g
+                    for t in range(tp):
+                        g = dist.new_group(grid[:, d, c, t].tolist())
+                        if me[1:] == (d, c, t):
+                            tap_group = g
         return cls(pp, dp, cp, rank, backend, dm, dm["cp"].get_group(), dp_mesh.get_group(), dm["pp"].get_group(),
                    grad_group, tap_group, dp_shard, dp_mesh, fsdp_mesh, tp, dm["tp"].get_group(), dm["tp"])
 

@@ -2,9 +2,15 @@
 `apply_tp`, gpt-fast's `tp.py`): DTensor `parallelize_module` over the `tp` axis of the mesh.
 
     mesh = Mesh.build(dp=2, dp_shard=2, tp=2)
-    apply_tp(policy, mesh.tp_mesh)            # TP first ...
+    policy = split_stage(policy, pp, s)       # (under PP the stage is cut first)
+    apply_tp(policy, mesh.tp_mesh)            # TP ...
+    apply_activation_checkpointing(policy)    # (optional) ...
     apply_fsdp(policy, mesh.fsdp_mesh)        # ... then FSDP over the dp_shard × cp ranks: 2-D (fsdp, tp) DTensors
     opt = build_optimizer(policy, draft, ...)
+
+torchtitan's order. Context parallelism needs nothing here (the ring attention runs on the rank's local heads);
+under pipeline parallelism each tp rank of a stage talks to the same tp rank of the neighbouring stages (the
+residual stream and the taps are replicated over tp), on groups parallel/mesh.py builds per tp rank.
 
 What each of the tp ranks holds, per decoder layer (Megatron's split; h hidden, H / Hkv query / kv heads, I the
 MLP width):

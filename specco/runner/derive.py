@@ -150,12 +150,9 @@ def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
 
 def _check_tp(cfg: RunConfig) -> None:
     """What tensor parallelism (parallel.tp, parallel/tp.py) is not wired into, refused by name with the fix: it
-    is tested (tests/test_tp.py) alone and with FSDP, context parallelism and activation checkpointing, in fp64 and
-    bf16 autocast, without compile."""
+    is tested (tests/test_tp.py) alone and with FSDP, context and pipeline parallelism and activation checkpointing,
+    in fp64 and bf16 autocast, without compile."""
     p, off = cfg.parallel, "or set parallel.tp=1"
-    if p.pp > 1:  # the pipeline's stage groups and tap channel are cut from a (pp, dp, cp) grid (parallel/mesh.py)
-        raise ConfigError(f"parallel.tp={p.tp} with parallel.pp={p.pp}: tensor × pipeline parallelism is not "
-                          f"implemented; set parallel.pp=1 {off}")
     if cfg.train.compile != "none":
         raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.tp={p.tp}: compiling the "
                           f"tensor-parallel layers is not wired; set train.compile=none {off}")
