@@ -1,16 +1,17 @@
 """Tensor parallelism of the trainer (parallel/tp.py) on gloo == one process.
 
-Co-training step. Reference: `cotrain_step` on one process over the whole batch, two optimizer steps (two
-batches), the policy with FUSED qkv / gate-up projections as it trains at tp = 1. Under test: `Mesh.build(tp=2)`,
-`apply_tp` (each projection unfused and column / row sharded, local head counts, the head's 61 vocabulary rows cut
-31 + 30 with its logits gathered), AdamW on the DTensors, `grad_syncs` (the all-reduce over the dp ranks of one tp
-rank, or FSDP's reduce-scatter); also tp 2 × dp_shard 2 (TP then FSDP2: 2-D (fsdp, tp) DTensors), tp 2 × cp 2 (the
-sequences packed and zigzagged over the cp group, ring attention on the local heads), pp 2 × tp 2 (each stage cut,
-then TP'd; 1F1B and the TapChannel per tp rank) and tp 2 with activation checkpointing. The policy is Qwen2/3-flavoured (q/k norm AND qkv bias, non-unit norms) so that every placement is
-exercised: the sharded bias rows, the q/k norms' replicated weights whose gradient is a sum over the ranks' heads.
-Compared after each step: both losses, both grad norms, the draft's statistics, every clipped gradient; after the
-second step every parameter — the TP tensors gathered with `full_tensor()` and the parts concatenated back into
-the fused layout the reference holds — and the draft bit for bit equal on the tp ranks. Co-trained EAGLE-3 and DFlash.
+Co-training step. Reference: `cotrain_step` on one process over the whole batch, two optimizer steps (two batches),
+the policy with FUSED qkv / gate-up projections as it trains at tp = 1. Under test: `Mesh.build(tp=2)`, `apply_tp`
+(each projection unfused and column / row sharded, local head counts, the head's 61 vocabulary rows cut 31 + 30 with
+its logits gathered), AdamW on the DTensors, `grad_syncs` (the all-reduce over the dp ranks of one tp rank, or FSDP's
+reduce-scatter); also tp 2 × dp_shard 2 (TP then FSDP2: 2-D (fsdp, tp) DTensors), tp 2 × cp 2 (the sequences packed
+and zigzagged over the cp group, ring attention on the local heads), pp 2 × tp 2 (each stage cut, then TP'd; 1F1B and
+the TapChannel per tp rank) and tp 2 with activation checkpointing. The policy is Qwen2/3-flavoured (q/k norm AND qkv
+bias, non-unit norms) so that every placement is exercised: the sharded bias rows, the q/k norms' replicated weights
+whose gradient is a sum over the ranks' heads. Compared after each step: both losses, both grad norms, the draft's
+statistics, every clipped gradient; after the second step every parameter — the TP tensors gathered with
+`full_tensor()` and the parts concatenated back into the fused layout the reference holds — and the draft bit for bit
+equal on the tp ranks. Co-trained EAGLE-3 and DFlash.
 
 Tolerance (fp64): rtol 1e-9, atol 1e-12, the DP / CP / FSDP tests' own: the same arithmetic in other summation
 orders (a row-parallel matmul's two partial sums all-reduced vs one dot product; q/k/v as three GEMMs vs one;

@@ -108,13 +108,14 @@ def layer_plan(qk_norm: bool) -> dict:
 
 
 def apply_tp(policy: nn.Module, tp_mesh: DeviceMesh, *, plan: dict | None = None) -> nn.Module:
-    """Shard a Policy (or a pipeline stage of one) in place over `tp_mesh` (`Mesh.tp_mesh`, 1-D): each decoder
-    layer's projections unfused and column / row-parallel, its local head counts set, the head's vocabulary rows
-    sharded with its logits gathered (module docstring). The embedding and norms stay plain (replicated). Call it on the plain model BEFORE activation checkpointing
-    and FSDP (torchtitan's order), and before building the optimizer (the parameters become DTensors). A
-    collective over tp_mesh (distribute_tensor broadcasts nothing but checks nothing either: every rank must hold
-    the same weights, which the callers' copies of one starting policy do). `plan`: the layers' plan (default
-    `layer_plan`; tests/test_tp.py passes broken ones and checks that they fail). Returns `policy`."""
+    """Shard a Policy (or a pipeline stage of one) in place over `tp_mesh` (`Mesh.tp_mesh`, 1-D): each decoder layer's
+    projections unfused and column / row-parallel, its local head counts set, the head's vocabulary rows sharded with
+    its logits gathered (module docstring). The embedding and norms stay plain (replicated). Call it on the plain
+    model BEFORE activation checkpointing and FSDP (torchtitan's order), and before building the optimizer (the
+    parameters become DTensors). A collective over tp_mesh (distribute_tensor broadcasts nothing but checks nothing
+    either: every rank must hold the same weights, which the callers' copies of one starting policy do). `plan`: the
+    layers' plan (default `layer_plan`; tests/test_tp.py passes broken ones and checks that they fail). Returns
+    `policy`."""
     tp = tp_mesh.size()
     cfg = policy.cfg
     for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),

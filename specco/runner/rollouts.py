@@ -175,8 +175,8 @@ def generates(mesh: Mesh | None) -> bool:
 def from_generator(obj, mesh: Mesh | None):
     """`obj` as the generating rank of this rank's DP group holds it (`generates`), on every rank of the group:
     stage 0 -> the other stages' CP rank 0 (pipeline group), then each CP group from its rank 0 (among tp rank 0s),
-    then each tp group from its rank 0. Other ranks
-    pass anything (None). A collective over those groups: every rank of them calls it."""
+    then each tp group from its rank 0. Other ranks pass anything (None). A collective over those groups: every
+    rank of them calls it."""
     if mesh is not None and mesh.pp > 1 and mesh.cp_rank == 0:
         box = [obj]
         dist.broadcast_object_list(box, group=mesh.pp_group, group_src=0)
