@@ -392,6 +392,9 @@ class ParallelSpec:
     # and the embedding stay whole on every rank. The innermost mesh axis; the world is pp × dp × cp × tp. The
     # rollout engine is not tensor-parallel
     tp: int = 1
+    # ... with sequence parallelism (parallel/tp.py): the residual stream and the norms cut along the sequence between
+    # the blocks (activations / tp; micro-batch widths rounded up to a multiple of tp). Needs tp > 1; not with cp or pp
+    tp_sequence_parallel: bool = False
     backend: str = "auto"  # auto -> nccl on CUDA, gloo on CPU
     # seconds any wait of the process group may last (a collective, its start-up) before the rank raises, so a rank
     # whose peer is stuck fails and torchrun --max-restarts can restart the job (parallel/mesh.py). The other ranks
@@ -407,6 +410,8 @@ class ParallelSpec:
         for n in ("dp", "dp_shard", "dp_replicate"):
             _check(getattr(self, n) >= 0, f"parallel.{n}={getattr(self, n)}: must be >= 1 (or 0: derived)")
         _check(self.backend in ("auto", "gloo", "nccl"), "parallel.backend: auto, gloo or nccl")
+        _check(not self.tp_sequence_parallel or self.tp > 1, "parallel.tp_sequence_parallel=true needs "
+               f"parallel.tp > 1 (it is {self.tp}): set parallel.tp or drop parallel.tp_sequence_parallel")
         dp, shard, rep = self.dp, self.dp_shard, self.dp_replicate
         if shard and rep:
             _check(not dp or dp == rep * shard,

@@ -6,7 +6,8 @@ the policy with FUSED qkv / gate-up projections as it trains at tp = 1. Under te
 its logits gathered), AdamW on the DTensors, `grad_syncs` (the all-reduce over the dp ranks of one tp rank, or FSDP's
 reduce-scatter); also tp 2 × dp_shard 2 (TP then FSDP2: 2-D (fsdp, tp) DTensors), tp 2 × cp 2 (the sequences packed
 and zigzagged over the cp group, ring attention on the local heads), pp 2 × tp 2 (each stage cut, then TP'd; 1F1B and
-the TapChannel per tp rank) and tp 2 with activation checkpointing. The policy is Qwen2/3-flavoured (q/k norm AND qkv
+the TapChannel per tp rank), tp 2 with activation checkpointing, and tp 2 (× dp_shard 2) sequence-parallel (the
+residual stream and norms cut along the sequence, the taps gathered whole). The policy is Qwen2/3-flavoured (q/k norm AND qkv
 bias, non-unit norms) so that every placement is exercised: the sharded bias rows, the q/k norms' replicated weights
 whose gradient is a sum over the ranks' heads. Compared after each step: both losses, both grad norms, the draft's
 statistics, every clipped gradient; after the second step every parameter — the TP tensors gathered with
@@ -32,8 +33,10 @@ Mutations (test_tp_mutations_fail): the same comparison must FAIL for each of th
   qk_norm_plain       q_norm / k_norm left plain tensors: each rank's gradient is its own heads' share, never
                       summed over tp (a missing gradient all-reduce; the forward is right at step 1: gradients
                       2.9e-4, parameters 3.7e-3 off).
+  sp_norms_plain      under sequence parallelism, the layers' RMSNorm weights left plain: each rank's gradient is
+                      its own tokens' share (the same missing sum over the sequence instead of the heads).
 
-RL loop (pp 2 × tp 2: as tests/test_rl_pp.py, against each rank's own single-process run, with a resume): two
+RL loop (also tp 2 sequence-parallel; pp 2 × tp 2: as tests/test_rl_pp.py, against each rank's own single-process run, with a resume): two
 RL steps of the co-trained EAGLE-3 arm at tp 2, tp 2 × dp_shard 2 and tp 2 × cp 2 (the demo's tiny
 policy, fp64, PPO 2 × 2 with a KL reference tensor-parallel like the trainer), every rank recording its rollouts;
 rank 0 replays them on one process (`train_on_rollouts`) as tests/test_rl_fsdp.py does: losses, grad norms, PPO
@@ -41,11 +44,14 @@ statistics and every parameter after both steps (rtol 1e-9, atol 1e-10; measured
 engine refit with the gathered whole policy, a resume from the step-1 checkpoint bit for bit; at tp 2 also the
 measurement hooks and on_nonfinite=skip leaving the trajectory as it is, and a tp 2 checkpoint refused at tp 1.
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleOutput, RowwiseParallel,
+                                               parallelize_module)
 
 from specco.model.config import DraftConfig, PolicyConfig
 from specco.model.dflash import BlockDraft, BlockDraftConfig
@@ -125,9 +131,13 @@ def _mutate(policy, mesh, mutation):
         plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=Partial())
     elif mutation == "qk_norm_plain":
         del plan["self_attn.q_norm"], plan["self_attn.k_norm"]
+    elif mutation == "sp_norms_plain":  # sequence parallel, its norms' weights left plain: partial gradients
+        plan = layer_plan(qk_norm=True, sequence_parallel=True)
+        plan["input_layernorm"] = plan["post_attention_layernorm"] = PrepareModuleOutput(
+            output_layouts=Shard(1), desired_output_layouts=Shard(1), use_local_output=True)  # a no-op in its place
     else:
         raise ValueError(mutation)
-    apply_tp(policy, mesh, plan=plan)
+    apply_tp(policy, mesh, sequence_parallel=mutation == "sp_norms_plain", plan=plan)
 
 
 def _steps(policy, draft, batches, cfg=CFG, **kw):
@@ -136,17 +146,18 @@ def _steps(policy, draft, batches, cfg=CFG, **kw):
     return [(m, _fused(g)) for m, g in hist], _fused(params)
 
 
-def _cotrain_worker(rank, world, kind, dp_shard, mutation, cp=1, ac=False):
+def _cotrain_worker(rank, world, kind, dp_shard, mutation, cp=1, ac=False, sp=False):
     dp = world // (2 * cp)
     mesh = Mesh.build(dp=dp, cp=cp, dp_shard=dp_shard or 1, tp=2, backend="gloo")
     assert mesh.tp_rank == rank % 2 and mesh.dp_rank == rank // (2 * cp)  # tp innermost
     x = torch.tensor([float(rank)])
     dist.all_reduce(x, group=mesh.grad_group)  # the dp × cp ranks of MY tp rank: rank % 2 + 2k
     assert x.item() == sum(r for r in range(world) if r % 2 == rank % 2), x
-    cfg = CFG
+    # sequence parallel: every micro-batch's width a multiple of tp (derive.step_config), in the reference too
+    cfg = dataclasses.replace(CFG, width_multiple=2) if sp else CFG
     if cp == 1:  # rows split over dp
         full = [F._dp_batch(7), F._dp_batch(8)]
-        ref_hist, ref_params = _steps(*_models(kind), [(b, {}) for b in full])
+        ref_hist, ref_params = _steps(*_models(kind), [(b, {}) for b in full], cfg)
         h = B // dp
         local = [(b.rows(mesh.dp_rank * h, (mesh.dp_rank + 1) * h), {}) for b in full]
     else:  # the dp rank's sequences packed into one row, zigzagged over its cp group (test_fsdp's cp layout)
@@ -166,12 +177,17 @@ def _cotrain_worker(rank, world, kind, dp_shard, mutation, cp=1, ac=False):
     if mutation:
         _mutate(policy, mesh.tp_mesh, mutation)
     else:
-        apply_tp(policy, mesh.tp_mesh)
+        apply_tp(policy, mesh.tp_mesh, sequence_parallel=sp)
         attn = policy.layers["0"].self_attn
         assert attn.qkv_proj is None and (attn.num_heads, attn.num_kv_heads) == (2, 1)
         assert attn.q_proj.weight.to_local().shape == (2 * 8, 32)  # 2 local heads of 8
         assert attn.o_proj.weight.to_local().shape == (32, 2 * 8)
         assert policy.lm_head.weight.to_local().shape == ((31, 32) if mesh.tp_rank == 0 else (30, 32))  # V = 61 rows
+        if sp:  # the residual stream is this rank's half of the sequence; the taps come out whole
+            with torch.no_grad():
+                out = policy(full[0].tokens[:2], tap_layers=(0, 2, 3))
+            assert out.hidden.shape[1] == full[0].tokens.shape[1] // 2 and out.logits.shape[1] == full[0].tokens.shape[1]
+            assert out.taps.aux.shape[1] == out.taps.embed.shape[1] == full[0].tokens.shape[1]
     if ac:  # torchtitan's order: TP, activation checkpointing, FSDP
         apply_activation_checkpointing(policy)
     if dp_shard:
@@ -189,7 +205,8 @@ def _cotrain_worker(rank, world, kind, dp_shard, mutation, cp=1, ac=False):
     draft_same = torch.equal(both[0], both[1])  # asserted below (a broken recipe breaks it too)
     dev = F._deviations(hist, params, ref_hist, ref_params, mesh.grad_group)  # collective: before any assert
     if rank == 0:
-        print(f"tp 2 dp_shard {dp_shard} cp {cp} {'ac ' if ac else ''}{kind} {mutation or ''} max deviations:",
+        print(f"tp 2 dp_shard {dp_shard} cp {cp} {'ac ' if ac else ''}{'sp ' if sp else ''}{kind} {mutation or ''} "
+              "max deviations:",
               {k: f"{v:.2e}" for k, v in dev.items()})
     if mutation:  # the comparison must catch it: some deviation far outside the tolerance
         assert max(dev["loss_rel"], dev["norm_rel"], dev["grad_abs"], dev["param_abs"]) > 1e3 * TOL["rtol"], dev
@@ -217,6 +234,16 @@ def test_tp2_cotrain_equals_single_process(kind):
 @pytest.mark.parametrize("kind", ["eagle3", pytest.param("dflash", marks=pytest.mark.slow)])
 def test_tp2_dp_shard2_cotrain_equals_single_process(kind):
     spawn_local(_cotrain_worker, 4, kind, 2, None)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_tp2_sequence_parallel_cotrain_equals_single_process(kind):
+    spawn_local(_cotrain_worker, 2, kind, 0, None, 1, False, True)
+
+
+@pytest.mark.slow  # 4 processes
+def test_tp2_sequence_parallel_dp_shard2_cotrain_equals_single_process():
+    spawn_local(_cotrain_worker, 4, "eagle3", 2, None, 1, False, True)
 
 
 def test_tp2_activation_checkpointing_cotrain_equals_single_process():
@@ -314,9 +341,9 @@ def test_tp2_bf16_tracks_single_process_autocast(dp_shard):
     spawn_local(_bf16_worker, 2 + 2 * bool(dp_shard), "eagle3", dp_shard)
 
 
-@pytest.mark.parametrize("mutation", ["fused_cut_naively", "o_proj_no_reduce", "qk_norm_plain"])
+@pytest.mark.parametrize("mutation", ["fused_cut_naively", "o_proj_no_reduce", "qk_norm_plain", "sp_norms_plain"])
 def test_tp_mutations_fail(mutation):
-    spawn_local(_cotrain_worker, 2, "eagle3", 0, mutation)
+    spawn_local(_cotrain_worker, 2, "eagle3", 0, mutation, 1, False, mutation == "sp_norms_plain")
 
 
 def test_layer_plan_covers_every_projection():
@@ -329,7 +356,7 @@ def test_layer_plan_covers_every_projection():
 
 # -- the RL loop ---------------------------------------------------------------------------------------------------
 
-def _rl_worker(rank, world, tmp, dp_shard, cp=1):
+def _rl_worker(rank, world, tmp, dp_shard, cp=1, sp=False):
     """Two RL steps of the co-trained EAGLE-3 arm at tp 2 (× dp_shard 2 on 4 processes), replayed on one process
     (test_rl_fsdp._replay: losses, grad norms, PPO statistics, every parameter after both steps)."""
     from pathlib import Path
@@ -340,7 +367,8 @@ def _rl_worker(rank, world, tmp, dp_shard, cp=1):
     from specco.runner.rl import run_arm
     tmp = Path(tmp)
     tok, policy, draft = rl_models()
-    layout = ("parallel.tp=2", f"parallel.cp={cp}") + (("parallel.dp_shard=2",) if dp_shard else ())
+    layout = ("parallel.tp=2", f"parallel.cp={cp}") + (("parallel.dp_shard=2",) if dp_shard else ()) + (
+        ("parallel.tp_sequence_parallel=true",) if sp else ())
     cfg = _cfg(tmp, *layout, *EXTRA)
     mesh = Mesh.build(cfg.parallel.dp, cp, dp_shard=cfg.parallel.shard, tp=2)
     st, rec = {}, []
@@ -364,7 +392,7 @@ def _rl_worker(rank, world, tmp, dp_shard, cp=1):
     run = lambda d, **kw: run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / d,  # noqa: E731
                                   progress=False, mesh=mesh, **kw)
     _resumes_exactly(run, rows, flat, _flat, rank)
-    if dp_shard == 0 and cp == 1:
+    if dp_shard == 0 and cp == 1 and not sp:
         # a TP checkpoint resumed without TP: refused by name (its projections are unfused)
         from specco.train.checkpoint import CheckpointError
         with pytest.raises(CheckpointError, match=r"saved at parallel.tp > 1 .* cannot be resumed at parallel.tp = 1"):
@@ -435,6 +463,10 @@ def test_rl_loop_tp2_equals_single_process(tmp_path):
     spawn_local(_rl_worker, 2, str(tmp_path), False)
 
 
+def test_rl_loop_tp2_sequence_parallel_equals_single_process(tmp_path):
+    spawn_local(_rl_worker, 2, str(tmp_path), False, 1, True)
+
+
 @pytest.mark.slow  # 4 processes
 def test_rl_loop_tp2_dp_shard2_equals_single_process(tmp_path):
     spawn_local(_rl_worker, 4, str(tmp_path), True)
@@ -450,6 +482,8 @@ def test_rl_loop_tp2_cp2_equals_single_process(tmp_path):
 @pytest.mark.parametrize("extra, world, command, match", [
     (("train.compile=aot_eager",), 2, "train", r"train.compile='aot_eager' with parallel.tp=2"),
     (("policy.num_kv_heads=1",), 2, "train", r"policy.num_kv_heads=1 is not a multiple"),
+    (("parallel.tp_sequence_parallel=true", "parallel.cp=2"), 4, "train",
+     r"parallel.tp_sequence_parallel=true with parallel.cp=2, parallel.pp=1: sequence parallelism under context"),
     ((), 2, "cotrain-cp", r"tensor parallelism runs in `specco train` only"),
     ((), 3, "train", r"parallel.tp = 1 x 1 x 1 x 2 = 2 but 3 process"),
 ])
@@ -467,6 +501,17 @@ def test_tp_size_is_checked():
     from specco.config import ParallelSpec
     with pytest.raises(ConfigError, match="parallel.tp=0: must be >= 1"):
         ParallelSpec(tp=0)
+    with pytest.raises(ConfigError, match="parallel.tp_sequence_parallel=true needs parallel.tp > 1"):
+        ParallelSpec(tp_sequence_parallel=True)
+
+
+def test_sequence_parallel_rounds_widths_to_tp(tmp_path):
+    from test_rl_cp import _cfg
+    from specco.runner.derive import step_config, train_shapes
+    cfg = _cfg(tmp_path, "parallel.tp=4", "parallel.tp_sequence_parallel=true", "train.width_multiple=6")
+    assert step_config(cfg).width_multiple == 12
+    assert all(w % 12 == 0 for _, w in train_shapes(cfg, 10))
+    assert step_config(_cfg(tmp_path, "parallel.tp=4", "train.width_multiple=6")).width_multiple == 6
 
 
 def _tied_worker(rank, world):

@@ -71,26 +71,37 @@ parallel one needs a masked lookup and an all-reduce of (B, S, h)); a head tied 
 replicated with it. Every rank thus sees the same taps and teacher, so the draft (replicated, parallel/fsdp.py says
 why) trains identically on every tp rank with no all-reduce over tp.
 
-**No sequence parallelism yet.** The residual stream, hence the taps the draft reads and the norms' inputs, is
-replicated over tp: the taps reach the draft unsharded by construction. SP (norms on Shard(1) activations,
-all-gather before q/k/v and gate/up, reduce-scatter after o/down) would save the norms' activation memory and
-turn each all-reduce into a reduce-scatter + all-gather of the same bytes; the taps would then need a gather.
+**Sequence parallelism (`sequence_parallel=True`, config parallel.tp_sequence_parallel).** Between the
+row-parallel outputs and the next column-parallel inputs the residual stream, the norms and the residual adds are
+cut along the sequence instead of replicated (Megatron-SP, torchtitan's default): each rank holds (B, S/tp, h) of
+the residual stream and computes the norms on it (RMSNorm weights as replicated DTensors: their gradient summed over
+the ranks' tokens), o_proj / down_proj reduce-scatter instead of all-reducing, and an all-gather rebuilds the whole
+sequence before q/k/v, gate/up and the head. The same bytes move (an all-reduce is a reduce-scatter plus an
+all-gather); the residual stream's and the norms' activations shrink by tp. What it needs from the rest: S a multiple
+of tp (the micro-batch widths are rounded up to it, derive.step_config), the token count taken from the ids rather
+than the embedding's output (model/policy.py), and the taps, which the draft reads whole, gathered along the sequence
+after the forward (a forward hook on the policy; `PolicyOutput.hidden` stays this rank's slice). Not with context or
+pipeline parallelism (a stage's activations and the ring's chunks would be cut twice): refused by name.
 """
 from __future__ import annotations
 
+import functools
+
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                               parallelize_module)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
 from ..model.layers import unfuse_linears
+from ..model.policy import StageTaps, Taps
 
 __all__ = ["apply_tp", "layer_plan", "tp_copy", "is_tensor_parallel"]
 
 
-def layer_plan(qk_norm: bool) -> dict:
-    """The parallelize_module plan of one decoder layer (module docstring's table)."""
+def layer_plan(qk_norm: bool, sequence_parallel: bool = False) -> dict:
+    """The parallelize_module plan of one decoder layer (module docstring's table; sequence parallel: its last
+    section)."""
     plan = {
         "self_attn.q_proj": ColwiseParallel(),
         "self_attn.k_proj": ColwiseParallel(),
@@ -100,6 +111,18 @@ def layer_plan(qk_norm: bool) -> dict:
         "mlp.up_proj": ColwiseParallel(),
         "mlp.down_proj": RowwiseParallel(),
     }
+    if sequence_parallel:  # (B, S/tp, h) between the blocks: gathered before them, reduce-scattered after
+        whole = PrepareModuleInput(input_layouts=(Shard(1), None, None, None),  # (x, cos, sin, attn_core)
+                                   desired_input_layouts=(Replicate(), None, None, None), use_local_output=True)
+        plan.update({
+            "input_layernorm": SequenceParallel(use_local_output=True),
+            "self_attn": whole,
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(use_local_output=True),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                      use_local_output=True),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
     if qk_norm:
         # (B, S, H_local, D): the heads dim (2) is what the tp ranks hold different parts of
         plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -107,7 +130,8 @@ def layer_plan(qk_norm: bool) -> dict:
     return plan
 
 
-def apply_tp(policy: nn.Module, tp_mesh: DeviceMesh, *, plan: dict | None = None) -> nn.Module:
+def apply_tp(policy: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
+             plan: dict | None = None) -> nn.Module:
     """Shard a Policy (or a pipeline stage of one) in place over `tp_mesh` (`Mesh.tp_mesh`, 1-D): each decoder layer's
     projections unfused and column / row-parallel, its local head counts set, the head's vocabulary rows sharded with
     its logits gathered (module docstring). The embedding and norms stay plain (replicated). Call it on the plain
@@ -122,12 +146,23 @@ def apply_tp(policy: nn.Module, tp_mesh: DeviceMesh, *, plan: dict | None = None
                     ("intermediate_size", cfg.intermediate_size)):
         if n % tp:  # a boundary: the config check refuses it first (derive.check_parallel), this is the backstop
             raise ValueError(f"tensor parallelism over {tp} ranks: policy {name}={n} is not a multiple of {tp}")
-    plan = layer_plan(cfg.qk_norm) if plan is None else plan
+    plan = layer_plan(cfg.qk_norm, sequence_parallel) if plan is None else plan
+    sp = Shard(1) if sequence_parallel else Replicate()  # what the head's input is
     head = policy.lm_head
     if head is not None and head.weight is not getattr(policy.embed_tokens, "weight", None):  # a tied head stays
         # replicated with its embedding (module docstring)
         # (a vocabulary tp does not divide is cut as torch.chunk cuts: the tests' 61 tokens are 31 + 30 rows)
-        parallelize_module(head, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=sp, output_layouts=Replicate()))
+    elif head is not None and sequence_parallel:  # replicated: only its input gathered
+        parallelize_module(head, tp_mesh, PrepareModuleInput(input_layouts=(sp,), desired_input_layouts=(Replicate(),),
+                                                             use_local_output=True))
+    if sequence_parallel:
+        if policy.embed_tokens is not None:  # each rank keeps its slice of the sequence (no communication)
+            parallelize_module(policy.embed_tokens, tp_mesh, PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True))
+        if policy.norm is not None:
+            parallelize_module(policy.norm, tp_mesh, SequenceParallel(use_local_output=True))
+        policy.register_forward_hook(functools.partial(_gather_taps, mesh=tp_mesh))
     for layer in policy.layers.values():
         attn, mlp = layer.self_attn, layer.mlp
         unfuse_linears(attn, "qkv_proj")
@@ -143,8 +178,22 @@ def is_tensor_parallel(model: nn.Module) -> bool:
     return any(getattr(layer.self_attn, "qkv_proj", 0) is None for layer in model.layers.values())
 
 
+def _gather_taps(policy, args, out, *, mesh: DeviceMesh):
+    """Forward hook of a sequence-parallel policy: its taps (this rank's slice of the sequence, detached) gathered
+    whole along the sequence, so the draft reads what it reads at tp = 1 (module docstring)."""
+    def whole(t):  # (B, S/tp, ·) -> (B, S, ·): an all-gather over tp
+        return DTensor.from_local(t, mesh, [Shard(1)], run_check=False).full_tensor()
+    if out.stage_taps is not None:
+        st = out.stage_taps
+        out.stage_taps = StageTaps(None if st.embed is None else whole(st.embed),
+                                   {i: whole(t) for i, t in st.layers.items()})
+    if out.taps is not None:
+        out.taps = Taps(whole(out.taps.embed), whole(out.taps.aux), out.taps.layer_ids)
+    return out
+
+
 def tp_copy(policy: nn.Module, tp_mesh: DeviceMesh, fsdp_mesh: DeviceMesh | None = None, *, prepare=None,
-            **fsdp) -> nn.Module:
+            sequence_parallel: bool = False, **fsdp) -> nn.Module:
     """A tensor-parallel copy of the whole `policy` (left as it is), FSDP-sharded too over `fsdp_mesh` when given:
     torchtitan's order — TP, then `prepare(model)` (activation checkpointing, freezing a reference), then FSDP
     (`fsdp`: apply_fsdp's mp_policy / reshard_after_forward / forward_only). A collective over both meshes.
@@ -155,7 +204,7 @@ def tp_copy(policy: nn.Module, tp_mesh: DeviceMesh, fsdp_mesh: DeviceMesh | None
     import copy
 
     from .fsdp import apply_fsdp
-    model = apply_tp(copy.deepcopy(policy), tp_mesh)
+    model = apply_tp(copy.deepcopy(policy), tp_mesh, sequence_parallel=sequence_parallel)
     if prepare is not None:
         prepare(model)
     if fsdp_mesh is not None:

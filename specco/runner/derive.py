@@ -13,6 +13,7 @@ defaults (`specco/config.py`), so the RL loop, the warm start, the context-paral
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -66,13 +67,20 @@ def step_config(cfg: RunConfig, mode: str = "cotrained", draft_row_stride: int |
                       policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
                       loss_chunk=t.loss_chunk, draft_row_stride=draft_row_stride or t.draft_row_stride,
                       micro_batch_rows=t.micro_batch_rows,
-                      width_multiple=t.width_multiple, amp_dtype=AMP_DTYPES.get(t.amp))
+                      width_multiple=width_multiple(cfg), amp_dtype=AMP_DTYPES.get(t.amp))
+
+
+def width_multiple(cfg: RunConfig) -> int:
+    """What every micro-batch width is rounded up to: train.width_multiple, and under tensor-parallel sequence
+    parallelism a multiple of parallel.tp too (each rank holds S/tp tokens of the residual stream, parallel/tp.py)."""
+    w, p = cfg.train.width_multiple, cfg.parallel
+    return math.lcm(w, p.tp) if p.tp_sequence_parallel else w
 
 
 def train_shapes(cfg: RunConfig, prompt_len: int) -> list[tuple[int, int]]:
     """The (rows, width) micro-batch shapes this rank's RL trainer can run (config train.warm_widths): rows from
     cutting a minibatch — and, with frozen_shadow, the whole step's rows — into train.micro_batch_rows (the last
-    cut holds the rest); widths every multiple of train.width_multiple up to the longest possible row,
+    cut holds the rest); widths every multiple of `width_multiple(cfg)` up to the longest possible row,
     `prompt_len` + rollout.max_new_tokens, rounded up as the minibatches are (runner/rollouts.build_batch)."""
     t, r = cfg.train, cfg.rollout
     step_rows = r.prompts_per_step * r.group_size // cfg.parallel.dp
@@ -82,7 +90,7 @@ def train_shapes(cfg: RunConfig, prompt_len: int) -> list[tuple[int, int]]:
         return {n} if m <= 0 or m >= n else {len(idx) for idx in longest_first(torch.zeros(n), m)}
 
     rows = cuts(step_rows // t.minibatches) | (cuts(step_rows) if cfg.frozen_shadow else set())
-    w = t.width_multiple
+    w = width_multiple(cfg)
     top = round_up(prompt_len + r.max_new_tokens, w)
     return sorted((b, width) for b in rows for width in range(w, top + 1, w))
 
@@ -153,6 +161,11 @@ def _check_tp(cfg: RunConfig) -> None:
     is tested (tests/test_tp.py) alone and with FSDP, context and pipeline parallelism and activation checkpointing,
     in fp64 and bf16 autocast, without compile."""
     p, off = cfg.parallel, "or set parallel.tp=1"
+    if p.tp_sequence_parallel and (p.cp > 1 or p.pp > 1):  # a stage's activations and the ring's chunks would
+        # be cut along the sequence twice
+        raise ConfigError(f"parallel.tp_sequence_parallel=true with parallel.cp={p.cp}, parallel.pp={p.pp}: sequence "
+                          "parallelism under context or pipeline parallelism is not implemented; drop "
+                          "parallel.tp_sequence_parallel")
     if cfg.train.compile != "none":
         raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.tp={p.tp}: compiling the "
                           f"tensor-parallel layers is not wired; set train.compile=none {off}")

@@ -122,7 +122,7 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
         freeze = lambda m: m.requires_grad_(False)  # noqa: E731  (before fully_shard: frozen shards, no grads)
         if tp:  # tensor-parallel like the trainer, so its log-probs are computed as the trainer's are
             ref = tp_copy(policy, mesh.tp_mesh, mesh.fsdp_mesh if sharded else None, prepare=freeze, mp_policy=mp,
-                          forward_only=True)
+                          forward_only=True, sequence_parallel=cfg.parallel.tp_sequence_parallel)
         elif sharded:
             ref = sharded_copy(policy, mesh.fsdp_mesh, mp_policy=mp, forward_only=True, prepare=freeze)
         else:
@@ -133,7 +133,8 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
     if tp and mesh.pp == 1:  # TP (+ AC) (+ FSDP) over a transient whole copy (tp_copy says why); compile is
         # refused with tp (derive.check_parallel). Under PP the stage is cut first, then TP'd below
         ac = apply_activation_checkpointing if cfg.train.activation_checkpointing else None
-        policy = tp_copy(policy, mesh.tp_mesh, mesh.fsdp_mesh if sharded else None, prepare=ac, mp_policy=mp).train()
+        policy = tp_copy(policy, mesh.tp_mesh, mesh.fsdp_mesh if sharded else None, prepare=ac, mp_policy=mp,
+                         sequence_parallel=cfg.parallel.tp_sequence_parallel).train()
     elif sharded and mesh.pp == 1:  # the trainer's shards cut straight from `policy`: no whole copy in between
         # (parallel/load.sharded_copy). torchtitan's order: AC wraps the meta layers before FSDP; compile under
         # FSDP is refused (derive.check_parallel). Under PP the stage is cut from a whole copy below
