@@ -158,7 +158,7 @@ def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
 
 def _check_tp(cfg: RunConfig) -> None:
     """What tensor parallelism (parallel.tp, parallel/tp.py) is not wired into, refused by name with the fix: it
-    is tested (tests/test_tp.py) alone and with FSDP, context and pipeline parallelism and activation checkpointing,
+    is tested (tests/test_tp.py, test_rl_tp.py) alone and with FSDP, context and pipeline parallelism and activation checkpointing,
     in fp64 and bf16 autocast, without compile."""
     p, off = cfg.parallel, "or set parallel.tp=1"
     if p.tp_sequence_parallel and (p.cp > 1 or p.pp > 1):  # a stage's activations and the ring's chunks would
