@@ -349,7 +349,8 @@ def test_layer_plan_covers_every_projection():
 
 
 def _tied_worker(rank, world):
-    """A head tied to the embedding stays replicated with it (apply_tp); the forward equals one process's."""
+    """A head tied to the embedding stays replicated with it (apply_tp); the forward equals one process's, with
+    sequence parallelism too (the tied head's input gathered, the taps whole)."""
     import copy
     import dataclasses
     mesh = Mesh.build(tp=2, backend="gloo")
@@ -358,8 +359,13 @@ def _tied_worker(rank, world):
     ref = Policy(pc).double()
     policy = apply_tp(copy.deepcopy(ref), mesh.tp_mesh)
     assert policy.lm_head.weight is policy.embed_tokens.weight and not isinstance(policy.lm_head.weight, DTensor)
-    ids = torch.randint(0, V, (2, 9))
-    torch.testing.assert_close(policy(ids).logits, ref(ids).logits, rtol=1e-12, atol=1e-14)
+    ids = torch.randint(0, V, (2, 10))
+    want = ref(ids, tap_layers=(0, 2))
+    torch.testing.assert_close(policy(ids).logits, want.logits, rtol=1e-12, atol=1e-14)
+    sp = apply_tp(copy.deepcopy(ref), mesh.tp_mesh, sequence_parallel=True)  # its input gathered along the sequence
+    got = sp(ids, tap_layers=(0, 2))
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got.taps.aux, want.taps.aux, rtol=1e-12, atol=1e-14)  # gathered whole
 
 
 def test_tp2_tied_head_stays_replicated():
