@@ -71,6 +71,15 @@ parallel one needs a masked lookup and an all-reduce of (B, S, h)); a head tied 
 replicated with it. Every rank thus sees the same taps and teacher, so the draft (replicated, parallel/fsdp.py says
 why) trains identically on every tp rank with no all-reduce over tp.
 
+**The draft: replicated over tp.** Every tp rank holds the whole draft and, its inputs being replicated, computes
+the same update (no all-reduce over tp; tests/test_tp.py checks the bits). Sizes (the specco models built on the meta
+device at Qwen3-8B's shapes, V 151,936, an EAGLE-3 draft over a 32k vocabulary): the policy's parameters per tp
+rank are 4.41 / 2.51 / 1.57 B at tp 2 / 4 / 8 (layers and head / tp, the embedding whole) and the draft's 0.40 B,
+9% / 16% / 25% of that, before FSDP divides the policy's share further (parallel/fsdp.py: the draft stays whole
+there too). Tensor-parallel, the draft would pay two all-reduces of (B, S, h) per layer call, and it is called K
+times per micro-batch (the TTT passes) on small matmuls that are latency-bound already; it would be the change to
+make where the draft's 16 B/param outweigh the policy's shard.
+
 **Sequence parallelism (`sequence_parallel=True`, config parallel.tp_sequence_parallel).** Between the
 row-parallel outputs and the next column-parallel inputs the residual stream, the norms and the residual adds are
 cut along the sequence instead of replicated (Megatron-SP, torchtitan's default): each rank holds (B, S/tp, h) of
