@@ -388,7 +388,7 @@ class ParallelSpec:
     cp: int = 1
     pp: int = 1
     # tensor parallelism of the trainer's policy (parallel/tp.py): its decoder layers' projections column / row
-    # sharded over tp ranks, which hold the same tokens, and its head's vocabulary rows (logits gathered); the draft
+    # sharded over tp ranks, which hold the same tokens, and its head's vocabulary rows (loss-parallel); the draft
     # and the embedding stay whole on every rank. The innermost mesh axis; the world is pp × dp × cp × tp. The
     # rollout engine is not tensor-parallel
     tp: int = 1

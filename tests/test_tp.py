@@ -3,38 +3,43 @@
 Co-training step. Reference: `cotrain_step` on one process over the whole batch, two optimizer steps (two batches),
 the policy with FUSED qkv / gate-up projections as it trains at tp = 1. Under test: `Mesh.build(tp=2)`, `apply_tp`
 (each projection unfused and column / row sharded, local head counts, the head's 61 vocabulary rows cut 31 + 30 with
-its logits gathered), AdamW on the DTensors, `grad_syncs` (the all-reduce over the dp ranks of one tp rank, or FSDP's
-reduce-scatter); also tp 2 × dp_shard 2 (TP then FSDP2: 2-D (fsdp, tp) DTensors), tp 2 × cp 2 (the sequences packed
-and zigzagged over the cp group, ring attention on the local heads), pp 2 × tp 2 (each stage cut, then TP'd; 1F1B and
-the TapChannel per tp rank), tp 2 with activation checkpointing, and tp 2 (× dp_shard 2) sequence-parallel (the
-residual stream and norms cut along the sequence, the taps gathered whole). The policy is Qwen2/3-flavoured (q/k norm AND qkv
-bias, non-unit norms) so that every placement is exercised: the sharded bias rows, the q/k norms' replicated weights
-whose gradient is a sum over the ranks' heads. Compared after each step: both losses, both grad norms, the draft's
-statistics, every clipped gradient; after the second step every parameter — the TP tensors gathered with
-`full_tensor()` and the parts concatenated back into the fused layout the reference holds — and the draft bit for bit
-equal on the tp ranks. Co-trained EAGLE-3 and DFlash.
+its logits left cut: the log-probs loss-parallel), AdamW on the DTensors, `grad_syncs` (the all-reduce over the dp
+ranks of one tp rank, or FSDP's reduce-scatter); also tp 2 × dp_shard 2 (TP then FSDP2: 2-D (fsdp, tp) DTensors), tp
+2 × cp 2 (the sequences packed and zigzagged over the cp group, ring attention on the local heads), pp 2 × tp 2
+(each stage cut, then TP'd; 1F1B and the TapChannel per tp rank), tp 2 with activation checkpointing, and tp 2 (×
+dp_shard 2) sequence-parallel (the residual stream and norms cut along the sequence, the taps gathered whole). The
+policy is Qwen2/3-flavoured (q/k norm AND qkv bias, non-unit norms) so that every placement is exercised: the
+sharded bias rows, the q/k norms' replicated weights whose gradient is a sum over the ranks' heads. Compared after
+each step: both losses, both grad norms, the draft's statistics, every clipped gradient; after the second step every
+parameter — the TP tensors gathered with `full_tensor()` and the parts concatenated back into the fused layout the
+reference holds — and the draft bit for bit equal on the tp ranks. Co-trained EAGLE-3 and DFlash.
 
 Tolerance (fp64): rtol 1e-9, atol 1e-12, the DP / CP / FSDP tests' own: the same arithmetic in other summation
-orders (a row-parallel matmul's two partial sums all-reduced vs one dot product; q/k/v as three GEMMs vs one;
-the grad norm as a sum over kinds of tensor). A wrong placement is O(1) off and a missing all-reduce is off by the
-other rank's share; both are far outside. Measured: losses and grad norms within 2.3e-16 relative, gradients
-5.9e-17 absolute, parameters after two steps 4.3e-15 absolute (5.2e-13 relative), every layout and kind.
+orders (a row-parallel matmul's two partial sums all-reduced vs one dot product; q/k/v as three GEMMs vs one; the
+log-probs as per-rank partial max / sum-exp / target logit all-reduced vs one log_softmax, both in fp64 here since
+token_logprobs computes in the logits' dtype when wider than fp32; the grad norm as a sum over kinds of tensor). A
+wrong placement is O(1) off and a missing all-reduce is off by the other rank's share; both are far outside.
+Measured: losses and grad norms within 4.6e-16 relative, gradients 7e-17 absolute, parameters after two steps
+4.4e-15 absolute (1.7e-13 relative), every layout and kind.
 
 bf16 (autocast over fp32 masters; with FSDP its mixed precision), against the single-process autocast step, with
 tests/test_fsdp.py's derived bounds (losses and norms 2e-2 relative; parameters at most 4.01 lr, mean 0.05 lr).
-Measured: tp 2 losses 1.6e-3, norms 1.8e-3, policy max 3.86 lr / mean 0.021 lr, draft 2.24 / 0.011 lr; tp 2 ×
-dp_shard 2 losses 3.8e-3, norms 1.9e-3, policy 2.92 / 0.013 lr, draft 2.50 / 0.023 lr.
+Measured: tp 2 losses 1.6e-3, norms 1.8e-3, policy max 3.82 lr / mean 0.021 lr, draft 2.24 / 0.011 lr; tp 2 ×
+dp_shard 2 losses 2.6e-3, norms 1.6e-3, policy 3.02 / 0.013 lr, draft 2.37 / 0.024 lr.
 
-Mutations (test_tp_mutations_fail): the same comparison must FAIL for each of three broken recipes —
+Mutations (test_tp_mutations_fail): the same comparison must FAIL for each of five broken recipes —
   fused_cut_naively   the fused qkv / gate-up weights column-sharded as one block each (rank 0 gets q and half
                       of k, ...): the wrong heads, the forward is wrong (losses 0.22 relative off);
   o_proj_no_reduce    o_proj's output left as the rank's partial sum (RowwiseParallel with a Partial output
                       used locally): the all-reduce after attention is missing (losses 3.9e-2, gradients 0.11 off);
   qk_norm_plain       q_norm / k_norm left plain tensors: each rank's gradient is its own heads' share, never
                       summed over tp (a missing gradient all-reduce; the forward is right at step 1: gradients
-                      2.9e-4, parameters 3.7e-3 off).
+                      2.9e-4, parameters 3.7e-3 off);
+  logprobs_no_reduce  the policy's vocabulary-parallel log-probs without their all-reduces: each rank's
+                      softmax over its own vocabulary columns (the missing reduction of the loss; losses 5.7 off);
   sp_norms_plain      under sequence parallelism, the layers' RMSNorm weights left plain: each rank's gradient is
-                      its own tokens' share (the same missing sum over the sequence instead of the heads).
+                      its own tokens' share (the same missing sum over the sequence instead of the heads; gradients
+                      4.6e-4 off).
 
 The RL loop at these layouts, and what is refused: tests/test_rl_tp.py.
 """
@@ -125,6 +130,10 @@ def _mutate(policy, mesh, mutation):
         plan["self_attn.o_proj"] = RowwiseParallel(output_layouts=Partial())
     elif mutation == "qk_norm_plain":
         del plan["self_attn.q_norm"], plan["self_attn.k_norm"]
+    elif mutation == "logprobs_no_reduce":  # the loss-parallel log-probs without their all-reduces (each rank's
+        # softmax over its own columns only)
+        import specco.parallel.tp as tp_module
+        tp_module._SumOverRanks.apply = staticmethod(lambda x, group: x)
     elif mutation == "sp_norms_plain":  # sequence parallel, its norms' weights left plain: partial gradients
         plan = layer_plan(qk_norm=True, sequence_parallel=True)
         plan["input_layernorm"] = plan["post_attention_layernorm"] = PrepareModuleOutput(
@@ -177,11 +186,14 @@ def _cotrain_worker(rank, world, kind, dp_shard, mutation, cp=1, ac=False, sp=Fa
         assert attn.q_proj.weight.to_local().shape == (2 * 8, 32)  # 2 local heads of 8
         assert attn.o_proj.weight.to_local().shape == (32, 2 * 8)
         assert policy.lm_head.weight.to_local().shape == ((31, 32) if mesh.tp_rank == 0 else (30, 32))  # V = 61 rows
-        if sp:  # the residual stream is this rank's half of the sequence; the taps come out whole
-            with torch.no_grad():
-                out = policy(full[0].tokens[:2], tap_layers=(0, 2, 3))
-            assert out.hidden.shape[1] == full[0].tokens.shape[1] // 2 and out.logits.shape[1] == full[0].tokens.shape[1]
-            assert out.taps.aux.shape[1] == out.taps.embed.shape[1] == full[0].tokens.shape[1]
+        with torch.no_grad():
+            out = policy(full[0].tokens[:2], tap_layers=(0, 2, 3))
+        S = full[0].tokens.shape[1]
+        (cut,) = out.logits.placements  # the logits are never gathered whole: cut along the vocabulary
+        assert isinstance(out.logits, DTensor) and cut.is_shard() and cut.dim in (-1, 2), cut
+        assert out.logits.shape == (2, S, V) and out.logits.to_local().shape[-1] == (31, 30)[mesh.tp_rank]
+        assert out.taps.aux.shape[1] == out.taps.embed.shape[1] == S  # the taps come out whole ...
+        assert out.hidden.shape[1] == (S // 2 if sp else S)  # ... the residual stream is this rank's half under SP
     if ac:  # torchtitan's order: TP, activation checkpointing, FSDP
         apply_activation_checkpointing(policy)
     if dp_shard:
@@ -335,7 +347,8 @@ def test_tp2_bf16_tracks_single_process_autocast(dp_shard):
     spawn_local(_bf16_worker, 2 + 2 * bool(dp_shard), "eagle3", dp_shard)
 
 
-@pytest.mark.parametrize("mutation", ["fused_cut_naively", "o_proj_no_reduce", "qk_norm_plain", "sp_norms_plain"])
+@pytest.mark.parametrize("mutation", ["fused_cut_naively", "o_proj_no_reduce", "qk_norm_plain", "logprobs_no_reduce",
+                                      "sp_norms_plain"])
 def test_tp_mutations_fail(mutation):
     spawn_local(_cotrain_worker, 2, "eagle3", 0, mutation, 1, False, mutation == "sp_norms_plain")
 

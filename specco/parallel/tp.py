@@ -21,7 +21,7 @@ MLP width):
     down_proj                row-parallel     Shard(1); the output all-reduced
     q_norm, k_norm (Qwen3)   replicated DTensors; the input seen as Shard(2) (the heads dim), see below
     input / post-attention norms, the embedding, the final norm: plain, replicated
-    lm_head                  column-parallel over the vocabulary, its logits all-gathered (below)
+    lm_head                  column-parallel over the vocabulary, its logits left cut (loss-parallel, below)
 
 So a layer's forward costs two all-reduces of (B, S, h) (after o_proj and after down_proj) and its backward two
 (the gradients flowing into q/k/v and gate/up, whose input is replicated). Between them every rank holds its heads'
@@ -51,25 +51,29 @@ else would: the weight is not a DTensor and its inputs are local). As torchtitan
 `SequenceParallel(sequence_dim=2)` modules: their weight becomes a Replicate DTensor and their input is declared
 Shard(2) (the heads), so DTensor's autograd turns the partial gradient into the sum. (A test drops this and fails.)
 
-**The head: vocabulary rows sharded, logits gathered; the embedding replicated.** lm_head is ColwiseParallel with a
-Replicate output: each rank holds V/tp rows of the head (its weight, gradient and AdamW moments / tp) and computes
-those logits (the head's FLOPs / tp), then the logits are all-gathered, so every rank holds the whole (B, S, V)
-logits as at tp = 1. That is the explicit gather the four readers of full-vocabulary rows (issue 37's list) need:
-the policy's token log-probs (`train/losses.token_logprobs`), the EAGLE-3 teacher's softmax / gather / argmax over
-the draft vocabulary and the block drafters' teacher read the gathered logits unchanged; the block drafters' own
-logits through the live head gather its weight (`train/drafters`, detached, once per micro-batch); the engine holds
-its whole copy. Its backward needs no communication beyond the usual all-reduce of the input's gradient (each rank
-takes its columns of the logits' gradient). Why not loss-parallel (logits left Shard(-1), every reader a reduction
-over tp: a max / logsumexp / target gather for the log-probs, the same per teacher): it saves the gather's bytes,
-tokens × V per micro-batch (8K tokens × 151,936 × 2 B = 2.5 GB in bf16, ~6 ms over NVLink), and the whole logits'
-memory on each rank, but needs every reader rewritten in that form, the EAGLE-3 teacher's draft-vocabulary subset
-and the block drafters' full-vocabulary soft targets included; it is the next step. Why not replicated: at Qwen3-8B's
-shapes (h 4096, 36 layers, V 151,936) the head is 0.62 B of 8.19 B parameters and 2·h·V = 1.24 GFLOP per token
-against the layers' ~14.9; at tp 8 a rank would do 1.9 GFLOP of layers and the whole 1.24 of head per token (40% of
-its forward) and hold the head whole. The embedding stays replicated (a lookup: no FLOPs to split; a vocabulary-
-parallel one needs a masked lookup and an all-reduce of (B, S, h)); a head tied to it (tie_word_embeddings) stays
-replicated with it. Every rank thus sees the same taps and teacher, so the draft (replicated, parallel/fsdp.py says
-why) trains identically on every tp rank with no all-reduce over tp.
+**The head: loss-parallel over the vocabulary; the embedding replicated.** lm_head is ColwiseParallel with its
+output left a Shard(-1) DTensor: each rank holds V/tp rows of the head (its weight, gradient and AdamW moments / tp),
+computes those logits (the head's FLOPs / tp) and keeps only them — (B, S, V/tp), never the whole (B, S, V). The
+readers of full-vocabulary rows (issue 37's list), each in a loss-parallel form or an explicit gather:
+
+    the policy's token log-probs     loss-parallel: `vocab_parallel_logprobs` (a max, a log-sum-exp and the target's
+      (train/losses.token_logprobs)  logit, each an all-reduce of (B, S)), every row of the step
+    the EAGLE-3 teacher and the      gathered: `vocab_rows`, the draft's rows only (train.draft_row_stride: 1/n of
+      block drafters' teacher        the rows); the teacher is detached, so this gather has no backward
+    the block drafters' logits       gathered: the head's weight (`train/drafters`, detached, per micro-batch)
+      through the live head
+    the engine's sampling / verify   its own whole copy (the refit gathers the shards)
+
+What the loss-parallel log-probs save: the all-gather of tokens × V per micro-batch (8K tokens × 151,936 × 2 B = 2.5
+GB in bf16) and the whole logits' memory on each rank (× 2 in fp32). The draft's teachers stay whole (their soft
+targets, argmax and draft-vocabulary subset read every column), on its rows only; a loss-parallel soft CE over the
+draft vocabulary is the next step there. Why not a replicated head: at Qwen3-8B's shapes (h 4096, 36 layers,
+V 151,936) the head is 0.62 B of 8.19 B parameters and 2·h·V = 1.24 GFLOP per token against the layers' ~14.9; at tp
+8 a rank would do 1.9 GFLOP of layers and the whole 1.24 of head per token (40% of its forward) and hold the head
+whole. The embedding stays replicated (a lookup: no FLOPs to split; a vocabulary-parallel one needs a masked lookup
+and an all-reduce of (B, S, h)); a head tied to it (tie_word_embeddings) stays replicated with it, its logits whole.
+Every rank sees the same taps and teachers, so the draft (replicated, below) trains identically on every tp rank with
+no all-reduce over tp.
 
 **The draft: replicated over tp.** Every tp rank holds the whole draft and, its inputs being replicated, computes
 the same update (no all-reduce over tp; tests/test_tp.py checks the bits). Sizes (the specco models built on the meta
@@ -96,6 +100,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -105,7 +111,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from ..model.layers import unfuse_linears
 from ..model.policy import StageTaps, Taps
 
-__all__ = ["apply_tp", "layer_plan", "tp_copy", "is_tensor_parallel"]
+__all__ = ["apply_tp", "layer_plan", "tp_copy", "is_tensor_parallel", "vocab_parallel_logprobs", "vocab_rows"]
 
 
 def layer_plan(qk_norm: bool, sequence_parallel: bool = False) -> dict:
@@ -143,7 +149,7 @@ def apply_tp(policy: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool 
              plan: dict | None = None) -> nn.Module:
     """Shard a Policy (or a pipeline stage of one) in place over `tp_mesh` (`Mesh.tp_mesh`, 1-D): each decoder layer's
     projections unfused and column / row-parallel, its local head counts set, the head's vocabulary rows sharded with
-    its logits gathered (module docstring). The embedding and norms stay plain (replicated). Call it on the plain
+    its logits left cut (module docstring). The embedding and norms stay plain (replicated). Call it on the plain
     model BEFORE activation checkpointing and FSDP (torchtitan's order), and before building the optimizer (the
     parameters become DTensors). A collective over tp_mesh (distribute_tensor broadcasts nothing but checks nothing
     either: every rank must hold the same weights, which the callers' copies of one starting policy do). `plan`: the
@@ -161,7 +167,8 @@ def apply_tp(policy: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool 
     if head is not None and head.weight is not getattr(policy.embed_tokens, "weight", None):  # a tied head stays
         # replicated with its embedding (module docstring)
         # (a vocabulary tp does not divide is cut as torch.chunk cuts: the tests' 61 tokens are 31 + 30 rows)
-        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=sp, output_layouts=Replicate()))
+        parallelize_module(head, tp_mesh, ColwiseParallel(input_layouts=sp, output_layouts=Shard(-1),
+                                                           use_local_output=False))  # the logits stay a DTensor
     elif head is not None and sequence_parallel:  # replicated: only its input gathered
         parallelize_module(head, tp_mesh, PrepareModuleInput(input_layouts=(sp,), desired_input_layouts=(Replicate(),),
                                                              use_local_output=True))
@@ -185,6 +192,73 @@ def apply_tp(policy: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool 
 def is_tensor_parallel(model: nn.Module) -> bool:
     """Whether `apply_tp` sharded `model` (a layer's projections unfused and distributed)."""
     return any(getattr(layer.self_attn, "qkv_proj", 0) is None for layer in model.layers.values())
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce SUM over `group` whose backward is the identity: for a quantity every rank then uses alike (a
+    replicated loss), each rank's input's gradient is the upstream one, not tp times it (Megatron's
+    reduce-from-model-parallel region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def vocab_shard(logits: DTensor) -> tuple[torch.Tensor, int]:
+    """(this rank's logits (..., V/tp), the vocabulary id of its first column): the head's cut along the vocabulary
+    (ColwiseParallel's Shard(-1): torch.chunk's, ceil(V / tp) columns per rank, the last ranks' fewer)."""
+    (placement,) = logits.placements
+    mesh = logits.device_mesh
+    V, tp, r = logits.shape[-1], mesh.size(), mesh.get_local_rank()
+    assert placement.is_shard() and placement.dim in (-1, logits.ndim - 1), placement
+    local = logits.to_local()
+    start = min(r * -(-V // tp), V)
+    assert local.shape[-1] == min(-(-V // tp), V - start), (local.shape, V, tp, r)
+    return local, start
+
+
+def vocab_parallel_logprobs(logits: DTensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(tokens) under softmax(logits / T), fp32 at least, from logits (B, S, V) cut along the vocabulary over the tp
+    ranks (the head's Shard(-1) output), without gathering them — the loss-parallel form of
+    train/losses.token_logprobs (Megatron's vocab-parallel cross-entropy):
+
+        m      = max_v z_v                              all-reduce MAX (constant for the gradient: it cancels)
+        lse    = m + log Σ_ranks Σ_{v of the rank} exp(z_v − m)      all-reduce SUM of (B, S)
+        z_t    = Σ_ranks [t among the rank's ids] · z_t             all-reduce SUM of (B, S): the owner's value
+        log p  = z_t − lse
+
+    with z = logits / T. Three all-reduces of (B, S) floats replace the all-gather of (B, S, V); the result is
+    replicated over tp, so each SUM's backward is the identity (`_SumOverRanks`) and each rank's gradient lands on
+    its own columns: softmax − onehot, scaled by the upstream gradient."""
+    local, start = vocab_shard(logits)
+    group = logits.device_mesh.get_group()
+    z = local.to(torch.promote_types(local.dtype, torch.float32)) / max(temperature, 1e-6)  # (B, S, V_local)
+    m = z.detach().amax(-1)  # (B, S)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    sumexp = _SumOverRanks.apply((z - m[..., None]).exp().sum(-1), group)  # (B, S)
+    mine = (tokens >= start) & (tokens < start + z.shape[-1])  # the target id is among this rank's columns
+    idx = (tokens - start).clamp(0, z.shape[-1] - 1)
+    z_t = _SumOverRanks.apply(torch.where(mine, z.gather(-1, idx[..., None]).squeeze(-1), 0.0), group)
+    return z_t - (m + sumexp.log())
+
+
+def vocab_rows(logits: torch.Tensor, rows) -> torch.Tensor:
+    """`logits[rows]` whole along the vocabulary and detached (a teacher): under tensor parallelism the rows'
+    vocabulary shards all-gathered (only those rows: the draft's, a fraction of the batch); a plain tensor as it is."""
+    if not isinstance(logits, DTensor):
+        return logits[rows]
+    local, _ = vocab_shard(logits)
+    local = local.detach()[rows]  # (b, S, V/tp)
+    shape = (*local.shape[:-1], logits.shape[-1])
+    whole = torch.empty(shape, dtype=local.dtype, device=local.device)  # only for the stride
+    return DTensor.from_local(local, logits.device_mesh, logits.placements, run_check=False, shape=whole.shape,
+                              stride=whole.stride()).full_tensor()
 
 
 def _gather_taps(policy, args, out, *, mesh: DeviceMesh):
