@@ -224,8 +224,8 @@ def vocab_shard(logits: DTensor) -> tuple[torch.Tensor, int]:
 
 
 def vocab_parallel_logprobs(logits: DTensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(tokens) under softmax(logits / T), fp32 at least, from logits (B, S, V) cut along the vocabulary over the tp
-    ranks (the head's Shard(-1) output), without gathering them — the loss-parallel form of
+    """log p(tokens) under softmax(logits / T), fp32 at least, from logits (B, S, V) cut along the vocabulary over
+    the tp ranks (the head's Shard(-1) output), without gathering them — the loss-parallel form of
     train/losses.token_logprobs (Megatron's vocab-parallel cross-entropy):
 
         m      = max_v z_v                              all-reduce MAX (constant for the gradient: it cancels)
@@ -263,15 +263,18 @@ def vocab_rows(logits: torch.Tensor, rows) -> torch.Tensor:
 
 def _gather_taps(policy, args, out, *, mesh: DeviceMesh):
     """Forward hook of a sequence-parallel policy: its taps (this rank's slice of the sequence, detached) gathered
-    whole along the sequence, so the draft reads what it reads at tp = 1 (module docstring)."""
-    def whole(t):  # (B, S/tp, ·) -> (B, S, ·): an all-gather over tp
+    whole along the sequence, so the draft reads what it reads at tp = 1 (module docstring). One all-gather per tap
+    tensor: the joined `taps` are rebuilt from the gathered parts (aux = their concatenation in id order)."""
+    def whole(t):  # (B, S/tp, h) -> (B, S, h): an all-gather over tp
         return DTensor.from_local(t, mesh, [Shard(1)], run_check=False).full_tensor()
-    if out.stage_taps is not None:
-        st = out.stage_taps
-        out.stage_taps = StageTaps(None if st.embed is None else whole(st.embed),
-                                   {i: whole(t) for i, t in st.layers.items()})
+    if out.stage_taps is None:
+        return out
+    st = out.stage_taps
+    out.stage_taps = StageTaps(None if st.embed is None else whole(st.embed),
+                               {i: whole(t) for i, t in st.layers.items()})
     if out.taps is not None:
-        out.taps = Taps(whole(out.taps.embed), whole(out.taps.aux), out.taps.layer_ids)
+        ids = out.taps.layer_ids
+        out.taps = Taps(out.stage_taps.embed, torch.cat([out.stage_taps.layers[i] for i in ids], dim=-1), ids)
     return out
 
 
