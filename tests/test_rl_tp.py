@@ -179,3 +179,18 @@ def test_sequence_parallel_rounds_widths_to_tp(tmp_path):
     assert step_config(_cfg(tmp_path, "parallel.tp=4", "train.width_multiple=6")).width_multiple == 6
 
 
+
+
+def test_tp_sizes_of_a_pretrained_policy_are_checked_before_any_stage(tmp_path):
+    """A Hugging Face policy whose kv heads tp does not divide: refused by check_job's policy check (its config.json),
+    not at make_arm after SFT and the warm start."""
+    from test_rl_cp import _cfg
+    from specco.model.config import ConfigError, PolicyConfig
+    from specco.model.hf_io import save_policy
+    from specco.model.policy import Policy
+    from specco.runner.validate import check_policy
+    pc = PolicyConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=1)
+    save_policy(Policy(pc), tmp_path / "hf")
+    cfg = _cfg(tmp_path / "out", f"policy.source={tmp_path / 'hf'}", "parallel.tp=2", "draft.aux_layer_ids=[0, 1]")
+    with pytest.raises(ConfigError, match=r"parallel.tp=2: the policy's \(.*config.json\) num_kv_heads=1 is not a"):
+        check_policy(cfg, tmp_path / "out")

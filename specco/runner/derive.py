@@ -158,8 +158,8 @@ def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
 
 def _check_tp(cfg: RunConfig) -> None:
     """What tensor parallelism (parallel.tp, parallel/tp.py) is not wired into, refused by name with the fix: it
-    is tested (tests/test_tp.py, test_rl_tp.py) alone and with FSDP, context and pipeline parallelism and activation checkpointing,
-    in fp64 and bf16 autocast, without compile."""
+    is tested (tests/test_tp.py, test_rl_tp.py) alone and with FSDP, context and pipeline parallelism and activation
+    checkpointing, in fp64 and bf16 autocast, without compile (dynamo failed on the TP layers: RecursionError)."""
     p, off = cfg.parallel, "or set parallel.tp=1"
     if p.tp_sequence_parallel and (p.cp > 1 or p.pp > 1):  # a stage's activations and the ring's chunks would
         # be cut along the sequence twice
@@ -169,12 +169,19 @@ def _check_tp(cfg: RunConfig) -> None:
     if cfg.train.compile != "none":
         raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.tp={p.tp}: compiling the "
                           f"tensor-parallel layers is not wired; set train.compile=none {off}")
-    if cfg.policy.source == "tiny":  # a pretrained policy's sizes are read at load: apply_tp checks them there
-        for key in ("num_heads", "num_kv_heads", "intermediate_size"):
-            n = getattr(cfg.policy, key)
-            if n % p.tp:
-                raise ConfigError(f"parallel.tp={p.tp}: policy.{key}={n} is not a multiple of it (each tp rank holds "
-                                  f"{key} / tp of every layer); pick a tp that divides it")
+    if cfg.policy.source == "tiny":  # a pretrained policy's sizes: validate.check_policy, from its config.json
+        check_tp_sizes(cfg.policy, p.tp, "policy.")
+
+
+def check_tp_sizes(sizes, tp: int, where: str) -> None:
+    """A ConfigError unless tp divides the heads, kv heads and MLP width of `sizes` (a PolicySpec or PolicyConfig;
+    `where` prefixes its keys): each tp rank holds 1/tp of each (parallel/tp.py; apply_tp's own check is the
+    backstop)."""
+    for key in ("num_heads", "num_kv_heads", "intermediate_size"):
+        n = getattr(sizes, key)
+        if n % tp:
+            raise ConfigError(f"parallel.tp={tp}: {where}{key}={n} is not a multiple of it (each tp rank holds "
+                              f"{key} / tp of every layer); pick a tp that divides it")
 
 
 def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[int, int, int]:
