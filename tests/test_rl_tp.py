@@ -8,6 +8,8 @@ rank's engine refit with the gathered whole policy, a resume from the step-1 che
 the measurement hooks and on_nonfinite=skip leaving the trajectory as it is, and a tp 2 checkpoint refused at tp 1.
 pp 2 × tp 2 as tests/test_rl_pp.py checks pp 2: against each rank's own single-process run, with a resume.
 
+A tp 2 × dp 2 checkpoint resumed at tp 4: every policy tensor and AdamW moment equal, bit for bit.
+
 Refused by name (derive.check_parallel, config.ParallelSpec): compile with tp, sequence parallelism under cp or pp or
 without tp, sizes tp does not divide, tp outside `specco train`, a world that is not pp × dp × cp × tp.
 """
@@ -194,3 +196,52 @@ def test_tp_sizes_of_a_pretrained_policy_are_checked_before_any_stage(tmp_path):
     cfg = _cfg(tmp_path / "out", f"policy.source={tmp_path / 'hf'}", "parallel.tp=2", "draft.aux_layer_ids=[0, 1]")
     with pytest.raises(ConfigError, match=r"parallel.tp=2: the policy's \(.*config.json\) num_kv_heads=1 is not a"):
         check_policy(cfg, tmp_path / "out")
+
+
+def _reshard_worker(rank, world, tmp):
+    """A checkpoint of tp 2 × dp 2 resumed at tp 4: every policy tensor and AdamW moment lands whole-equal (DCP reads
+    each rank's new slices of the saved Shard(0) / Shard(1) chunks)."""
+    from test_grpo import DigitTask
+    from test_rl_cp import _cfg
+    from specco.data.tokenizer import build_char_tokenizer
+    from specco.model.policy import Policy
+    from specco.runner.arm_checkpoint import resume_arm
+    from specco.runner.derive import generate_config
+    from specco.runner.rl import run_arm
+    from specco.runner.trainer import make_arm
+    from specco.runner.warmstart import new_draft
+    from specco.train.sft import tiny_policy_config
+    tmp = Path(tmp)
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)  # the demo's sizes but 4 kv heads, which tp 4 divides
+    policy = Policy(tiny_policy_config(tok, 96, 4, 4, 4, 256)).double()
+    torch.manual_seed(1)
+    draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8))).double()
+    extra = ("rollout.prompts_per_step=8", "train.checkpoint_every=1", "policy.num_kv_heads=4")
+    cfg_a = _cfg(tmp, "parallel.tp=2", "parallel.dp=2", *extra)
+    st = {}
+    run_arm(cfg_a, "cotrained", policy, draft, DigitTask(), tok, tmp / "x", progress=False,
+            mesh=Mesh.build(2, 1, tp=2), stop_after=1, state_out=st)
+
+    def whole(s):  # every policy tensor and its AdamW moments, gathered, by name
+        out = {}
+        for n, p in s.policy.named_parameters():
+            out[n] = F._full(p.detach()).clone()
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[f"{n}.{k}"] = F._full(s.opt.state[p][k]).clone()
+        return out
+    saved = whole(st["state"])
+    cfg_b = _cfg(tmp, "parallel.tp=4", *extra)
+    mesh_b = Mesh.build(1, 1, tp=4)
+    st_b = make_arm(cfg_b, "cotrained", policy, draft, generate_config(cfg_b, tok.eos_id, tok.pad_id), mesh=mesh_b)
+    assert resume_arm(tmp / "x" / "ckpt", st_b, cfg_b, mesh_b) and st_b.step == 1
+    assert st_b.policy.layers["0"].self_attn.k_proj.weight.to_local().shape[0] == 4 * 24 // 4  # one kv head of 24
+    got = whole(st_b)
+    assert got.keys() == saved.keys()
+    for k, v in saved.items():
+        assert torch.equal(got[k], v), k
+
+
+@pytest.mark.slow  # 4 processes
+def test_tp2_dp2_checkpoint_resumes_at_tp4(tmp_path):
+    spawn_local(_reshard_worker, 4, str(tmp_path))

@@ -345,7 +345,8 @@ def _tp_mismatch(missing: set, path: Path) -> list[str]:
     if fused or parts:
         saved, now = ("parallel.tp > 1", "parallel.tp = 1") if fused else ("parallel.tp = 1", "parallel.tp > 1")
         return [f"{path} was saved at {saved} (its projections {'unfused' if fused else 'fused'}) and cannot be "
-                f"resumed at {now}: resume it with {saved} (another tp > 1 is untested), or start over"]
+                f"resumed at {now}: resume it with {saved} (a tp > 1 checkpoint reads at another tp > 1), or start "
+                "over"]
     return []
 
 
