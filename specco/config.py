@@ -371,7 +371,7 @@ class TrainSpec:
 
 @dataclass(frozen=True)
 class ParallelSpec:
-    """The device mesh (parallel/mesh.py): pp × dp × cp ranks, dp = dp_replicate × dp_shard.
+    """The device mesh (parallel/mesh.py): pp × dp × cp × tp ranks, dp = dp_replicate × dp_shard.
 
     `dp` is the data-parallel degree: how many shares the step's prompts split into (the runner reads it). It
     factors as torchtitan's axes: dp_replicate ranks hold whole copies (their gradients all-reduced), dp_shard
@@ -391,6 +391,14 @@ class ParallelSpec:
     dp_replicate: int = 0
     cp: int = 1
     pp: int = 1
+    # tensor parallelism of the trainer's policy (parallel/tp.py): its decoder layers' projections column / row
+    # sharded over tp ranks, which hold the same tokens, and its head's vocabulary rows (loss-parallel); the draft
+    # and the embedding stay whole on every rank. The innermost mesh axis; the world is pp × dp × cp × tp. The
+    # rollout engine is not tensor-parallel
+    tp: int = 1
+    # ... with sequence parallelism (parallel/tp.py): the residual stream and the norms cut along the sequence between
+    # the blocks (activations / tp; micro-batch widths rounded up to a multiple of tp). Needs tp > 1; not with cp or pp
+    tp_sequence_parallel: bool = False
     backend: str = "auto"  # auto -> nccl on CUDA, gloo on CPU
     # seconds any wait of the process group may last (a collective, its start-up) before the rank raises, so a rank
     # whose peer is stuck fails and torchrun --max-restarts can restart the job (parallel/mesh.py). The other ranks
@@ -401,11 +409,13 @@ class ParallelSpec:
         _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
                and 0 < self.timeout_s < float("inf"), f"parallel.timeout_s={self.timeout_s!r}: must be a number of "
                "seconds > 0 (torch's default is 1800)")
-        for n in ("cp", "pp"):
+        for n in ("cp", "pp", "tp"):
             _check(getattr(self, n) >= 1, f"parallel.{n}={getattr(self, n)}: must be >= 1")
         for n in ("dp", "dp_shard", "dp_replicate"):
             _check(getattr(self, n) >= 0, f"parallel.{n}={getattr(self, n)}: must be >= 1 (or 0: derived)")
         _check(self.backend in ("auto", "gloo", "nccl"), "parallel.backend: auto, gloo or nccl")
+        _check(not self.tp_sequence_parallel or self.tp > 1, "parallel.tp_sequence_parallel=true needs "
+               f"parallel.tp > 1 (it is {self.tp}): set parallel.tp or drop parallel.tp_sequence_parallel")
         dp, shard, rep = self.dp, self.dp_shard, self.dp_replicate
         if shard and rep:
             _check(not dp or dp == rep * shard,
@@ -542,6 +552,9 @@ class RunConfig:
         _check(not self.parallel.fsdp or self.rollout.dtype in ("", "auto", self.policy.dtype),
                f"rollout.dtype={self.rollout.dtype!r} with parallel.dp_shard: not supported (the engine's copy is "
                "the whole policy evaluated and saved); leave rollout.dtype unset")
+        _check(self.parallel.tp == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
+               f"rollout.dtype={self.rollout.dtype!r} with parallel.tp={self.parallel.tp}: not supported (the engine's "
+               "copy is the whole policy evaluated and saved); leave rollout.dtype unset")
         n = self.policy.num_layers
         out = [i for i in self.draft.aux_layer_ids if i >= n]
         # the tiny policy's depth is known here; a pretrained one's is checked by runner.demo.validate_run,

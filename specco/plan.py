@@ -424,6 +424,9 @@ def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None 
     prompt_tokens: the longest prompt (0: data.max_prompt_tokens, else 512)."""
     if gpus < 1 or gpu_gib <= 0:
         raise ConfigError(f"--gpus {gpus} --gpu-mem {gpu_gib}: need >= 1 GPU of > 0 GiB")
+    if cfg.parallel.tp > 1:  # the planned layouts are pp · dp_replicate · dp_shard · cp; trainer TP is not modelled
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp}: the memory planner does not model the trainer's tensor "
+                          "parallelism yet; plan with parallel.tp=1 (its layouts without tp)")
     pc = policy_config(cfg, model)
     s = shapes(cfg, pc, prompt_tokens or cfg.data.max_prompt_tokens or 512)
     if engine_tp < 1 or pc.num_kv_heads % engine_tp:

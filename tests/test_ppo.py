@@ -1,7 +1,7 @@
 """PPO updates, the KL penalty and the derived configs.
 
 * The KL term (train.kl_coef) against a hand computation from explicit log-softmaxes of the policy and
-  a reference policy (1e-6: fp32 log-probs).
+  a reference policy (1e-6: the hand computation's fp32 log-probs).
 * A CPU RL run with ppo_epochs = 2, minibatches = 2: four optimizer steps per rollout batch, so the
   ratio moves off 1 and some tokens clip; resume stays bit-exact.
 * The KL run keeps a frozen reference: KL is exactly 0 on the first update of step 1 (the reference
@@ -41,7 +41,7 @@ def test_kl_penalty_matches_hand_computation():
     mask[2, 7:] = 0
     adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
     with torch.no_grad():
-        lp_ref = torch.log_softmax(ref(tokens).logits.float() / T, -1)  # token_logprobs works in fp32
+        lp_ref = torch.log_softmax(ref(tokens).logits.float() / T, -1)  # fp32, as token_logprobs for fp32 models
         lp_ref = lp_ref[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]  # (B, S-1): token j+1 at j
     logp_ref = torch.cat([lp_ref, torch.zeros(B, 1)], 1)  # indexed like the logits (batch.py)
     logp_old = logp_ref + 0.1  # an off-policy old policy: ratio != 1
@@ -60,9 +60,9 @@ def test_kl_penalty_matches_hand_computation():
                 total += -min(ratio * a, min(max(ratio, 0.8), 1.2) * a) + 0.3 * k3
                 kl_sum += k3
     n = m.sum().item()
-    # 1e-6 relative: the library's log-probs, ratio and k3 are fp32 (token_logprobs), the hand computation
-    # is in Python doubles from the same fp32 log-probs, so only fp32 rounding differs (seen: 1e-8); a
-    # wrong sign, shift or mask gives O(1e-2) or more.
+    # 1e-6 relative: the hand computation takes fp32 log-probs (as token_logprobs does for fp32 / bf16 models; it
+    # keeps these fp64 ones in fp64), so fp32 rounding differs (seen: 1e-8); a wrong sign, shift or mask gives
+    # O(1e-2) or more.
     assert abs(loss.item() - total / n) <= 1e-6 * abs(total / n)
     assert abs(stats.metrics()["policy/kl"].item() - kl_sum / n) <= 1e-6 * kl_sum / n
     assert kl_sum > 0

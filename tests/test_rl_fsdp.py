@@ -17,8 +17,8 @@ The co-trained DFlash arm (its drafter reads the sharded policy's head and embed
 and (slow lane, 4 processes) HSDP: dp_replicate 2 x dp_shard 2.
 
 Tolerance as tests/test_rl_cp.py: fp64, rtol 1e-9 (parameters atol 1e-10 after two AdamW steps): only summation
-orders differ (reduce-scatter vs one process's sums). The policy loss's log-probs are fp32 by design
-(token_logprobs): policy/loss, ratio and KL statistics at 1e-6 relative. Seen: grad norms and losses within
+orders differ (reduce-scatter vs one process's sums). policy/loss, ratio and KL statistics at 1e-6 relative, as
+test_rl_cp.py (a bound from fp32 log-probs; token_logprobs keeps fp64 logits in fp64 now). Seen: grad norms and losses within
 2e-16 relative, parameters within 6e-14 absolute (EAGLE-3) and 7e-16 (DFlash).
 """
 from pathlib import Path

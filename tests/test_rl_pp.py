@@ -10,8 +10,8 @@ Second: pp = 2 with PPO (2 epochs x 2 minibatches: log-prob recompute on the eng
 KL penalty, stopped after one step and resumed from its checkpoint (whole policy gathered, per-stage
 optimizer states): equal to the uninterrupted single-process run.
 
-Tolerance as in test_rl_cp.py: fp64, rtol 1e-9 (policy/loss and the KL / ratio statistics 1e-6: fp32
-log-probs by design), parameters rtol 1e-9 / atol 1e-10.
+Tolerance as in test_rl_cp.py: fp64, rtol 1e-9 (policy/loss and the KL / ratio statistics 1e-6, test_rl_cp.py says
+why), parameters rtol 1e-9 / atol 1e-10.
 """
 from pathlib import Path
 

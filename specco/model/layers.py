@@ -152,11 +152,44 @@ def _split_fused(mod, state, prefix, local_metadata, *, fused, parts):
 
 
 def _join_fused(mod, state, prefix, local_metadata, strict, missing, unexpected, errors, *, fused, parts):
-    """load_state_dict pre-hook of `fuse_linears`: the parts, when all present, are concatenated."""
+    """load_state_dict pre-hook of `fuse_linears`: the parts, when all present, are concatenated — unless the
+    module holds them as separate Linears again (`unfuse_linears`), which load them under their own names."""
+    if fused not in mod.fused_linears:
+        return
     for suffix in ("weight", "bias"):
         keys = [f"{prefix}{name}.{suffix}" for name, _ in parts]
         if all(k in state for k in keys):
             state[f"{prefix}{fused}.{suffix}"] = torch.cat([state.pop(k) for k in keys], dim=0)
+
+
+def unfuse_linears(module: nn.Module, fused: str) -> None:
+    """The inverse of `fuse_linears`, in place: `module.<fused>` becomes the separate Linears its parts name
+    (`q_proj`, `k_proj`, `v_proj`), holding the same rows, and `module.<fused>` is None.
+
+    Why: tensor parallelism (parallel/tp.py) shards each projection's output rows over the ranks. A fused
+    [q | k | v] weight cut into contiguous row blocks gives rank 0 all of q and rank 1 k and v; every rank needs
+    ITS heads of each part. As separate Linears each part is column-sharded on its own (the layout Megatron and
+    torchtitan train with), and the state dict keeps HF's names (`q_proj.weight`), which the fused module's
+    `state_dict` already reported: the refit, the checkpoints and the engine see the same keys and tensors.
+    The price is three GEMMs instead of one in training, where each is large and compute-bound; the rollout
+    engine keeps its own fused copy for decode, where the fusion pays. `module.fused_linears` loses the entry,
+    so the hooks of `fuse_linears` pass the parts through as they are."""
+    linear = getattr(module, fused)
+    parts = module.fused_linears.pop(fused)
+    start = 0
+    for name, n in parts:  # each part a Linear with its own rows of the fused weight (and bias)
+        part = nn.Linear(linear.in_features, n, bias=linear.bias is not None,
+                         device=linear.weight.device, dtype=linear.weight.dtype)
+        with torch.no_grad():
+            part.weight.copy_(linear.weight[start:start + n])
+            if linear.bias is not None:
+                part.bias.copy_(linear.bias[start:start + n])
+        part.weight.requires_grad_(linear.weight.requires_grad)
+        if part.bias is not None:
+            part.bias.requires_grad_(linear.bias.requires_grad)
+        setattr(module, name, part)
+        start += n
+    setattr(module, fused, None)
 
 
 class SwiGLU(nn.Module):
@@ -170,7 +203,10 @@ class SwiGLU(nn.Module):
         fuse_linears(self, "gate_up_proj", [("gate_proj", inter), ("up_proj", inter)])
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        if self.gate_up_proj is None:  # unfused (unfuse_linears: tensor parallelism's local gate and up rows)
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -239,9 +275,14 @@ class Attention(nn.Module):
     def qkv(self, x, cos, sin):
         """x: (B, S, in_dim) -> q (B, H, S, D), k/v (B, Hkv, S, D), RoPE applied to q and k."""
         B, S, _ = x.shape
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.view(B, S, H, D), k.view(B, S, Hkv, D), v.view(B, S, Hkv, D)
+        D = self.head_dim
+        if self.qkv_proj is None:  # unfused (unfuse_linears): under tensor parallelism each holds its local heads
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            H, Hkv = self.num_heads, self.num_kv_heads
+            q, k, v = self.qkv_proj(x).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        # heads as -1, not the global counts: a tensor-parallel rank holds H/tp query and Hkv/tp kv heads
+        q, k, v = q.view(B, S, -1, D), k.view(B, S, -1, D), v.view(B, S, -1, D)  # (B, S, heads, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, S, D)

@@ -139,7 +139,9 @@ class Policy(nn.Module):
         Cached generation is rollout/forward.py (`policy_forward`), over the same parameters.
         """
         x = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden_in
-        B, S, _ = x.shape
+        # (B, S) from the ids, not x: under sequence parallelism (parallel/tp.py) the embedding returns this rank's
+        # slice of the sequence, while RoPE's tables and the attention are over all S tokens
+        B, S = input_ids.shape if self.embed_tokens is not None else hidden_in.shape[:2]
         if positions is None:
             positions = torch.arange(S, device=x.device).expand(B, S)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype,

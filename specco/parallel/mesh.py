@@ -1,27 +1,36 @@
-"""The named (pp, dp, cp) device mesh, built once (STYLE §3: groups are arguments, this is where they come from).
+"""The named (pp, dp, cp, tp) device mesh, built once (STYLE §3: groups are arguments, this is where they come from).
 
 `torch.distributed.device_mesh.init_device_mesh` lays the ranks out row-major over (pp, dp_replicate,
-dp_shard, cp), with dp = dp_replicate · dp_shard (config.ParallelSpec) and dp_rank = replicate_rank · dp_shard
+dp_shard, cp, tp), with dp = dp_replicate · dp_shard (config.ParallelSpec) and dp_rank = replicate_rank · dp_shard
 + shard_rank, so that
 
-    global rank = (pp_rank · dp + dp_rank) · cp + cp_rank
+    global rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank
 
-as it was before the data axis was split: every group below has the same members for a given dp.
+as it was before the data axis was split (and tp added, innermost): at tp = 1 every group below has the same
+members for a given dp as before. Tensor parallelism is innermost, as in torchtitan and Megatron: its two
+all-reduces per layer in each direction are the heaviest traffic of all, so a TP group's ranks are adjacent (one
+node's NVLink). Every group below except tp_group holds ranks of ONE tp rank: the tp ranks of a group hold the same
+tokens and the same replicated weights, so counts, metrics and replicated gradients are summed over the other axes
+only (a sum over tp would count every token tp times).
 
 so the ranks of one CP group are contiguous — on GPU nodes they share NVLink, which the ring's per-step
 K/V traffic wants; DP traffic (one gradient all-reduce per step) tolerates the slower links; pipeline
 stages are the outermost dimension (they may sit on different nodes: only activations cross them).
 
-    cp_group    ranks with the same (pp, dp)        ring attention, CP shift, sharing a DP group's rollouts
-    dp_group    ranks with the same (pp, cp)        metrics of the DP replicas
-    pp_group    ranks with the same (dp, cp)        the pipeline schedule's point-to-point traffic
-    grad_group  all dp × cp ranks of one stage      gradient sums and loss counts (CP ranks hold disjoint tokens)
+    cp_group    ranks with the same (pp, dp, tp)    ring attention, CP shift, sharing a DP group's rollouts
+    dp_group    ranks with the same (pp, cp, tp)    metrics of the DP replicas
+    pp_group    ranks with the same (dp, cp, tp)    the pipeline schedule's point-to-point traffic
+    grad_group  the dp × cp ranks of one stage      gradient sums and loss counts (CP ranks hold disjoint tokens)
+                and one tp rank
+    tp_group    ranks with the same (pp, dp, cp)    tensor parallelism (parallel/tp.py, via tp_mesh); sharing rollouts
     tap_group   the same ranks as pp_group, its OWN communicator: the tap channel (docs/DESIGN.md §5) must never
                 share ordering with the schedule's traffic. None when pp = 1 (no channel).
     fsdp_mesh   the DeviceMesh `parallel.fsdp.apply_fsdp` shards the policy over: 1-D (fsdp,) = the
                 dp_shard × cp ranks of one (pp, replica) when dp_replicate = 1, else 2-D (dp_replicate, fsdp) for
                 HSDP (shards reduce-scattered along fsdp, then all-reduced along dp_replicate). Its ranks are
-                grad_group's, so an FSDP reduction sums over exactly the ranks the losses' counts cover.
+                grad_group's, so an FSDP reduction sums over exactly the ranks the losses' counts cover. Under
+                tensor parallelism FSDP2 composes it with the parameters' own tp mesh (2-D (fsdp, tp) DTensors).
+    tp_mesh     the 1-D (tp,) DeviceMesh `parallel.tp.apply_tp` shards the policy's layers over.
 
 The flattened axes (dp, the stage's dp × cp) come from DeviceMesh's `_flatten` / `_unflatten` (private,
 torchtitan uses them too); this is the one file that calls them. The flattened meshes are kept here rather
@@ -107,7 +116,7 @@ class Mesh:
     cp: int
     rank: int
     backend: str
-    device_mesh: DeviceMesh  # (pp, dp_replicate, dp_shard, cp)
+    device_mesh: DeviceMesh  # (pp, dp_replicate, dp_shard, cp, tp)
     cp_group: object
     dp_group: object
     pp_group: object
@@ -116,6 +125,9 @@ class Mesh:
     dp_shard: int = 1
     dp_mesh: DeviceMesh | None = None  # (dp,): dp_replicate × dp_shard flattened
     fsdp_mesh: DeviceMesh | None = None  # (fsdp,) or (dp_replicate, fsdp): see the module docstring
+    tp: int = 1
+    tp_group: object | None = None
+    tp_mesh: DeviceMesh | None = None  # (tp,)
 
     @property
     def dp_replicate(self) -> int:
@@ -134,6 +146,14 @@ class Mesh:
         return self.device_mesh.get_local_rank("cp")
 
     @property
+    def tp_rank(self) -> int:
+        return self.device_mesh.get_local_rank("tp")
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
     def device(self) -> torch.device:
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
@@ -141,12 +161,13 @@ class Mesh:
 
     @classmethod
     def build(cls, dp: int = 1, cp: int = 1, backend: str = "auto", pp: int = 1, dp_shard: int = 1,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> "Mesh":
+              timeout_s: float = DEFAULT_TIMEOUT_S, tp: int = 1) -> "Mesh":
         """Create the mesh and every group (collective: all ranks call it, once). Sizes that do not
         multiply to the job's WORLD_SIZE are an error naming the launch that would fit. `dp` is the whole
         data-parallel degree and `dp_shard` its FSDP factor (config.ParallelSpec's `dp` and `shard`):
-        dp_replicate = dp / dp_shard. `timeout_s`: how long any wait of the group may last (init_distributed)."""
-        for name, n in (("pp", pp), ("dp", dp), ("cp", cp), ("dp_shard", dp_shard)):
+        dp_replicate = dp / dp_shard. `timeout_s`: how long any wait of the group may last (init_distributed).
+        `tp`: the tensor-parallel degree (config.ParallelSpec's `tp`), the innermost axis."""
+        for name, n in (("pp", pp), ("dp", dp), ("cp", cp), ("dp_shard", dp_shard), ("tp", tp)):
             if n < 1:
                 raise ValueError(f"parallel.{name}={n}: must be >= 1")
         if dp % dp_shard:
@@ -155,32 +176,37 @@ class Mesh:
         rep = dp // dp_shard
         backend = init_distributed(backend, timeout_s)
         world, rank = dist.get_world_size(), dist.get_rank()
-        if pp * dp * cp != world:
-            raise ValueError(f"parallel.pp × parallel.dp × parallel.cp = {pp} × {dp} × {cp} = {pp * dp * cp} but the "
-                             f"job has {world} processes; launch {pp * dp * cp} in all (torchrun --nproc-per-node "
+        if pp * dp * cp * tp != world:
+            n = pp * dp * cp * tp
+            raise ValueError(f"parallel.pp × parallel.dp × parallel.cp × parallel.tp = {pp} × {dp} × {cp} × {tp} = "
+                             f"{n} but the job has {world} processes; launch {n} in all (torchrun --nproc-per-node "
                              f"× --nnodes), or change the sizes")
-        dm = init_device_mesh("cuda" if backend == "nccl" else "cpu", (pp, rep, dp_shard, cp),
-                              mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp"))
+        dm = init_device_mesh("cuda" if backend == "nccl" else "cpu", (pp, rep, dp_shard, cp, tp),
+                              mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
         dp_mesh = dm["dp_replicate", "dp_shard"]._flatten("dp")  # (dp,) replicate-major: dp_rank = r · dp_shard + s
         stage = dm["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")  # (dp · cp,): one stage's ranks
         fsdp_mesh = stage._unflatten(0, (rep, dp_shard * cp), ("dp_replicate", "fsdp"))  # (rep, dp_shard · cp)
         if rep == 1:  # plain FSDP: a 2-D mesh would make FSDP all-reduce over a group of one
             fsdp_mesh = fsdp_mesh["fsdp"]
-        grid = dm.mesh.reshape(pp, dp, cp)  # global ranks; (rep, dp_shard) -> dp row-major, as dp_mesh
-        grad_group = dist.group.WORLD if pp == 1 else None
+        grid = dm.mesh.reshape(pp, dp, cp, tp)  # global ranks; (rep, dp_shard) -> dp row-major, as dp_mesh
+        # one stage's dp × cp ranks of one tp rank: the whole world only without pp and tp
+        grad_group = dist.group.WORLD if pp == tp == 1 else stage.get_group() if pp == 1 else None
         tap_group = None
         if pp > 1:  # new_group is collective: every rank creates every group, in the same order
+            me = (dm.get_local_rank("pp"), dp_mesh.get_local_rank(), dm.get_local_rank("cp"), dm.get_local_rank("tp"))
             for s in range(pp):
-                g = dist.new_group(grid[s].flatten().tolist())
-                if dm.get_local_rank("pp") == s:
-                    grad_group = g
+                for t in range(tp):
+                    g = dist.new_group(grid[s, :, :, t].flatten().tolist())
+                    if (me[0], me[3]) == (s, t):
+                        grad_group = g
             for d in range(dp):
                 for c in range(cp):
-                    g = dist.new_group(grid[:, d, c].tolist())
-                    if (dp_mesh.get_local_rank(), dm.get_local_rank("cp")) == (d, c):
-                        tap_group = g
+                    for t in range(tp):
+                        g = dist.new_group(grid[:, d, c, t].tolist())
+                        if me[1:] == (d, c, t):
+                            tap_group = g
         return cls(pp, dp, cp, rank, backend, dm, dm["cp"].get_group(), dp_mesh.get_group(), dm["pp"].get_group(),
-                   grad_group, tap_group, dp_shard, dp_mesh, fsdp_mesh)
+                   grad_group, tap_group, dp_shard, dp_mesh, fsdp_mesh, tp, dm["tp"].get_group(), dm["tp"])
 
 
 def _spawn_entry(rank, world, store_path, fn, args):

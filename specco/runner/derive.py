@@ -13,6 +13,7 @@ defaults (`specco/config.py`), so the RL loop, the warm start, the context-paral
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -66,13 +67,20 @@ def step_config(cfg: RunConfig, mode: str = "cotrained", draft_row_stride: int |
                       policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
                       loss_chunk=t.loss_chunk, draft_row_stride=draft_row_stride or t.draft_row_stride,
                       micro_batch_rows=t.micro_batch_rows,
-                      width_multiple=t.width_multiple, amp_dtype=AMP_DTYPES.get(t.amp))
+                      width_multiple=width_multiple(cfg), amp_dtype=AMP_DTYPES.get(t.amp))
+
+
+def width_multiple(cfg: RunConfig) -> int:
+    """What every micro-batch width is rounded up to: train.width_multiple, and under tensor-parallel sequence
+    parallelism a multiple of parallel.tp too (each rank holds S/tp tokens of the residual stream, parallel/tp.py)."""
+    w, p = cfg.train.width_multiple, cfg.parallel
+    return math.lcm(w, p.tp) if p.tp_sequence_parallel else w
 
 
 def train_shapes(cfg: RunConfig, prompt_len: int) -> list[tuple[int, int]]:
     """The (rows, width) micro-batch shapes this rank's RL trainer can run (config train.warm_widths): rows from
     cutting a minibatch — and, with frozen_shadow, the whole step's rows — into train.micro_batch_rows (the last
-    cut holds the rest); widths every multiple of train.width_multiple up to the longest possible row,
+    cut holds the rest); widths every multiple of `width_multiple(cfg)` up to the longest possible row,
     `prompt_len` + rollout.max_new_tokens, rounded up as the minibatches are (runner/rollouts.build_batch)."""
     t, r = cfg.train, cfg.rollout
     step_rows = r.prompts_per_step * r.group_size // cfg.parallel.dp
@@ -82,7 +90,7 @@ def train_shapes(cfg: RunConfig, prompt_len: int) -> list[tuple[int, int]]:
         return {n} if m <= 0 or m >= n else {len(idx) for idx in longest_first(torch.zeros(n), m)}
 
     rows = cuts(step_rows // t.minibatches) | (cuts(step_rows) if cfg.frozen_shadow else set())
-    w = t.width_multiple
+    w = width_multiple(cfg)
     top = round_up(prompt_len + r.max_new_tokens, w)
     return sorted((b, width) for b in rows for width in range(w, top + 1, w))
 
@@ -111,7 +119,8 @@ def on_device(cfg: RunConfig, device: torch.device) -> RunConfig:
     which must not be a rounded copy. A bf16 engine there needs the recompute pipelined over the stages and the
     saved policy taken from the masters (config.py refuses rollout.dtype=bfloat16 with a reason until then)."""
     pretrained_gpu = torch.device(device).type == "cuda" and cfg.policy.source != "tiny"
-    whole_elsewhere = cfg.parallel.pp > 1 or cfg.parallel.fsdp  # the engine's copy has other duties (above)
+    # the engine's copy has other duties (above); under tensor parallelism too (the trainer holds shards)
+    whole_elsewhere = cfg.parallel.pp > 1 or cfg.parallel.fsdp or cfg.parallel.tp > 1
     amp = cfg.train.amp if cfg.train.amp != "auto" else ("bf16" if pretrained_gpu else "none")
     dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else (
         "bfloat16" if pretrained_gpu and not whole_elsewhere else "")
@@ -131,7 +140,7 @@ def at_temperature(gen_cfg: GenerateConfig, temperature: float) -> GenerateConfi
 
 
 # What each command runs: the mesh dimensions it supports.
-_SUPPORTED = {"train": ("pp", "dp", "cp"), "cotrain-cp": ("dp", "cp")}
+_SUPPORTED = {"train": ("pp", "dp", "cp", "tp"), "cotrain-cp": ("dp", "cp")}
 
 
 def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
@@ -147,6 +156,34 @@ def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
                           f"sharded layers is not wired yet; set train.compile=none or {off}")
 
 
+def _check_tp(cfg: RunConfig) -> None:
+    """What tensor parallelism (parallel.tp, parallel/tp.py) is not wired into, refused by name with the fix: it
+    is tested (tests/test_tp.py, test_rl_tp.py) alone and with FSDP, context and pipeline parallelism and activation
+    checkpointing, in fp64 and bf16 autocast, without compile (dynamo failed on the TP layers: RecursionError)."""
+    p, off = cfg.parallel, "or set parallel.tp=1"
+    if p.tp_sequence_parallel and (p.cp > 1 or p.pp > 1):  # a stage's activations and the ring's chunks would
+        # be cut along the sequence twice
+        raise ConfigError(f"parallel.tp_sequence_parallel=true with parallel.cp={p.cp}, parallel.pp={p.pp}: sequence "
+                          "parallelism under context or pipeline parallelism is not implemented; drop "
+                          "parallel.tp_sequence_parallel")
+    if cfg.train.compile != "none":
+        raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.tp={p.tp}: compiling the "
+                          f"tensor-parallel layers is not wired; set train.compile=none {off}")
+    if cfg.policy.source == "tiny":  # a pretrained policy's sizes: validate.check_policy, from its config.json
+        check_tp_sizes(cfg.policy, p.tp, "policy.")
+
+
+def check_tp_sizes(sizes, tp: int, where: str) -> None:
+    """A ConfigError unless tp divides the heads, kv heads and MLP width of `sizes` (a PolicySpec or PolicyConfig;
+    `where` prefixes its keys): each tp rank holds 1/tp of each (parallel/tp.py; apply_tp's own check is the
+    backstop)."""
+    for key in ("num_heads", "num_kv_heads", "intermediate_size"):
+        n = getattr(sizes, key)
+        if n % tp:
+            raise ConfigError(f"parallel.tp={tp}: {where}{key}={n} is not a multiple of it (each tp rank holds "
+                              f"{key} / tp of every layer); pick a tp that divides it")
+
+
 def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[int, int, int]:
     """Validate cfg.parallel against the launch (WORLD_SIZE = `world`) for `command`; return (pp, dp, cp).
 
@@ -154,22 +191,26 @@ def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[
     (pipeline parallelism: `specco train` only), sizes whose product is not the number of processes, prompts that
     do not split into whole GRPO groups per data-parallel rank and PPO minibatch."""
     p = cfg.parallel
-    for dim in ("pp", "dp", "cp"):
+    for dim in ("pp", "dp", "cp", "tp"):
         if getattr(p, dim) > 1 and dim not in _SUPPORTED[command]:
-            what = "pipeline parallelism runs in `specco train` only" if dim == "pp" else "not supported"
+            what = {"pp": "pipeline parallelism runs in `specco train` only",
+                    "tp": "tensor parallelism runs in `specco train` only"}.get(dim, "not supported")
             raise ConfigError(f"parallel.{dim}={getattr(p, dim)}: {what} in `specco {command}`; "
                               f"set parallel.{dim}=1")
-    n = p.pp * p.dp * p.cp
+    n = p.pp * p.dp * p.cp * p.tp
     if n != world:
+        others = p.pp * p.cp * p.tp
         if world == 1:
             how = f"launch it with `torchrun --nproc-per-node {n} -m specco {command} ...` (or --nnodes x --nproc-per-node = {n})"
-        elif world % (p.pp * p.cp) == 0:
-            how = f"set parallel.dp={world // (p.pp * p.cp)}" + "".join(
-                f" (with parallel.{k}={v})" for k, v in (("pp", p.pp), ("cp", p.cp)) if v > 1)
+        elif world % others == 0:
+            how = f"set parallel.dp={world // others}" + "".join(
+                f" (with parallel.{k}={v})" for k, v in (("pp", p.pp), ("cp", p.cp), ("tp", p.tp)) if v > 1)
         else:
-            how = f"set parallel.pp x parallel.dp x parallel.cp = {world}"
-        raise ConfigError(f"parallel.pp x parallel.dp x parallel.cp = {p.pp} x {p.dp} x {p.cp} = {n} but "
-                          f"{world} process(es) were launched (WORLD_SIZE): {how}")
+            how = f"set parallel.pp x parallel.dp x parallel.cp x parallel.tp = {world}"
+        raise ConfigError(f"parallel.pp x parallel.dp x parallel.cp x parallel.tp = {p.pp} x {p.dp} x {p.cp} x "
+                          f"{p.tp} = {n} but {world} process(es) were launched (WORLD_SIZE): {how}")
+    if p.tp > 1:
+        _check_tp(cfg)
     if cfg.train.compile != "none" and command != "train":
         raise ConfigError(f"train.compile={cfg.train.compile!r}: compiles the RL trainer's layers (`specco train`); "
                           f"`specco {command}` does not; set train.compile=none")

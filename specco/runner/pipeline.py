@@ -85,7 +85,8 @@ def _run(cfg: RunConfig, data: JobData, mesh, rank: int, progress: bool, force_n
     policy, tok, sft_m = prepare_policy(cfg, data, out, device, progress, mesh)
     drafts, warm_m = prepare_drafts(cfg, policy, tok, data, out, progress, mesh)
     say(f"[3/4] RL: {cfg.train.steps} GRPO steps x arms {', '.join(cfg.arms)}"
-        + (f" on {mesh.dp} data-parallel x {mesh.cp} context-parallel ranks" if mesh is not None else ""), progress)
+        + (f" on {mesh.dp} data-parallel x {mesh.cp} context-parallel ranks" if mesh is not None else "")
+        + (f" x {mesh.tp} tensor-parallel ranks" if mesh is not None and mesh.tp > 1 else ""), progress)
     arm_rows = {}
     for arm in cfg.arms:
         arm_cfg, _ = arm_config(cfg, arm)  # its draft kind's warm draft (the no-draft arm drops it)

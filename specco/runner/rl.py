@@ -20,6 +20,7 @@ from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..parallel.fsdp import is_sharded
+from ..parallel.tp import is_tensor_parallel
 from ..parallel.mesh import Mesh
 from ..train.checkpoint import remove_stale_temporaries
 from .arm_checkpoint import resume_arm, save_arm
@@ -37,8 +38,9 @@ def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
     """The arm's whole policy and draft as of its last refit, for evaluation and saving: the trainer's own
     copies, or under pipeline parallelism (a rank trains one stage) the engine's, which the refit fills from
     every stage in the trainer's dtype (config.py keeps rollout.dtype at the policy's under PP), and under FSDP
-    (the trainer holds shards) the engine's too, refit from the gathered shards (config.py: the same dtype rule)."""
-    if st.pipeline is not None or is_sharded(st.policy):
+    (the trainer holds shards) and tensor parallelism the engine's too, refit from the gathered shards (config.py: the
+    same dtype rule)."""
+    if st.pipeline is not None or is_sharded(st.policy) or is_tensor_parallel(st.policy):
         return st.engine.policy, st.engine.draft
     return st.policy, st.draft
 

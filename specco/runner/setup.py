@@ -50,16 +50,16 @@ def pick_device(name: str) -> torch.device:
 
 
 def parallel_setup(cfg: RunConfig) -> Mesh | None:
-    """The RL loop's mesh: None for one process; under torchrun, the pp x dp x cp mesh with
-    parallel.pp x parallel.dp x parallel.cp = WORLD_SIZE, its dp axis split into dp_replicate x dp_shard
+    """The RL loop's mesh: None for one process; under torchrun, the pp x dp x cp x tp mesh with
+    parallel.pp x parallel.dp x parallel.cp x parallel.tp = WORLD_SIZE, its dp axis split into dp_replicate x dp_shard
     (parallel.shard: 1 without FSDP). Anything else is refused with what to change
     (derive.check_parallel), instead of silently running one independent copy per rank."""
     pp, dp, cp = check_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), "train")
-    if pp * dp * cp == 1:
-        return None
     p = cfg.parallel
+    if pp * dp * cp * p.tp == 1:
+        return None
     backend = p.backend if p.backend != "auto" else ("nccl" if pick_device(cfg.device).type == "cuda" else "gloo")
-    return Mesh.build(dp, cp, backend, pp=pp, dp_shard=p.shard, timeout_s=p.timeout_s)
+    return Mesh.build(dp, cp, backend, pp=pp, dp_shard=p.shard, timeout_s=p.timeout_s, tp=p.tp)
 
 
 def _broadcast_object(obj, mesh: Mesh):

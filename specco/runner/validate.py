@@ -48,6 +48,9 @@ def check_policy(cfg: RunConfig, out: Path):
     if src is not None:
         from ..model.hf_io import check_policy_dir, check_tokenizer_fits
         pc = check_policy_dir(src)
+        if cfg.parallel.tp > 1:  # before any stage: the trainer's layers are cut at make_arm (parallel/tp.py)
+            from .derive import check_tp_sizes
+            check_tp_sizes(pc, cfg.parallel.tp, f"the policy's ({src / 'config.json'}) ")
         check_tokenizer_fits(src)
         bad = [i for i in cfg.draft.aux_layer_ids if not 0 <= i < pc.num_layers]
         if bad:

@@ -27,11 +27,13 @@ import functools
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..batch import TrainBatch
 from ..model.dflash import BlockDraft, slot_weights
 from ..model.ttt import shift_left, ttt_forward
 from ..parallel.layout import PADDED
+from ..parallel.tp import vocab_rows
 from .block_losses import block_draft_loss, block_slot_counts, local_plan
 from .losses import DraftStats, draft_loss_parts, normalize_draft_loss, pass_target_masks, pass_weights
 from .step_config import StepConfig
@@ -79,7 +81,7 @@ class _Eagle3:
         `denominator`: the step's global one (None: this batch's own counts). Only the rows `rows` are used (a
         slice or index tensor; None: `draft_rows`): the policy forward that made `out` ran on all rows anyway."""
         rows = draft_rows(batch, cfg) if rows is None else rows
-        aux, embed, logits = out.taps.aux[rows], out.taps.embed[rows], out.logits[rows]
+        aux, embed, logits = out.taps.aux[rows], out.taps.embed[rows], vocab_rows(out.logits, rows)
         outs = ttt_forward(draft, aux, embed, _positions(batch)[rows], cfg.ttt_passes, shift=layout.shift,
                            attn=layout.attn)
         parts = draft_loss_parts(draft, outs, logits, draft_mask(batch)[rows], cfg.loss_chunk, layout.shift)
@@ -118,10 +120,16 @@ class _Block:
         head and the mask slots its embed_tokens[mask_id], both detached. Of the layout only `block` is read."""
         rows = draft_rows(batch, cfg) if rows is None else rows
         mask_emb = policy.embed_tokens.weight[draft.cfg.mask_id].detach()
-        return block_draft_loss(draft, out.taps.aux[rows], out.taps.embed[rows], out.logits[rows],
+        return block_draft_loss(draft, out.taps.aux[rows], out.taps.embed[rows], vocab_rows(out.logits, rows),
                                 batch.tokens[rows], draft_mask(batch)[rows], _positions(batch)[rows],
-                                policy.lm_head.weight, mask_emb, denominator,
+                                _whole(policy.lm_head.weight), mask_emb, denominator,
                                 chunk=max(1, cfg.loss_chunk // draft.cfg.gamma), plan=self._plan(layout.block))
+
+
+def _whole(weight: torch.Tensor) -> torch.Tensor:
+    """The policy's head weight whole and detached: gathered from its vocabulary shards under tensor parallelism
+    (parallel/tp.py, an all-gather over tp), as it is otherwise (a plain tensor; under FSDP its unsharded one)."""
+    return weight.detach().full_tensor() if isinstance(weight, DTensor) else weight
 
 
 EAGLE3, BLOCK = _Eagle3(), _Block()

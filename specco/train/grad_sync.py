@@ -35,12 +35,14 @@ __all__ = ["AllReduceSync", "FSDPSync", "grad_syncs", "reduce_grads", "clip_grad
 
 def reduce_grads(params, group) -> None:
     """Sum gradients over `group` (DP x CP ranks). Losses are normalised by global counts, so a sum
-    (not a mean) gives the global-batch gradient."""
+    (not a mean) gives the global-batch gradient. A tensor-parallel gradient (a DTensor over the tp mesh,
+    parallel/tp.py) is summed shard by shard: `group` holds ranks of one tp rank, which hold the same shard."""
     if group is None:
         return
     for p in params:
         if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # its storage: summed in place
+            dist.all_reduce(g, group=group)
 
 
 def clip_grad_norm(params, max_norm: float, norm_group=None) -> torch.Tensor:
@@ -49,19 +51,38 @@ def clip_grad_norm(params, max_norm: float, norm_group=None) -> torch.Tensor:
     by FSDP (DTensor gradients: the local norms' `full_tensor()` is the norm over every shard); the squared
     norms are summed over `norm_group`, so every part is scaled by the same coefficient."""
     params = list(params)
-    grads = [p.grad for p in params if p.grad is not None]
-    # a group this step did not train (the plain train step's draft) has no gradients: get_total_norm would give a
-    # CPU zero, which the metrics' one device-side stack refuses beside CUDA ones; the all-reduce below still runs
-    total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(
-        (), device=params[0].device if params else None)
-    if isinstance(total, DTensor):  # Partial over the shards: the all-reduce of the squares happens here
-        total = total.full_tensor()
+    # by kind of gradient: plain tensors and each DTensor mesh apart (tensor parallelism without FSDP leaves the
+    # norms and the embedding plain beside the layers' tp shards; FSDP over tp puts them on another mesh than the
+    # 2-D tp ones), since torch's foreach kernels refuse a mix. One kind: the single norm of before
+    kinds: dict = {}
+    for p in params:
+        kinds.setdefault(_mesh_of(p.grad), []).append(p)
+    total = None
+    for group in kinds.values():
+        grads = [p.grad for p in group if p.grad is not None]
+        if not grads:
+            continue
+        n = torch.nn.utils.get_total_norm(grads)
+        if isinstance(n, DTensor):  # Partial over the shards: the all-reduce of the squares happens here
+            n = n.full_tensor()
+        total = n if total is None else torch.linalg.vector_norm(torch.stack([total, n]))
+    if total is None:
+        # a group this step did not train (the plain train step's draft) has no gradients: get_total_norm would
+        # give a CPU zero, which the metrics' one device-side stack refuses beside CUDA ones; the all-reduce below
+        # still runs
+        total = torch.zeros((), device=params[0].device if params else None)
     if norm_group is not None:
         sq = total.double().square().reshape(1)
         dist.all_reduce(sq, group=norm_group)
         total = sq[0].sqrt().to(total.dtype)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    for group in kinds.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _mesh_of(grad):
+    """The DeviceMesh of a DTensor gradient, None for a plain one (or none)."""
+    return grad.device_mesh if isinstance(grad, DTensor) else None
 
 
 class AllReduceSync:

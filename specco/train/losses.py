@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -243,8 +244,14 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6,
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(tokens) under softmax(logits / T), fp32. logits (B, S, V) predict tokens (B, S)."""
-    lp = F.log_softmax(logits.float() / max(temperature, 1e-6), dim=-1)
+    """log p(tokens) under softmax(logits / T) in fp32 at least (bf16 / fp32 logits: fp32; fp64 ones, in tests:
+    fp64, as soft_cross_entropy). logits (B, S, V) predict tokens (B, S). Logits cut along the vocabulary over
+    tensor-parallel ranks (a DTensor: parallel/tp.py's head) take the loss-parallel form there, in the same dtype."""
+    if isinstance(logits, DTensor):
+        from ..parallel.tp import vocab_parallel_logprobs
+        return vocab_parallel_logprobs(logits, tokens, temperature)
+    dt = torch.promote_types(logits.dtype, torch.float32)
+    lp = F.log_softmax(logits.to(dt) / max(temperature, 1e-6), dim=-1)
     return lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 

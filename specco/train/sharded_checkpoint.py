@@ -336,6 +336,20 @@ def _saved_sched(meta_sched, sched: LRScheduler, where: Path) -> dict:
                               f"groups ({type(e).__name__}: {e}): the file was damaged or edited") from None
 
 
+def _tp_mismatch(missing: set, path: Path) -> list[str]:
+    """The one layout change a checkpoint cannot cross, named: tensor parallelism (parallel/tp.py) trains the
+    attention and MLP projections unfused (`q_proj`, ..., each sharded on its own), one process and the other
+    layouts fused (`qkv_proj`, `gate_up_proj`), and a sharded checkpoint keeps each as it was trained."""
+    fused = any(k.endswith((".qkv_proj.weight", ".gate_up_proj.weight")) for k in missing)
+    parts = any(k.endswith((".q_proj.weight", ".gate_proj.weight")) for k in missing)
+    if fused or parts:
+        saved, now = ("parallel.tp > 1", "parallel.tp = 1") if fused else ("parallel.tp = 1", "parallel.tp > 1")
+        return [f"{path} was saved at {saved} (its projections {'unfused' if fused else 'fused'}) and cannot be "
+                f"resumed at {now}: resume it with {saved} (a tp > 1 checkpoint reads at another tp > 1), or start "
+                "over"]
+    return []
+
+
 def load(path: str | os.PathLike, state: dict) -> dict:
     """Load checkpoint `path` into the models, optimizers and LR schedulers of `state` (any layout: DTensor
     shards are filled from the overlapping saved chunks; a pipeline stage takes its layers) and return its JSON
@@ -348,8 +362,9 @@ def load(path: str | os.PathLike, state: dict) -> dict:
     saved = meta["tensors"]
     # this rank's verdicts, exchanged before any collective read: a refusal on one rank must raise on all of
     # them (a rank left waiting in DCP's collectives would hang the job)
-    problems = [f"{path / STATE} has no tensor {k!r}: the checkpoint is of another model or optimizer"
-                for k in sorted(set(flat) - set(saved))]
+    problems = _tp_mismatch(set(flat) - set(saved), path)
+    problems += [f"{path / STATE} has no tensor {k!r}: the checkpoint is of another model or optimizer"
+                 for k in sorted(set(flat) - set(saved))]
     problems += [f"{path / STATE}: tensor {k!r} was saved as {saved[k]['dtype']}{saved[k]['shape']}, the model has "
                  f"{t.dtype}{list(t.shape)}" for k, t in flat.items() if k in saved and (
                      list(t.shape) != saved[k]["shape"] or str(t.dtype).removeprefix("torch.") != saved[k]["dtype"])]
