@@ -1,7 +1,8 @@
 """Tensor parallelism of the rollout engine (rollout/tp.py), on gloo: 2 ranks, each decoding with its shard.
 
-Greedy and coupled sampling choose tokens vocabulary-parallel (a reduction per row, never whole logits), checked
-against the whole rule on random blocks with planted ties; rejection sampling gathers the logits.
+Every sampler here chooses tokens vocabulary-parallel (never from whole logits): greedy and coupled by a reduction
+per row, plain temperature sampling and rejection sampling's verify by inverse CDF block by block; each is checked
+against its whole-vocabulary rule on random blocks (with planted ties) and in the engine.
 
 Every case decodes the same prompts with the whole policy (tp 1) and with the rank's shard (tp 2) from the same
 generator, fp64 models, and requires the same tokens and lengths: plain decoding, EAGLE-3 and DFlash, greedy,
@@ -115,6 +116,14 @@ def _pick_worker(rank, world):
         assert torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.tokens, want.tokens)
         torch.testing.assert_close(glogp.float(), wlogp, rtol=0, atol=2e-6)
     assert int(want.num_accepted.eq(k).sum()) > B // 2  # the second draft is the target: mostly all accepted
+    # plain temperature sampling from the blocks == pick_tokens_logp's inverse-CDF draw on the whole logits
+    from specco.rollout.sampling import pick_tokens_logp
+    from specco.rollout.tp import sample_vocab_parallel
+    zs, u = torch.randn(B, 32, generator=g, dtype=torch.float64), torch.rand(B, generator=g)
+    want_t, want_lp = pick_tokens_logp(zs, SamplingParams(temperature=T), u, impl="torch")
+    got_t, got_lp = sample_vocab_parallel(zs[:, rank * 16:(rank + 1) * 16], T, u, dist.group.WORLD)
+    assert torch.equal(got_t, want_t) and len(set(got_t.tolist())) > 8
+    torch.testing.assert_close(got_lp, want_lp, rtol=0, atol=2e-6)
 
 
 def test_vocab_parallel_pick_equals_the_whole_rule():

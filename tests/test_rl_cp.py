@@ -137,7 +137,7 @@ def _mesh_worker(rank, world):
     assert ranks(mesh.pp_group) == ranks(mesh.tap_group) == [rank % 2, rank % 2 + 2]
     assert mesh.tap_group is not mesh.pp_group  # its own communicator, never the schedule's
     assert ranks(mesh.grad_group) == ranks(mesh.cp_group)  # dp x cp of this stage
-    with pytest.raises(ValueError, match=r"2 × 2 × 2 = 8 but the job has 4 processes"):
+    with pytest.raises(ValueError, match=r"2 × 2 × 2 × 1 = 8 but the job has 4 processes"):
         Mesh.build(dp=2, cp=2, pp=2)
 
 

@@ -97,7 +97,7 @@ class SpeculativeSteps:
         inp = torch.cat([st.last_tok[:, None], draft_tok], dim=1)  # (B, k+1)
         pos = st.n[:, None] + self.offsets  # (B, k+1)
         p = self.params
-        vp = vocab_parallel(self.policy, p, verify=True)  # a tp shard choosing from its vocabulary block
+        vp = vocab_parallel(self.policy, p)  # a tp shard choosing from its vocabulary block
         logits, _, taps = policy_forward(self.policy, inp, pos, st.t_cache, self.rope, tap_layers=self.aux,
                                          whole_logits=not vp)
         if vp and not p.greedy and not p.keyed:  # rejection sampling, p never gathered

@@ -19,13 +19,14 @@ either one all-gather of (B, T, V) (`head_logits`, where the sampling rule reads
 numbers per row (below). Every rank ends with the same tokens from the same noise and keeps the same draft state, so
 verification, compaction and speculation control run unchanged.
 
-Greedy and coupled sampling (no top-k / top-p) choose tokens vocabulary-parallel (`pick_vocab_parallel`): each rank
-reduces its V/tp logits to (its best score, that id, its logit, its max, its sum of exponentials) and one all-gather
-of those 5 numbers per row picks the token and its log-prob: the plain step, the prefill's first token and the
-verify of greedy / coupled speculation never gather logits. Rejection sampling (its acceptance ratios and residual
-draw read p over the whole vocabulary) and top-k / top-p gather the head's output. Tied heads are held as an untied
-copy of the head's rows (the refit writes the embedding and the head's slice from the same tensor). DSpark (its
-Markov bias reads whole-vocabulary rows of its own) is refused.
+Tokens are chosen vocabulary-parallel, never from gathered logits, for every sampler but top-k / top-p (a sort over
+the whole vocabulary, which gathers the head's output): greedy and coupled sampling (`pick_vocab_parallel`) reduce
+each rank's V/tp logits to (best score, its id, its logit, max, sum of exponentials), one all-gather of 5 numbers
+per row; plain temperature sampling (`sample_vocab_parallel`) and rejection sampling's verify
+(`verify_sampling_vocab_parallel`: log-sum-exps, the draft tokens' target logits from their owners, the residual's
+mass per block) draw by inverse CDF block by block, the block holding the uniform's point drawing inside itself.
+Tied heads are held as an untied copy of the head's rows (the refit writes the embedding and the head's slice from
+the same tensor). DSpark (its Markov bias reads whole-vocabulary rows of its own) is refused.
 """
 from __future__ import annotations
 
@@ -119,12 +120,11 @@ def gather_vocab(local: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def vocab_parallel(policy: nn.Module, params, verify: bool = False) -> bool:
+def vocab_parallel(policy: nn.Module, params) -> bool:
     """Whether `policy` (a shard or not) chooses tokens from its vocabulary block under these sampling params:
-    greedy and coupled (`pick_vocab_parallel`), and in a verify plain temperature sampling too
-    (`verify_sampling_vocab_parallel`); top-k / top-p (a sort over the whole vocabulary) gather the logits."""
-    plain = params.top_k == 0 and params.top_p == 1.0
-    return tp_group_of(policy) is not None and (params.greedy or (plain and (params.keyed or verify)))
+    greedy and coupled (`pick_vocab_parallel`), plain temperature sampling (`sample_vocab_parallel`, and in a verify
+    `verify_sampling_vocab_parallel`); top-k / top-p (a sort over the whole vocabulary) gather the logits."""
+    return tp_group_of(policy) is not None and (params.greedy or (params.top_k == 0 and params.top_p == 1.0))
 
 
 def pick_vocab_parallel(local: torch.Tensor, params, group, key: torch.Tensor | None = None,
@@ -177,18 +177,11 @@ def verify_sampling_vocab_parallel(local: torch.Tensor, temperature: float, q_dr
     The inverse CDF runs per block, so its cumulative sums round differently from the whole vocabulary's: a
     uniform within ~1e-7 of a cdf boundary may land on the neighbouring token, as with the fused kernels."""
     from .acceptance import Verdict, _accept, _emit
-    from .sampling import sample_from_probs
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     B, k1, n = local.shape
     k = k1 - 1
     z = local.float() / temperature  # (B, k+1, n)
-    m = z.max(-1).values
-    stats = torch.stack([m, (z - m[..., None]).exp().sum(-1)], -1)  # (B, k+1, 2)
-    parts = [torch.empty_like(stats) for _ in range(tp)]
-    dist.all_gather(parts, stats, group=group)
-    allst = torch.stack(parts, -2)  # (B, k+1, tp, 2)
-    M = allst[..., 0].max(-1).values
-    lse = M + (allst[..., 1] * (allst[..., 0] - M[..., None]).exp()).sum(-1).log()  # (B, k+1)
+    lse = _lse(z, group)  # (B, k+1)
     z_x, _ = _owned(z[:, :k], draft_tokens, rank)
     dist.all_reduce(z_x, group=group)
     p_x = (z_x - lse[:, :k]).exp()
@@ -205,15 +198,53 @@ def verify_sampling_vocab_parallel(local: torch.Tensor, temperature: float, q_dr
     empty = masses[..., 0].sum(-1) <= 0  # p == q up to rounding: draw from p (acceptance.verify_sampling)
     residual = torch.where(empty[:, None], p_a, residual)
     seg = torch.where(empty[:, None], masses[..., 1], masses[..., 0])  # (B, tp) each block's share
-    cum = seg.cumsum(-1)
-    target = u_residual.to(cum.dtype) * cum[:, -1]
-    owner = (cum <= target[:, None]).sum(-1).clamp(max=tp - 1)  # the first block whose segment ends past u·total
-    before = torch.where(owner > 0, cum.gather(-1, (owner - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(target))
-    u_in = ((target - before) / seg.gather(-1, owner[:, None])[:, 0].clamp_min(1e-30)).clamp(0, 1 - 1e-7)
-    tok = sample_from_probs(residual, u_in) + rank * n  # (B,) meaningful on the owner only
-    tok = torch.where(owner == rank, tok, torch.full_like(tok, -1))
-    dist.all_reduce(tok, op=dist.ReduceOp.MAX, group=group)
-    tokens = _emit(draft_tokens, a, tok)
+    tokens = _emit(draft_tokens, a, _draw(residual, seg, u_residual, group))
     z_t, _ = _owned(z, tokens, rank)
     dist.all_reduce(z_t, group=group)
     return Verdict(a, tokens), z_t - lse
+
+
+def _draw(weights: torch.Tensor, seg: torch.Tensor, u: torch.Tensor, group) -> torch.Tensor:
+    """Inverse-CDF draw over the whole vocabulary from each rank's block of unnormalised weights (B, n), given every
+    block's total `seg` (B, tp) and uniforms u (B,): the block whose segment holds u·total draws inside itself with
+    the rescaled uniform (sampling.sample_from_probs), its token all-reduced to the others (max over -1s)."""
+    from .sampling import sample_from_probs
+    tp, rank, n = dist.get_world_size(group), dist.get_rank(group), weights.shape[-1]
+    cum = seg.cumsum(-1)
+    target = u.to(cum.dtype) * cum[:, -1]
+    owner = (cum <= target[:, None]).sum(-1).clamp(max=tp - 1)  # the first block whose segment ends past u·total
+    before = torch.where(owner > 0, cum.gather(-1, (owner - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(target))
+    u_in = ((target - before) / seg.gather(-1, owner[:, None])[:, 0].clamp_min(1e-30)).clamp(0, 1 - 1e-7)
+    tok = sample_from_probs(weights, u_in) + rank * n  # (B,) meaningful on the owner only
+    tok = torch.where(owner == rank, tok, torch.full_like(tok, -1))
+    dist.all_reduce(tok, op=dist.ReduceOp.MAX, group=group)
+    return tok
+
+
+def _lse(z: torch.Tensor, group) -> torch.Tensor:
+    """log-sum-exp over the whole vocabulary of (..., n) blocks: each rank's (max, sum of exps) all-gathered."""
+    m = z.max(-1).values
+    stats = torch.stack([m, (z - m[..., None]).exp().sum(-1)], -1)  # (..., 2)
+    parts = [torch.empty_like(stats) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, stats, group=group)
+    allst = torch.stack(parts, -2)  # (..., tp, 2)
+    M = allst[..., 0].max(-1).values
+    return M + (allst[..., 1] * (allst[..., 0] - M[..., None]).exp()).sum(-1).log()
+
+
+def sample_vocab_parallel(local: torch.Tensor, temperature: float, u: torch.Tensor, group
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain temperature sampling (no top-k / top-p) from this rank's block of the logits (B, V/tp) with the
+    uniforms u (B,): (tokens (B,), log p (B,) fp32), sampling.pick_tokens_logp's inverse-CDF draw up to the
+    blocks' rounding of the cumulative sums (as the fused kernel's)."""
+    rank = dist.get_rank(group)
+    z = local.float() / temperature
+    lse = _lse(z, group)  # (B,)
+    p = (z - lse[:, None]).exp()  # (B, n)
+    mass = p.sum(-1, keepdim=True)
+    parts = [torch.empty_like(mass) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mass, group=group)
+    tok = _draw(p, torch.cat(parts, -1), u, group)
+    z_t, _ = _owned(z, tok, rank)
+    dist.all_reduce(z_t, group=group)
+    return tok, (z_t - lse).float()
