@@ -142,6 +142,10 @@ BAD_INPUTS = {
     "NaN reward": (lambda d: _with_fn(d, "return [float('nan')] * len(completions)"), "nan|NaN"),
     "prompt too long": (lambda d: ["--data", str(write_jsonl(d / "a.jsonl", word_problems(4))), "--reward", "math",
                                    "data.max_prompt_tokens=5"], "max_prompt_tokens"),
+    # found writing out_dir/config.json first (2026-12-04): a re-run with the fix was then refused as another config
+    "plain baseline without speculation control": (
+        lambda d: ["--data", str(write_jsonl(d / "a.jsonl", word_problems(4))), "--reward", "math",
+                   "plain_baseline=[cotrained]", "rollout.sampler=coupled"], "speculation control"),
 }
 
 

@@ -29,10 +29,8 @@ import torch
 
 from ..config import RunConfig
 from ..faults import point
-from ..model.config import ConfigError
 from ..model.hf_io import save_policy
-from ..rollout.shapes import speculation_control
-from .derive import arm_config, generate_config, on_device
+from .derive import arm_config, on_device
 from .prepare import copy_tokenizer_files, evaluate, prepare_drafts, prepare_policy, say, source_dir
 from .report import MetricsLog, plot_arms, read_jsonl
 from .rl import full_models, run_arm
@@ -70,10 +68,6 @@ def _run(cfg: RunConfig, data: JobData, mesh, rank: int, progress: bool, force_n
             say(f"removed {p}, left by an interrupted run", progress)
     device = mesh.device if mesh is not None and mesh.device.type == "cuda" else pick_device(cfg.device)
     cfg = on_device(cfg, device)  # "auto" precisions decided once (recorded config.json keeps "auto")
-    if cfg.plain_baseline and not speculation_control(generate_config(cfg, None, 0), device):
-        raise ConfigError(f"plain_baseline={list(cfg.plain_baseline)} on {device.type}: speculation control, which "
-                          "builds the plain step set the baseline decodes with, is off there under "
-                          f"rollout.spec_control={cfg.rollout.spec_control}; set rollout.spec_control=on")
     if device.type == "cuda":  # fp32 policies train and decode with TF32 matmuls (10-bit mantissa products),
         # the engine's decode attention included (ops/decode_attention._ieee)
         torch.set_float32_matmul_precision("high")

@@ -74,11 +74,23 @@ def check_job(cfg: RunConfig, device: torch.device | None = None) -> JobData:
     if cfg.draft.init and not Path(cfg.draft.init).is_dir():
         raise FileNotFoundError(f"draft.init={cfg.draft.init!r}: no such directory (a specco draft, an EAGLE-3 or a "
                                 "DFlash layout); leave it empty to warm-start a new draft on the policy's samples")
+    if device is not None:
+        check_device_plan(cfg, device)
     train, eval_, stats = load_data(cfg.data, tok)
     sft = load_sft(cfg, tok) if cfg.sft.data else None
     rewards = Rewards(default_rewards(cfg))
     probe_rewards(rewards, train, tok)
     return JobData(train=train, eval=eval_, sft=sft, rewards=rewards, stats=stats)
+
+
+def check_device_plan(cfg: RunConfig, device: torch.device) -> None:
+    """What the config asks of the device it will run on: a plain baseline needs speculation control there."""
+    from ..rollout.shapes import speculation_control
+    from .derive import generate_config, on_device
+    if cfg.plain_baseline and not speculation_control(generate_config(on_device(cfg, device), None, 0), device):
+        raise ConfigError(f"plain_baseline={list(cfg.plain_baseline)} on {device.type}: speculation control, which "
+                          "builds the plain step set the baseline decodes with, is off there under "
+                          f"rollout.spec_control={cfg.rollout.spec_control}; set rollout.spec_control=on")
 
 
 def load_sft(cfg: RunConfig, tok) -> PromptSource:
