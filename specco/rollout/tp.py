@@ -115,9 +115,8 @@ def gather_vocab(local: torch.Tensor, group) -> torch.Tensor:
     """(..., V/tp) blocks of the ranks in order -> (..., V) on every rank (no-op without a group)."""
     if group is None:
         return local
-    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    blocks = _gathered(local, group, -2)  # (..., tp, V/tp)
+    return blocks.flatten(-2)
 
 
 def vocab_parallel(policy: nn.Module, params) -> bool:
@@ -137,7 +136,7 @@ def pick_vocab_parallel(local: torch.Tensor, params, group, key: torch.Tensor | 
     break the other way, as between a verify forward and a one-token step). Ties go to the lowest id, as
     torch.argmax's: the first rank holding the best score wins."""
     from .sampling import keyed_gumbel
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     n = local.shape[-1]
     z = local.float() if params.greedy else local.float() / params.temperature  # (B, W, n)
     score = z if params.greedy else z + keyed_gumbel(key, pos, n, start=rank * n)
@@ -145,9 +144,7 @@ def pick_vocab_parallel(local: torch.Tensor, params, group, key: torch.Tensor | 
     m = z.max(-1).values
     stats = torch.stack([best.double(), (idx + rank * n).double(), z.gather(-1, idx[..., None])[..., 0].double(),
                          m.double(), (z - m[..., None]).exp().sum(-1).double()], dim=-1)  # (..., 5)
-    parts = [torch.empty_like(stats) for _ in range(tp)]
-    dist.all_gather(parts, stats, group=group)
-    allst = torch.stack(parts, dim=-2)  # (..., tp, 5)
+    allst = _gathered(stats, group, -2)  # (..., tp, 5)
     win = allst[..., 0].argmax(-1, keepdim=True)  # (..., 1): the first rank with the best score
     tok = allst[..., 1].gather(-1, win)[..., 0].long()
     z_tok = allst[..., 2].gather(-1, win)[..., 0]
@@ -156,12 +153,21 @@ def pick_vocab_parallel(local: torch.Tensor, params, group, key: torch.Tensor | 
     return tok, (z_tok - lse).float()
 
 
-def _owned(local: torch.Tensor, ids: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values of `local` (..., n) at global ids (...) where this rank's block holds them, else 0; the mask)."""
-    n = local.shape[-1]
+def _owner_value(local: torch.Tensor, ids: torch.Tensor, group) -> torch.Tensor:
+    """local (..., n) at global ids (...), from the rank whose block holds each id (0 elsewhere, then summed)."""
+    rank, n = dist.get_rank(group), local.shape[-1]
     mine = (ids >= rank * n) & (ids < (rank + 1) * n)
     idx = (ids - rank * n).clamp(0, n - 1)
-    return torch.where(mine, local.gather(-1, idx[..., None])[..., 0], torch.zeros((), dtype=local.dtype)), mine
+    out = torch.where(mine, local.gather(-1, idx[..., None])[..., 0], torch.zeros((), dtype=local.dtype))
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _gathered(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Every rank's `x`, stacked along a new `dim` in rank order (one all-gather)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.stack(parts, dim)
 
 
 def verify_sampling_vocab_parallel(local: torch.Tensor, temperature: float, q_draft: torch.Tensor,
@@ -177,13 +183,12 @@ def verify_sampling_vocab_parallel(local: torch.Tensor, temperature: float, q_dr
     The inverse CDF runs per block, so its cumulative sums round differently from the whole vocabulary's: a
     uniform within ~1e-7 of a cdf boundary may land on the neighbouring token, as with the fused kernels."""
     from .acceptance import Verdict, _accept, _emit
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
     B, k1, n = local.shape
     k = k1 - 1
     z = local.float() / temperature  # (B, k+1, n)
     lse = _lse(z, group)  # (B, k+1)
-    z_x, _ = _owned(z[:, :k], draft_tokens, rank)
-    dist.all_reduce(z_x, group=group)
+    z_x = _owner_value(z[:, :k], draft_tokens, group)
     p_x = (z_x - lse[:, :k]).exp()
     q_x = q_draft.gather(-1, draft_tokens[..., None])[..., 0]
     a = _accept(p_x, q_x, u_accept)  # (B,) the same on every rank (replicated inputs)
@@ -191,17 +196,12 @@ def verify_sampling_vocab_parallel(local: torch.Tensor, temperature: float, q_dr
     p_a = (z[rows, a] - lse[rows, a][:, None]).exp()  # (B, n): this block of p at position a
     q_a = q_draft[rows, a.clamp(max=k - 1), rank * n:(rank + 1) * n] * (a < k)[:, None]
     residual = (p_a - q_a).clamp_min(0.0)
-    mass = torch.stack([residual.sum(-1), p_a.sum(-1)], -1)  # (B, 2)
-    mparts = [torch.empty_like(mass) for _ in range(tp)]
-    dist.all_gather(mparts, mass, group=group)
-    masses = torch.stack(mparts, 1)  # (B, tp, 2)
+    masses = _gathered(torch.stack([residual.sum(-1), p_a.sum(-1)], -1), group, 1)  # (B, tp, 2)
     empty = masses[..., 0].sum(-1) <= 0  # p == q up to rounding: draw from p (acceptance.verify_sampling)
     residual = torch.where(empty[:, None], p_a, residual)
     seg = torch.where(empty[:, None], masses[..., 1], masses[..., 0])  # (B, tp) each block's share
     tokens = _emit(draft_tokens, a, _draw(residual, seg, u_residual, group))
-    z_t, _ = _owned(z, tokens, rank)
-    dist.all_reduce(z_t, group=group)
-    return Verdict(a, tokens), z_t - lse
+    return Verdict(a, tokens), _owner_value(z, tokens, group) - lse
 
 
 def _draw(weights: torch.Tensor, seg: torch.Tensor, u: torch.Tensor, group) -> torch.Tensor:
@@ -224,10 +224,7 @@ def _draw(weights: torch.Tensor, seg: torch.Tensor, u: torch.Tensor, group) -> t
 def _lse(z: torch.Tensor, group) -> torch.Tensor:
     """log-sum-exp over the whole vocabulary of (..., n) blocks: each rank's (max, sum of exps) all-gathered."""
     m = z.max(-1).values
-    stats = torch.stack([m, (z - m[..., None]).exp().sum(-1)], -1)  # (..., 2)
-    parts = [torch.empty_like(stats) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, stats, group=group)
-    allst = torch.stack(parts, -2)  # (..., tp, 2)
+    allst = _gathered(torch.stack([m, (z - m[..., None]).exp().sum(-1)], -1), group, -2)  # (..., tp, 2)
     M = allst[..., 0].max(-1).values
     return M + (allst[..., 1] * (allst[..., 0] - M[..., None]).exp()).sum(-1).log()
 
@@ -237,14 +234,8 @@ def sample_vocab_parallel(local: torch.Tensor, temperature: float, u: torch.Tens
     """Plain temperature sampling (no top-k / top-p) from this rank's block of the logits (B, V/tp) with the
     uniforms u (B,): (tokens (B,), log p (B,) fp32), sampling.pick_tokens_logp's inverse-CDF draw up to the
     blocks' rounding of the cumulative sums (as the fused kernel's)."""
-    rank = dist.get_rank(group)
     z = local.float() / temperature
     lse = _lse(z, group)  # (B,)
     p = (z - lse[:, None]).exp()  # (B, n)
-    mass = p.sum(-1, keepdim=True)
-    parts = [torch.empty_like(mass) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mass, group=group)
-    tok = _draw(p, torch.cat(parts, -1), u, group)
-    z_t, _ = _owned(z, tok, rank)
-    dist.all_reduce(z_t, group=group)
-    return tok, (z_t - lse).float()
+    tok = _draw(p, _gathered(p.sum(-1), group, -1), u, group)  # block masses (B, tp)
+    return tok, (_owner_value(z, tok, group) - lse).float()
