@@ -47,7 +47,7 @@ from .config import GenerateConfig  # noqa: F401 (its home; re-exported)
 from .control import LevelK, SpecController
 from .drafters import engine_kind
 from .forward import RopeTable, policy_forward
-from .tp import head_logits, pick_vocab_parallel, sample_vocab_parallel, tp_group_of, vocab_parallel
+from .tp import head_logits, pick_one, tp_group_of, vocab_parallel
 from .graphs import StepGraphs
 from .levels import Level, PlainSteps, new_state
 from .phases import Phase, PhaseClock  # noqa: F401 (Phase re-exported: GenerateOutput.phases holds them)
@@ -276,14 +276,8 @@ class DecodeRunner:
             st.key.copy_(io.key0)
         last = gather_rows(hidden, io.lens - 1)  # (B0, h): the prompts' last positions
         if vocab_parallel(policy, cfg.sampling):  # a tp shard: its vocabulary block, a reduction per row
-            local = policy.lm_head(last).repeat_interleave(G, dim=0)[:, None]  # (N, 1, V/tp)
-            if cfg.sampling.greedy or cfg.sampling.keyed:
-                first, first_logp = pick_vocab_parallel(local, cfg.sampling, tp_group_of(policy), io.key0,
-                                                        n0[:, None])
-                first, first_logp = first[:, 0], first_logp[:, 0]
-            else:
-                first, first_logp = sample_vocab_parallel(local[:, 0], cfg.sampling.temperature, io.u0,
-                                                          tp_group_of(policy))
+            local = policy.lm_head(last).repeat_interleave(G, dim=0)  # (N, V/tp)
+            first, first_logp = pick_one(local, cfg.sampling, tp_group_of(policy), io.key0, n0, io.u0)
         else:
             logits = head_logits(policy, last).repeat_interleave(G, dim=0)  # (N, V)
             noise = io.u0

@@ -20,7 +20,7 @@ from .drafters import engine_kind
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
 from .sampling import SamplingParams, keyed_gumbel, pick_tokens_logp
-from .tp import pick_vocab_parallel, sample_vocab_parallel, tp_group_of, vocab_parallel
+from .tp import pick_one, tp_group_of, vocab_parallel
 from .speculative import SpeculativeSteps
 from .state import DecodeState, commit
 
@@ -40,13 +40,9 @@ class PlainSteps:
         vp = vocab_parallel(self.policy, self.params)  # a tp shard choosing from its vocabulary block
         logits, _, _ = policy_forward(self.policy, st.last_tok[:, None], st.n[:, None], st.t_cache, self.rope,
                                       whole_logits=not vp)
-        if vp and (self.params.greedy or self.params.keyed):
-            tok, logp = pick_vocab_parallel(logits, self.params, tp_group_of(self.policy), st.key, (st.n + 1)[:, None])
-            self._commit(tok[:, 0], logp[:, 0])
-            return
-        if vp:  # plain temperature sampling: inverse CDF block by block
-            self._commit(*sample_vocab_parallel(logits[:, 0], self.params.temperature, st.u[:, 0],
-                                                tp_group_of(self.policy)))
+        if vp:  # the token at position n+1
+            self._commit(*pick_one(logits[:, 0], self.params, tp_group_of(self.policy), st.key, st.n + 1,
+                                   None if st.u is None else st.u[:, 0]))
             return
         if st.key is not None:  # coupled: the keyed noise of the token's position n+1
             noise = keyed_gumbel(st.key, (st.n + 1)[:, None], logits.shape[-1])[:, 0]

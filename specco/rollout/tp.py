@@ -239,3 +239,14 @@ def sample_vocab_parallel(local: torch.Tensor, temperature: float, u: torch.Tens
     p = (z - lse[:, None]).exp()  # (B, n)
     tok = _draw(p, _gathered(p.sum(-1), group, -1), u, group)  # block masses (B, tp)
     return tok, (_owner_value(z, tok, group) - lse).float()
+
+
+def pick_one(local: torch.Tensor, params, group, key: torch.Tensor | None, pos: torch.Tensor,
+             u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from this rank's block of the logits (B, V/tp) at positions `pos` (B,), by the sampler's
+    vocabulary-parallel rule (`vocab_parallel` says when there is one): (tokens (B,), log p (B,) fp32). `key`: the
+    rows' coupled-sampling keys; `u`: their uniforms for plain temperature sampling."""
+    if params.greedy or params.keyed:
+        tok, logp = pick_vocab_parallel(local[:, None], params, group, key, pos[:, None])
+        return tok[:, 0], logp[:, 0]
+    return sample_vocab_parallel(local, params.temperature, u, group)
