@@ -185,9 +185,15 @@ class RolloutSpec:
     # frees the engine's weights too (the refit refills them; a frozen draft waits on the host). Either way the next
     # rollout captures its CUDA graphs afresh (rollout/weights.py says why).
     offload: str = "none"
+    # The engine's own tensor-parallel degree (rollout/tp.py): each rollout is decoded by this many ranks together,
+    # each holding 1/tp of the policy's heads, MLP rows, vocabulary and KV cache (the draft whole on each), so the
+    # cache and every step's read split tp ways. The ranks are those that train on one DP group's rollouts (its
+    # parallel.cp x parallel.tp ranks): rollout.tp divides their number, and may differ from parallel.tp
+    tp: int = 1
 
     def __post_init__(self):
         _check_finite(self, "rollout")
+        _check(self.tp >= 1, f"rollout.tp={self.tp}: must be >= 1 (1: every rank's engine holds the whole policy)")
         _check(self.refit_bucket_mb >= 1, f"rollout.refit_bucket_mb={self.refit_bucket_mb}: must be >= 1 (MB per "
                "refit bucket; a tensor larger than the bound is sent alone)")
         _check(self.offload in OFFLOAD_MODES, f"rollout.offload={self.offload!r}: use one of {list(OFFLOAD_MODES)}")
@@ -394,7 +400,7 @@ class ParallelSpec:
     # tensor parallelism of the trainer's policy (parallel/tp.py): its decoder layers' projections column / row
     # sharded over tp ranks, which hold the same tokens, and its head's vocabulary rows (loss-parallel); the draft
     # and the embedding stay whole on every rank. The innermost mesh axis; the world is pp × dp × cp × tp. The
-    # rollout engine is not tensor-parallel
+    # rollout engine's degree is its own (rollout.tp)
     tp: int = 1
     # ... with sequence parallelism (parallel/tp.py): the residual stream and the norms cut along the sequence between
     # the blocks (activations / tp; micro-batch widths rounded up to a multiple of tp). Needs tp > 1; not with cp or pp

@@ -31,6 +31,9 @@ stages are the outermost dimension (they may sit on different nodes: only activa
                 grad_group's, so an FSDP reduction sums over exactly the ranks the losses' counts cover. Under
                 tensor parallelism FSDP2 composes it with the parameters' own tp mesh (2-D (fsdp, tp) DTensors).
     tp_mesh     the 1-D (tp,) DeviceMesh `parallel.tp.apply_tp` shards the policy's layers over.
+    rollout_tp_group  the rollout engine's tp group (rollout.tp ranks, rollout/tp.py): the ranks of one (pp, dp)
+                that share a DP group's rollouts, cp x tp of them in rank order, cut into consecutive runs of
+                rollout_tp; None when rollout_tp = 1. Its ranks decode together, so they are adjacent too.
 
 The flattened axes (dp, the stage's dp × cp) come from DeviceMesh's `_flatten` / `_unflatten` (private,
 torchtitan uses them too); this is the one file that calls them. The flattened meshes are kept here rather
@@ -128,6 +131,8 @@ class Mesh:
     tp: int = 1
     tp_group: object | None = None
     tp_mesh: DeviceMesh | None = None  # (tp,)
+    rollout_tp: int = 1
+    rollout_tp_group: object | None = None
 
     @property
     def dp_replicate(self) -> int:
@@ -150,6 +155,11 @@ class Mesh:
         return self.device_mesh.get_local_rank("tp")
 
     @property
+    def rollout_tp_index(self) -> int:
+        """Which engine tp group of its DP group's cp x tp ranks this rank is in (0: the one that generates)."""
+        return (self.cp_rank * self.tp + self.tp_rank) // self.rollout_tp
+
+    @property
     def world(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
@@ -161,15 +171,18 @@ class Mesh:
 
     @classmethod
     def build(cls, dp: int = 1, cp: int = 1, backend: str = "auto", pp: int = 1, dp_shard: int = 1,
-              timeout_s: float = DEFAULT_TIMEOUT_S, tp: int = 1) -> "Mesh":
+              timeout_s: float = DEFAULT_TIMEOUT_S, tp: int = 1, rollout_tp: int = 1) -> "Mesh":
         """Create the mesh and every group (collective: all ranks call it, once). Sizes that do not
         multiply to the job's WORLD_SIZE are an error naming the launch that would fit. `dp` is the whole
         data-parallel degree and `dp_shard` its FSDP factor (config.ParallelSpec's `dp` and `shard`):
         dp_replicate = dp / dp_shard. `timeout_s`: how long any wait of the group may last (init_distributed).
-        `tp`: the tensor-parallel degree (config.ParallelSpec's `tp`), the innermost axis."""
+        `tp`: the tensor-parallel degree (config.ParallelSpec's `tp`), the innermost axis; `rollout_tp`: the
+        engine's (config.RolloutSpec's `tp`), a divisor of cp × tp."""
         for name, n in (("pp", pp), ("dp", dp), ("cp", cp), ("dp_shard", dp_shard), ("tp", tp)):
             if n < 1:
                 raise ValueError(f"parallel.{name}={n}: must be >= 1")
+        if rollout_tp < 1 or (cp * tp) % rollout_tp:
+            raise ValueError(f"rollout.tp={rollout_tp} must divide parallel.cp × parallel.tp = {cp * tp}")
         if dp % dp_shard:
             raise ValueError(f"parallel.dp={dp} is not a multiple of parallel.dp_shard={dp_shard} "
                              "(dp = dp_replicate × dp_shard)")
@@ -205,8 +218,16 @@ class Mesh:
                         g = dist.new_group(grid[:, d, c, t].tolist())
                         if me[1:] == (d, c, t):
                             tap_group = g
+        rollout_group = None
+        if rollout_tp > 1:  # consecutive runs of the (cp, tp) block of each (pp, dp): every rank creates every group
+            for block in grid.reshape(pp * dp, cp * tp).tolist():
+                for i in range(0, cp * tp, rollout_tp):
+                    g = dist.new_group(block[i:i + rollout_tp])
+                    if rank in block[i:i + rollout_tp]:
+                        rollout_group = g
         return cls(pp, dp, cp, rank, backend, dm, dm["cp"].get_group(), dp_mesh.get_group(), dm["pp"].get_group(),
-                   grad_group, tap_group, dp_shard, dp_mesh, fsdp_mesh, tp, dm["tp"].get_group(), dm["tp"])
+                   grad_group, tap_group, dp_shard, dp_mesh, fsdp_mesh, tp, dm["tp"].get_group(), dm["tp"],
+                   rollout_tp, rollout_group)
 
 
 def _spawn_entry(rank, world, store_path, fn, args):

@@ -93,6 +93,14 @@ def tp_shard(policy: Policy, group) -> Policy:
     return shard.eval()
 
 
+def local_part(model: nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
+    """The part of the whole tensor `t` (state-dict key `name`) that `model` holds: its rank's slice for a tp shard's
+    cut tensors (tp_shard's tp_slices), `t` itself otherwise. The refit writes it (weights.InPlaceLoad) and the
+    refit guard fingerprints it (runner/refit.py)."""
+    dim = getattr(model, "tp_slices", {}).get(name)
+    return t if dim is None else shard_of(t, dim, model.tp_rank, model.tp_size)
+
+
 def tp_group_of(model: nn.Module):
     """The tp group a model was sharded over (tp_shard), or None for a whole model."""
     return getattr(model, "tp_group", None)

@@ -18,7 +18,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from .tp import shard_of
+from .tp import local_part
 
 
 class RefitError(RuntimeError):
@@ -38,10 +38,11 @@ class InPlaceLoad:
 
     def __init__(self, model: nn.Module, what: str):
         self.what = what
+        self.model = model
         self.own = model.state_dict()  # views of the parameters (the fused projections' parts too): no copy
         # a tensor-parallel engine shard (rollout/tp.py) takes whole tensors and keeps its rank's slice of the cut ones
         self.slices = getattr(model, "tp_slices", {})
-        self.tp = (getattr(model, "tp_rank", 0), getattr(model, "tp_size", 1))
+        self.tp_size = getattr(model, "tp_size", 1)
         self.seen: set[str] = set()
         self.unexpected: list[str] = []
         self.repeated: list[str] = []
@@ -57,12 +58,12 @@ class InPlaceLoad:
                 self.unexpected.append(name)
             elif name in self.seen:
                 self.repeated.append(name)
-            elif (dim := self.slices.get(name)) is not None and tensor.shape[dim] != dst.shape[dim] * self.tp[1]:
-                self.bad_shape.append((name, tuple(tensor.shape), f"{tuple(dst.shape)} x {self.tp[1]} along {dim}"))
-            elif tuple(tensor.shape if dim is None else shard_of(tensor, dim, *self.tp).shape) != tuple(dst.shape):
+            elif (dim := self.slices.get(name)) is not None and tensor.shape[dim] != dst.shape[dim] * self.tp_size:
+                self.bad_shape.append((name, tuple(tensor.shape), f"{tuple(dst.shape)} x {self.tp_size} along {dim}"))
+            elif tuple(local_part(self.model, name, tensor).shape) != tuple(dst.shape):
                 self.bad_shape.append((name, tuple(tensor.shape), tuple(dst.shape)))
             else:  # in place, cast to the engine's dtype (round to nearest even)
-                dst.copy_(tensor if dim is None else shard_of(tensor, dim, *self.tp))
+                dst.copy_(local_part(self.model, name, tensor))
                 self.seen.add(name)
         bucket.clear()
 

@@ -173,15 +173,36 @@ def _check_tp(cfg: RunConfig) -> None:
         check_tp_sizes(cfg.policy, p.tp, "policy.")
 
 
-def check_tp_sizes(sizes, tp: int, where: str) -> None:
+def check_tp_sizes(sizes, tp: int, where: str, key_name: str = "parallel.tp") -> None:
     """A ConfigError unless tp divides the heads, kv heads and MLP width of `sizes` (a PolicySpec or PolicyConfig;
     `where` prefixes its keys): each tp rank holds 1/tp of each (parallel/tp.py; apply_tp's own check is the
-    backstop)."""
-    for key in ("num_heads", "num_kv_heads", "intermediate_size"):
-        n = getattr(sizes, key)
-        if n % tp:
-            raise ConfigError(f"parallel.tp={tp}: {where}{key}={n} is not a multiple of it (each tp rank holds "
+    backstop). `key_name` rollout.tp: the engine's shard (rollout/tp.py) also cuts the vocabulary."""
+    keys = ("num_heads", "num_kv_heads", "intermediate_size") + (("vocab_size",) if key_name == "rollout.tp" else ())
+    for key in keys:
+        n = getattr(sizes, key, None)  # a PolicySpec has no vocab_size (the tiny policy's is its tokenizer's)
+        if n is not None and n % tp:
+            raise ConfigError(f"{key_name}={tp}: {where}{key}={n} is not a multiple of it (each tp rank holds "
                               f"{key} / tp of every layer); pick a tp that divides it")
+
+
+def _check_rollout_tp(cfg: RunConfig) -> None:
+    """rollout.tp (the engine's tensor parallelism, rollout/tp.py) against the layout, refused by name with the fix.
+    The engine tp groups are cut from the ranks that train on one DP group's rollouts (its cp x tp ranks, which
+    hold the same sampler), so the tokens are those of one rank decoding them whole."""
+    p, n = cfg.parallel, cfg.rollout.tp
+    if p.pp > 1:  # each pipeline stage's engine is refit from the gathered stages; a sharded one is not wired
+        raise ConfigError(f"rollout.tp={n} with parallel.pp={p.pp}: a tensor-parallel engine under pipeline "
+                          "parallelism is not implemented; set rollout.tp=1")
+    if (p.cp * p.tp) % n:
+        raise ConfigError(f"rollout.tp={n}: the engine's ranks are those that share one DP group's rollouts, "
+                          f"parallel.cp x parallel.tp = {p.cp} x {p.tp} = {p.cp * p.tp} of them, which rollout.tp must "
+                          "divide; set rollout.tp to a divisor of it (or raise parallel.tp / parallel.cp)")
+    dspark = [a for a in cfg.arms if split_arm(a, cfg.draft.kind)[1] == "dspark"]
+    if dspark:  # its Markov bias reads whole-vocabulary rows of its own (rollout/tp.py)
+        raise ConfigError(f"arms {dspark} with rollout.tp={n}: a DSpark draft on a tensor-parallel engine is not "
+                          "implemented; use DFlash or EAGLE-3 arms, or rollout.tp=1")
+    if cfg.policy.source == "tiny":  # a pretrained policy's sizes: validate.check_policy, from its config.json
+        check_tp_sizes(cfg.policy, n, "policy.", "rollout.tp")
 
 
 def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[int, int, int]:
@@ -211,6 +232,8 @@ def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[
                           f"{p.tp} = {n} but {world} process(es) were launched (WORLD_SIZE): {how}")
     if p.tp > 1:
         _check_tp(cfg)
+    if cfg.rollout.tp > 1:
+        _check_rollout_tp(cfg)
     if cfg.train.compile != "none" and command != "train":
         raise ConfigError(f"train.compile={cfg.train.compile!r}: compiles the RL trainer's layers (`specco train`); "
                           f"`specco {command}` does not; set train.compile=none")

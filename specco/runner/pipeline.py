@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..config import RunConfig
 from ..faults import point
@@ -33,7 +34,7 @@ from ..model.hf_io import save_policy
 from .derive import arm_config, on_device
 from .prepare import copy_tokenizer_files, evaluate, prepare_drafts, prepare_policy, say, source_dir
 from .report import MetricsLog, plot_arms, read_jsonl
-from .rl import full_models, run_arm
+from .rl import full_models, needs_gather, run_arm
 from .setup import parallel_setup, pick_device
 from .stages import RunLock, commit_dir, record_config, remove_stale_temporaries, seed_stage
 from .validate import JobData, check_job
@@ -125,15 +126,31 @@ class Outputs:
     progress: bool
 
     def __call__(self, st, m: dict | None) -> None:
-        """`m`: the step's metrics, None before the first step (the starting policy's evaluation)."""
+        """`m`: the step's metrics, None before the first step (the starting policy's evaluation). Called on every
+        rank: rank 0 decides and writes; where the whole models are gathered from the trainer's shards
+        (rl.needs_gather: a tensor-parallel engine) the other ranks take part in that gather and nothing else."""
+        todo = self.todo(st, m) if self.rank == 0 else (False, False)
+        if needs_gather(st):
+            box = [todo]
+            dist.broadcast_object_list(box, group=dist.group.WORLD, group_src=0)
+            todo = box[0]
+        if not any(todo):
+            return
+        models = full_models(st)
         if self.rank != 0:
             return
+        if todo[0]:
+            self.evaluate(st, *models)
+        if todo[1]:
+            self.save(st, *models)
+
+    def todo(self, st, m: dict | None) -> tuple[bool, bool]:
+        """(evaluate, save) at this point of the run (rank 0: it reads out_dir)."""
         t, last = self.cfg.train, st.step == self.cfg.train.steps
-        if self.data.eval is not None and (m is None and st.step == 0 or m is not None and (
-                last or t.eval_every and st.step % t.eval_every == 0)) and not self.evaluated(st.step):
-            self.evaluate(st)
-        if m is not None and (last or t.save_every and st.step % t.save_every == 0) and not self.saved(st.step):
-            self.save(st)
+        ev = self.data.eval is not None and (m is None and st.step == 0 or m is not None and (
+            last or t.eval_every and st.step % t.eval_every == 0)) and not self.evaluated(st.step)
+        save = m is not None and (last or t.save_every and st.step % t.save_every == 0) and not self.saved(st.step)
+        return bool(ev), bool(save)
 
     def evaluated(self, step: int) -> bool:
         f = self.out / "eval.jsonl"
@@ -143,11 +160,10 @@ class Outputs:
         f = self.out / "policy" / "specco.json"
         return f.exists() and json.loads(f.read_text()).get("step") == step
 
-    def evaluate(self, st) -> None:
+    def evaluate(self, st, policy, draft) -> None:
         # resume_step: a row of this step from an interrupted earlier evaluation is replaced, not repeated
         log = MetricsLog(self.out, name="eval.jsonl", resume_step=st.step - 1, tensorboard=False)
         seed_stage(self.cfg.train.seed, f"eval/{st.step}")
-        policy, draft = full_models(st)
         ev = evaluate(self.cfg, policy, draft, self.tok, self.data.eval, self.data.rewards, seed=self.cfg.train.seed)
         log.log(st.step, ev)
         log.close()
@@ -159,9 +175,8 @@ class Outputs:
                                    ("eval/reward_sampled", "eval reward, sampled"),
                                    ("eval/accuracy_greedy", "eval accuracy, greedy")], self.out / "eval.png")
 
-    def save(self, st) -> None:
+    def save(self, st, policy, draft) -> None:
         """out/policy (HF layout, its tokenizer files, generation_config.json) and out/draft, each replaced whole."""
-        policy, draft = full_models(st)
         with commit_dir(self.out / "policy") as tmp:
             save_policy(policy, tmp)
             copy_tokenizer_files(None if self.src is None else self.start, self.tok, tmp)

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..rollout.engine import RolloutEngine
+from ..rollout.tp import local_part
 from ..rollout.weights import fingerprint_rows, tensor_fingerprint
 
 __all__ = ["state_buckets", "refit_engine"]
@@ -63,12 +64,13 @@ def state_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int,
         yield [(k, _whole(v, d)) for k, v, d in pending]
 
 
-def _fingerprinted(stream, rows: dict, dtypes: Mapping[str, torch.dtype] | None) -> Iterator[list]:
-    """The stream unchanged; each tensor's guard row recorded in `rows` on its way to the engine, as the engine
-    will hold it (cast to its dtype: a no-op for a gathered shard, cast already)."""
+def _fingerprinted(stream, rows: dict, dtypes: Mapping[str, torch.dtype] | None, model) -> Iterator[list]:
+    """The stream unchanged; each tensor's guard row recorded in `rows` on its way to the engine, as the engine's
+    `model` will hold it: cast to its dtype (a no-op for a gathered shard, cast already) and, for a tensor-parallel
+    engine (rollout.tp), this rank's slice (rollout/tp.local_part)."""
     for bucket in stream:
         for name, t in bucket:
-            rows[name] = tensor_fingerprint(t, dtypes.get(name) if dtypes is not None else None)
+            rows[name] = tensor_fingerprint(local_part(model, name, t), dtypes.get(name) if dtypes is not None else None)
         yield bucket
 
 
@@ -88,7 +90,8 @@ def refit_engine(engine: RolloutEngine, policy: Mapping[str, torch.Tensor] | Non
             continue
         dtypes = engine.dtypes(name) if name == "policy" or engine.draft is not None else None
         stream = state_buckets(state, bucket_bytes, dtypes)
-        streams[name] = _fingerprinted(stream, rows[name], dtypes) if guard else stream
+        model = engine.policy if name == "policy" else engine.draft
+        streams[name] = _fingerprinted(stream, rows[name], dtypes, model) if guard else stream
     engine.refit_buckets(streams["policy"], streams["draft"])
     if not guard:
         return {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from ..config import RunConfig
@@ -22,6 +23,7 @@ from ..model.policy import Policy
 from ..parallel.fsdp import is_sharded
 from ..parallel.tp import is_tensor_parallel
 from ..parallel.mesh import Mesh
+from ..rollout.tp import tp_group_of
 from ..train.checkpoint import remove_stale_temporaries
 from .arm_checkpoint import resume_arm, save_arm
 from .derive import arm_config, generate_config
@@ -29,9 +31,15 @@ from .measure import hooks_for
 from .report import MetricsLog
 from .rollouts import longest_prompt
 from .stages import seed_stage
-from .trainer import ArmState, make_arm, rl_step
+from .trainer import ArmState, full_state, make_arm, rl_step
 
-__all__ = ["run_arm", "full_models"]
+__all__ = ["run_arm", "full_models", "needs_gather"]
+
+
+def needs_gather(st: ArmState) -> bool:
+    """Whether `full_models(st)` is a collective (every rank of the trainer's mesh must call it): the engine holds
+    a tensor-parallel shard (rollout.tp) and the trainer shards too (FSDP, parallel.tp)."""
+    return tp_group_of(st.engine.policy) is not None and (is_sharded(st.policy) or is_tensor_parallel(st.policy))
 
 
 def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
@@ -39,7 +47,19 @@ def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
     copies, or under pipeline parallelism (a rank trains one stage) the engine's, which the refit fills from
     every stage in the trainer's dtype (config.py keeps rollout.dtype at the policy's under PP), and under FSDP
     (the trainer holds shards) and tensor parallelism the engine's too, refit from the gathered shards (config.py: the
-    same dtype rule)."""
+    same dtype rule). A tensor-parallel engine (rollout.tp) holds a shard: then the trainer's policy, gathered
+    into a new whole copy where it is sharded (`needs_gather`: a collective, every rank calls it; PP is refused
+    with rollout.tp). The draft is whole on every rank."""
+    if tp_group_of(st.engine.policy) is not None:
+        if not needs_gather(st):
+            return st.policy, st.draft
+        state = full_state(st.policy)
+        with torch.device("meta"):
+            whole = Policy(st.policy.cfg)
+        like = next(v for v in state.values() if v.is_floating_point())  # the trainer's device and dtype
+        whole = whole.to_empty(device=like.device).to(like.dtype)
+        whole.load_state_dict(state)
+        return whole.eval(), st.draft
     if st.pipeline is not None or is_sharded(st.policy) or is_tensor_parallel(st.policy):
         return st.engine.policy, st.engine.draft
     return st.policy, st.draft

@@ -166,17 +166,17 @@ def phases_text(phases) -> str:
 
 
 def generates(mesh: Mesh | None) -> bool:
-    """Whether this rank generates its DP group's rollouts: its CP rank 0 and tp rank 0 on pipeline stage 0
-    (every rank without a mesh)."""
-    return mesh is None or ((mesh.cp == 1 or mesh.cp_rank == 0) and (mesh.pp == 1 or mesh.pp_rank == 0)
-                            and (mesh.tp == 1 or mesh.tp_rank == 0))
+    """Whether this rank generates its DP group's rollouts: its CP rank 0 and tp rank 0 on pipeline stage 0, with the
+    rest of its engine tp group under rollout.tp (they decode together; every rank without a mesh)."""
+    return mesh is None or ((mesh.pp == 1 or mesh.pp_rank == 0) and mesh.rollout_tp_index == 0)
 
 
 def from_generator(obj, mesh: Mesh | None):
     """`obj` as the generating rank of this rank's DP group holds it (`generates`), on every rank of the group:
     stage 0 -> the other stages' CP rank 0 (pipeline group), then each CP group from its rank 0 (among tp rank 0s),
     then each tp group from its rank 0. Other ranks pass anything (None). A collective over those groups: every
-    rank of them calls it."""
+    rank of them calls it. (Under rollout.tp the generating engine group's other ranks hold the same object, which
+    the broadcasts overwrite with itself.)"""
     if mesh is not None and mesh.pp > 1 and mesh.cp_rank == 0:
         box = [obj]
         dist.broadcast_object_list(box, group=mesh.pp_group, group_src=0)

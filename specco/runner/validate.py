@@ -51,12 +51,21 @@ def check_policy(cfg: RunConfig, out: Path):
         if cfg.parallel.tp > 1:  # before any stage: the trainer's layers are cut at make_arm (parallel/tp.py)
             from .derive import check_tp_sizes
             check_tp_sizes(pc, cfg.parallel.tp, f"the policy's ({src / 'config.json'}) ")
+        if cfg.rollout.tp > 1:  # the engine's shard (rollout/tp.py), cut at make_arm
+            from .derive import check_tp_sizes
+            check_tp_sizes(pc, cfg.rollout.tp, f"the policy's ({src / 'config.json'}) ", "rollout.tp")
         check_tokenizer_fits(src)
         bad = [i for i in cfg.draft.aux_layer_ids if not 0 <= i < pc.num_layers]
         if bad:
             raise ConfigError(f"draft.aux_layer_ids={list(cfg.draft.aux_layer_ids)}: {bad} out of range for "
                               f"{src}, which has {pc.num_layers} layers (ids 0..{pc.num_layers - 1})")
-    return src, start_tokenizer(cfg, out)
+    tok = start_tokenizer(cfg, out)
+    if src is None and cfg.rollout.tp > 1 and tok.vocab_size % cfg.rollout.tp:  # the tiny policy's vocabulary is its
+        # tokenizer's
+        raise ConfigError(f"rollout.tp={cfg.rollout.tp}: the from-scratch policy's vocabulary is its tokenizer's "
+                          f"{tok.vocab_size} tokens, not a multiple of it (each engine tp rank holds vocab / tp rows "
+                          "of the head); set rollout.tp=1, or train a Hugging Face policy whose vocabulary it divides")
+    return src, tok
 
 
 def check_job(cfg: RunConfig, device: torch.device | None = None) -> JobData:
