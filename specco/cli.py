@@ -240,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(p)
     p.set_defaults(fn=cmd_cotrain_cp)
 
-    p = sub.add_parser("plan", help="each rank's memory for every layout of a run (pp x dp_replicate x dp_shard x cp)",
+    p = sub.add_parser("plan", help="each rank's memory for every layout of a run (pp x dp_replicate x dp_shard x cp x tp)",
                        description="Per-rank memory of every feasible layout (parameters, gradients, AdamW, activations "
                        "with and without checkpointing, the draft, the rollout engine's weights and KV cache), fitting "
                        "layouts first, most headroom first (specco/plan.py has the formulas).")
@@ -257,8 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation checkpointing: list both, one, or train.activation_checkpointing's")
     p.add_argument("--offload", action="store_true", help="the engine's weights and KV cache released to the host "
                    "while the trainer runs (the peak is the larger phase, not their sum)")
-    p.add_argument("--engine-tp", type=int, default=1, help="the rollout engine's weights split over N ranks (planned "
-                   "rollout.tp, not built yet; 1 = today's whole copy per rank)")
+    p.add_argument("--engine-tp", type=int, default=None, help="the rollout engine's tensor parallelism (rollout.tp: "
+                   "its policy and KV cache split over N of the cp x tp ranks of a DP group); default: the config's")
     p.add_argument("--top", type=int, default=0, help="print only the first N layouts")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
     _add_overrides(p)

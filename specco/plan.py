@@ -3,8 +3,9 @@
     plan = plan_memory(cfg, gpus=64, gpu_gib=141, model="qwen3-32b")   # -> Plan(rows ranked, ...)
     print(format_plan(plan, top=10))
 
-A layout is pp × dp_replicate × dp_shard × cp = gpus (docs/DESIGN.md §9: the FSDP axis is dp_shard × cp), with
-or without activation checkpointing. Each component of a rank's memory is one function below (one home per
+A layout is pp × dp_replicate × dp_shard × cp × tp = gpus (docs/DESIGN.md §9: the FSDP axis is dp_shard × cp; tp
+the trainer's tensor parallelism, innermost), with or without activation checkpointing; the rollout engine's own
+tensor parallelism (rollout.tp, `engine_tp`) splits its policy and KV cache among the cp × tp ranks of a DP group. Each component of a rank's memory is one function below (one home per
 formula, its math in its docstring); `rank_memory` adds them for one layout. Parameter counts are exact: the
 policy and draft are built on the meta device (no memory) and their parameters counted. Activation bytes are
 counts of the tensors autograd saves for the backward, read off the code of model/layers.py and policy.py, in the
@@ -56,6 +57,7 @@ class Layout:
     cp: int
     fsdp: bool  # the policy sharded over dp_shard × cp (else every dp × cp rank holds it whole)
     ac: bool  # activation checkpointing of the policy's layers
+    tp: int = 1  # the trainer's tensor parallelism (parallel.tp): layer projections and head rows split tp ways
 
     @property
     def dp(self) -> int:
@@ -68,7 +70,7 @@ class Layout:
 
     def name(self) -> str:
         return (f"pp{self.pp} rep{self.dp_replicate} shard{self.dp_shard} cp{self.cp}"
-                f"{'' if self.fsdp else ' nofsdp'}{' ac' if self.ac else ''}")
+                f"{f' tp{self.tp}' if self.tp > 1 else ''}{'' if self.fsdp else ' nofsdp'}{' ac' if self.ac else ''}")
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,25 @@ def draft_params(s: Shapes) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
+@lru_cache(maxsize=32)
+def layer_norm_params(pc: PolicyConfig) -> int:
+    """Parameters of one decoder layer that tensor parallelism keeps whole on every rank: its two RMSNorms and
+    Qwen3's q/k norms (parallel/tp.py and rollout/tp.py split the projections only)."""
+    return 2 * pc.hidden_size + (2 * pc.head_dim if pc.qk_norm else 0)
+
+
+def rank_params(pc: PolicyConfig, layers: int, first: bool, last: bool, tp: int = 1) -> int:
+    """Parameters one tp rank holds of a stage (before FSDP): its layers' projections / tp beside their whole
+    norms, the embedding whole, the final norm whole and the head's vocabulary rows / tp (loss-parallel; a head
+    tied to the embedding counts once, whole). tp = 1: stage_params."""
+    layer, embed, head = policy_parts(pc)
+    norms = layer_norm_params(pc)
+    tied = pc.tie_word_embeddings
+    head_rows = 0 if tied else head - pc.hidden_size
+    return (layers * ((layer - norms) // tp + norms) + (embed if first else 0)
+            + ((pc.hidden_size + head_rows // tp) if last else 0))
+
+
 def policy_params(pc: PolicyConfig) -> int:
     """The whole policy's parameters (= PolicyConfig.num_params: tests/test_plan.py checks both)."""
     return stage_params(pc, pc.num_layers, True, True)
@@ -191,7 +212,7 @@ def stage_params(pc: PolicyConfig, layers: int, first: bool, last: bool) -> int:
 
 def master_bytes(params: int, lay: Layout) -> int:
     """fp32 master weights: 4 B/param, sharded over dp_shard × cp under FSDP (MixedPrecisionPolicy keeps the
-    sharded parameters fp32), whole otherwise."""
+    sharded parameters fp32), whole otherwise. `params`: what one tp rank holds (rank_params)."""
     return 4 * math.ceil(params / lay.shard)
 
 
@@ -211,7 +232,9 @@ def reference_bytes(s: Shapes, lay: Layout) -> int:
     shards; under PP too it is the whole policy, not a stage: its log-probs need every layer), whole otherwise.
     No gradients or AdamW state. Its forward's gathered layers are the no-grad log-prob recompute's (transient,
     not at the train step's peak: module docstring)."""
-    return 4 * math.ceil(policy_params(s.policy) / lay.shard) if s.kl_reference else 0
+    pc = s.policy
+    whole = rank_params(pc, pc.num_layers, True, True, lay.tp)  # tensor-parallel like the trainer
+    return 4 * math.ceil(whole / lay.shard) if s.kl_reference else 0
 
 
 def compute_copy_bytes(pc: PolicyConfig, layers: int, first: bool, last: bool, lay: Layout, c: int) -> int:
@@ -221,8 +244,10 @@ def compute_copy_bytes(pc: PolicyConfig, layers: int, first: bool, last: bool, l
     after forward, so the stage's every layer. Without FSDP: bf16 autocast keeps a cast copy of every weight
     a matmul used, saved for its backward (c = 2); none in fp32."""
     layer, embed, head = policy_parts(pc)
+    layer = (layer - layer_norm_params(pc)) // lay.tp + layer_norm_params(pc)
+    head = pc.hidden_size + (head - pc.hidden_size) // lay.tp if not pc.tie_word_embeddings else head
     if not lay.fsdp:
-        return 2 * stage_params(pc, layers, first, last) if c < 4 else 0
+        return 2 * rank_params(pc, layers, first, last, lay.tp) if c < 4 else 0
     root = (embed if first else 0) + (head if last else 0)
     gathered = layers if lay.pp > 1 else min(2, layers)
     return c * (root + gathered * layer) + 4 * layer
@@ -230,7 +255,7 @@ def compute_copy_bytes(pc: PolicyConfig, layers: int, first: bool, last: bool, l
 
 # -- activations -----------------------------------------------------------------------------------------------
 
-def layer_activation_bytes(pc: PolicyConfig, c: int, r: int) -> int:
+def layer_activation_bytes(pc: PolicyConfig, c: int, r: int, tp: int = 1) -> int:
     """Bytes one decoder layer saves for its backward, per token: what autograd keeps of DecoderLayer.forward
     (checked to the byte in fp32 and under bf16 autocast, tests/test_plan.py).
 
@@ -245,19 +270,23 @@ def layer_activation_bytes(pc: PolicyConfig, c: int, r: int) -> int:
         qk-norm (Qwen3) (q+kv)·c for q/rms, k/rms, + their fp32 copies when c < 4, + 4·(H+Hkv) for the 1/rms
         q·c + 4H        the attention output (o_proj reads it as a view) and the softmax's fp32 log-sum-exp
         4I·c            the fused gate|up output (2I; silu and the product read views of it), silu(gate), silu·up
-    The (S, S) scores are never kept: SDPA's flash / memory-efficient kernels save only the log-sum-exp."""
+    The (S, S) scores are never kept: SDPA's flash / memory-efficient kernels save only the log-sum-exp.
+    Under tensor parallelism (tp, without sequence parallelism) a rank holds H/tp heads, Hkv/tp kv heads and I/tp
+    MLP rows, so every term past the residual stream and its norms (whole on every rank) divides by tp."""
     h, q, kv, I, H = pc.hidden_size, pc.num_heads * pc.head_dim, pc.num_kv_heads * pc.head_dim, \
         pc.intermediate_size, pc.num_heads
     norm = h * (r + c + (4 if r < 4 else 0)) + 4
     qk = ((q + kv) * (c + (4 if c < 4 else 0)) + 4 * (H + pc.num_kv_heads)) if pc.qk_norm else 0
-    return 2 * h * r + 2 * norm + (q + 2 * kv) * c + (q + kv) * c + qk + q * c + 4 * H + 4 * I * c
+    split = (q + 2 * kv) * c + (q + kv) * c + qk + q * c + 4 * H + 4 * I * c
+    return 2 * h * r + 2 * norm + split // tp
 
 
-def logits_bytes(pc: PolicyConfig, c: int) -> int:
+def logits_bytes(pc: PolicyConfig, c: int, tp: int = 1) -> int:
     """Per token, the policy loss's vocabulary-sized tensors at the start of its backward (train/losses.py
     token_logprobs; the policy loss is not chunked): the logits (c), their fp32 log-softmax (saved), its gradient
-    and the gradient of the scaled logits (4 each)."""
-    return pc.vocab_size * (c + 12)
+    and the gradient of the scaled logits (4 each); under tensor parallelism a rank's V/tp columns (loss-parallel
+    log-probs, parallel/tp.vocab_parallel_logprobs)."""
+    return pc.vocab_size // tp * (c + 12)
 
 
 def draft_activation_bytes(s: Shapes, c: int, r: int) -> int:
@@ -296,11 +325,11 @@ def activation_bytes(s: Shapes, lay: Layout, layers: int, last: bool, in_flight:
     r = 2 if (lay.fsdp and c == 2) else 4
     b, _ = micro_rows(s, lay)
     tokens = b * math.ceil(s.seq / lay.cp)
-    per_layer = layer_activation_bytes(pc, c, r)
+    per_layer = layer_activation_bytes(pc, c, r, lay.tp)
     body = (layers * pc.hidden_size * r + per_layer) if lay.ac else layers * per_layer
     total = in_flight * tokens * (body + pc.hidden_size * r)  # + the final norm's / embedding's output
-    if last:
-        total += tokens * logits_bytes(pc, c)
+    if last:  # the draft is whole on every tp rank (replicated), its taps gathered whole
+        total += tokens * logits_bytes(pc, c, lay.tp)
         if s.draft_kind is not None:
             d_tokens = math.ceil(b / s.draft_row_stride) * math.ceil(s.seq / lay.cp)
             total += tokens * s.num_taps * pc.hidden_size * r + d_tokens * draft_activation_bytes(s, c, r)
@@ -314,20 +343,26 @@ def engine_rows(s: Shapes, lay: Layout) -> int:
     return max(1, s.rows_per_step // lay.dp)
 
 
-def kv_cache_bytes(s: Shapes, lay: Layout) -> int:
-    """rows × (seq + γ+1 slack) × (L + draft layers) × 2 (K, V) × Hkv × D × engine bytes, × (1 + 2·compact_below)
-    for the compacted levels (powers of two below compact_below of the rows: their sum < 2·compact_below·rows)."""
+def kv_cache_bytes(s: Shapes, lay: Layout, engine_tp: int = 1) -> int:
+    """rows × (seq + γ+1 slack) × (L/engine_tp + draft layers) × 2 (K, V) × Hkv × D × engine bytes, × (1 +
+    2·compact_below) for the compacted levels (powers of two below compact_below of the rows: their sum <
+    2·compact_below·rows). A tensor-parallel engine (rollout.tp) decodes its DP group's rows with the policy's kv
+    heads split engine_tp ways (rollout/tp.py); the draft's own cache is whole on every rank."""
     pc = s.policy
     draft_layers = 0 if s.draft_kind is None else s.draft_layers
-    per_token = (pc.num_layers + draft_layers) * 2 * pc.num_kv_heads * pc.head_dim * s.engine_bytes
+    per_token = (pc.num_layers * pc.num_kv_heads // engine_tp + draft_layers * pc.num_kv_heads) * 2 * pc.head_dim \
+        * s.engine_bytes
     return int(engine_rows(s, lay) * (s.seq + s.gamma + 1) * per_token * (1 + 2 * s.compact_below))
 
 
 def engine_weight_bytes(s: Shapes, engine_tp: int = 1) -> int:
-    """The engine's whole policy and draft in rollout dtype, split over `engine_tp` ranks (the planned
-    rollout.tp of docs/DESIGN.md §9, not built yet: 1 is today's engine). Its KV cache per rank is unchanged by
-    tp: a tp group decodes its tp ranks' rows with the kv heads split tp ways."""
-    return s.engine_bytes * (policy_params(s.policy) + draft_params(s)) // engine_tp
+    """The engine's policy and draft in rollout dtype: with rollout.tp = engine_tp, its shard of the policy
+    (rollout/tp.tp_shard: projections and head rows / tp, the embedding and norms whole; a tied head is held as
+    an untied copy of its rows) and the whole draft."""
+    pc = s.policy
+    held = dataclasses.replace(pc, tie_word_embeddings=False) if engine_tp > 1 else pc
+    shard = rank_params(held, pc.num_layers, True, True, engine_tp)
+    return s.engine_bytes * (shard + draft_params(s))
 
 
 # -- one layout, every layout ----------------------------------------------------------------------------------
@@ -355,7 +390,7 @@ def rank_memory(s: Shapes, lay: Layout, offload: bool = False, engine_tp: int = 
     best = None
     for stage, rng in enumerate(stage_layer_ranges(pc.num_layers, lay.pp)):
         first, last = stage == 0, stage == lay.pp - 1
-        P = stage_params(pc, len(rng), first, last)
+        P = rank_params(pc, len(rng), first, last, lay.tp)
         D = draft_params(s) if last else 0
         rows = engine_rows(s, lay)
         m = {"params": master_bytes(P, lay), "compute": compute_copy_bytes(pc, len(rng), first, last, lay, c),
@@ -364,34 +399,43 @@ def rank_memory(s: Shapes, lay: Layout, offload: bool = False, engine_tp: int = 
              # the draft is replicated (parallel/fsdp.py): fp32 weights, gradients, AdamW (16 B/param) + autocast copy
              "draft": D * (16 + (2 if c < 4 else 0)), "ref": reference_bytes(s, lay),
              "engine_w": engine_weight_bytes(s, engine_tp) + rows * (s.gamma + 1) * pc.vocab_size * 4,
-             "kv_cache": kv_cache_bytes(s, lay)}
+             "kv_cache": kv_cache_bytes(s, lay, engine_tp)}
         m["total"] = peak_bytes(m, offload)
         if best is None or m["total"] > best["total"]:
             best = m
     return best
 
 
-def layouts(s: Shapes, gpus: int, ac: tuple[bool, ...] = (False, True)) -> list[Layout]:
-    """Every pp × dp_replicate × dp_shard × cp = gpus with pp | num_layers, cp only while each rank keeps
-    >= CP_MIN_TOKENS of a row, the step's prompts divisible into whole groups per data-parallel rank; FSDP on
-    whenever dp_shard × cp > 1 (plus the unsharded layout dp_shard = 1)."""
+def tp_divides(pc: PolicyConfig, tp: int) -> bool:
+    """Whether tp splits the policy's heads, kv heads, MLP width and vocabulary (runner/derive.check_tp_sizes)."""
+    return all(n % tp == 0 for n in (pc.num_heads, pc.num_kv_heads, pc.intermediate_size, pc.vocab_size))
+
+
+def layouts(s: Shapes, gpus: int, ac: tuple[bool, ...] = (False, True), engine_tp: int = 1) -> list[Layout]:
+    """Every pp × dp_replicate × dp_shard × cp × tp = gpus with pp | num_layers, cp only while each rank keeps
+    >= CP_MIN_TOKENS of a row, tp dividing the policy's sizes, engine_tp dividing cp × tp (the ranks that share a DP
+    group's rollouts), the step's prompts divisible into whole groups per data-parallel rank; FSDP on whenever
+    dp_shard × cp > 1 (plus the unsharded layout dp_shard = 1)."""
     out = []
     divs = [d for d in range(1, gpus + 1) if gpus % d == 0]
     prompts = s.rows_per_step  # rows; a rank needs whole groups, checked through prompts below
     for pp in divs:
         if s.policy.num_layers % pp:
             continue
-        for cp in divs:
-            if (gpus // pp) % cp or (cp > 1 and s.seq < cp * CP_MIN_TOKENS):
+        for tp in divs:
+            if (gpus // pp) % tp or not tp_divides(s.policy, tp):
                 continue
-            dp = gpus // (pp * cp)
-            if prompts % dp:
-                continue
-            for shard in (d for d in divs if dp % d == 0):
-                for fsdp in ((False, True) if shard == 1 else (True,)):
-                    if fsdp and shard * cp == 1:
-                        continue
-                    out += [Layout(pp, dp // shard, shard, cp, fsdp, a) for a in ac]
+            for cp in divs:
+                if (gpus // (pp * tp)) % cp or (cp > 1 and s.seq < cp * CP_MIN_TOKENS) or (cp * tp) % engine_tp:
+                    continue
+                dp = gpus // (pp * cp * tp)
+                if prompts % dp:
+                    continue
+                for shard in (d for d in divs if dp % d == 0):
+                    for fsdp in ((False, True) if shard == 1 else (True,)):
+                        if fsdp and shard * cp == 1:
+                            continue
+                        out += [Layout(pp, dp // shard, shard, cp, fsdp, a, tp) for a in ac]
     return out
 
 
@@ -418,24 +462,25 @@ class Plan:
 
 def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None = None, prompt_tokens: int = 0,
                 reserve_gib: float = 4.0, ac: tuple[bool, ...] = (False, True), offload: bool = False,
-                engine_tp: int = 1) -> Plan:
+                engine_tp: int | None = None) -> Plan:
     """Every feasible layout of `cfg` on `gpus` GPUs of `gpu_gib` GiB, fitting ones first, most headroom first
     (a fitting layout that needs less sharding comes later: fewer collectives are a choice left to the user).
-    prompt_tokens: the longest prompt (0: data.max_prompt_tokens, else 512)."""
+    prompt_tokens: the longest prompt (0: data.max_prompt_tokens, else 512). engine_tp: the engine's tensor
+    parallelism (None: the config's rollout.tp)."""
+    engine_tp = cfg.rollout.tp if engine_tp is None else engine_tp
     if gpus < 1 or gpu_gib <= 0:
         raise ConfigError(f"--gpus {gpus} --gpu-mem {gpu_gib}: need >= 1 GPU of > 0 GiB")
-    if cfg.parallel.tp > 1:  # the planned layouts are pp · dp_replicate · dp_shard · cp; trainer TP is not modelled
-        raise ConfigError(f"parallel.tp={cfg.parallel.tp}: the memory planner does not model the trainer's tensor "
-                          "parallelism yet; plan with parallel.tp=1 (its layouts without tp)")
     pc = policy_config(cfg, model)
     s = shapes(cfg, pc, prompt_tokens or cfg.data.max_prompt_tokens or 512)
-    if engine_tp < 1 or pc.num_kv_heads % engine_tp:
-        raise ConfigError(f"--engine-tp {engine_tp}: must divide the policy's {pc.num_kv_heads} kv heads")
+    if engine_tp < 1 or not tp_divides(pc, engine_tp):
+        raise ConfigError(f"--engine-tp {engine_tp} (rollout.tp): must divide the policy's {pc.num_heads} heads, "
+                          f"{pc.num_kv_heads} kv heads, {pc.intermediate_size} MLP width and {pc.vocab_size} vocabulary")
     plan = Plan(gpus, gpu_gib, reserve_gib, s, offload, engine_tp)
-    lays = layouts(s, gpus, ac)
+    lays = layouts(s, gpus, ac, engine_tp)
     if not lays:
         raise ConfigError(f"no layout of {gpus} GPUs: rollout.prompts_per_step × group_size = {s.rows_per_step} rows "
-                          f"split over no data-parallel degree dividing {gpus}")
+                          f"split over no data-parallel degree dividing {gpus}"
+                          + (f", with --engine-tp {engine_tp} dividing cp × tp" if engine_tp > 1 else ""))
     plan.rows = sorted(((lay, rank_memory(s, lay, offload, engine_tp)) for lay in lays), key=lambda x: -plan.headroom(x[1]))
     return plan
 

@@ -183,9 +183,61 @@ def test_layouts_respect_the_rules():
     pc = PRESETS["qwen3-8b"]
     s = _shapes(pc, rows=512, seq=2048, c=2)
     lays = layouts(s, 8, ac=(False,))
-    assert all(l.pp * l.dp * l.cp == 8 and 36 % l.pp == 0 for l in lays)
+    assert all(l.pp * l.dp * l.cp * l.tp == 8 and 36 % l.pp == 0 for l in lays)
     assert max(l.cp for l in lays) == 2  # 2048 tokens: cp 4 would leave 512 per rank
     assert any(not l.fsdp for l in lays) and any(l.dp_replicate > 1 and l.fsdp for l in lays)
+    assert {l.tp for l in lays} == {1, 2, 4, 8}  # qwen3-8b: 32 heads, 8 kv heads, 12288, 151936 all divide by 8
+    # the engine's tp groups come from the cp x tp ranks of a DP group
+    assert all((l.cp * l.tp) % 4 == 0 for l in layouts(s, 8, ac=(False,), engine_tp=4))
+
+
+def _tp_counts_worker(rank, world):
+    """Each rank's parameters of the trainer's TP policy (parallel/tp.apply_tp) and of the engine's shard
+    (rollout/tp.tp_shard), against plan.rank_params / engine_weight_bytes."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from specco.parallel.mesh import Mesh
+    from specco.parallel.tp import apply_tp
+    from specco.plan import engine_weight_bytes, rank_params
+    from specco.rollout.tp import tp_shard
+    mesh = Mesh.build(tp=2, backend="gloo")
+    local = lambda m: sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in m.parameters())  # noqa
+    for qk_norm in (False, True):
+        pc = _pc(qk_norm, model_type="qwen3" if qk_norm else "llama")
+        torch.manual_seed(0)
+        policy = Policy(pc)
+        shard = tp_shard(policy, dist.group.WORLD)
+        s = _shapes(pc, rows=8, seq=64, draft=None)
+        assert local(shard) * s.engine_bytes == engine_weight_bytes(s, 2)
+        apply_tp(policy, mesh.tp_mesh)
+        assert local(policy) == rank_params(pc, pc.num_layers, True, True, 2)
+    tied = _pc(tie_word_embeddings=True)  # the engine holds an untied copy of its head rows
+    shard = tp_shard(Policy(tied), dist.group.WORLD)
+    assert local(shard) * 2 == engine_weight_bytes(_shapes(tied, rows=8, seq=64, draft=None), 2)
+
+
+def test_tp_parameter_counts_are_each_ranks():
+    from specco.parallel.mesh import spawn_local
+    spawn_local(_tp_counts_worker, 2)
+
+
+def test_tp_divides_the_split_parts_only():
+    """tp 2 halves the layers' projections, the head's rows and the split activations; norms, embedding and the
+    residual stream stay whole; the engine's KV cache splits by its own tp."""
+    from specco.plan import kv_cache_bytes, logits_bytes, rank_params
+    pc = PRESETS["qwen3-8b"]
+    one, two = rank_params(pc, 36, True, True, 1), rank_params(pc, 36, True, True, 2)
+    embed = pc.vocab_size * pc.hidden_size
+    assert one == policy_params(pc) and embed < one - two < one / 2  # not quite half: embedding and norms whole
+    assert logits_bytes(pc, 2, 2) * 2 == logits_bytes(pc, 2)
+    h = pc.hidden_size
+    whole = 2 * h * 4 + 2 * (h * (4 + 2 + 0) + 4)
+    assert layer_activation_bytes(pc, 2, 4, 2) - whole == (layer_activation_bytes(pc, 2, 4) - whole) // 2
+    lay = Layout(1, 8, 1, 1, False, False)
+    s = _shapes(pc, rows=64, seq=4096, c=2, draft=None)  # the policy's cache only
+    assert abs(kv_cache_bytes(s, lay, 2) * 2 - kv_cache_bytes(s, lay)) <= 2
+    s = _shapes(pc, rows=64, seq=4096, c=2)  # the draft's own cache is whole on every rank
+    assert kv_cache_bytes(s, lay, 2) * 2 > kv_cache_bytes(s, lay)
 
 
 def test_plan_ranks_fitting_layouts_first():
@@ -204,7 +256,7 @@ def test_cli_table_and_json(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["gpus"] == 8 and data["seq"] == 512 + 2048
     row = data["layouts"][0]
-    assert row["pp"] * row["dp_replicate"] * row["dp_shard"] * row["cp"] == 8
+    assert row["pp"] * row["dp_replicate"] * row["dp_shard"] * row["cp"] * row["tp"] == 8
     assert row["ref"] > 0
     assert abs(sum(row[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft", "ref", "engine_w",
                                     "kv_cache")) - row["total"]) < 1e-6
