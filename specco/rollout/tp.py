@@ -166,7 +166,7 @@ def _owner_value(local: torch.Tensor, ids: torch.Tensor, group) -> torch.Tensor:
     rank, n = dist.get_rank(group), local.shape[-1]
     mine = (ids >= rank * n) & (ids < (rank + 1) * n)
     idx = (ids - rank * n).clamp(0, n - 1)
-    out = torch.where(mine, local.gather(-1, idx[..., None])[..., 0], torch.zeros((), dtype=local.dtype))
+    out = torch.where(mine, local.gather(-1, idx[..., None])[..., 0], local.new_zeros(()))
     dist.all_reduce(out, group=group)
     return out
 
@@ -194,14 +194,13 @@ def verify_sampling_vocab_parallel(local: torch.Tensor, temperature: float, q_dr
     rank = dist.get_rank(group)
     B, k1, n = local.shape
     k = k1 - 1
-    z = local.float() / temperature  # (B, k+1, n)
-    lse = _lse(z, group)  # (B, k+1)
-    z_x = _owner_value(z[:, :k], draft_tokens, group)
+    lse, _, _ = _lse_blocks(local, temperature, group)  # (B, k+1); no (B, k+1, n) fp32 copy of the logits
+    z_x = _owner_value(local[:, :k], draft_tokens, group).float() / temperature
     p_x = (z_x - lse[:, :k]).exp()
     q_x = q_draft.gather(-1, draft_tokens[..., None])[..., 0]
     a = _accept(p_x, q_x, u_accept)  # (B,) the same on every rank (replicated inputs)
     rows = torch.arange(B, device=a.device)
-    p_a = (z[rows, a] - lse[rows, a][:, None]).exp()  # (B, n): this block of p at position a
+    p_a = (local[rows, a].float() / temperature - lse[rows, a][:, None]).exp()  # (B, n): this block of p at a
     q_a = q_draft[rows, a.clamp(max=k - 1), rank * n:(rank + 1) * n] * (a < k)[:, None]
     residual = (p_a - q_a).clamp_min(0.0)
     masses = _gathered(torch.stack([residual.sum(-1), p_a.sum(-1)], -1), group, 1)  # (B, tp, 2)
@@ -209,7 +208,19 @@ def verify_sampling_vocab_parallel(local: torch.Tensor, temperature: float, q_dr
     residual = torch.where(empty[:, None], p_a, residual)
     seg = torch.where(empty[:, None], masses[..., 1], masses[..., 0])  # (B, tp) each block's share
     tokens = _emit(draft_tokens, a, _draw(residual, seg, u_residual, group))
-    return Verdict(a, tokens), _owner_value(z, tokens, group) - lse
+    return Verdict(a, tokens), _owner_value(local, tokens, group).float() / temperature - lse
+
+
+def _owner_point(seg: torch.Tensor, u: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse CDF's first step over blocks: given every block's total `seg` (B, tp) and uniforms u (B,), the
+    block whose segment holds u·total (owner (B,)) and the uniform rescaled inside it (B,)."""
+    tp = dist.get_world_size(group)
+    cum = seg.cumsum(-1)
+    target = u.to(cum.dtype) * cum[:, -1]
+    owner = (cum <= target[:, None]).sum(-1).clamp(max=tp - 1)  # the first block whose segment ends past u·total
+    before = torch.where(owner > 0, cum.gather(-1, (owner - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(target))
+    u_in = ((target - before) / seg.gather(-1, owner[:, None])[:, 0].clamp_min(1e-30)).clamp(0, 1 - 1e-7)
+    return owner, u_in
 
 
 def _draw(weights: torch.Tensor, seg: torch.Tensor, u: torch.Tensor, group) -> torch.Tensor:
@@ -217,36 +228,46 @@ def _draw(weights: torch.Tensor, seg: torch.Tensor, u: torch.Tensor, group) -> t
     block's total `seg` (B, tp) and uniforms u (B,): the block whose segment holds u·total draws inside itself with
     the rescaled uniform (sampling.sample_from_probs), its token all-reduced to the others (max over -1s)."""
     from .sampling import sample_from_probs
-    tp, rank, n = dist.get_world_size(group), dist.get_rank(group), weights.shape[-1]
-    cum = seg.cumsum(-1)
-    target = u.to(cum.dtype) * cum[:, -1]
-    owner = (cum <= target[:, None]).sum(-1).clamp(max=tp - 1)  # the first block whose segment ends past u·total
-    before = torch.where(owner > 0, cum.gather(-1, (owner - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(target))
-    u_in = ((target - before) / seg.gather(-1, owner[:, None])[:, 0].clamp_min(1e-30)).clamp(0, 1 - 1e-7)
+    rank, n = dist.get_rank(group), weights.shape[-1]
+    owner, u_in = _owner_point(seg, u, group)
     tok = sample_from_probs(weights, u_in) + rank * n  # (B,) meaningful on the owner only
     tok = torch.where(owner == rank, tok, torch.full_like(tok, -1))
     dist.all_reduce(tok, op=dist.ReduceOp.MAX, group=group)
     return tok
 
 
-def _lse(z: torch.Tensor, group) -> torch.Tensor:
-    """log-sum-exp over the whole vocabulary of (..., n) blocks: each rank's (max, sum of exps) all-gathered."""
-    m = z.max(-1).values
-    allst = _gathered(torch.stack([m, (z - m[..., None]).exp().sum(-1)], -1), group, -2)  # (..., tp, 2)
-    M = allst[..., 0].max(-1).values
-    return M + (allst[..., 1] * (allst[..., 0] - M[..., None]).exp()).sum(-1).log()
+def _lse_blocks(local: torch.Tensor, temperature: float, group):
+    """log-sum-exp of z = local / T over the whole vocabulary from (..., n) blocks: (lse (...), this block's own
+    (...), every block's (..., tp)) fp32, one all-gather. Each block's by the fused kernel on CUDA (logits read once,
+    no fp32 copy: ops/sampling_kernel.row_logsumexp), by torch elsewhere."""
+    from ..ops.sampling_kernel import row_logsumexp, triton
+    if local.is_cuda and triton is not None:
+        flat = local.reshape(-1, local.shape[-1])
+        own = row_logsumexp(flat if flat.stride(-1) == 1 else flat.contiguous(), 1.0 / temperature)
+        own = own.view(local.shape[:-1])
+    else:
+        own = torch.logsumexp(local.float() / temperature, -1)
+    every = _gathered(own, group, -1)  # (..., tp)
+    return torch.logsumexp(every, -1), own, every
 
 
 def sample_vocab_parallel(local: torch.Tensor, temperature: float, u: torch.Tensor, group
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain temperature sampling (no top-k / top-p) from this rank's block of the logits (B, V/tp) with the
     uniforms u (B,): (tokens (B,), log p (B,) fp32), sampling.pick_tokens_logp's inverse-CDF draw up to the
-    blocks' rounding of the cumulative sums (as the fused kernel's)."""
-    z = local.float() / temperature
-    lse = _lse(z, group)  # (B,)
-    p = (z - lse[:, None]).exp()  # (B, n)
-    tok = _draw(p, _gathered(p.sum(-1), group, -1), u, group)  # block masses (B, tp)
-    return tok, (_owner_value(z, tok, group) - lse).float()
+    blocks' rounding of the cumulative sums (as the fused kernel's). The blocks' masses come from their
+    log-sum-exps (one all-gather of B numbers); the owner draws inside its block by pick_tokens_logp itself (the
+    fused kernel on CUDA) with the rescaled uniform; its token and log-prob reach the others in one all-reduce."""
+    from .sampling import SamplingParams, pick_tokens_logp
+    rank, n = dist.get_rank(group), local.shape[-1]
+    lse, own, every = _lse_blocks(local, temperature, group)  # (B,), (B,), (B, tp)
+    owner, u_in = _owner_point((every - lse[:, None]).exp(), u, group)
+    tok, logp = pick_tokens_logp(local, SamplingParams(temperature=temperature), u_in)  # inside this block
+    mine = owner == rank
+    both = torch.stack([torch.where(mine, tok + rank * n, 0).double(),
+                        torch.where(mine, logp + own - lse, 0.0).double()], -1)  # (B, 2); ids exact in fp64
+    dist.all_reduce(both, group=group)  # one owner per row: the sum is its values
+    return both[:, 0].long(), both[:, 1].float()
 
 
 def pick_one(local: torch.Tensor, params, group, key: torch.Tensor | None, pos: torch.Tensor,
