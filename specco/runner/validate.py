@@ -52,11 +52,19 @@ def check_policy(cfg: RunConfig, out: Path):
             from .derive import check_tp_sizes
             check_tp_sizes(pc, cfg.parallel.tp, f"the policy's ({src / 'config.json'}) ")
         check_tokenizer_fits(src)
+        check_aux_coef(cfg, pc, src)
         bad = [i for i in cfg.draft.aux_layer_ids if not 0 <= i < pc.num_layers]
         if bad:
             raise ConfigError(f"draft.aux_layer_ids={list(cfg.draft.aux_layer_ids)}: {bad} out of range for "
                               f"{src}, which has {pc.num_layers} layers (ids 0..{pc.num_layers - 1})")
     return src, start_tokenizer(cfg, out)
+
+
+def check_aux_coef(cfg: RunConfig, pc, where) -> None:
+    """policy.router_aux_loss_coef is for a mixture-of-experts policy only (a key that would do nothing is refused)."""
+    if cfg.policy.router_aux_loss_coef is not None and not pc.moe:
+        raise ConfigError(f"policy.router_aux_loss_coef={cfg.policy.router_aux_loss_coef}: the policy ({where}, "
+                          f"model_type {pc.model_type!r}) has no mixture-of-experts layers; remove the key")
 
 
 def check_job(cfg: RunConfig, device: torch.device | None = None) -> JobData:
