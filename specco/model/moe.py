@@ -64,7 +64,9 @@ class Experts(nn.Module):
         flat = idx.reshape(-1)  # (N·k,) expert of each assignment, row-major
         order = flat.argsort(stable=True)  # (N·k,) assignments grouped by expert
         rows = order // k  # (N·k,) the row each sorted assignment came from
-        counts = torch.bincount(flat, minlength=self.num_experts)  # (E,) rows per expert
+        # (E,) rows per expert; not torch.bincount, which reads the largest id on the host (no CUDA graph then)
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
+            0, flat, torch.ones_like(flat))
         xs = x[rows]  # (N·k, h) each row once per expert it visits, grouped by expert
         if grouped_mm_applies(xs, self.gate_up_proj):
             y = self._grouped(xs, counts)
@@ -165,13 +167,23 @@ class SparseMoE(nn.Module):
         # stages; Policy.forward clears it after reading, so no graph outlives its step.
         self.router_logits: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., h) -> (..., h)."""
-        rows = x.reshape(-1, x.shape[-1])  # (N, h)
+    def mix(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows (N, h) -> (output (N, h), router logits (N, E)): the block's function, stateless (the rollout
+        engine's decode calls it directly, rollout/forward.py)."""
         logits = self.gate(rows)  # (N, E)
         weights, idx = route(logits, self.top_k, self.norm_topk_prob)
         out = self.experts(rows, idx, weights)  # (N, h)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
-        self.router_logits = logits
+        return out, logits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., h) -> (..., h); keeps the router logits for the training loss (`router_logits`)."""
+        out, self.router_logits = self.mix(x.reshape(-1, x.shape[-1]))  # (N, h), (N, E)
         return out.view(x.shape)
+
+    def graph_safe(self) -> bool:
+        """Whether a forward in the weights' dtype, on their device, can be captured in a CUDA graph: only the
+        grouped-GEMM path keeps the expert counts on the device (the loop reads them on the host)."""
+        w = self.experts.gate_up_proj  # (E, 2I, h)
+        return grouped_mm_applies(w.new_empty(0, w.shape[-1]), w)

@@ -48,6 +48,7 @@ def check_policy(cfg: RunConfig, out: Path):
     if src is not None:
         from ..model.hf_io import check_policy_dir, check_tokenizer_fits
         pc = check_policy_dir(src)
+        check_moe_layout(cfg, pc, src / "config.json")
         if cfg.parallel.tp > 1:  # before any stage: the trainer's layers are cut at make_arm (parallel/tp.py)
             from .derive import check_tp_sizes
             check_tp_sizes(pc, cfg.parallel.tp, f"the policy's ({src / 'config.json'}) ")
@@ -58,6 +59,22 @@ def check_policy(cfg: RunConfig, out: Path):
             raise ConfigError(f"draft.aux_layer_ids={list(cfg.draft.aux_layer_ids)}: {bad} out of range for "
                               f"{src}, which has {pc.num_layers} layers (ids 0..{pc.num_layers - 1})")
     return src, start_tokenizer(cfg, out)
+
+
+def check_moe_layout(cfg: RunConfig, pc, where) -> None:
+    """What a mixture-of-experts policy cannot run under yet, refused by name before out_dir is touched: tensor
+    parallelism (its experts are placed by expert parallelism, issue 38 item 2, not cut by tp) and the router's aux
+    loss under pp > 1 (cotrain_step's own check is the backstop)."""
+    if not pc.moe:
+        return
+    if cfg.parallel.tp > 1:
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp}: the policy ({where}) is a mixture of experts "
+                          f"({pc.model_type}); tensor parallelism of MoE layers is not implemented: use parallel.tp = 1")
+    coef = pc.router_aux_loss_coef if cfg.policy.router_aux_loss_coef is None else cfg.policy.router_aux_loss_coef
+    if cfg.parallel.pp > 1 and coef > 0:
+        raise ConfigError(f"parallel.pp={cfg.parallel.pp} with router_aux_loss_coef={coef} ({where} or "
+                          "policy.router_aux_loss_coef): the router's aux loss under a pipeline is not implemented; "
+                          "set policy.router_aux_loss_coef=0 or parallel.pp=1")
 
 
 def check_aux_coef(cfg: RunConfig, pc, where) -> None:
