@@ -96,3 +96,19 @@ def test_graphs_over_the_expert_loop_are_refused():
     check_graph_safe(policy, use_graphs=False)  # eager: fine
     with pytest.raises(ValueError, match="loop path"):
         check_graph_safe(policy, use_graphs=True)
+
+
+def test_refit_writes_the_expert_parameters_in_place():
+    """The engine's refit copies the trainer's per-expert tensors (state-dict views) into its 3-D expert parameters,
+    in place, and the refit guard's fingerprints agree."""
+    from specco.rollout.weights import InPlaceLoad, compare_fingerprints, fingerprint_rows
+    trainer, engine = moe_policy("qwen2_moe", seed=0), moe_policy("qwen2_moe", seed=1)
+    w = engine.layers["0"].mlp.experts.gate_up_proj
+    ptr = w.data_ptr()
+    load = InPlaceLoad(engine, "policy")
+    state = trainer.state_dict()
+    assert "layers.0.mlp.experts.5.down_proj.weight" in state
+    load.write(list(state.items()))
+    assert load.finish() == len(state)
+    assert w.data_ptr() == ptr and torch.equal(w, trainer.layers["0"].mlp.experts.gate_up_proj)
+    compare_fingerprints("policy", fingerprint_rows(engine.state_dict()), fingerprint_rows(trainer.state_dict()), "t")

@@ -164,3 +164,41 @@ def test_run_config_overrides_the_coefficient():
     with pytest.raises(ConfigError, match="no mixture-of-experts layers"):
         with_run_overrides(cfg, dense)
     assert len(LENS) == 6  # the shared batch of test_one_step
+
+
+def test_activation_checkpointing_keeps_moe_gradients_and_aux_loss():
+    """Checkpointed layers recompute the router in the backward: the same gradients (fp64, exact) and aux loss."""
+    from specco.train.activation_checkpointing import apply_activation_checkpointing
+    cfg = StepConfig(micro_batch_rows=3, policy_grad_clip=1e12)
+    plain, m_plain, _ = _grads_and_metrics(0.01, cfg)
+    policy = apply_activation_checkpointing(_policy(torch.float64, router_aux_loss_coef=0.01))
+    m = cotrain_step(policy, None, _batch(torch.float64), build_optimizer(policy, None, 0.0, 0.0), None, cfg)
+    assert m["policy/aux_loss"] == m_plain["policy/aux_loss"]
+    for n, p in policy.named_parameters():
+        assert torch.equal(p.grad, plain[n]), n
+
+
+def test_moe_layouts_not_implemented_are_refused_by_name(tmp_path):
+    """Before out_dir (validate.check_moe_layout) and at the backstops (apply_tp, apply_fsdp, the sharded load)."""
+    from specco.model.hf_io import load_policy_rows, save_policy
+    from specco.parallel.fsdp import apply_fsdp
+    from specco.parallel.tp import apply_tp
+    from specco.runner.validate import check_moe_layout
+    pc = _policy(torch.float32).cfg
+    for over, match in ((["parallel.tp=2"], "parallel.tp=2"), (["parallel.dp_shard=2"], "parallel.dp_shard=2"),
+                        (["parallel.pp=2", "policy.router_aux_loss_coef=0.01"], "router_aux_loss_coef=0.01")):
+        with pytest.raises(ConfigError, match=match):
+            check_moe_layout(load_config(overrides=over), pc, "dir/config.json")
+    check_moe_layout(load_config(overrides=["parallel.pp=2", "policy.router_aux_loss_coef=0"]), pc, "x")
+    policy = _policy(torch.float32)
+    with pytest.raises(ValueError, match="FSDP .* mixture-of-experts"):
+        apply_fsdp(policy, mesh=None)
+
+    class _Mesh:
+        def size(self):
+            return 2
+    with pytest.raises(ValueError, match="tensor parallelism of a mixture-of-experts"):
+        apply_tp(policy, _Mesh())
+    save_policy(policy, tmp_path / "p")
+    with pytest.raises(ConfigError, match="sharded load"):
+        load_policy_rows(tmp_path / "p", policy)

@@ -63,13 +63,16 @@ def check_policy(cfg: RunConfig, out: Path):
 
 def check_moe_layout(cfg: RunConfig, pc, where) -> None:
     """What a mixture-of-experts policy cannot run under yet, refused by name before out_dir is touched: tensor
-    parallelism (its experts are placed by expert parallelism, issue 38 item 2, not cut by tp) and the router's aux
-    loss under pp > 1 (cotrain_step's own check is the backstop)."""
+    parallelism and FSDP (its experts are to be placed by expert parallelism, issue 38 item 2, not cut by tp or
+    dp_shard) and the router's aux loss under pp > 1 (apply_tp, apply_fsdp and cotrain_step are the backstops)."""
     if not pc.moe:
         return
-    if cfg.parallel.tp > 1:
-        raise ConfigError(f"parallel.tp={cfg.parallel.tp}: the policy ({where}) is a mixture of experts "
-                          f"({pc.model_type}); tensor parallelism of MoE layers is not implemented: use parallel.tp = 1")
+    for key in ("tp", "dp_shard"):  # (a dp_shard derived from the launch is refused by apply_fsdp, the backstop)
+        n = getattr(cfg.parallel, key)
+        if n > 1:
+            raise ConfigError(f"parallel.{key}={n}: the policy ({where}) is a mixture of experts ({pc.model_type}); "
+                              f"{'tensor parallelism' if key == 'tp' else 'FSDP'} of MoE layers is not implemented "
+                              f"(expert parallelism is issue 38): use parallel.{key} = 1")
     coef = pc.router_aux_loss_coef if cfg.policy.router_aux_loss_coef is None else cfg.policy.router_aux_loss_coef
     if cfg.parallel.pp > 1 and coef > 0:
         raise ConfigError(f"parallel.pp={cfg.parallel.pp} with router_aux_loss_coef={coef} ({where} or "
