@@ -202,3 +202,12 @@ def test_moe_layouts_not_implemented_are_refused_by_name(tmp_path):
     save_policy(policy, tmp_path / "p")
     with pytest.raises(ConfigError, match="sharded load"):
         load_policy_rows(tmp_path / "p", policy)
+
+
+def test_memory_plan_refuses_moe(tmp_path):
+    """specco plan's layer model is dense: a MoE policy is refused by name rather than planned wrong."""
+    from specco.model.hf_io import save_policy
+    from specco.plan import policy_config
+    save_policy(_policy(torch.float32), tmp_path / "p")
+    with pytest.raises(ConfigError, match="mixture-of-experts policy"):
+        policy_config(load_config(overrides=[f"policy.source={tmp_path / 'p'}"]))
