@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from .moe_config import MOE_FAMILIES, moe_fields_from_hf, refuse_moe_unsupported
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, misspelt or impossible. The message says what to change."""
@@ -269,7 +271,7 @@ class PolicyConfig:
         eos = d.get("eos_token_id")
         if isinstance(eos, list):  # stop tokens for generation come from generation_config.json
             eos = eos[0] if eos else None
-        moe = _moe_fields_from_hf(d, mt) if mt in _MOE_FAMILIES else {}
+        moe = moe_fields_from_hf(d, mt) if mt in MOE_FAMILIES else {}
         return cls(**moe,
             vocab_size=req("vocab_size"), hidden_size=req("hidden_size"),
             intermediate_size=req("intermediate_size"), num_layers=req("num_hidden_layers"),
@@ -288,7 +290,7 @@ class PolicyConfig:
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[self.model_type]
         moe = {}
-        if self.model_type in _MOE_FAMILIES:
+        if self.model_type in MOE_FAMILIES:
             # `num_experts`, the Hub's spelling: transformers 5 reads it for both families (Qwen3-MoE's
             # attribute_map sends it to num_local_experts, the name its own save_pretrained writes)
             moe = {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
@@ -337,43 +339,6 @@ _FAMILY_DEFAULTS = {
     "qwen2_moe": {"num_key_value_heads": 16, "head_dim": 0, "max_position_embeddings": 32768},
     "qwen3_moe": {"num_key_value_heads": 4, "head_dim": 0, "max_position_embeddings": 32768},
 }
-# transformers 5's defaults of the MoE fields a config.json may omit (Qwen2MoeConfig, Qwen3MoeConfig)
-_MOE_FAMILIES = {
-    "qwen2_moe": {"num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
-                  "shared_expert_intermediate_size": 5632, "norm_topk_prob": False, "decoder_sparse_step": 1,
-                  "router_aux_loss_coef": 0.001},
-    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                  "norm_topk_prob": False, "decoder_sparse_step": 1, "router_aux_loss_coef": 0.001},
-}
-
-
-def _moe_fields_from_hf(d: dict, mt: str) -> dict:
-    """PolicyConfig's MoE fields of config dict `d` of family `mt`, with transformers' defaults.
-    Qwen3-MoE's own save_pretrained writes the expert count as `num_local_experts` (its attribute_map), the Hub
-    checkpoints as `num_experts`: either is read, both present and different is refused."""
-    fam = _MOE_FAMILIES[mt]
-    get = lambda k: fam[k] if d.get(k) is None else d[k]  # noqa: E731
-    n = d.get("num_experts")
-    if mt == "qwen3_moe" and d.get("num_local_experts") is not None:
-        if n is not None and n != d["num_local_experts"]:
-            raise _refused("num_local_experts", d["num_local_experts"], f"it differs from num_experts={n!r}; "
-                           "transformers reads one as the other, remove one")
-        n = d["num_local_experts"]
-    out = {"num_experts": int(fam["num_experts"] if n is None else n),
-           "num_experts_per_tok": int(get("num_experts_per_tok")),
-           "moe_intermediate_size": int(get("moe_intermediate_size")),
-           "norm_topk_prob": bool(get("norm_topk_prob")), "decoder_sparse_step": int(get("decoder_sparse_step")),
-           "mlp_only_layers": tuple(d.get("mlp_only_layers") or ()),
-           "router_aux_loss_coef": float(get("router_aux_loss_coef"))}
-    if mt == "qwen2_moe":  # Qwen2MoeSparseMoeBlock always builds its shared expert and its gate
-        out["shared_expert_intermediate_size"] = int(get("shared_expert_intermediate_size"))
-        if out["num_experts"] and out["shared_expert_intermediate_size"] < 1:
-            raise _refused("shared_expert_intermediate_size", out["shared_expert_intermediate_size"],
-                           "Qwen2-MoE's sparse layers always have a shared expert (>= 1)")
-    bad = [i for i in out["mlp_only_layers"] if not 0 <= int(i) < d.get("num_hidden_layers", 0)]
-    if bad:
-        raise _refused("mlp_only_layers", list(out["mlp_only_layers"]), f"layer ids {bad} are out of range")
-    return out
 _SILU = ("silu", "swish")  # both are nn.SiLU in transformers' ACT2FN
 
 
@@ -441,15 +406,8 @@ def _refuse_unsupported(d: dict, mt: str):
                 f"sliding_window={d.get('sliding_window')!r}, max_window_layers={d.get('max_window_layers')!r}): "
                 "sliding-window attention is not implemented in specco; only full attention is supported "
                 "(use_sliding_window=false, or every layer below max_window_layers)")
-    if mt in _MOE_FAMILIES:
-        # Qwen3-MoE windows every layer and Qwen2-MoE every other one below max_window_layers when
-        # use_sliding_window is set (rules of their own, unlike qwen_layer_types'): refused as a whole
-        if d.get("use_sliding_window", False):
-            raise _refused("use_sliding_window", d["use_sliding_window"], "sliding-window attention is not "
-                           "implemented in specco; only full attention (use_sliding_window=false)")
-        other = sorted({t for t in d.get("layer_types") or () if t != "full_attention"})
-        if other:
-            raise _refused("layer_types", other, "only full_attention layers are implemented in specco")
+    if mt in MOE_FAMILIES:
+        refuse_moe_unsupported(d)
 
 
 @dataclass(frozen=True)
