@@ -68,7 +68,7 @@ class Experts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
             0, flat, torch.ones_like(flat))
         xs = x[rows]  # (N·k, h) each row once per expert it visits, grouped by expert
-        if grouped_mm_applies(xs, self.gate_up_proj):
+        if grouped_mm_applies(xs, self.gate_up_proj, self.down_proj):
             y = self._grouped(xs, counts)
         else:
             y = self._loop(xs, counts)
@@ -185,5 +185,6 @@ class SparseMoE(nn.Module):
     def graph_safe(self) -> bool:
         """Whether a forward in the weights' dtype, on their device, can be captured in a CUDA graph: only the
         grouped-GEMM path keeps the expert counts on the device (the loop reads them on the host)."""
-        w = self.experts.gate_up_proj  # (E, 2I, h)
-        return grouped_mm_applies(w.new_empty(0, w.shape[-1]), w)
+        e = self.experts
+        w = e.gate_up_proj  # (E, 2I, h)
+        return grouped_mm_applies(w.new_empty(0, w.shape[-1]), w, e.down_proj)
