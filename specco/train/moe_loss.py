@@ -14,6 +14,12 @@ Uniform routing gives L_aux = k; piling tokens onto few experts raises it. f_e i
 gradient reaches the router through P_e only. The top-k choice here is the router's (softmax then top-k), the
 same as the forward's (`moe.route`), normalised or not.
 
+The coefficient is config.json's `router_aux_loss_coef` (or the run config's policy.router_aux_loss_coef), applied
+whatever config.json's `output_router_logits` says: in transformers that flag (false in the Hub's Qwen MoE configs)
+both returns the router logits and switches the loss on, so `from_pretrained(...)` + a labels loss trains without
+it unless the user sets it; specco's step always has the logits, and a user who wants no aux loss sets the
+coefficient to 0.
+
 In the step (`aux_share`): transformers adds `router_aux_loss_coef · L_aux` of each forward call to its loss;
 specco does the same per micro-batch on each rank, with L_aux over the micro-batch's trained tokens
 (target_mask: the completions the step learns from; padding and prompts are excluded), weighted by the
