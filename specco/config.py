@@ -54,8 +54,13 @@ class PolicySpec:
     # comes from train.amp and the rollout engine's copy from rollout.dtype, both "auto" (bf16 for a pretrained
     # policy on a GPU). bfloat16 here trains bf16 weights directly, which rounds away updates at RL's small LRs
     dtype: str = "float32"
+    # A mixture-of-experts policy's router load-balancing loss weight in the GRPO loss (train/moe_loss.py);
+    # None: its config.json's router_aux_loss_coef (transformers' default 0.001). Refused for a dense policy.
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self):
+        _check(self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
+               f"policy.router_aux_loss_coef={self.router_aux_loss_coef}: must be >= 0")
         for n in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "max_positions"):
             _check(getattr(self, n) >= 1, f"policy.{n}={getattr(self, n)}: must be >= 1")
         _check(self.hidden_size % self.num_heads == 0,

@@ -21,6 +21,9 @@ if typing.TYPE_CHECKING:
 
 def _coerce(value, tp, path: str):
     origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if type(None) in args and len(args) == 2:  # `X | None`: None stays None (TOML has no null: omit the key)
+        return None if value is None else _coerce(value, next(a for a in args if a is not type(None)), path)
     if tp is bool:
         if isinstance(value, str):
             if value.lower() in ("1", "true", "yes", "on"):

@@ -115,10 +115,14 @@ def policy_config(cfg: RunConfig, model: str | None = None) -> PolicyConfig:
                                   ps.num_kv_heads, ps.intermediate_size, ps.max_positions, ps.rope_theta)
     from .model.hf_io import load_policy_config
     try:
-        return load_policy_config(src)
+        pc = load_policy_config(src)
     except FileNotFoundError as e:
         raise ConfigError(f"policy.source={src!r}: no config.json to read the shape from ({e}); pass "
                           f"--model {'|'.join(PRESETS)} for a published shape") from None
+    if pc.moe:  # the per-layer parameter and activation model below is the dense layer's (policy_parts, ...)
+        raise ConfigError(f"policy.source={src!r} is a mixture-of-experts policy ({pc.model_type}): specco plan "
+                          "models dense layers only; its memory plan is not implemented yet")
+    return pc
 
 
 def shapes(cfg: RunConfig, pc: PolicyConfig, prompt_tokens: int, device: str = "cuda") -> Shapes:

@@ -1,7 +1,8 @@
 """Model configuration: one frozen dataclass per model, validated on construction.
 
-`PolicyConfig` mirrors the Hugging Face `config.json` fields of Llama / Qwen2 / Qwen3 models
-(the names differ slightly between families; `from_hf_dict` is the one place that maps them).
+`PolicyConfig` mirrors the Hugging Face `config.json` fields of Llama / Qwen2 / Qwen3 models and of the
+mixture-of-experts Qwen2-MoE / Qwen3-MoE (the names differ slightly between families; `from_hf_dict` is the
+one place that maps them; the MoE layers themselves are model/moe.py).
 `DraftConfig` describes an EAGLE-3 draft attached to a policy. `RopeScaling` is a RoPE frequency
 scaling (Llama-3.x's `llama3`, `linear`, `yarn`) as a config.json states it; its formula is
 `layers.rope_frequencies`.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+
+from .moe_config import MOE_FAMILIES, moe_fields_from_hf, refuse_moe_unsupported
 
 
 class ConfigError(ValueError):
@@ -184,9 +187,35 @@ class PolicyConfig:
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Mixture of experts (qwen2_moe, qwen3_moe; model/moe.py). num_experts 0: every layer is the dense SwiGLU of
+    # intermediate_size. Layer i is sparse iff num_experts > 0, i not in mlp_only_layers and (i + 1) is a
+    # multiple of decoder_sparse_step (transformers' rule, `is_moe_layer`).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each routed expert's SwiGLU width
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert, sigmoid-gated (0: none)
+    norm_topk_prob: bool = False  # renormalise the k chosen probabilities to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # The router's load-balancing loss weight in the policy loss (train/moe_loss.py); config.json's
+    # router_aux_loss_coef, overridable by the run config's policy.router_aux_loss_coef.
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "rope_scaling", _scaling_from_dict(self.rope_scaling))
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                                  f"[1, num_experts={self.num_experts}]")
+            if self.moe_intermediate_size < 1:
+                raise ConfigError(f"moe_intermediate_size={self.moe_intermediate_size} must be >= 1")
+            if self.decoder_sparse_step < 1:
+                raise ConfigError(f"decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        if self.num_experts < 0 or self.shared_expert_intermediate_size < 0:
+            raise ConfigError("num_experts and shared_expert_intermediate_size must be >= 0")
+        if self.router_aux_loss_coef < 0:
+            raise ConfigError(f"router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
         if self.head_dim == 0:
             if self.hidden_size % self.num_heads:
                 raise ConfigError(
@@ -202,6 +231,16 @@ class PolicyConfig:
                               f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is the sparse mixture of experts (else the dense SwiGLU), as transformers'
+        Qwen2-MoE / Qwen3-MoE decoder layers decide it."""
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def moe(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return any(self.is_moe_layer(i) for i in range(self.num_layers))
 
     # -- Hugging Face config.json ------------------------------------------------------------
     @classmethod
@@ -232,23 +271,36 @@ class PolicyConfig:
         eos = d.get("eos_token_id")
         if isinstance(eos, list):  # stop tokens for generation come from generation_config.json
             eos = eos[0] if eos else None
-        return cls(
+        moe = moe_fields_from_hf(d, mt) if mt in MOE_FAMILIES else {}
+        return cls(**moe,
             vocab_size=req("vocab_size"), hidden_size=req("hidden_size"),
             intermediate_size=req("intermediate_size"), num_layers=req("num_hidden_layers"),
             num_heads=heads, num_kv_heads=kv if kv is not None else heads,
             head_dim=d.get("head_dim") or fam["head_dim"], rope_theta=theta, rope_scaling=scaling,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qk_norm=(mt == "qwen3"),
-            # Qwen2Attention always has q/k/v biases (transformers ignores `attention_bias` there);
-            # Llama and Qwen3 with attention_bias=true are refused above (o_proj bias).
-            attention_bias=(mt == "qwen2"),
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
+            # Qwen2Attention always has q/k/v biases (transformers ignores `attention_bias` there), Qwen2-MoE's
+            # follow `qkv_bias` (default true); Llama and Qwen3(-MoE) with attention_bias=true are refused
+            # above (their o_proj has the bias too).
+            attention_bias=(mt == "qwen2") or (mt == "qwen2_moe" and bool(d.get("qkv_bias", True))),
             max_position_embeddings=max_pos, model_type=mt, bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
 
     def to_hf_dict(self) -> dict:
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM"}[self.model_type]
-        return {
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[self.model_type]
+        moe = {}
+        if self.model_type in MOE_FAMILIES:
+            # `num_experts`, the Hub's spelling: transformers 5 reads it for both families (Qwen3-MoE's
+            # attribute_map sends it to num_local_experts, the name its own save_pretrained writes)
+            moe = {"num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
+                   "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
+                   "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers),
+                   "router_aux_loss_coef": self.router_aux_loss_coef, "output_router_logits": False}
+            if self.model_type == "qwen2_moe":
+                moe.update(shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                           qkv_bias=self.attention_bias)
+        return {**moe,
             "architectures": [arch], "model_type": self.model_type,
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
@@ -269,9 +321,12 @@ class PolicyConfig:
         attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
         bias = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim if self.attention_bias else 0  # Qwen2's q/k/v
         qk_norm = 2 * self.head_dim if self.qk_norm else 0  # Qwen3's per-head q and k RMSNorm weights
-        mlp = 3 * h * self.intermediate_size
+        dense = 3 * h * self.intermediate_size
+        sparse = (self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts + router rows
+                  + (3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0))
+        mlp = sum(sparse if self.is_moe_layer(i) else dense for i in range(L))
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + head + L * (attn + bias + qk_norm + mlp + 2 * h) + h
+        return v * h + head + L * (attn + bias + qk_norm + 2 * h) + mlp + h
 
 
 # transformers' defaults (5.x config dataclasses, same in 4.51+) for fields a config.json may omit.
@@ -280,6 +335,9 @@ _FAMILY_DEFAULTS = {
     "llama": {"num_key_value_heads": None, "head_dim": 0, "max_position_embeddings": 2048},
     "qwen2": {"num_key_value_heads": 32, "head_dim": 0, "max_position_embeddings": 32768},
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+    # the MoE configs have no head_dim field: the attention takes config.json's or hidden // heads
+    "qwen2_moe": {"num_key_value_heads": 16, "head_dim": 0, "max_position_embeddings": 32768},
+    "qwen3_moe": {"num_key_value_heads": 4, "head_dim": 0, "max_position_embeddings": 32768},
 }
 _SILU = ("silu", "swish")  # both are nn.SiLU in transformers' ACT2FN
 
@@ -326,7 +384,7 @@ def _refuse_unsupported(d: dict, mt: str):
     if act not in _SILU:
         raise _refused("hidden_act", act, "specco's MLP is SwiGLU with SiLU (hidden_act='silu')")
     # RoPE fields are read, or refused by name, by `rope_config_from_hf`, which from_hf_dict calls.
-    if mt in ("llama", "qwen3") and d.get("attention_bias", False):
+    if mt in ("llama", "qwen3", "qwen3_moe") and d.get("attention_bias", False):
         raise _refused("attention_bias", d["attention_bias"], f"{mt} puts that bias on q/k/v *and* "
                        "o_proj; specco's o_proj has no bias (Qwen2's q/k/v-only bias is supported)")
     if mt == "llama" and d.get("mlp_bias", False):
@@ -348,6 +406,8 @@ def _refuse_unsupported(d: dict, mt: str):
                 f"sliding_window={d.get('sliding_window')!r}, max_window_layers={d.get('max_window_layers')!r}): "
                 "sliding-window attention is not implemented in specco; only full attention is supported "
                 "(use_sliding_window=false, or every layer below max_window_layers)")
+    if mt in MOE_FAMILIES:
+        refuse_moe_unsupported(d)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@ the fix, never a bare traceback from inside safetensors or torch.
 
 The policy's module names mirror transformers', so the mapping is a prefix: HF `model.X` <->
 specco `X`, and `lm_head.weight` stays as it is. Tied heads are saved without `lm_head.weight`,
-like transformers does. Loading is strict: any missing or unexpected tensor is an error.
+like transformers does. Loading is strict: any missing or unexpected tensor is an error. MoE experts are
+written one tensor per expert and projection (`experts.{e}.gate_proj.weight`, the Hub's and transformers'
+`save_pretrained` layout) and read in that layout or transformers 5's fused 3-D one (model/moe.py says why).
 
 Two ways in:
 
@@ -31,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import ConfigError, PolicyConfig
+from .moe import split_fused_experts
 from .policy import Policy
 
 
@@ -201,6 +204,7 @@ def load_policy(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     sd = {}
     for f in _weight_files(path):
         sd.update({_from_hf_key(k): v for k, v in _load_checked(f).items()})
+    sd = split_fused_experts(sd)  # fused 3-D expert tensors -> the per-expert names the model reports
     # Rotary inverse-frequency buffers some exporters write are recomputed here, not loaded.
     sd = {k: v for k, v in sd.items() if "rotary_emb" not in k}
     if cfg.tie_word_embeddings:
@@ -317,6 +321,10 @@ def load_policy_rows(path: str | os.PathLike, model: Policy, rows_of=whole_rows)
     cast to the model's dtype, as `load_policy(...).to(dtype)` casts them: the same bits. A tied head shares the
     embedding's storage, so it is filled with it; re-tie after `to_empty` (which unties) before calling."""
     src = HFTensors(path)
+    if src.cfg.moe:
+        raise ConfigError(f"{path}: the sharded load (parallel.dp_shard > 1) of a mixture-of-experts policy "
+                          f"({src.cfg.model_type}) is not implemented yet (its expert layout needs expert "
+                          "parallelism, issue 38 item 2); train it with dp_shard = 1")
     if src.cfg != model.cfg:
         raise ConfigError(f"{Path(path) / 'config.json'} describes another model than the one being filled "
                           f"({src.cfg} vs {model.cfg}); build the model from load_policy_config({path})")

@@ -1,4 +1,5 @@
-"""The policy (target) model: a Llama / Qwen2 / Qwen3-style decoder that can record EAGLE-3 taps.
+"""The policy (target) model: a Llama / Qwen2 / Qwen3-style decoder that can record EAGLE-3 taps, whose MLPs
+may be mixtures of experts (Qwen2-MoE / Qwen3-MoE, model/moe.py).
 
 Module names mirror transformers' (`embed_tokens`, `layers.{i}.self_attn.q_proj`, ...), so a
 Hugging Face state dict maps onto ours by stripping the `model.` prefix (see `hf_io.py`).
@@ -14,17 +15,23 @@ from torch import nn
 
 from .config import PolicyConfig
 from .layers import Attention, KVCache, RMSNorm, SwiGLU, rope_cos_sin
+from .moe import Experts, SparseMoE
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: PolicyConfig):
+    def __init__(self, cfg: PolicyConfig, index: int = 0):
+        """`index`: the layer's global id, which decides whether its MLP is sparse (PolicyConfig.is_moe_layer)."""
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = Attention(h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    qk_norm=cfg.qk_norm, bias=cfg.attention_bias, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(h, cfg.intermediate_size)
+        if cfg.is_moe_layer(index):
+            self.mlp = SparseMoE(h, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                                 cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)
+        else:
+            self.mlp = SwiGLU(h, cfg.intermediate_size)
 
     def forward(self, x, cos, sin, attn_core=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_core)
@@ -95,6 +102,8 @@ class PolicyOutput:
     hidden: torch.Tensor  # (B, S, h): final-norm output if the stage has the norm, else residual
     taps: Taps | None  # the joined taps, when this model holds the embedding and every tap layer
     stage_taps: StageTaps | None = None  # what this stage holds of them (whenever tap_layers is given)
+    # MoE: the router logits (B, S, E) of each sparse layer this model holds, ascending layer id (train/moe_loss.py)
+    router_logits: tuple[torch.Tensor, ...] = ()
 
 
 class Policy(nn.Module):
@@ -104,7 +113,7 @@ class Policy(nn.Module):
         self.cfg = cfg
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if has_embed else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if has_head else None
         self.lm_head = None
         if has_head:
@@ -119,6 +128,9 @@ class Policy(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
+        elif isinstance(m, Experts):
+            nn.init.normal_(m.gate_up_proj, std=0.02)
+            nn.init.normal_(m.down_proj, std=0.02)
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> KVCache:
         p = next(self.parameters())
@@ -148,12 +160,15 @@ class Policy(nn.Module):
                                 scaling=self.cfg.rope_scaling)
         # Only the stage that embeds reports an embedding tap: elsewhere x is the previous stage's residual.
         embed_tap = x.detach() if (tap_layers is not None and self.embed_tokens is not None) else None
-        held = {}
+        held, router_logits = {}, []
         for key, layer in self.layers.items():
             i = int(key)
             x = layer(x, cos, sin, attn_core)
             if tap_layers is not None and i in tap_layers:
                 held[i] = x.detach()
+            if isinstance(layer.mlp, SparseMoE):  # read and clear (SparseMoE.router_logits: why it is kept there)
+                router_logits.append(layer.mlp.router_logits.view(B, -1, self.cfg.num_experts))  # (B, S, E)
+                layer.mlp.router_logits = None
         stage_taps = taps = None
         if tap_layers is not None:
             stage_taps = StageTaps(embed_tap, held)
@@ -162,4 +177,4 @@ class Policy(nn.Module):
         if self.norm is not None:
             x = self.norm(x)
         logits = self.lm_head(x) if (self.lm_head is not None and compute_logits) else None
-        return PolicyOutput(logits, x, taps, stage_taps)
+        return PolicyOutput(logits, x, taps, stage_taps, tuple(router_logits))

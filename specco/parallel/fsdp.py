@@ -100,6 +100,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
     Call it after activation checkpointing / compile (torchtitan's order) and BEFORE building the optimizer:
     fully_shard replaces every parameter with a DTensor shard. Gradients are summed, never averaged (module
     docstring). Returns `model` (its class now also an FSDPModule)."""
+    if getattr(getattr(model, "cfg", None), "moe", False):  # a boundary: the expert tensors' state-dict views
+        # (model/moe.py) slice dim 0, which fully_shard cuts; sharding experts is expert parallelism's job (issue 38)
+        raise ValueError(f"FSDP (parallel.dp_shard > 1) of a mixture-of-experts policy ({model.cfg.model_type}) is not "
+                         "implemented; use parallel.dp_shard = 1 (data parallelism replicates it)")
     mp_policy = mp_policy or MixedPrecisionPolicy()
     *layers, (root, _) = layer_reshards_after_forward(model, reshard_after_forward)
     for layer, reshard in layers:

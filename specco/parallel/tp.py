@@ -157,6 +157,9 @@ def apply_tp(policy: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool 
     `policy`."""
     tp = tp_mesh.size()
     cfg = policy.cfg
+    if cfg.moe:  # a boundary (validate.check_moe_layout refuses it first): the plan cuts dense SwiGLUs only
+        raise ValueError(f"tensor parallelism of a mixture-of-experts policy ({cfg.model_type}) is not implemented; "
+                         "use tp = 1")
     for name, n in (("num_heads", cfg.num_heads), ("num_kv_heads", cfg.num_kv_heads),
                     ("intermediate_size", cfg.intermediate_size)):
         if n % tp:  # a boundary: the config check refuses it first (derive.check_parallel), this is the backstop

@@ -65,6 +65,9 @@ def tp_shard(policy: Policy, group) -> Policy:
     policy's device and in its dtype. `group`: the tp process group (its ranks all call this)."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     c = policy.cfg
+    if c.moe:  # the shard cuts dense SwiGLUs only
+        raise ValueError(f"engine tensor parallelism of a mixture-of-experts policy ({c.model_type}) is not "
+                         "implemented; use tp = 1")
     for what, n in (("num_heads", c.num_heads), ("num_kv_heads", c.num_kv_heads),
                     ("intermediate_size", c.intermediate_size), ("vocab_size", c.vocab_size)):
         if n % tp:

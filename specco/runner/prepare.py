@@ -8,6 +8,7 @@ interrupted run resumes where it stopped:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -28,6 +29,7 @@ from ..train.nonfinite import check_finite
 from ..train.sft import sft, tiny_policy_config
 from .derive import at_temperature, generate_config, step_config, warm_configs
 from .setup import from_rank0, share_model, share_policy, share_tensors
+from .validate import check_aux_coef
 from .stages import commit_dir, load_stage, seed_stage, warm_draft_stage
 from .warmstart import initial_draft, load_draft_dir, measure_tau, sample_pool, warm_start
 
@@ -91,7 +93,7 @@ def prepare_policy(cfg: RunConfig, data, out: Path, device, progress=True, mesh=
                 load_policy(pol_dir, device=device), load_tokenizer(pol_dir),
                 json.loads((pol_dir / "sft_metrics.json").read_text())))
         tok, metrics = from_rank0((tok, metrics), mesh, device)
-        return share_policy(policy, pol_dir, mesh, device), tok, metrics
+        return with_run_overrides(cfg, share_policy(policy, pol_dir, mesh, device)), tok, metrics
     policy = tok = src = None
     if rank == 0:  # (source_dir converts smollm2 once: rank 0 only)
         src = source_dir(cfg, out)
@@ -132,7 +134,16 @@ def prepare_policy(cfg: RunConfig, data, out: Path, device, progress=True, mesh=
         if src is not None:  # the copied files are what the outputs and a resumed run load
             tok = load_tokenizer(pol_dir)
     (tok,) = from_rank0((tok,), mesh, device)
-    return policy, tok, metrics
+    return with_run_overrides(cfg, policy), tok, metrics
+
+
+def with_run_overrides(cfg: RunConfig, policy: Policy) -> Policy:
+    """The run config's overrides of the policy's own config applied to it: policy.router_aux_loss_coef (a MoE
+    policy's; validate.check_aux_coef refused it for a dense one). The step reads the policy's config."""
+    if cfg.policy.router_aux_loss_coef is not None:
+        check_aux_coef(cfg, policy.cfg, cfg.policy.source)
+        policy.cfg = dataclasses.replace(policy.cfg, router_aux_loss_coef=float(cfg.policy.router_aux_loss_coef))
+    return policy
 
 
 @torch.no_grad()

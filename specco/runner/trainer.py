@@ -250,7 +250,7 @@ def grad_group(mesh: Mesh | None):
 
 # checked after every update: a non-finite one stops the run (or is skipped, train.on_nonfinite)
 _CHECKED = ("policy/loss", "draft/loss", "policy/grad_norm", "draft/grad_norm")
-_SUM_ALL_KEYS = ("policy/loss", "draft/loss")  # each rank's share of the global mean
+_SUM_ALL_KEYS = ("policy/loss", "policy/aux_loss", "draft/loss")  # each rank's share of the global mean
 _SUM_DP_KEYS = ("tokens_per_s",)
 _MAX_KEYS = ("logprob_gap_engine_vs_trainer",)
 

@@ -48,6 +48,7 @@ def check_policy(cfg: RunConfig, out: Path):
     if src is not None:
         from ..model.hf_io import check_policy_dir, check_tokenizer_fits
         pc = check_policy_dir(src)
+        check_moe_layout(cfg, pc, src / "config.json")
         if cfg.parallel.tp > 1:  # before any stage: the trainer's layers are cut at make_arm (parallel/tp.py)
             from .derive import check_tp_sizes
             check_tp_sizes(pc, cfg.parallel.tp, f"the policy's ({src / 'config.json'}) ")
@@ -55,6 +56,7 @@ def check_policy(cfg: RunConfig, out: Path):
             from .derive import check_tp_sizes
             check_tp_sizes(pc, cfg.rollout.tp, f"the policy's ({src / 'config.json'}) ", "rollout.tp")
         check_tokenizer_fits(src)
+        check_aux_coef(cfg, pc, src)
         bad = [i for i in cfg.draft.aux_layer_ids if not 0 <= i < pc.num_layers]
         if bad:
             raise ConfigError(f"draft.aux_layer_ids={list(cfg.draft.aux_layer_ids)}: {bad} out of range for "
@@ -66,6 +68,32 @@ def check_policy(cfg: RunConfig, out: Path):
                           f"{tok.vocab_size} tokens, not a multiple of it (each engine tp rank holds vocab / tp rows "
                           "of the head); set rollout.tp=1, or train a Hugging Face policy whose vocabulary it divides")
     return src, tok
+
+
+def check_moe_layout(cfg: RunConfig, pc, where) -> None:
+    """What a mixture-of-experts policy cannot run under yet, refused by name before out_dir is touched: tensor
+    parallelism and FSDP (its experts are to be placed by expert parallelism, issue 38 item 2, not cut by tp or
+    dp_shard) and the router's aux loss under pp > 1 (apply_tp, apply_fsdp and cotrain_step are the backstops)."""
+    if not pc.moe:
+        return
+    for key in ("tp", "dp_shard"):  # (a dp_shard derived from the launch is refused by apply_fsdp, the backstop)
+        n = getattr(cfg.parallel, key)
+        if n > 1:
+            raise ConfigError(f"parallel.{key}={n}: the policy ({where}) is a mixture of experts ({pc.model_type}); "
+                              f"{'tensor parallelism' if key == 'tp' else 'FSDP'} of MoE layers is not implemented "
+                              f"(expert parallelism is issue 38): use parallel.{key} = 1")
+    coef = pc.router_aux_loss_coef if cfg.policy.router_aux_loss_coef is None else cfg.policy.router_aux_loss_coef
+    if cfg.parallel.pp > 1 and coef > 0:
+        raise ConfigError(f"parallel.pp={cfg.parallel.pp} with router_aux_loss_coef={coef} ({where} or "
+                          "policy.router_aux_loss_coef): the router's aux loss under a pipeline is not implemented; "
+                          "set policy.router_aux_loss_coef=0 or parallel.pp=1")
+
+
+def check_aux_coef(cfg: RunConfig, pc, where) -> None:
+    """policy.router_aux_loss_coef is for a mixture-of-experts policy only (a key that would do nothing is refused)."""
+    if cfg.policy.router_aux_loss_coef is not None and not pc.moe:
+        raise ConfigError(f"policy.router_aux_loss_coef={cfg.policy.router_aux_loss_coef}: the policy ({where}, "
+                          f"model_type {pc.model_type!r}) has no mixture-of-experts layers; remove the key")
 
 
 def check_job(cfg: RunConfig, device: torch.device | None = None) -> JobData:

@@ -4,7 +4,8 @@
     one_f_one_b over this rank's stage (parallel/pipeline.py; the whole batch is one micro-batch when
     train.micro_batch_rows = 0):
         forward(m): the stage's forward (records taps; a source stage posts them on the TapChannel);
-                    on the last stage L_policy on the logits (policy_loss), which the schedule backpropagates
+                    on the last stage L_policy on the logits (policy_loss), plus a MoE policy's router
+                    load-balancing share (train/moe_loss.py), which the schedule backpropagates
         draft_work(m): on the last stage, lambda * L_draft -> its own backward (the kind's loss,
                     train/drafters.py; the logits are its detached teacher)
     optimizer_step: per-group gradient sync (train/grad_sync.py: an all-reduce of the sums, or FSDP's
@@ -44,6 +45,7 @@ from .grad_sync import AllReduceSync, clip_grad_norm, reduce_grads  # noqa: F401
 from .step_config import AMP_DTYPES, LR_SCHEDULES, StepConfig  # noqa: F401 (re-exported)
 from .losses import (PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, metrics_to_floats,
                      token_logprobs)
+from .moe_loss import aux_share
 
 __all__ = ["StepConfig", "StepCounts", "TrainBatch", "cotrain_step", "step_counts", "policy_loss",
            "optimizer_step", "build_optimizer", "build_scheduler", "amp_context", "AMP_DTYPES"]
@@ -305,8 +307,13 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
     stages exchange, i.e. of the residual stream (None: the parameters'; under FSDP's mixed_precision(bf16)
     pass torch.bfloat16: a mismatch is an error naming both, never a garbled receive).
 
-    Metrics: "policy/loss" and "draft/loss" are this rank's contributions (they sum to the global
-    losses over `grad_group`); every other metric is global (from statistics summed over the group). Under a
+    A mixture-of-experts policy adds `cfg.router_aux_loss_coef` (its PolicyConfig's: config.json's or the run
+    config's policy.router_aux_loss_coef) times its router load-balancing loss to L_policy (train/moe_loss.py:
+    per micro-batch, weighted by its share of the trained tokens), logged as "policy/aux_loss" (the loss before
+    the coefficient; logged at coefficient 0 too, as a balance monitor).
+
+    Metrics: "policy/loss", "policy/aux_loss" and "draft/loss" are this rank's contributions (they sum to the
+    global losses over `grad_group`); every other metric is global (from statistics summed over the group). Under a
     real pipe every stage returns the last stage's losses and statistics with the common norms.
     """
     pipe = pipe or NoPipe()
@@ -321,8 +328,14 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
     use_draft = tap_layers is not None and (cfg.draft_weight > 0 or not train_policy)
     weight = cfg.draft_weight if train_policy else 1.0
     syncs = grad_sync or default_syncs(grad_group)
+    aux_coef = policy.cfg.router_aux_loss_coef if (policy.cfg.moe and train_policy) else None
     if pp > 1:
         _check_pipe(draft, tap_layers, use_draft, last, taps, pp, train_policy, syncs)
+        if aux_coef:  # each stage's router logits would need their own loss term inside 1F1B's backward
+            raise ValueError(f"a mixture-of-experts policy with router_aux_loss_coef={aux_coef} under parallel.pp > 1 "
+                             "is not implemented (the router logits live on every stage); set the run config's "
+                             "policy.router_aux_loss_coef = 0 or train with pp = 1")
+        aux_coef = None  # the last stage holds only its own layers' routers: no partial loss or metric
     kind = drafter(draft) if use_draft and last else None  # train/drafters.py: the draft's counts and loss
     if kind is not None:
         kind.check_layout(batch, layout)
@@ -330,7 +343,7 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
     # the draft's counts on every stage: the all-reduce over grad_group has one shape on every rank
     counts = step_counts(batch, cfg, layout, grad_group, draft if kind is not None else None)
     wire = act_dtype or next(policy.parameters()).dtype  # the receive buffers' dtype, forward and backward
-    losses = {"policy/loss": 0.0, "draft/loss": 0.0}
+    losses = {"policy/loss": 0.0, "policy/aux_loss": 0.0, "draft/loss": 0.0}  # floats never added to are not logged
     stats: dict = {"policy": None, "draft": None}
     held: dict[int, tuple] = {}  # last stage of a real pipe: m -> (its own taps, teacher logits) until the draft's work
     opt.zero_grad(set_to_none=True)
@@ -390,6 +403,13 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
         with amp_context(cfg, mb.tokens):
             l_pol, st = policy_loss(out.logits, mb, cfg, counts.policy_tokens, layout.shift)
         add("policy", st, l_pol)
+        if aux_coef is not None and out.router_logits:
+            with amp_context(cfg, mb.tokens), torch.set_grad_enabled(aux_coef > 0):
+                l_aux = aux_share(out.router_logits, policy.cfg.num_experts_per_tok, mb.target_mask,
+                                  counts.policy_tokens)
+            losses["policy/aux_loss"] += l_aux.detach()
+            if aux_coef > 0:
+                l_pol = l_pol + aux_coef * l_aux
         return l_pol
 
     one_f_one_b(pipe, len(mbs), forward, lambda m: (*mbs[m][1].tokens.shape[:2], policy.cfg.hidden_size),
