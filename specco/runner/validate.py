@@ -82,6 +82,10 @@ def check_moe_layout(cfg: RunConfig, pc, where) -> None:
             raise ConfigError(f"parallel.{key}={n}: the policy ({where}) is a mixture of experts ({pc.model_type}); "
                               f"{'tensor parallelism' if key == 'tp' else 'FSDP'} of MoE layers is not implemented "
                               f"(expert parallelism is issue 38): use parallel.{key} = 1")
+    if cfg.rollout.tp > 1:  # rollout/tp.tp_shard cuts dense MLP rows; the experts are not cut (the backstop refuses)
+        raise ConfigError(f"rollout.tp={cfg.rollout.tp}: the policy ({where}) is a mixture of experts "
+                          f"({pc.model_type}); a tensor-parallel engine over MoE layers is not implemented: use "
+                          "rollout.tp = 1")
     coef = pc.router_aux_loss_coef if cfg.policy.router_aux_loss_coef is None else cfg.policy.router_aux_loss_coef
     if cfg.parallel.pp > 1 and coef > 0:
         raise ConfigError(f"parallel.pp={cfg.parallel.pp} with router_aux_loss_coef={coef} ({where} or "
