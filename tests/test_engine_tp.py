@@ -149,3 +149,46 @@ def _refusal_worker(rank, world):
 
 def test_engine_tp_refuses_what_it_cannot_split():
     spawn_local(_refusal_worker, 2)
+
+def _control_worker(rank, world):
+    """Speculation control on a tensor-parallel engine: each rank's clock says another k pays (rank 0: plain rounds
+    cheap, rank 1: speculative ones), yet both choose the same k at every level (Level.measure all-reduces each k's
+    cost to the slowest rank's: a round's collectives have k-dependent shapes, so ranks choosing apart would
+    deadlock or corrupt) and decode tp 1's tokens at that k path."""
+    from test_rollout_helpers import random_draft, tiny_policy
+    import specco.rollout.levels as levels
+    from specco.rollout.config import GenerateConfig
+    from specco.rollout.engine import RolloutEngine
+    from specco.rollout.tp import tp_shard
+    policy = tiny_policy(V=32, h=32, layers=4, kv=2).double()
+    shard, draft = tp_shard(policy, dist.group.WORLD), random_draft(policy).double()
+
+    class Clock:  # measure's (start, end) pairs, one per k in order: k = 0 slow on rank 1, fast on rank 0
+        def __init__(self):
+            self.t, self.calls = 0.0, 0
+
+        def perf_counter(self):
+            if self.calls % 2:
+                first = self.calls % 8 == 1  # k = 0 is the first pair of each measurement (4 step sets: k 0..3)
+                self.t += (100.0 if first else 1.0) if rank == 1 else (1.0 if first else 100.0)
+            self.calls += 1
+            return self.t
+    cfg = GenerateConfig(max_new_tokens=12, sampling=_cases()["greedy"], num_draft_tokens=3, spec_control=True)
+    real = levels.time
+    levels.time = Clock()
+    try:
+        with RolloutEngine(shard, draft, cfg) as eng:
+            out = eng.generate([[1, 5, 6, 7], [1, 9]], group_size=2)
+    finally:
+        levels.time = real
+    path = [(c.rows, c.k) for c in out.choices]
+    both = [None, None]
+    dist.all_gather_object(both, path)
+    assert both[0] == both[1] and path, both
+    with RolloutEngine(policy, draft, cfg) as eng:  # tokens do not depend on k (greedy speculation is exact)
+        ref = eng.generate([[1, 5, 6, 7], [1, 9]], group_size=2)
+    assert torch.equal(out.tokens, ref.tokens) and torch.equal(out.lengths, ref.lengths)
+
+
+def test_engine_tp2_speculation_control_chooses_alike_on_every_rank():
+    spawn_local(_control_worker, 2)

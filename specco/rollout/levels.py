@@ -13,6 +13,7 @@ import time
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from ..model.policy import Policy
 from .control import Choice
@@ -144,4 +145,11 @@ class Level:
                 self.costs[k] = (time.perf_counter() - t0) / iters
         for t, s in zip(self.st.small_tensors(), saved):
             t.copy_(s)
+        group = tp_group_of(next(iter(self.steps.values())).policy)
+        if group is not None:  # a tensor-parallel engine (rollout/tp.py): every rank must choose the same k (its
+            # rounds are collectives of k-dependent shapes), so each k's cost is the slowest rank's
+            ks = sorted(self.costs)
+            t = torch.tensor([self.costs[k] for k in ks], dtype=torch.float64, device=self.st.n.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            self.costs = dict(zip(ks, t.tolist()))
         return self.costs
