@@ -1,0 +1,143 @@
+"""Expert parallelism (parallel/ep.py) of the co-training step on a tiny Qwen3-MoE (8 experts, top-2), fp64, gloo.
+
+4 ranks, data parallel (dp = 4, 2 rows each), the step with the experts spread over ep = 2 (two replicas of each
+slice) and ep = 4 (one), against the SAME data-parallel step at ep = 1 run in the same processes (the reference: a
+whole policy per rank, its gradients all-reduced over the 4 ranks; test_dp.py shows that step equals one process):
+
+* "policy/loss" and "policy/aux_loss" (this rank's shares; the aux loss reads the local router logits, which ep
+  does not change), and the policy's grad norm (the ep group's slices' norms summed, EPSync.clip): rel 1e-10;
+* every parameter's gradient after the step's reduction and clip (clipping active: max norm 0.5), the dense ones
+  whole, each expert tensor as this rank's slice of the reference's (E/ep experts from ep_rank · E/ep), and every
+  parameter after the AdamW step: rtol 1e-9, atol 1e-12. fp64; what differs is only the summation order (an expert's
+  gradient sums the rows of its ep group's ranks in arrival order, then over its replicas; the reference sums each
+  rank's rows, then over all four), ~1e-15 relative, so 1e-9 leaves room and a wrong route (gradients off by
+  whole rows) cannot pass;
+* the sum of "policy/loss" over the ranks equals the one-process step's on the whole batch (rel 1e-10).
+
+Mutations that must fail it (run here, asserted to differ): the combine without the reverse permutation of step 4
+(outputs land on other rows), and the expert gradients all-reduced over the ep group instead of the replica group.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import specco.parallel.ep as ep_mod
+from specco.model.config import PolicyConfig
+from specco.model.policy import Policy
+from specco.parallel.ep import EPExperts, apply_ep, full_expert_state
+from specco.parallel.mesh import Mesh, spawn_local
+from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+from specco.train.grad_sync import AllReduceSync, EPSync
+
+pytestmark = pytest.mark.dist
+
+V, B, S, WORLD = 53, 8, 12, 4
+QWEN3_MOE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+                 model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(1,), router_aux_loss_coef=0.05)
+
+
+def _policy() -> Policy:
+    torch.manual_seed(0)
+    policy = Policy(PolicyConfig(**QWEN3_MOE))
+    with torch.no_grad():  # decisive routing (the init's 0.02 router routes nearly uniformly)
+        for name, p in policy.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    return policy.double()
+
+
+def _batch() -> TrainBatch:
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, V, (B, S), generator=g)
+    mask = torch.zeros(B, S, dtype=torch.float64)
+    for b in range(B):
+        mask[b, 2:S - b % 3] = 1
+    return TrainBatch(tokens=tokens, target_mask=mask, advantages=torch.randn(B, generator=g, dtype=torch.float64),
+                      logp_old=-torch.rand(B, S, generator=g, dtype=torch.float64) * 3)
+
+
+CFG = StepConfig(micro_batch_rows=1, policy_grad_clip=0.5)  # 2 micro-batches per rank; the clip is active
+
+
+def _step(policy, batch, **kw):
+    opt = build_optimizer(policy, None, 1e-2, 1e-2)
+    m = cotrain_step(policy, None, batch, opt, None, CFG, **kw)
+    return m, {n: p.grad.clone() for n, p in policy.named_parameters()}, \
+        {n: p.detach().clone() for n, p in policy.named_parameters()}
+
+
+def _mismatches(rank, ep, mutation) -> list[str]:
+    mesh = Mesh.build(dp=WORLD, backend="gloo", ep=ep)
+    full = _batch()
+    h = B // WORLD
+    local = TrainBatch(**{k: getattr(full, k)[rank * h:(rank + 1) * h]
+                          for k in ("tokens", "target_mask", "advantages", "logp_old")})
+    base = _policy()
+    m_ref, g_ref, p_ref = _step(copy.deepcopy(base), local, grad_group=dist.group.WORLD)
+    policy = apply_ep(copy.deepcopy(base), mesh.ep_group, mesh.ep_replica_group)
+    sync = None
+    if mutation == "reduce_over_ep":
+        sync = {"policy": EPSync(policy, dist.group.WORLD), "draft": AllReduceSync(dist.group.WORLD)}
+        sync["policy"].replica_group = mesh.ep_group
+    m, g, p = _step(policy, local, grad_group=dist.group.WORLD, grad_sync=sync)
+    bad = []
+    for key in ("policy/loss", "policy/aux_loss", "policy/grad_norm"):
+        if abs(m[key] - m_ref[key]) > 1e-10 * abs(m_ref[key]):
+            bad.append(f"{key}: {m[key]} vs {m_ref[key]}")
+    local_of = {n: mod for n, mod in policy.named_modules() if isinstance(mod, EPExperts)}
+    for n in g_ref:
+        mod = local_of.get(n.rsplit(".", 1)[0])
+        cut = slice(mod.first, mod.first + mod.local) if mod is not None else slice(None)
+        for what, got, want in (("grad", g[n], g_ref[n][cut]), ("param", p[n], p_ref[n][cut])):
+            if not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
+                bad.append(f"{what} {n}: max diff {(got - want).abs().max().item():.3g}")
+    assert len(local_of) == 2  # the sparse layers 0 and 2 (layer 1 is in mlp_only_layers)
+    if mutation is None:  # the ranks' losses add up to one process's whole-batch loss
+        total = torch.tensor([m["policy/loss"]], dtype=torch.float64)
+        dist.all_reduce(total)
+        m_one, _, _ = _step(copy.deepcopy(base), full)
+        assert abs(total.item() - m_one["policy/loss"]) <= 1e-10 * abs(m_one["policy/loss"])
+        # the refit's view: the whole experts gathered equal the reference's trained weights
+        whole = full_expert_state(policy)
+        ref_sd = _ref_state(base, p_ref)
+        assert whole.keys() == ref_sd.keys()
+        for k in ref_sd:
+            torch.testing.assert_close(whole[k], ref_sd[k], rtol=1e-9, atol=1e-12)
+    return bad
+
+
+def _ref_state(base, params):
+    ref = copy.deepcopy(base)
+    with torch.no_grad():
+        for n, q in ref.named_parameters():
+            q.copy_(params[n])
+    return ref.state_dict()
+
+
+def _worker(rank, world, ep, mutation):
+    bad = _mismatches(rank, ep, mutation)
+    if mutation is None:
+        assert not bad, bad
+    else:  # the mutation must be caught, on every rank (each holds experts the wrong rows reached)
+        assert bad, f"mutation {mutation!r} at ep={ep} went unnoticed"
+
+
+def _no_unpermute(rank, world, ep):
+    ep_mod._unpermute = lambda ys, perm: ys  # the forked worker's copy only
+    _worker(rank, world, ep, "no_unpermute")
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_ep_step_equals_ep1(ep):
+    spawn_local(_worker, WORLD, ep, None)
+
+
+def test_ep_mutation_without_reverse_permutation_fails():
+    spawn_local(_no_unpermute, WORLD, 4)
+
+
+def test_ep_mutation_grads_reduced_over_ep_group_fails():
+    spawn_local(_worker, WORLD, 2, "reduce_over_ep")
