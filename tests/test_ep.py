@@ -141,3 +141,98 @@ def test_ep_mutation_without_reverse_permutation_fails():
 
 def test_ep_mutation_grads_reduced_over_ep_group_fails():
     spawn_local(_worker, WORLD, 2, "reduce_over_ep")
+
+
+# -- the RL loop ---------------------------------------------------------------------------------------------------
+
+def _rl_models():
+    """The demo's char tokenizer, a tiny Qwen3-MoE policy over it (8 experts, top-2, layer 1 dense) and a warm
+    EAGLE-3 draft, fp64, seeded (the same on every rank)."""
+    import dataclasses
+    from test_rl_cp import _models as dense_models
+    from specco.runner.warmstart import new_draft
+    tok, dense, _ = dense_models()
+    pc = dataclasses.replace(dense.cfg, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=16, norm_topk_prob=True, decoder_sparse_step=1,
+                             mlp_only_layers=(1,), router_aux_loss_coef=0.05)
+    torch.manual_seed(0)
+    policy = Policy(pc)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    policy = policy.double()
+    torch.manual_seed(1)
+    draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8))).double()
+    return tok, policy, draft
+
+
+RL_EXTRA = ("rollout.prompts_per_step=4", "train.checkpoint_every=1", "train.ppo_epochs=2", "train.minibatches=2",
+            "train.kl_coef=0.1")
+
+
+def _whole(st) -> dict:
+    """The arm's trained weights whole by name: the policy's experts gathered (a collective at ep > 1), the draft."""
+    sd = full_expert_state(st.policy) if any(isinstance(m, EPExperts) for m in st.policy.modules()) \
+        else st.policy.state_dict()
+    out = {f"policy.{k}": v.detach().clone() for k, v in sd.items()}
+    out.update({f"draft.{k}": v.detach().clone() for k, v in st.draft.state_dict().items()})
+    return out
+
+
+def _rl_worker(rank, world, tmp):
+    """Two RL steps of the co-trained EAGLE-3 arm on dp 2 at ep 2 against the same run at ep 1 (same processes,
+    same seeds): the same rollouts (step 2's from each run's refit engine), losses, aux loss, KL, grad norms
+    (rel 1e-9: fp64 summation order), every weight after both steps (rtol 1e-9, atol 1e-12), each rank's engine
+    holding the gathered whole policy, and a resume from the ep 2 step-1 checkpoint (experts saved as global
+    Shard(0) slices) equal to the straight run bit for bit."""
+    from pathlib import Path
+    from test_grpo import DigitTask
+    from test_rl_cp import _cfg
+    from specco.runner.rl import run_arm
+    tmp = Path(tmp)
+    tok, policy, draft = _rl_models()
+    out = {}
+    for ep in (1, 2):
+        cfg = _cfg(tmp, "parallel.dp=2", f"parallel.ep={ep}", *RL_EXTRA)
+        mesh = Mesh.build(2, 1, backend="gloo", ep=ep)
+        st, rec = {}, []
+        rows = run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / f"ep{ep}", progress=False, mesh=mesh,
+                       state_out=st, record=rec)
+        out[ep] = (rows, [ro.pairs for ro in rec], st["state"], cfg, mesh)
+    (rows1, pairs1, st1, _, _), (rows2, pairs2, st2, cfg2, mesh2) = out[1], out[2]
+    sparse = [i for i, layer in st1.policy.layers.items() if hasattr(layer.mlp, "experts")]
+    assert sparse and all(isinstance(st2.policy.layers[i].mlp.experts, EPExperts) for i in sparse)
+    assert st2.policy.layers["0"].mlp.experts.gate_up_proj.shape[0] == 4  # 8 experts / ep 2
+    assert pairs2 == pairs1
+    for a, b in zip(rows2, rows1):
+        for k in ("reward", "policy/loss", "policy/aux_loss", "policy/kl", "policy/grad_norm", "draft/loss",
+                  "draft/grad_norm"):
+            assert abs(a[k] - b[k]) <= 1e-9 * max(1.0, abs(b[k])), (k, a[k], b[k])
+    w1, w2 = _whole(st1), _whole(st2)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-9, atol=1e-12, msg=k)
+    eng = st2.engine.policy.state_dict()  # the engine: the whole policy refit from the gathered experts
+    for k, v in eng.items():
+        assert torch.equal(v, w2[f"policy.{k}"]), k
+    import json
+    from specco.train.checkpoint import latest_checkpoint
+    saved = json.loads((latest_checkpoint(tmp / "ep2" / "ckpt") / "state.json").read_text())["tensors"]
+    E = policy.cfg.num_experts  # the checkpoint holds whole experts (global shapes), their moments too
+    assert saved["model.policy.layers.0.mlp.experts.gate_up_proj"]["shape"][0] == E
+    assert saved["opt.state.policy.layers.0.mlp.experts.down_proj.exp_avg"]["shape"][0] == E
+    run = lambda d, **kw: run_arm(cfg2, "cotrained", policy, draft, DigitTask(), tok, tmp / d,  # noqa: E731
+                                  progress=False, mesh=mesh2, **kw)
+    part1 = run("resume", stop_after=1)
+    fin = {}
+    part2 = run("resume", state_out=fin)
+    for a, b in zip(rows2, part1 + part2):
+        for k in ("reward", "policy/loss", "policy/aux_loss", "draft/loss", "policy/grad_norm"):
+            assert a[k] == b[k], (k, a[k], b[k])
+    w3 = _whole(fin["state"])
+    assert all(torch.equal(w3[k], w2[k]) for k in w2)
+
+
+def test_rl_loop_ep2_equals_ep1(tmp_path):
+    spawn_local(_rl_worker, 2, str(tmp_path))

@@ -50,10 +50,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from ..model.moe import Experts, SparseMoE
 
-__all__ = ["apply_ep", "EPExperts", "is_ep", "expert_parameters", "full_expert_state", "ep_groups"]
+__all__ = ["apply_ep", "EPExperts", "is_ep", "expert_parameters", "full_expert_state", "ep_groups",
+           "expert_meshes", "as_global"]
 
 
 def ep_groups(stage_ranks: list[int], ep: int, rank: int):
@@ -215,12 +218,34 @@ def full_expert_state(policy: nn.Module) -> dict[str, torch.Tensor]:
         I = mod.inter
         whole = []
         for p in (mod.gate_up_proj, mod.down_proj):
-            out = p.new_empty((mod.num_experts,) + tuple(p.shape[1:]))  # (E, ...) rank-major = expert order
-            dist.all_gather_into_tensor(out, p.detach().contiguous(), group=mod.group)
-            whole.append(out)
+            parts = [torch.empty_like(p) for _ in range(mod.ep)]  # (E/ep, ...) each, in ep-rank order
+            dist.all_gather(parts, p.detach().contiguous(), group=mod.group)
+            whole.append(torch.cat(parts))  # (E, ...): rank-major is expert order
         gate_up, down = whole
         for e in range(mod.num_experts):
             state[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :I]
             state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, I:]
             state[f"{prefix}{e}.down_proj.weight"] = down[e]
     return state
+
+
+def expert_meshes(model: nn.Module) -> dict[str, DeviceMesh]:
+    """{FQN of each expert slice parameter in `model`: the 1-D ep DeviceMesh its tensors are Shard(0) over}, for
+    the sharded checkpoint (train/sharded_checkpoint.py), which saves them as `as_global` DTensors: each slice
+    named with its place in the whole (E, ...) tensor, so the replicas of a slice are written once and any ep
+    (1 included) reads its own slice back. Empty without expert parallelism."""
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, EPExperts):
+            if getattr(mod, "_mesh", None) is None:  # from_group is local (no collective): cached per module
+                dev = mod.gate_up_proj.device.type
+                mod._mesh = DeviceMesh.from_group(mod.group, dev, mesh_dim_names=("ep",))
+            for p in ("gate_up_proj", "down_proj"):
+                out[f"{name}.{p}"] = mod._mesh
+    return out
+
+
+def as_global(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """This rank's slice (E/ep, ...) seen as its Shard(0) of the whole (E, ...) tensor over `mesh` (no copy: the
+    DTensor's local tensor IS `local`, so a checkpoint load into it fills the live tensor)."""
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
