@@ -571,6 +571,9 @@ class RunConfig:
         _check(self.parallel.tp == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
                f"rollout.dtype={self.rollout.dtype!r} with parallel.tp={self.parallel.tp}: not supported (the engine's "
                "copy is the whole policy evaluated and saved); leave rollout.dtype unset")
+        _check(self.parallel.ep == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
+               f"rollout.dtype={self.rollout.dtype!r} with parallel.ep={self.parallel.ep}: not supported (the engine's "
+               "copy is the whole policy evaluated and saved); leave rollout.dtype unset")
         n = self.policy.num_layers
         out = [i for i in self.draft.aux_layer_ids if i >= n]
         # the tiny policy's depth is known here; a pretrained one's is checked by runner.demo.validate_run,

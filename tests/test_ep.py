@@ -95,6 +95,12 @@ def _mismatches(rank, ep, mutation) -> list[str]:
             if not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
                 bad.append(f"{what} {n}: max diff {(got - want).abs().max().item():.3g}")
     assert len(local_of) == 2  # the sparse layers 0 and 2 (layer 1 is in mlp_only_layers)
+    # this rank's state dict (its experts under global names) loads back into the slices (state copies)
+    copy_sd = {k: v.clone() for k, v in policy.state_dict().items()}
+    assert f"layers.0.mlp.experts.{local_of['layers.0.mlp.experts'].first}.gate_proj.weight" in copy_sd
+    twin = apply_ep(copy.deepcopy(base), mesh.ep_group, mesh.ep_replica_group)
+    twin.load_state_dict(copy_sd)
+    assert all(torch.equal(a, b) for a, b in zip(twin.parameters(), policy.parameters()))
     if mutation is None:  # the ranks' losses add up to one process's whole-batch loss
         total = torch.tensor([m["policy/loss"]], dtype=torch.float64)
         dist.all_reduce(total)
@@ -236,3 +242,43 @@ def _rl_worker(rank, world, tmp):
 
 def test_rl_loop_ep2_equals_ep1(tmp_path):
     spawn_local(_rl_worker, 2, str(tmp_path))
+
+
+# -- what is refused -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, world, command, match", [
+    (("parallel.dp=2", "parallel.pp=2"), 4, "train", r"parallel.ep=2 with parallel.pp=2: expert parallelism under pipe"),
+    (("parallel.dp=2", "parallel.tp=2"), 4, "train", r"parallel.ep=2 with parallel.tp=2: expert parallelism under tens"),
+    (("parallel.dp_shard=2",), 2, "train", r"parallel.ep=2 with parallel.dp_shard=2: FSDP of a mixture-of-experts"),
+    (("parallel.dp=2", "parallel.ep=4"), 2, "train", r"parallel.ep=4 does not divide parallel.dp × parallel.cp = 2"),
+    (("parallel.dp=2", "train.compile=aot_eager"), 2, "train", r"train.compile='aot_eager' with parallel.ep=2"),
+    (("parallel.dp=2",), 2, "cotrain-cp", r"parallel.ep=2: expert parallelism runs in `specco train` only"),
+    (("parallel.dp=2",), 2, "train", r"parallel.ep=2: policy.source='tiny' is a dense model"),
+])
+def test_ep_layouts_not_wired_are_refused_by_name(tmp_path, extra, world, command, match):
+    from test_rl_cp import _cfg
+    from specco.model.config import ConfigError
+    from specco.runner.derive import check_parallel
+    cfg = _cfg(tmp_path, "parallel.ep=2", *extra)
+    with pytest.raises(ConfigError, match=match):
+        check_parallel(cfg, world, command)
+
+
+def test_ep_against_the_policy_is_checked(tmp_path):
+    """validate.check_moe_layout (check_job's policy check, before out_dir): ep on a dense policy, or one whose
+    num_experts it does not divide; and the size itself (ParallelSpec)."""
+    from test_rl_cp import _cfg
+    from specco.config import ParallelSpec
+    from specco.model.config import ConfigError
+    from specco.runner.validate import check_moe_layout
+    moe = PolicyConfig(**QWEN3_MOE)  # 8 experts
+    dense = PolicyConfig(**{k: v for k, v in QWEN3_MOE.items() if k not in (
+        "model_type", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+        "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef")})
+    check_moe_layout(_cfg(tmp_path, "parallel.dp=4", "parallel.ep=4"), moe, "p/config.json")  # fits
+    with pytest.raises(ConfigError, match=r"parallel.ep=3 does not divide the policy's num_experts=8"):
+        check_moe_layout(_cfg(tmp_path, "parallel.dp=3", "parallel.ep=3"), moe, "p/config.json")
+    with pytest.raises(ConfigError, match=r"parallel.ep=2: the policy \(p/config.json, model_type 'llama'\) has no"):
+        check_moe_layout(_cfg(tmp_path, "parallel.dp=2", "parallel.ep=2"), dense, "p/config.json")
+    with pytest.raises(ConfigError, match="parallel.ep=0: must be >= 1"):
+        ParallelSpec(ep=0)

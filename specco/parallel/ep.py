@@ -119,6 +119,7 @@ class EPExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(whole.gate_up_proj.detach()[cut].clone())  # (E/ep, 2I, h)
         self.down_proj = nn.Parameter(whole.down_proj.detach()[cut].clone())  # (E/ep, h, I)
         self.register_state_dict_post_hook(_local_expert_names)
+        self.register_load_state_dict_pre_hook(_join_local_experts)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (N, h), idx (N, k) global expert ids, weights (N, k) -> (N, h): Experts.forward's result, the
@@ -179,6 +180,19 @@ def _local_expert_names(mod, state, prefix, local_metadata):
         state[f"{prefix}{e}.gate_proj.weight"] = gate_up[j, :I]  # (I, h)
         state[f"{prefix}{e}.up_proj.weight"] = gate_up[j, I:]  # (I, h)
         state[f"{prefix}{e}.down_proj.weight"] = down[j]  # (h, I)
+
+
+def _join_local_experts(mod, state, prefix, local_metadata, strict, missing, unexpected, errors):
+    """load_state_dict pre-hook of EPExperts, the inverse of `_local_expert_names`: this rank's experts under their
+    global per-expert names stacked into the local slices (a copy of this rank's state dict loads back: the
+    state copies of train.on_nonfinite=skip and the plain baseline). A partial set is left alone, so the strict
+    load names what is missing."""
+    ids = range(mod.first, mod.first + mod.local)
+    keys = [f"{prefix}{e}.{p}.weight" for e in ids for p in ("gate_proj", "up_proj", "down_proj")]
+    if all(k in state for k in keys):
+        g = {e: [state.pop(f"{prefix}{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")] for e in ids}
+        state[f"{prefix}gate_up_proj"] = torch.stack([torch.cat(g[e][:2]) for e in ids])  # (E/ep, 2I, h)
+        state[f"{prefix}down_proj"] = torch.stack([g[e][2] for e in ids])  # (E/ep, h, I)
 
 
 def apply_ep(policy: nn.Module, group, replica_group=None) -> nn.Module:
