@@ -16,6 +16,11 @@ whole policy per rank, its gradients all-reduced over the 4 ranks; test_dp.py sh
 
 Mutations that must fail it (run here, asserted to differ): the combine without the reverse permutation of step 4
 (outputs land on other rows), and the expert gradients all-reduced over the ep group instead of the replica group.
+A rank with more micro-batches than its ep peers raises (instead of hanging in an all-to-all).
+
+The RL loop (2 processes): two steps of the co-trained EAGLE-3 arm at ep 2 over dp 2, and over cp 2, against the
+same run at ep 1 (see `_rl_worker`), with a resume from the ep 2 checkpoint. Refusals by name: ep with pp, tp,
+dp_shard, compile, outside `specco train`, on a dense policy, sizes it does not divide.
 """
 import copy
 
@@ -131,6 +136,20 @@ def _worker(rank, world, ep, mutation):
         assert bad, f"mutation {mutation!r} at ep={ep} went unnoticed"
 
 
+def _uneven_worker(rank, world):
+    mesh = Mesh.build(dp=world, backend="gloo", ep=world)
+    policy = apply_ep(_policy(), mesh.ep_group, mesh.ep_replica_group)
+    local = _batch()
+    n = 2 + rank  # rank 1 would run one micro-batch more
+    local = TrainBatch(**{k: getattr(local, k)[:n] for k in ("tokens", "target_mask", "advantages", "logp_old")})
+    with pytest.raises(RuntimeError, match=r"parallel.ep: the ranks of an ep group have between 2 and 3 micro-b"):
+        _step(policy, local, grad_group=dist.group.WORLD)
+
+
+def test_ep_uneven_micro_batches_raise_instead_of_hanging():
+    spawn_local(_uneven_worker, 2)
+
+
 def _no_unpermute(rank, world, ep):
     ep_mod._unpermute = lambda ys, perm: ys  # the forked worker's copy only
     _worker(rank, world, ep, "no_unpermute")
@@ -186,8 +205,8 @@ def _whole(st) -> dict:
     return out
 
 
-def _rl_worker(rank, world, tmp):
-    """Two RL steps of the co-trained EAGLE-3 arm on dp 2 at ep 2 against the same run at ep 1 (same processes,
+def _rl_worker(rank, world, tmp, cp=1):
+    """Two RL steps of the co-trained EAGLE-3 arm on dp 2 (or cp 2) at ep 2 against the same run at ep 1 (same processes,
     same seeds): the same rollouts (step 2's from each run's refit engine), losses, aux loss, KL, grad norms
     (rel 1e-9: fp64 summation order), every weight after both steps (rtol 1e-9, atol 1e-12), each rank's engine
     holding the gathered whole policy, and a resume from the ep 2 step-1 checkpoint (experts saved as global
@@ -199,9 +218,10 @@ def _rl_worker(rank, world, tmp):
     tmp = Path(tmp)
     tok, policy, draft = _rl_models()
     out = {}
+    dp = 2 // cp
     for ep in (1, 2):
-        cfg = _cfg(tmp, "parallel.dp=2", f"parallel.ep={ep}", *RL_EXTRA)
-        mesh = Mesh.build(2, 1, backend="gloo", ep=ep)
+        cfg = _cfg(tmp, f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}", *RL_EXTRA)
+        mesh = Mesh.build(dp, cp, backend="gloo", ep=ep)
         st, rec = {}, []
         rows = run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / f"ep{ep}", progress=False, mesh=mesh,
                        state_out=st, record=rec)
@@ -242,6 +262,12 @@ def _rl_worker(rank, world, tmp):
 
 def test_rl_loop_ep2_equals_ep1(tmp_path):
     spawn_local(_rl_worker, 2, str(tmp_path))
+
+
+def test_rl_loop_ep2_over_cp2_equals_ep1(tmp_path):
+    """ep borrowed from the cp ranks (dp 1, cp 2): they hold other tokens of the same sequences, so dispatching
+    them is the same all-to-all; the ring attention is untouched."""
+    spawn_local(_rl_worker, 2, str(tmp_path), 2)
 
 
 # -- what is refused -----------------------------------------------------------------------------------------------

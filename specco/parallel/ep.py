@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..model.moe import Experts, SparseMoE
 
 __all__ = ["apply_ep", "EPExperts", "is_ep", "expert_parameters", "full_expert_state", "ep_groups",
-           "expert_meshes", "as_global"]
+           "expert_meshes", "as_global", "check_same_micro_batches"]
 
 
 def ep_groups(stage_ranks: list[int], ep: int, rank: int):
@@ -217,6 +217,20 @@ def expert_parameters(policy: nn.Module) -> tuple[list[nn.Parameter], object, ob
     """(the expert slices' parameters, the ep group, the replica group) of an `apply_ep`'d policy."""
     mods = [m for m in policy.modules() if isinstance(m, EPExperts)]
     return [p for m in mods for p in m.parameters()], mods[0].group, mods[0].replica_group
+
+
+def check_same_micro_batches(policy: nn.Module, n: int) -> None:
+    """Raise on every rank of the ep group when its ranks would run different numbers of micro-batches (`n` here):
+    each sparse forward and backward is an all-to-all of the whole group, so a rank with one micro-batch more
+    would wait forever for peers that have finished. One all-reduce of two ints per step."""
+    _, group, _ = expert_parameters(policy)
+    dev = next(policy.parameters()).device
+    t = torch.tensor([n, -n], dtype=torch.long, device=dev)  # (max n, -min n) after the MAX all-reduce
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if t[0].item() != -t[1].item():
+        raise RuntimeError(f"parallel.ep: the ranks of an ep group have between {-t[1].item()} and {t[0].item()} "
+                           "micro-batches this step; expert parallelism needs the same number on each (the "
+                           "all-to-alls are collectives): give every data-parallel rank as many rows")
 
 
 @torch.no_grad()

@@ -41,7 +41,7 @@ from ..model.policy import Policy, Taps
 from ..parallel.layout import PADDED
 from ..parallel.pipeline import NoPipe, PipeComm, one_f_one_b
 from .drafters import EAGLE3, draft_rows, drafter  # noqa: F401 (draft_rows: its callers import it here too)
-from ..parallel.ep import is_ep
+from ..parallel.ep import check_same_micro_batches, is_ep
 from .grad_sync import AllReduceSync, clip_grad_norm, grad_syncs, reduce_grads  # noqa: F401 (re-exported: one home each)
 from .step_config import AMP_DTYPES, LR_SCHEDULES, StepConfig  # noqa: F401 (re-exported)
 from .losses import (PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, metrics_to_floats,
@@ -343,6 +343,8 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
     if kind is not None:
         kind.check_layout(batch, layout)
     mbs = list(micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride, cfg.width_multiple))
+    if is_ep(policy):  # the all-to-alls of every micro-batch are the ep group's collectives
+        check_same_micro_batches(policy, len(mbs))
     # the draft's counts on every stage: the all-reduce over grad_group has one shape on every rank
     counts = step_counts(batch, cfg, layout, grad_group, draft if kind is not None else None)
     wire = act_dtype or next(policy.parameters()).dtype  # the receive buffers' dtype, forward and backward
