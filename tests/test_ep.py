@@ -18,8 +18,8 @@ Mutations that must fail it (run here, asserted to differ): the combine without 
 (outputs land on other rows), and the expert gradients all-reduced over the ep group instead of the replica group.
 A rank with more micro-batches than its ep peers raises (instead of hanging in an all-to-all).
 
-The RL loop (2 processes): two steps of the co-trained EAGLE-3 arm at ep 2 over dp 2, and over cp 2, against the
-same run at ep 1 (see `_rl_worker`), with a resume from the ep 2 checkpoint. Refusals by name: ep with pp, tp,
+The RL loop: two steps of the co-trained EAGLE-3 arm at ep 2 over dp 2, over cp 2, and at ep 4 over dp 4 (slow),
+against the same run at ep 1 (see `_rl_worker`), with resumes from the ep checkpoint at ep and at ep 1. Refusals by name: ep with pp, tp,
 dp_shard, compile, outside `specco train`, on a dense policy, sizes it does not divide.
 """
 import copy
@@ -206,10 +206,10 @@ def _whole(st) -> dict:
 
 
 def _rl_worker(rank, world, tmp, cp=1):
-    """Two RL steps of the co-trained EAGLE-3 arm on dp 2 (or cp 2) at ep 2 against the same run at ep 1 (same processes,
-    same seeds): the same rollouts (step 2's from each run's refit engine), losses, aux loss, KL, grad norms
+    """Two RL steps of the co-trained EAGLE-3 arm on dp 2 (or cp 2; dp 4) at ep = world against the same run at
+    ep 1 (same processes, same seeds): the same rollouts (step 2's from each run's refit engine), losses, aux loss, KL, grad norms
     (rel 1e-9: fp64 summation order), every weight after both steps (rtol 1e-9, atol 1e-12), each rank's engine
-    holding the gathered whole policy, and a resume from the ep 2 step-1 checkpoint (experts saved as global
+    holding the gathered whole policy, and a resume from the ep step-1 checkpoint (experts saved as global
     Shard(0) slices) equal to the straight run bit for bit."""
     from pathlib import Path
     from test_grpo import DigitTask
@@ -218,18 +218,19 @@ def _rl_worker(rank, world, tmp, cp=1):
     tmp = Path(tmp)
     tok, policy, draft = _rl_models()
     out = {}
-    dp = 2 // cp
-    for ep in (1, 2):
-        cfg = _cfg(tmp, f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}", *RL_EXTRA)
+    dp = world // cp
+    for ep in (1, world):
+        cfg = _cfg(tmp, f"parallel.dp={dp}", f"parallel.cp={cp}", f"parallel.ep={ep}", *RL_EXTRA,
+                   f"rollout.prompts_per_step={2 * dp}")  # 2 GRPO groups per DP rank: minibatches=2
         mesh = Mesh.build(dp, cp, backend="gloo", ep=ep)
         st, rec = {}, []
         rows = run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / f"ep{ep}", progress=False, mesh=mesh,
                        state_out=st, record=rec)
         out[ep] = (rows, [ro.pairs for ro in rec], st["state"], cfg, mesh)
-    (rows1, pairs1, st1, _, _), (rows2, pairs2, st2, cfg2, mesh2) = out[1], out[2]
+    (rows1, pairs1, st1, _, _), (rows2, pairs2, st2, cfg2, mesh2) = out[1], out[world]
     sparse = [i for i, layer in st1.policy.layers.items() if hasattr(layer.mlp, "experts")]
     assert sparse and all(isinstance(st2.policy.layers[i].mlp.experts, EPExperts) for i in sparse)
-    assert st2.policy.layers["0"].mlp.experts.gate_up_proj.shape[0] == 4  # 8 experts / ep 2
+    assert st2.policy.layers["0"].mlp.experts.gate_up_proj.shape[0] == 8 // world  # 8 experts / ep
     assert pairs2 == pairs1
     for a, b in zip(rows2, rows1):
         for k in ("reward", "policy/loss", "policy/aux_loss", "policy/kl", "policy/grad_norm", "draft/loss",
@@ -244,7 +245,7 @@ def _rl_worker(rank, world, tmp, cp=1):
         assert torch.equal(v, w2[f"policy.{k}"]), k
     import json
     from specco.train.checkpoint import latest_checkpoint
-    saved = json.loads((latest_checkpoint(tmp / "ep2" / "ckpt") / "state.json").read_text())["tensors"]
+    saved = json.loads((latest_checkpoint(tmp / f"ep{world}" / "ckpt") / "state.json").read_text())["tensors"]
     E = policy.cfg.num_experts  # the checkpoint holds whole experts (global shapes), their moments too
     assert saved["model.policy.layers.0.mlp.experts.gate_up_proj"]["shape"][0] == E
     assert saved["opt.state.policy.layers.0.mlp.experts.down_proj.exp_avg"]["shape"][0] == E
@@ -258,6 +259,21 @@ def _rl_worker(rank, world, tmp, cp=1):
             assert a[k] == b[k], (k, a[k], b[k])
     w3 = _whole(fin["state"])
     assert all(torch.equal(w3[k], w2[k]) for k in w2)
+    # the ep step-1 checkpoint resumed at ep 1 (each expert tensor read whole from its saved slices): step 2
+    # and the weights after it equal the straight ep run's (fp64 summation order)
+    cfg1, mesh1 = out[1][3], out[1][4]
+    fin1 = {}
+    again = run_arm(cfg2, "cotrained", policy, draft, DigitTask(), tok, tmp / "resume_ep1_from", progress=False,
+                    mesh=mesh2, stop_after=1)
+    again += run_arm(cfg1, "cotrained", policy, draft, DigitTask(), tok, tmp / "resume_ep1_from", progress=False,
+                     mesh=mesh1, state_out=fin1)
+    assert [r["step"] for r in again] == [1, 2]
+    for k in ("reward", "policy/loss", "policy/aux_loss", "draft/loss", "policy/grad_norm"):
+        assert abs(again[1][k] - rows2[1][k]) <= 1e-9 * max(1.0, abs(rows2[1][k])), (k, again[1][k], rows2[1][k])
+    w4 = _whole(fin1["state"])
+    assert not any(isinstance(m, EPExperts) for m in fin1["state"].policy.modules())
+    for k in w2:
+        torch.testing.assert_close(w4[k], w2[k], rtol=1e-9, atol=1e-12, msg=k)
 
 
 def test_rl_loop_ep2_equals_ep1(tmp_path):
@@ -268,6 +284,11 @@ def test_rl_loop_ep2_over_cp2_equals_ep1(tmp_path):
     """ep borrowed from the cp ranks (dp 1, cp 2): they hold other tokens of the same sequences, so dispatching
     them is the same all-to-all; the ring attention is untouched."""
     spawn_local(_rl_worker, 2, str(tmp_path), 2)
+
+
+@pytest.mark.slow  # 4 processes
+def test_rl_loop_ep4_equals_ep1(tmp_path):
+    spawn_local(_rl_worker, 4, str(tmp_path))
 
 
 # -- what is refused -----------------------------------------------------------------------------------------------
