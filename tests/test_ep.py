@@ -13,6 +13,10 @@ whole policy per rank, its gradients all-reduced over the 4 ranks; test_dp.py sh
   rank's rows, then over all four), ~1e-15 relative, so 1e-9 leaves room and a wrong route (gradients off by
   whole rows) cannot pass;
 * the sum of "policy/loss" over the ranks equals the one-process step's on the whole batch (rel 1e-10).
+* the same at ep 2 with activation checkpointing on the EP policy (the backward recomputes each layer's
+  all-to-alls, in the same order on every rank);
+* this rank's state dict (its experts under global HF names) loads back into a fresh EP copy; `full_expert_state`
+  (the refit's view) equals the reference's trained state dict.
 
 Mutations that must fail it (run here, asserted to differ): the combine without the reverse permutation of step 4
 (outputs land on other rows), and the expert gradients all-reduced over the ep group instead of the replica group.
@@ -83,6 +87,9 @@ def _mismatches(rank, ep, mutation) -> list[str]:
     base = _policy()
     m_ref, g_ref, p_ref = _step(copy.deepcopy(base), local, grad_group=dist.group.WORLD)
     policy = apply_ep(copy.deepcopy(base), mesh.ep_group, mesh.ep_replica_group)
+    if mutation == "checkpointed":  # activation checkpointing: the backward recomputes each layer's all-to-alls
+        from specco.train.activation_checkpointing import apply_activation_checkpointing
+        apply_activation_checkpointing(policy)
     sync = None
     if mutation == "reduce_over_ep":
         sync = {"policy": EPSync(policy, dist.group.WORLD), "draft": AllReduceSync(dist.group.WORLD)}
@@ -130,7 +137,7 @@ def _ref_state(base, params):
 
 def _worker(rank, world, ep, mutation):
     bad = _mismatches(rank, ep, mutation)
-    if mutation is None:
+    if mutation in (None, "checkpointed"):  # (not a mutation: a layout that must still match)
         assert not bad, bad
     else:  # the mutation must be caught, on every rank (each holds experts the wrong rows reached)
         assert bad, f"mutation {mutation!r} at ep={ep} went unnoticed"
@@ -158,6 +165,10 @@ def _no_unpermute(rank, world, ep):
 @pytest.mark.parametrize("ep", [2, 4])
 def test_ep_step_equals_ep1(ep):
     spawn_local(_worker, WORLD, ep, None)
+
+
+def test_ep_step_with_activation_checkpointing_equals_ep1():
+    spawn_local(_worker, WORLD, 2, "checkpointed")
 
 
 def test_ep_mutation_without_reverse_permutation_fails():
