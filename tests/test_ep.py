@@ -23,8 +23,8 @@ Mutations that must fail it (run here, asserted to differ): the combine without 
 A rank with more micro-batches than its ep peers raises (instead of hanging in an all-to-all).
 
 The RL loop: two steps of the co-trained EAGLE-3 arm at ep 2 over dp 2, over cp 2, and at ep 4 over dp 4 (slow),
-against the same run at ep 1 (see `_rl_worker`), with resumes from the ep checkpoint at ep and at ep 1. Refusals by name: ep with pp, tp,
-dp_shard, compile, outside `specco train`, on a dense policy, sizes it does not divide.
+against the same run at ep 1 (see `_rl_worker`), with resumes from the ep checkpoint at ep and at ep 1. Refusals
+by name: ep with pp, tp, dp_shard, compile, outside `specco train`, on a dense policy, sizes it does not divide.
 """
 import copy
 
@@ -218,8 +218,8 @@ def _whole(st) -> dict:
 
 def _rl_worker(rank, world, tmp, cp=1):
     """Two RL steps of the co-trained EAGLE-3 arm on dp 2 (or cp 2; dp 4) at ep = world against the same run at
-    ep 1 (same processes, same seeds): the same rollouts (step 2's from each run's refit engine), losses, aux loss, KL, grad norms
-    (rel 1e-9: fp64 summation order), every weight after both steps (rtol 1e-9, atol 1e-12), each rank's engine
+    ep 1 (same processes, same seeds): the same rollouts (step 2's from each run's refit engine), losses, aux
+    loss, KL, grad norms (rel 1e-9: fp64 summation order), every weight after both steps (rtol 1e-9, atol 1e-12), each rank's engine
     holding the gathered whole policy, and a resume from the ep step-1 checkpoint (experts saved as global
     Shard(0) slices) equal to the straight run bit for bit."""
     from pathlib import Path
@@ -340,3 +340,4 @@ def test_ep_against_the_policy_is_checked(tmp_path):
         check_moe_layout(_cfg(tmp_path, "parallel.dp=2", "parallel.ep=2"), dense, "p/config.json")
     with pytest.raises(ConfigError, match="parallel.ep=0: must be >= 1"):
         ParallelSpec(ep=0)
+

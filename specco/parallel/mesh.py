@@ -195,7 +195,8 @@ class Mesh:
             raise ValueError(f"parallel.dp={dp} is not a multiple of parallel.dp_shard={dp_shard} "
                              "(dp = dp_replicate × dp_shard)")
         if ep < 1 or (dp * cp) % ep:
-            raise ValueError(f"parallel.ep={ep} must divide parallel.dp × parallel.cp = {dp * cp} (ep borrows those ranks)")
+            raise ValueError(f"parallel.ep={ep} must divide parallel.dp × parallel.cp = {dp * cp} "
+                             "(ep borrows those ranks)")
         if ep > 1 and (pp > 1 or tp > 1):
             raise ValueError(f"parallel.ep={ep} with parallel.pp={pp}, parallel.tp={tp}: expert parallelism is wired "
                              "for pp = tp = 1 only")

@@ -47,8 +47,8 @@ def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
     """The arm's whole policy and draft as of its last refit, for evaluation and saving: the trainer's own
     copies, or under pipeline parallelism (a rank trains one stage) the engine's, which the refit fills from
     every stage in the trainer's dtype (config.py keeps rollout.dtype at the policy's under PP), and under FSDP
-    (the trainer holds shards), tensor and expert parallelism the engine's too, refit from the gathered shards (config.py: the
-    same dtype rule). A tensor-parallel engine (rollout.tp) holds a shard: then the trainer's policy, gathered
+    (the trainer holds shards), tensor and expert parallelism the engine's too, refit from the gathered shards
+    (config.py: the same dtype rule). A tensor-parallel engine (rollout.tp) holds a shard: then the trainer's policy, gathered
     into a new whole copy where it is sharded (`needs_gather`: a collective, every rank calls it; PP is refused
     with rollout.tp). The draft is whole on every rank."""
     if tp_group_of(st.engine.policy) is not None:

@@ -42,7 +42,7 @@ from ..parallel.layout import PADDED
 from ..parallel.pipeline import NoPipe, PipeComm, one_f_one_b
 from .drafters import EAGLE3, draft_rows, drafter  # noqa: F401 (draft_rows: its callers import it here too)
 from ..parallel.ep import check_same_micro_batches, is_ep
-from .grad_sync import AllReduceSync, clip_grad_norm, grad_syncs, reduce_grads  # noqa: F401 (re-exported: one home each)
+from .grad_sync import AllReduceSync, clip_grad_norm, grad_syncs, reduce_grads  # noqa: F401 (re-exported)
 from .step_config import AMP_DTYPES, LR_SCHEDULES, StepConfig  # noqa: F401 (re-exported)
 from .losses import (PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, metrics_to_floats,
                      token_logprobs)

@@ -159,7 +159,8 @@ class EPSync:
             raise ValueError("parallel.ep with a pipeline's norm group is not implemented (parallel.pp > 1)")
         dense, experts = self._split(params)
         grads = [p.grad for p in dense if p.grad is not None]
-        sq_dense = torch.nn.utils.get_total_norm(grads).double().square() if grads else torch.zeros((), dtype=torch.float64)
+        sq_dense = torch.nn.utils.get_total_norm(grads).double().square() if grads else \
+            torch.zeros((), dtype=torch.float64)
         eg = [p.grad for p in experts if p.grad is not None]
         sq_exp = torch.nn.utils.get_total_norm(eg).double().square().reshape(1) if eg else \
             torch.zeros(1, dtype=torch.float64, device=sq_dense.device)
