@@ -143,6 +143,39 @@ def _worker(rank, world, ep, mutation):
         assert bad, f"mutation {mutation!r} at ep={ep} went unnoticed"
 
 
+def _bf16_worker(rank, world):
+    """bf16 autocast (fp32 weights): the dispatch and combine carry bf16 rows (gloo here, NCCL on GPU). The
+    forward is row-wise, so the loss and aux loss equal ep 1's to fp32 rounding (rel 1e-6); the gradients are
+    bf16 GEMMs whose reductions run over other row groupings (an expert's rows from both ranks at once), so the
+    grad norm is compared at rel 1e-3 (measured 6e-8) and each gradient at bf16's resolution (rtol 2e-2)."""
+    mesh = Mesh.build(dp=world, backend="gloo", ep=world)
+    full, h = _batch(), B // world
+    local = TrainBatch(tokens=full.tokens[rank * h:(rank + 1) * h],
+                       **{k: getattr(full, k)[rank * h:(rank + 1) * h].float()
+                          for k in ("target_mask", "advantages", "logp_old")})
+    base = _policy().float()
+    cfg = StepConfig(micro_batch_rows=1, policy_grad_clip=0.5, amp_dtype=torch.bfloat16)
+    runs = []
+    for ep in (False, True):
+        policy = apply_ep(copy.deepcopy(base), mesh.ep_group, mesh.ep_replica_group) if ep else copy.deepcopy(base)
+        m = cotrain_step(policy, None, local, build_optimizer(policy, None, 0.0, 0.0), None, cfg,
+                         grad_group=dist.group.WORLD)
+        runs.append((m, policy))
+    (m1, p1), (m2, p2) = runs
+    for key, rel in (("policy/loss", 1e-6), ("policy/aux_loss", 1e-6), ("policy/grad_norm", 1e-3)):
+        assert abs(m2[key] - m1[key]) <= rel * abs(m1[key]), (key, m2[key], m1[key])
+    local_of = {n: mod for n, mod in p2.named_modules() if isinstance(mod, EPExperts)}
+    ref = dict(p1.named_parameters())
+    for n, q in p2.named_parameters():
+        mod = local_of.get(n.rsplit(".", 1)[0])
+        want = ref[n].grad if mod is None else ref[n].grad[mod.first:mod.first + mod.local]
+        torch.testing.assert_close(q.grad, want, rtol=2e-2, atol=1e-5, msg=n)
+
+
+def test_ep_step_under_bf16_autocast_matches_ep1():
+    spawn_local(_bf16_worker, 2)
+
+
 def _uneven_worker(rank, world):
     mesh = Mesh.build(dp=world, backend="gloo", ep=world)
     policy = apply_ep(_policy(), mesh.ep_group, mesh.ep_replica_group)
