@@ -254,7 +254,8 @@ def _rl_worker(rank, world, tmp, cp=1):
     ep 1 (same processes, same seeds): the same rollouts (step 2's from each run's refit engine), losses, aux
     loss, KL, grad norms (rel 1e-9: fp64 summation order), every weight after both steps (rtol 1e-9, atol 1e-12), each rank's engine
     holding the gathered whole policy, and a resume from the ep step-1 checkpoint (experts saved as global
-    Shard(0) slices) equal to the straight run bit for bit."""
+    Shard(0) slices) equal to the straight run bit for bit, and at ep 1 equal to it (rtol 1e-9). At ep 2 over dp 2
+    also: the plain baseline and frozen shadow hooks and on_nonfinite=skip leave the trajectory bit for bit."""
     from pathlib import Path
     from test_grpo import DigitTask
     from test_rl_cp import _cfg
@@ -303,6 +304,20 @@ def _rl_worker(rank, world, tmp, cp=1):
             assert a[k] == b[k], (k, a[k], b[k])
     w3 = _whole(fin["state"])
     assert all(torch.equal(w3[k], w2[k]) for k in w2)
+    if world == 2 and cp == 1:
+        # the measurements (the plain baseline reruns the updates from state copies of the EP policy, loaded back
+        # through EPExperts' state-dict hooks) and on_nonfinite=skip leave the trajectory as it is
+        runs = {}
+        for name, hooks in (("with", ("plain_baseline=[cotrained]", "frozen_shadow=[cotrained]")), ("without", ())):
+            cfg_m = _cfg(tmp, f"parallel.dp={dp}", f"parallel.ep={world}", *RL_EXTRA, "rollout.sampler=coupled",
+                         "rollout.spec_control=on", "train.on_nonfinite=skip", *hooks)
+            runs[name] = {}
+            runs[name]["rows"] = run_arm(cfg_m, "cotrained", policy, draft, DigitTask(), tok, tmp / name,
+                                         progress=False, mesh=mesh2, state_out=runs[name])
+        assert "time/rollout_plain" in runs["with"]["rows"][0]
+        assert [r["policy/loss"] for r in runs["with"]["rows"]] == [r["policy/loss"] for r in runs["without"]["rows"]]
+        wa, wb = _whole(runs["with"]["state"]), _whole(runs["without"]["state"])
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
     # the ep step-1 checkpoint resumed at ep 1 (each expert tensor read whole from its saved slices): step 2
     # and the weights after it equal the straight ep run's (fp64 summation order)
     cfg1, mesh1 = out[1][3], out[1][4]
