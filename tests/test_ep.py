@@ -176,6 +176,24 @@ def test_ep_step_under_bf16_autocast_matches_ep1():
     spawn_local(_bf16_worker, 2)
 
 
+def _groups_worker(rank, world):
+    """The placement (parallel/mesh.py, ep_groups): at dp 2 × cp 2, ep 2 is the cp pair (cp innermost: the ranks
+    holding other tokens of the same sequences), the replicas of a slice are the same cp rank of each dp rank;
+    at ep 4 the whole stage, with no replica group."""
+    ranks = dist.get_process_group_ranks
+    m = Mesh.build(dp=2, cp=2, backend="gloo", ep=2)
+    assert ranks(m.ep_group) == ranks(m.cp_group) == [rank - rank % 2, rank - rank % 2 + 1]
+    assert ranks(m.ep_replica_group) == [rank % 2, rank % 2 + 2]
+    m = Mesh.build(dp=2, cp=2, backend="gloo", ep=4)
+    assert ranks(m.ep_group) == [0, 1, 2, 3] and m.ep_replica_group is None
+    with pytest.raises(ValueError, match=r"parallel.ep=3 must divide parallel.dp × parallel.cp = 4"):
+        Mesh.build(dp=2, cp=2, backend="gloo", ep=3)
+
+
+def test_ep_groups_are_placed_over_dp_x_cp():
+    spawn_local(_groups_worker, 4)
+
+
 def _uneven_worker(rank, world):
     mesh = Mesh.build(dp=world, backend="gloo", ep=world)
     policy = apply_ep(_policy(), mesh.ep_group, mesh.ep_replica_group)
