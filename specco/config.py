@@ -410,6 +410,11 @@ class ParallelSpec:
     # ... with sequence parallelism (parallel/tp.py): the residual stream and the norms cut along the sequence between
     # the blocks (activations / tp; micro-batch widths rounded up to a multiple of tp). Needs tp > 1; not with cp or pp
     tp_sequence_parallel: bool = False
+    # expert parallelism of a mixture-of-experts policy's trainer (parallel/ep.py): each of ep ranks holds
+    # num_experts / ep experts of every sparse layer, rows sent to their experts' ranks and back by all-to-all. Its
+    # ranks are borrowed from the dp × cp ranks (which hold different tokens): ep divides dp × cp and num_experts, and
+    # the world does not grow. Not with pp, tp or FSDP (dp_shard) yet
+    ep: int = 1
     backend: str = "auto"  # auto -> nccl on CUDA, gloo on CPU
     # seconds any wait of the process group may last (a collective, its start-up) before the rank raises, so a rank
     # whose peer is stuck fails and torchrun --max-restarts can restart the job (parallel/mesh.py). The other ranks
@@ -420,7 +425,7 @@ class ParallelSpec:
         _check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)
                and 0 < self.timeout_s < float("inf"), f"parallel.timeout_s={self.timeout_s!r}: must be a number of "
                "seconds > 0 (torch's default is 1800)")
-        for n in ("cp", "pp", "tp"):
+        for n in ("cp", "pp", "tp", "ep"):
             _check(getattr(self, n) >= 1, f"parallel.{n}={getattr(self, n)}: must be >= 1")
         for n in ("dp", "dp_shard", "dp_replicate"):
             _check(getattr(self, n) >= 0, f"parallel.{n}={getattr(self, n)}: must be >= 1 (or 0: derived)")
@@ -565,6 +570,9 @@ class RunConfig:
                "the whole policy evaluated and saved); leave rollout.dtype unset")
         _check(self.parallel.tp == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
                f"rollout.dtype={self.rollout.dtype!r} with parallel.tp={self.parallel.tp}: not supported (the engine's "
+               "copy is the whole policy evaluated and saved); leave rollout.dtype unset")
+        _check(self.parallel.ep == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
+               f"rollout.dtype={self.rollout.dtype!r} with parallel.ep={self.parallel.ep}: not supported (the engine's "
                "copy is the whole policy evaluated and saved); leave rollout.dtype unset")
         n = self.policy.num_layers
         out = [i for i in self.draft.aux_layer_ids if i >= n]

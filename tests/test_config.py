@@ -98,7 +98,7 @@ def test_parallel_dp_factors(given, dp, replicate, shard, fsdp):
     assert (p.dp, p.replicate, p.shard, p.fsdp) == (dp, replicate, shard, fsdp)
     assert config_to_dict(load_config(DEMO, [f"parallel.{k}={v}" for k, v in given.items()]))["parallel"] == {
         "dp": dp, "dp_shard": given.get("dp_shard", 0), "dp_replicate": given.get("dp_replicate", 0),
-        "cp": given.get("cp", 1), "pp": 1, "tp": 1, "tp_sequence_parallel": False, "backend": "auto",
+        "cp": given.get("cp", 1), "pp": 1, "tp": 1, "tp_sequence_parallel": False, "ep": 1, "backend": "auto",
         "timeout_s": 1800.0}  # as written (a pre-FSDP
     # run's record still matches: timeout_s is a key a re-run may change, runner/stages.py)
 

@@ -31,6 +31,10 @@ stages are the outermost dimension (they may sit on different nodes: only activa
                 grad_group's, so an FSDP reduction sums over exactly the ranks the losses' counts cover. Under
                 tensor parallelism FSDP2 composes it with the parameters' own tp mesh (2-D (fsdp, tp) DTensors).
     tp_mesh     the 1-D (tp,) DeviceMesh `parallel.tp.apply_tp` shards the policy's layers over.
+    ep_group    expert parallelism (parallel/ep.py): consecutive runs of ep of the stage's dp × cp ranks (cp innermost),
+                which hold different tokens, so ep adds no ranks; None when ep = 1
+    ep_replica_group  the ranks holding the same expert slice (the same position in their ep group): expert
+                gradients are summed over it; None when ep = 1 or ep = dp × cp (a slice on one rank only)
     rollout_tp_group  the rollout engine's tp group (rollout.tp ranks, rollout/tp.py): the ranks of one (pp, dp)
                 that share a DP group's rollouts, cp x tp of them in rank order, cut into consecutive runs of
                 rollout_tp; None when rollout_tp = 1. Its ranks decode together, so they are adjacent too.
@@ -133,6 +137,9 @@ class Mesh:
     tp_mesh: DeviceMesh | None = None  # (tp,)
     rollout_tp: int = 1
     rollout_tp_group: object | None = None
+    ep: int = 1
+    ep_group: object | None = None
+    ep_replica_group: object | None = None
 
     @property
     def dp_replicate(self) -> int:
@@ -171,13 +178,14 @@ class Mesh:
 
     @classmethod
     def build(cls, dp: int = 1, cp: int = 1, backend: str = "auto", pp: int = 1, dp_shard: int = 1,
-              timeout_s: float = DEFAULT_TIMEOUT_S, tp: int = 1, rollout_tp: int = 1) -> "Mesh":
+              timeout_s: float = DEFAULT_TIMEOUT_S, tp: int = 1, rollout_tp: int = 1, ep: int = 1) -> "Mesh":
         """Create the mesh and every group (collective: all ranks call it, once). Sizes that do not
         multiply to the job's WORLD_SIZE are an error naming the launch that would fit. `dp` is the whole
         data-parallel degree and `dp_shard` its FSDP factor (config.ParallelSpec's `dp` and `shard`):
         dp_replicate = dp / dp_shard. `timeout_s`: how long any wait of the group may last (init_distributed).
         `tp`: the tensor-parallel degree (config.ParallelSpec's `tp`), the innermost axis; `rollout_tp`: the
-        engine's (config.RolloutSpec's `tp`), a divisor of cp × tp."""
+        engine's (config.RolloutSpec's `tp`), a divisor of cp × tp. `ep`: expert parallelism (config.ParallelSpec's
+        `ep`), borrowed from the dp × cp ranks: a divisor of dp × cp, with pp = tp = 1 (the rest is not wired)."""
         for name, n in (("pp", pp), ("dp", dp), ("cp", cp), ("dp_shard", dp_shard), ("tp", tp)):
             if n < 1:
                 raise ValueError(f"parallel.{name}={n}: must be >= 1")
@@ -186,6 +194,12 @@ class Mesh:
         if dp % dp_shard:
             raise ValueError(f"parallel.dp={dp} is not a multiple of parallel.dp_shard={dp_shard} "
                              "(dp = dp_replicate × dp_shard)")
+        if ep < 1 or (dp * cp) % ep:
+            raise ValueError(f"parallel.ep={ep} must divide parallel.dp × parallel.cp = {dp * cp} "
+                             "(ep borrows those ranks)")
+        if ep > 1 and (pp > 1 or tp > 1):
+            raise ValueError(f"parallel.ep={ep} with parallel.pp={pp}, parallel.tp={tp}: expert parallelism is wired "
+                             "for pp = tp = 1 only")
         rep = dp // dp_shard
         backend = init_distributed(backend, timeout_s)
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -225,9 +239,13 @@ class Mesh:
                     g = dist.new_group(block[i:i + rollout_tp])
                     if rank in block[i:i + rollout_tp]:
                         rollout_group = g
+        ep_group = ep_replica = None
+        if ep > 1:  # pp = tp = 1: the stage is the whole world, in mesh order (cp innermost)
+            from .ep import ep_groups
+            ep_group, ep_replica = ep_groups(dm.mesh.reshape(-1).tolist(), ep, rank)
         return cls(pp, dp, cp, rank, backend, dm, dm["cp"].get_group(), dp_mesh.get_group(), dm["pp"].get_group(),
                    grad_group, tap_group, dp_shard, dp_mesh, fsdp_mesh, tp, dm["tp"].get_group(), dm["tp"],
-                   rollout_tp, rollout_group)
+                   rollout_tp, rollout_group, ep, ep_group, ep_replica)
 
 
 def _spawn_entry(rank, world, store_path, fn, args):

@@ -156,6 +156,33 @@ def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
                           f"sharded layers is not wired yet; set train.compile=none or {off}")
 
 
+def _check_ep(cfg: RunConfig, command: str) -> None:
+    """What expert parallelism (parallel.ep, parallel/ep.py) is not wired into, refused by name with the fix: it is
+    tested (tests/test_ep.py) with plain data parallelism, fp64, on gloo. Whether the policy is a mixture of experts
+    whose num_experts ep divides is validate.check_moe_layout's (it reads config.json)."""
+    p, off = cfg.parallel, "or set parallel.ep=1"
+    if command != "train":
+        raise ConfigError(f"parallel.ep={p.ep}: expert parallelism runs in `specco train` only; set parallel.ep=1")
+    for key, n in (("pp", p.pp), ("tp", p.tp)):
+        if n > 1:
+            raise ConfigError(f"parallel.ep={p.ep} with parallel.{key}={n}: expert parallelism under "
+                              f"{'pipeline' if key == 'pp' else 'tensor'} parallelism is not implemented; set "
+                              f"parallel.{key}=1 {off}")
+    if p.fsdp:
+        raise ConfigError(f"parallel.ep={p.ep} with parallel.dp_shard={p.shard}: FSDP of a mixture-of-experts policy "
+                          f"is not implemented (the experts would be cut twice); drop parallel.dp_shard {off}")
+    if (p.dp * p.cp) % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp × parallel.cp = {p.dp * p.cp}: expert "
+                          "parallelism borrows those ranks (they hold different tokens); set parallel.ep to a "
+                          "divisor of it")
+    if cfg.train.compile != "none":  # the dispatch reads its split sizes on the host
+        raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.ep={p.ep}: compiling the expert-parallel "
+                          f"layers is not wired; set train.compile=none {off}")
+    if cfg.policy.source == "tiny":
+        raise ConfigError(f"parallel.ep={p.ep}: policy.source='tiny' is a dense model (no experts to place); set "
+                          "parallel.ep=1 or train a mixture-of-experts policy")
+
+
 def _check_tp(cfg: RunConfig) -> None:
     """What tensor parallelism (parallel.tp, parallel/tp.py) is not wired into, refused by name with the fix: it
     is tested (tests/test_tp.py, test_rl_tp.py) alone and with FSDP, context and pipeline parallelism and activation
@@ -230,6 +257,8 @@ def check_parallel(cfg: RunConfig, world: int, command: str = "train") -> tuple[
             how = f"set parallel.pp x parallel.dp x parallel.cp x parallel.tp = {world}"
         raise ConfigError(f"parallel.pp x parallel.dp x parallel.cp x parallel.tp = {p.pp} x {p.dp} x {p.cp} x "
                           f"{p.tp} = {n} but {world} process(es) were launched (WORLD_SIZE): {how}")
+    if p.ep > 1:  # before tp's and FSDP's checks: the refusal names ep
+        _check_ep(cfg, command)
     if p.tp > 1:
         _check_tp(cfg)
     if cfg.rollout.tp > 1:

@@ -20,6 +20,7 @@ from ..config import RunConfig
 from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
+from ..parallel.ep import is_ep
 from ..parallel.fsdp import is_sharded
 from ..parallel.tp import is_tensor_parallel
 from ..parallel.mesh import Mesh
@@ -46,8 +47,8 @@ def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
     """The arm's whole policy and draft as of its last refit, for evaluation and saving: the trainer's own
     copies, or under pipeline parallelism (a rank trains one stage) the engine's, which the refit fills from
     every stage in the trainer's dtype (config.py keeps rollout.dtype at the policy's under PP), and under FSDP
-    (the trainer holds shards) and tensor parallelism the engine's too, refit from the gathered shards (config.py: the
-    same dtype rule). A tensor-parallel engine (rollout.tp) holds a shard: then the trainer's policy, gathered
+    (the trainer holds shards), tensor and expert parallelism the engine's too, refit from the gathered shards
+    (config.py: the same dtype rule). A tensor-parallel engine (rollout.tp) holds a shard: then the trainer's policy, gathered
     into a new whole copy where it is sharded (`needs_gather`: a collective, every rank calls it; PP is refused
     with rollout.tp). The draft is whole on every rank."""
     if tp_group_of(st.engine.policy) is not None:
@@ -60,7 +61,8 @@ def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
         whole = whole.to_empty(device=like.device).to(like.dtype)
         whole.load_state_dict(state)
         return whole.eval(), st.draft
-    if st.pipeline is not None or is_sharded(st.policy) or is_tensor_parallel(st.policy):
+    if st.pipeline is not None or is_sharded(st.policy) or is_tensor_parallel(st.policy) or is_ep(st.policy):
+        # (expert parallelism: the trainer holds E / ep experts, the engine all of them)
         return st.engine.policy, st.engine.draft
     return st.policy, st.draft
 

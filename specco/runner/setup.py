@@ -60,7 +60,7 @@ def parallel_setup(cfg: RunConfig) -> Mesh | None:
         return None
     backend = p.backend if p.backend != "auto" else ("nccl" if pick_device(cfg.device).type == "cuda" else "gloo")
     return Mesh.build(dp, cp, backend, pp=pp, dp_shard=p.shard, timeout_s=p.timeout_s, tp=p.tp,
-                      rollout_tp=cfg.rollout.tp)
+                      rollout_tp=cfg.rollout.tp, ep=p.ep)
 
 
 def _broadcast_object(obj, mesh: Mesh):

@@ -71,6 +71,7 @@ from ..model.policy import Policy
 from ..parallel.fsdp import apply_fsdp, mixed_precision
 from ..parallel.load import sharded_copy
 from ..parallel.mesh import Mesh
+from ..parallel.ep import apply_ep, full_expert_state, is_ep
 from ..parallel.tp import apply_tp, tp_copy
 from ..rollout.engine import RolloutEngine
 from ..rollout.tp import tp_shard
@@ -146,6 +147,9 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
         policy = sharded_copy(policy, mesh.fsdp_mesh, mp_policy=mp, prepare=ac).train()
     else:
         policy = copy.deepcopy(policy).train()
+    if mesh is not None and mesh.ep > 1:  # the trainer's experts cut over the ep group (parallel/ep.py); the engine
+        # and the reference keep every expert. pp, tp and FSDP with ep are refused (derive.check_parallel)
+        apply_ep(policy, mesh.ep_group, mesh.ep_replica_group)
     if (dt := engine_dtype(cfg)) is not None:  # rollout.dtype: refit casts into these (engine.py)
         eng_policy, eng_draft = eng_policy.to(dt), eng_draft.to(dt) if eng_draft is not None else None
     if mesh is not None and mesh.rollout_tp > 1:  # rollout.tp: this rank's shard of the engine's policy (rollout/tp.py);
@@ -405,8 +409,8 @@ def refit_arm(st: ArmState, cfg: RunConfig, mesh: Mesh | None, fingerprint: bool
     if st.pipeline is not None:
         policy_sd, draft_sd = gather_for_refit(st, mesh)
         gather = time.perf_counter() - t0
-    else:
-        policy_sd = st.policy.state_dict()
+    else:  # expert parallelism: the engine holds every expert, gathered over the ep group (a collective)
+        policy_sd = full_expert_state(st.policy) if is_ep(st.policy) else st.policy.state_dict()
         draft_sd = st.draft.state_dict() if st.mode == "cotrained" else None
     st.engine.restore()  # rollout.offload: the released storages allocated again, for the refit to fill
     guard = refit_engine(st.engine, policy_sd, draft_sd, cfg.rollout.refit_bucket_mb * MB, fingerprint, frozen_draft)

@@ -72,16 +72,24 @@ def check_policy(cfg: RunConfig, out: Path):
 
 def check_moe_layout(cfg: RunConfig, pc, where) -> None:
     """What a mixture-of-experts policy cannot run under yet, refused by name before out_dir is touched: tensor
-    parallelism and FSDP (its experts are to be placed by expert parallelism, issue 38 item 2, not cut by tp or
-    dp_shard) and the router's aux loss under pp > 1 (apply_tp, apply_fsdp and cotrain_step are the backstops)."""
+    parallelism and FSDP (its experts are placed by expert parallelism, parallel.ep, not cut by tp or dp_shard),
+    the router's aux loss under pp > 1 (apply_tp, apply_fsdp and cotrain_step are the backstops); and parallel.ep
+    on a dense policy or one whose num_experts it does not divide."""
+    ep = cfg.parallel.ep
     if not pc.moe:
+        if ep > 1:
+            raise ConfigError(f"parallel.ep={ep}: the policy ({where}, model_type {pc.model_type!r}) has no "
+                              "mixture-of-experts layers to place; set parallel.ep=1")
         return
+    if ep > 1 and pc.num_experts % ep:
+        raise ConfigError(f"parallel.ep={ep} does not divide the policy's num_experts={pc.num_experts} ({where}): each "
+                          "ep rank holds num_experts / ep experts; set parallel.ep to a divisor of it")
     for key in ("tp", "dp_shard"):  # (a dp_shard derived from the launch is refused by apply_fsdp, the backstop)
         n = getattr(cfg.parallel, key)
         if n > 1:
             raise ConfigError(f"parallel.{key}={n}: the policy ({where}) is a mixture of experts ({pc.model_type}); "
                               f"{'tensor parallelism' if key == 'tp' else 'FSDP'} of MoE layers is not implemented "
-                              f"(expert parallelism is issue 38): use parallel.{key} = 1")
+                              f"(place the experts with parallel.ep instead): use parallel.{key} = 1")
     if cfg.rollout.tp > 1:  # rollout/tp.tp_shard cuts dense MLP rows; the experts are not cut (the backstop refuses)
         raise ConfigError(f"rollout.tp={cfg.rollout.tp}: the policy ({where}) is a mixture of experts "
                           f"({pc.model_type}); a tensor-parallel engine over MoE layers is not implemented: use "

@@ -41,7 +41,8 @@ from ..model.policy import Policy, Taps
 from ..parallel.layout import PADDED
 from ..parallel.pipeline import NoPipe, PipeComm, one_f_one_b
 from .drafters import EAGLE3, draft_rows, drafter  # noqa: F401 (draft_rows: its callers import it here too)
-from .grad_sync import AllReduceSync, clip_grad_norm, reduce_grads  # noqa: F401 (re-exported: one home each)
+from ..parallel.ep import check_same_micro_batches, is_ep
+from .grad_sync import AllReduceSync, clip_grad_norm, grad_syncs, reduce_grads  # noqa: F401 (re-exported)
 from .step_config import AMP_DTYPES, LR_SCHEDULES, StepConfig  # noqa: F401 (re-exported)
 from .losses import (PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, metrics_to_floats,
                      token_logprobs)
@@ -192,7 +193,8 @@ def optimizer_step(opt, sched, cfg: StepConfig, train_policy: bool = True, grad_
         if not params or (name == "policy" and not train_policy):
             continue
         syncs[name].reduce(params)
-        metrics[f"{name}/grad_norm"] = clip_grad_norm(params, clip, norm_group)
+        # a strategy whose parameters are split over ranks in its own way (EPSync) takes the norm itself
+        metrics[f"{name}/grad_norm"] = getattr(syncs[name], "clip", clip_grad_norm)(params, clip, norm_group)
     if not train_policy:
         for p in _group_params(opt, "policy"):
             p.grad = None
@@ -327,7 +329,8 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
         tap_layers = draft.cfg.aux_layer_ids
     use_draft = tap_layers is not None and (cfg.draft_weight > 0 or not train_policy)
     weight = cfg.draft_weight if train_policy else 1.0
-    syncs = grad_sync or default_syncs(grad_group)
+    # an expert-parallel policy's slices are never summed over the plain grad_group (grad_sync.EPSync)
+    syncs = grad_sync or (grad_syncs(policy, grad_group) if is_ep(policy) else default_syncs(grad_group))
     aux_coef = policy.cfg.router_aux_loss_coef if (policy.cfg.moe and train_policy) else None
     if pp > 1:
         _check_pipe(draft, tap_layers, use_draft, last, taps, pp, train_policy, syncs)
@@ -340,6 +343,8 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
     if kind is not None:
         kind.check_layout(batch, layout)
     mbs = list(micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride, cfg.width_multiple))
+    if is_ep(policy):  # the all-to-alls of every micro-batch are the ep group's collectives
+        check_same_micro_batches(policy, len(mbs))
     # the draft's counts on every stage: the all-reduce over grad_group has one shape on every rank
     counts = step_counts(batch, cfg, layout, grad_group, draft if kind is not None else None)
     wire = act_dtype or next(policy.parameters()).dtype  # the receive buffers' dtype, forward and backward

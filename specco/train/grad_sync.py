@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["AllReduceSync", "FSDPSync", "grad_syncs", "reduce_grads", "clip_grad_norm"]
+__all__ = ["AllReduceSync", "FSDPSync", "EPSync", "grad_syncs", "reduce_grads", "clip_grad_norm"]
 
 
 def reduce_grads(params, group) -> None:
@@ -126,12 +126,60 @@ class FSDPSync:
         pass  # reduce-scattered (and HSDP-all-reduced) as SUMs inside the backward
 
 
+class EPSync:
+    """A policy whose experts are placed by expert parallelism (parallel/ep.py): the dense and replicated
+    parameters summed over `group` (grad_group) as AllReduceSync does; each expert slice over the ranks holding
+    the same slice only (`replica_group`; None: ep covers the stage, nothing to sum) — over the ep group it would
+    add other experts' gradients into it. The clip's norm sums the slices' squared norms over the ep group (each
+    rank holds other experts) and adds the replicated parameters' once."""
+
+    def __init__(self, policy: nn.Module, group=None):
+        from ..parallel.ep import expert_parameters
+        experts, self.ep_group, self.replica_group = expert_parameters(policy)
+        self.group, self.expert_ids = group, {id(p) for p in experts}
+
+    def micro_batch(self, last: bool) -> None:
+        pass
+
+    def _split(self, params):
+        params = list(params)
+        return ([p for p in params if id(p) not in self.expert_ids], [p for p in params if id(p) in self.expert_ids])
+
+    def reduce(self, params) -> None:
+        dense, experts = self._split(params)
+        reduce_grads(dense, self.group)
+        for p in experts:  # a slice that saw no row on this rank has no gradient: its peers still all-reduce
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        reduce_grads(experts, self.replica_group)
+
+    def clip(self, params, max_norm: float, norm_group=None) -> torch.Tensor:
+        """clip_grad_norm's contract (pp is refused with ep, so `norm_group` must be None)."""
+        if norm_group is not None:
+            raise ValueError("parallel.ep with a pipeline's norm group is not implemented (parallel.pp > 1)")
+        dense, experts = self._split(params)
+        grads = [p.grad for p in dense if p.grad is not None]
+        sq_dense = torch.nn.utils.get_total_norm(grads).double().square() if grads else \
+            torch.zeros((), dtype=torch.float64)
+        eg = [p.grad for p in experts if p.grad is not None]
+        sq_exp = torch.nn.utils.get_total_norm(eg).double().square().reshape(1) if eg else \
+            torch.zeros(1, dtype=torch.float64, device=sq_dense.device)
+        dist.all_reduce(sq_exp, group=self.ep_group)  # the ep group's slices make the whole experts
+        dtype = (grads or eg)[0].dtype if (grads or eg) else torch.float32
+        total = (sq_dense.to(sq_exp.device) + sq_exp[0]).sqrt().to(dtype)
+        torch.nn.utils.clip_grads_with_norm_(list(params), max_norm, total)
+        return total
+
+
 def grad_syncs(policy: nn.Module | None, group=None, hold_unsharded: bool = False,
                reshard_after_forward: bool = True) -> dict:
     """The strategies of the optimizer's groups ('policy', 'draft'): FSDP for a sharded policy, the all-reduce
     over `group` (the stage's dp × cp ranks) for everything replicated — the draft always (parallel/fsdp.py says
-    why)."""
+    why); EPSync for a policy with expert-parallel experts (parallel/ep.py)."""
+    from ..parallel.ep import is_ep
     from ..parallel.fsdp import is_sharded
+    if is_ep(policy):
+        return {"policy": EPSync(policy, group), "draft": AllReduceSync(group)}
     pol = FSDPSync(policy, hold_unsharded, reshard_after_forward) if policy is not None and is_sharded(policy) \
         else AllReduceSync(group)
     return {"policy": pol, "draft": AllReduceSync(group)}

@@ -55,12 +55,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.optim.lr_scheduler import LRScheduler
 
 from ..faults import point
+from ..parallel.ep import as_global, expert_meshes
 from .checkpoint import CheckpointError, _decode, _encode, _fsync, _step_dirs, latest_checkpoint, publish
 
 __all__ = ["save", "load", "load_latest", "FORMAT", "PickleRefused"]
@@ -174,7 +176,10 @@ def _flat_state(container: nn.ModuleDict, optims: dict) -> tuple[dict, dict]:
 
     get_optimizer_state_dict creates AdamW's state (a step at lr 0 with zero gradients) when it is empty, so
     a freshly built optimizer yields the same keys and layouts as the one that was saved: the load template."""
-    flat = {f"model.{k}": v for k, v in _model_tensors(container).items()}
+    # expert-parallel slices (parallel/ep.py) are plain tensors of the same FQN and a local shape on every ep rank:
+    # as they are, DCP would take them for replicas and keep one; saved as Shard(0) DTensors of the whole instead
+    ep = expert_meshes(container)
+    flat = {f"model.{k}": as_global(v, ep[k]) if k in ep else v for k, v in _model_tensors(container).items()}
     rest = {}
     for name, opt in optims.items():
         osd = get_optimizer_state_dict(container, opt)
@@ -182,7 +187,8 @@ def _flat_state(container: nn.ModuleDict, optims: dict) -> tuple[dict, dict]:
         for fqn, st in osd["state"].items():
             for k, v in st.items():
                 if isinstance(v, torch.Tensor):
-                    flat[f"{name}.state.{fqn}.{k}"] = v
+                    # AdamW's moments of a slice are slices too; its `step` counter (0-d) is replicated
+                    flat[f"{name}.state.{fqn}.{k}"] = as_global(v, ep[fqn]) if fqn in ep and v.dim() else v
                 else:  # a Python number kept in state (e.g. a step counter of other optimizers)
                     scalars.setdefault(fqn, {})[k] = v
         rest[name] = {"param_groups": osd["param_groups"], "scalars": scalars}
@@ -359,6 +365,7 @@ def load(path: str | os.PathLike, state: dict) -> dict:
     meta = _manifest(path)
     container, optims, scheds, _ = _split(state)
     flat, _ = _flat_state(container, optims)  # the template: this layout's shards, filled in place below
+    ep_fqns = set(expert_meshes(container))
     saved = meta["tensors"]
     # this rank's verdicts, exchanged before any collective read: a refusal on one rank must raise on all of
     # them (a rank left waiting in DCP's collectives would hang the job)
@@ -405,7 +412,8 @@ def load(path: str | os.PathLike, state: dict) -> dict:
         for fqn, st in osd.items():
             for k in st:
                 if f"{name}.state.{fqn}.{k}" in flat:
-                    st[k] = flat[f"{name}.state.{fqn}.{k}"]
+                    v = flat[f"{name}.state.{fqn}.{k}"]
+                    st[k] = v.to_local() if fqn in ep_fqns and isinstance(v, DTensor) else v  # the slice back
         for fqn, st in scalars.items():
             osd.setdefault(fqn, {}).update(st)
         set_optimizer_state_dict(container, opt, {"state": osd, "param_groups": groups})

@@ -1,0 +1,286 @@
+"""Expert parallelism of the trainer's mixture-of-experts layers (issue 38 item 2), applied from outside the plain
+model (STYLE §1): `apply_ep` swaps each sparse layer's `Experts` (model/moe.py) for an `EPExperts` that holds
+E / ep of them and sends every row to the rank of its expert and back with all-to-all.
+
+    mesh = Mesh.build(dp=4, ep=2)                 # parallel.ep = 2
+    policy = copy.deepcopy(policy)                # the trainer's copy (the engine keeps the whole policy)
+    apply_ep(policy, mesh.ep_group, mesh.ep_replica_group)
+    opt = build_optimizer(policy, draft, ...)     # after the swap: AdamW holds the local expert slices
+
+**Placement.** ep borrows its ranks from the stage's dp × cp ranks (parallel/mesh.py: consecutive runs of ep of
+them, cp innermost), as torchtitan does from dp_shard × cp: those ranks already hold *different tokens*, so
+sending a token to another rank's expert is exactly the traffic expert parallelism needs, and the world does not
+grow (an ep axis of its own would give its ranks the same tokens and nothing to dispatch). So ep must divide
+dp × cp and num_experts. Rank j of an ep group holds experts [j·E/ep, (j+1)·E/ep): the 3-D expert tensors cut
+along dim 0. The router (`gate`) and Qwen2-MoE's shared expert stay replicated like the rest of the layer: every
+rank routes its own rows.
+
+**Dispatch and combine** (`EPExperts.forward`, per sparse layer, ep ranks, N local rows, k experts each):
+
+    1. the N·k (row, expert) assignments sorted by expert (as Experts.forward): since a rank's experts are a
+       contiguous id range, the sorted assignments are grouped by destination rank too
+    2. counts (E,) exchanged (all-to-all of (ep, E/ep)): how many rows each source sends to each local expert
+    3. the rows dispatched (all-to-all, uneven splits): this rank receives them grouped by SOURCE rank, then by
+       local expert within a source
+    4. permuted to local-expert order (stable argsort of each received row's local expert), one GEMM pair per
+       local expert, permuted back (the inverse permutation: the combine must undo 4 or outputs land on the
+       wrong rows — tests/test_ep.py mutates this)
+    5. combined (the reverse all-to-all), weighted by the router's weights and added back to their rows
+
+Both all-to-alls are differentiable (`_AllToAll`: the backward of an all-to-all is the all-to-all with the split
+sizes swapped), so the expert gradients of rank j sum over the rows every rank of its ep group sent, and the rows'
+gradients (hence the router's and the layers' below) come back to the ranks that own them.
+
+**Gradients.** An expert slice is NOT replicated over the ep group: its gradient is summed over the ranks that
+hold the SAME slice (`ep_replica_group`: the grad_group ranks with the same position in their ep group), never
+over the ep group (that would add other experts' gradients into it: the test's second mutation). The dense and
+replicated parameters keep their all-reduce over grad_group. train/grad_sync.EPSync does both, and its clip takes
+the norm of the expert slices summed over the ep group. The router's aux loss reads the local router logits, as
+at ep 1: unchanged.
+
+Every rank of an ep group must run the same sparse-layer forwards and backwards (the all-to-alls are collectives):
+the same number of micro-batches per step, which the runner's even split of prompts over dp gives.
+
+**The whole policy.** The engine holds every expert, so the refit gathers them (`full_expert_state`: an
+all-gather of each 3-D tensor along dim 0 over the ep group, a collective every rank calls); evaluation and the
+saved policy read the engine's copy (runner/rl.full_models). A rank's own `state_dict()` reports its experts under
+their global HF names (and loads back: the state copies of the measurement hooks). Sharded checkpoints save each
+slice as its Shard(0) of the whole (E, ...) tensor (`expert_meshes`, `as_global`; AdamW's moments too), so a run
+resumes at any ep, 1 included.
+
+Not here: grouped GEMMs (the loop over local experts reads the counts on the host, like the dispatch's split sizes:
+no CUDA graph, no compile), FSDP of the dense parameters beside ep (refused), pp and tp with ep (refused).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from ..model.moe import Experts, SparseMoE
+
+__all__ = ["apply_ep", "EPExperts", "is_ep", "expert_parameters", "full_expert_state", "ep_groups",
+           "expert_meshes", "as_global", "check_same_micro_batches"]
+
+
+def ep_groups(stage_ranks: list[int], ep: int, rank: int):
+    """(ep_group, ep_replica_group) of `rank` among `stage_ranks` (the stage's dp × cp ranks of one tp rank, in
+    mesh order, cp innermost): ep groups are consecutive runs of `ep` ranks, replica groups the ranks at the same
+    position of every run. A collective (new_group): every rank calls it with the same arguments. The replica group
+    is None when ep covers the whole stage (the slices are not replicated: nothing to sum)."""
+    n = len(stage_ranks)
+    if ep < 1 or n % ep:
+        raise ValueError(f"parallel.ep={ep} must divide the stage's dp × cp ranks ({n})")
+    ep_group = replica = None
+    for i in range(0, n, ep):
+        g = dist.new_group(stage_ranks[i:i + ep])
+        if rank in stage_ranks[i:i + ep]:
+            ep_group = g
+    if n > ep:
+        for j in range(ep):
+            members = stage_ranks[j::ep]
+            g = dist.new_group(members)
+            if rank in members:
+                replica = g
+    return ep_group, replica
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits, differentiable: rows (sum(send), h) -> (sum(recv), h); the backward
+    sends the output's gradient back along the same routes (the splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), output_split_sizes=ctx.send, input_split_sizes=ctx.recv,
+                               group=ctx.group)
+        return back, None, None, None
+
+
+class EPExperts(nn.Module):
+    """This rank's E / ep experts of one sparse layer, with Experts' forward signature (x, idx, weights) -> out,
+    so SparseMoE.mix runs unchanged. `gate_up_proj` (E/ep, 2I, h) and `down_proj` (E/ep, h, I) are the slices
+    [first, first + E/ep) of the whole layer's tensors."""
+
+    def __init__(self, whole: Experts, group, replica_group):
+        super().__init__()
+        self.group, self.replica_group = group, replica_group
+        self.ep, self.ep_rank = dist.get_world_size(group), dist.get_rank(group)
+        E = whole.num_experts
+        if E % self.ep:
+            raise ValueError(f"parallel.ep={self.ep} does not divide num_experts={E}")
+        self.num_experts, self.inter, self.local = E, whole.inter, E // self.ep
+        self.first = self.ep_rank * self.local  # global id of this rank's first expert
+        cut = slice(self.first, self.first + self.local)
+        # clones: the slices must not keep the whole (E, ...) storage alive
+        self.gate_up_proj = nn.Parameter(whole.gate_up_proj.detach()[cut].clone())  # (E/ep, 2I, h)
+        self.down_proj = nn.Parameter(whole.down_proj.detach()[cut].clone())  # (E/ep, h, I)
+        self.register_state_dict_post_hook(_local_expert_names)
+        self.register_load_state_dict_pre_hook(_join_local_experts)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (N, h), idx (N, k) global expert ids, weights (N, k) -> (N, h): Experts.forward's result, the
+        experts computed on their ranks (module docstring, steps 1-5)."""
+        N, k = idx.shape
+        ep, El = self.ep, self.local
+        flat = idx.reshape(-1)  # (N·k,)
+        order = flat.argsort(stable=True)  # (N·k,) assignments by expert, hence by destination rank
+        rows = order // k  # (N·k,) the row of each sorted assignment
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
+            0, flat, torch.ones_like(flat))  # (E,) rows sent to each expert
+        # 2. what each source sends to each of my experts: (ep, E/ep) -> (ep sources, E/ep local experts)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        recv_counts = recv_counts.view(ep, El)  # (ep, E/ep)
+        send = counts.view(ep, El).sum(1).tolist()  # rows to each destination rank
+        recv = recv_counts.sum(1).tolist()  # rows from each source rank
+        # 3. dispatch: (N·k, h) sorted by expert -> (R, h) grouped by source, then local expert
+        xr = _AllToAll.apply(x[rows], send, recv, self.group)
+        # 4. each received row's local expert, then the rows in local-expert order (stable: by source within one)
+        local_ids = torch.arange(El, device=x.device).repeat(ep)  # (ep·E/ep,) matches recv_counts.flatten()
+        le = torch.repeat_interleave(local_ids, recv_counts.flatten())  # (R,)
+        perm = le.argsort(stable=True)  # (R,)
+        ys = self._loop(xr[perm], recv_counts.sum(0).tolist())  # (R, h) in local-expert order
+        yr = _unpermute(ys, perm)  # (R, h) back in arrival order
+        # 5. combine: the reverse all-to-all -> (N·k, h) in this rank's sorted order, then Experts.forward's tail
+        y = _AllToAll.apply(yr, recv, send, self.group)
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)  # (N·k, h)
+        return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
+
+    def _loop(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One GEMM pair per local expert over its contiguous rows (Experts._loop's math)."""
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                seg = xs[start:start + n]  # (n, h)
+                gate, up = F.linear(seg, self.gate_up_proj[e]).split(self.inter, dim=-1)  # (n, I) each
+                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))  # (n, h)
+                start += n
+        # No rows at all: (0, h) still derived from xs, so the graph keeps both all-to-alls and this rank's
+        # backward joins its peers' (an output without a grad_fn would skip them: a hang). The slices then get
+        # no gradient; EPSync zero-fills it, so every rank of a replica group joins its all-reduce too.
+        return torch.cat(outs) if outs else xs * 0
+
+
+def _unpermute(ys: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of `xs = xr[perm]`: yr with yr[perm] = ys (differentiable; a scatter, no argsort)."""
+    return torch.empty_like(ys).index_copy(0, perm, ys)
+
+
+def _local_expert_names(mod, state, prefix, local_metadata):
+    """state_dict post-hook of EPExperts: this rank's experts under their GLOBAL per-expert names (HF's, as
+    Experts reports them), views of the local slices. A partial state dict: `full_expert_state` gathers it."""
+    gate_up, down = state.pop(f"{prefix}gate_up_proj"), state.pop(f"{prefix}down_proj")
+    I = mod.inter
+    for j in range(mod.local):
+        e = mod.first + j
+        state[f"{prefix}{e}.gate_proj.weight"] = gate_up[j, :I]  # (I, h)
+        state[f"{prefix}{e}.up_proj.weight"] = gate_up[j, I:]  # (I, h)
+        state[f"{prefix}{e}.down_proj.weight"] = down[j]  # (h, I)
+
+
+def _join_local_experts(mod, state, prefix, local_metadata, strict, missing, unexpected, errors):
+    """load_state_dict pre-hook of EPExperts, the inverse of `_local_expert_names`: this rank's experts under their
+    global per-expert names stacked into the local slices (a copy of this rank's state dict loads back: the
+    state copies of train.on_nonfinite=skip and the plain baseline). A partial set is left alone, so the strict
+    load names what is missing."""
+    ids = range(mod.first, mod.first + mod.local)
+    keys = [f"{prefix}{e}.{p}.weight" for e in ids for p in ("gate_proj", "up_proj", "down_proj")]
+    if all(k in state for k in keys):
+        g = {e: [state.pop(f"{prefix}{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")] for e in ids}
+        state[f"{prefix}gate_up_proj"] = torch.stack([torch.cat(g[e][:2]) for e in ids])  # (E/ep, 2I, h)
+        state[f"{prefix}down_proj"] = torch.stack([g[e][2] for e in ids])  # (E/ep, h, I)
+
+
+def apply_ep(policy: nn.Module, group, replica_group=None) -> nn.Module:
+    """Swap every sparse layer's experts of `policy` (in place) for this rank's slice over `group` (the ep
+    group); `replica_group`: the ranks holding the same slice (their gradients are summed over it). Before the
+    optimizer is built. Returns `policy`."""
+    swapped = 0
+    for mod in policy.modules():
+        if isinstance(mod, SparseMoE) and isinstance(mod.experts, Experts):
+            mod.experts = EPExperts(mod.experts, group, replica_group)
+            swapped += 1
+    if not swapped:
+        raise ValueError("parallel.ep > 1 but the policy has no mixture-of-experts layers to place; set parallel.ep=1")
+    return policy
+
+
+def is_ep(policy: nn.Module | None) -> bool:
+    return policy is not None and any(isinstance(m, EPExperts) for m in policy.modules())
+
+
+def expert_parameters(policy: nn.Module) -> tuple[list[nn.Parameter], object, object]:
+    """(the expert slices' parameters, the ep group, the replica group) of an `apply_ep`'d policy."""
+    mods = [m for m in policy.modules() if isinstance(m, EPExperts)]
+    return [p for m in mods for p in m.parameters()], mods[0].group, mods[0].replica_group
+
+
+def check_same_micro_batches(policy: nn.Module, n: int) -> None:
+    """Raise on every rank of the ep group when its ranks would run different numbers of micro-batches (`n` here):
+    each sparse forward and backward is an all-to-all of the whole group, so a rank with one micro-batch more
+    would wait forever for peers that have finished. One all-reduce of two ints per step."""
+    _, group, _ = expert_parameters(policy)
+    dev = next(policy.parameters()).device
+    t = torch.tensor([n, -n], dtype=torch.long, device=dev)  # (max n, -min n) after the MAX all-reduce
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if t[0].item() != -t[1].item():
+        raise RuntimeError(f"parallel.ep: the ranks of an ep group have between {-t[1].item()} and {t[0].item()} "
+                           "micro-batches this step; expert parallelism needs the same number on each (the "
+                           "all-to-alls are collectives): give every data-parallel rank as many rows")
+
+
+@torch.no_grad()
+def full_expert_state(policy: nn.Module) -> dict[str, torch.Tensor]:
+    """`policy.state_dict()` with every expert whole (the refit's and the checkpoint's view): each EPExperts'
+    slices all-gathered along dim 0 over its ep group into (E, 2I, h) / (E, h, I), reported under the E per-expert
+    names. A collective: every rank of the ep group calls it, layers in the same (module) order."""
+    state = policy.state_dict()
+    for name, mod in policy.named_modules():
+        if not isinstance(mod, EPExperts):
+            continue
+        prefix = f"{name}."
+        I = mod.inter
+        whole = []
+        for p in (mod.gate_up_proj, mod.down_proj):
+            parts = [torch.empty_like(p) for _ in range(mod.ep)]  # (E/ep, ...) each, in ep-rank order
+            dist.all_gather(parts, p.detach().contiguous(), group=mod.group)
+            whole.append(torch.cat(parts))  # (E, ...): rank-major is expert order
+        gate_up, down = whole
+        for e in range(mod.num_experts):
+            state[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :I]
+            state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, I:]
+            state[f"{prefix}{e}.down_proj.weight"] = down[e]
+    return state
+
+
+def expert_meshes(model: nn.Module) -> dict[str, DeviceMesh]:
+    """{FQN of each expert slice parameter in `model`: the 1-D ep DeviceMesh its tensors are Shard(0) over}, for
+    the sharded checkpoint (train/sharded_checkpoint.py), which saves them as `as_global` DTensors: each slice
+    named with its place in the whole (E, ...) tensor, so the replicas of a slice are written once and any ep
+    (1 included) reads its own slice back. Empty without expert parallelism."""
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, EPExperts):
+            if getattr(mod, "_mesh", None) is None:  # from_group is local (no collective): cached per module
+                dev = mod.gate_up_proj.device.type
+                mod._mesh = DeviceMesh.from_group(mod.group, dev, mesh_dim_names=("ep",))
+            for p in ("gate_up_proj", "down_proj"):
+                out[f"{name}.{p}"] = mod._mesh
+    return out
+
+
+def as_global(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """This rank's slice (E/ep, ...) seen as its Shard(0) of the whole (E, ...) tensor over `mesh` (no copy: the
+    DTensor's local tensor IS `local`, so a checkpoint load into it fills the live tensor)."""
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
