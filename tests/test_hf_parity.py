@@ -56,7 +56,14 @@ def test_cached_decode_matches_full_forward(tmp_path):
     hf = _hf_model("qwen3", False)
     hf.save_pretrained(tmp_path / "hf")
     m = load_policy(tmp_path / "hf").eval()
-    ids = torch.randint(0, 97, (2, 12))
+    cached, full = cached_and_full_logits(m, 97)
+    assert torch.allclose(cached, full, atol=1e-5)
+
+
+def cached_and_full_logits(m, vocab: int):
+    """(logits of 12 tokens decoded through the engine's KV cache: a 7-token prefill, a 3-token verify-like block,
+    then token by token; the same tokens' logits from one full forward), 2 rows of random ids < vocab."""
+    ids = torch.randint(0, vocab, (2, 12))
     with torch.no_grad():
         full = m(ids).logits
         cache = m.new_cache(2, 32)
@@ -66,7 +73,7 @@ def test_cached_decode_matches_full_forward(tmp_path):
         b = policy_forward(m, ids[:, 7:10], pos[:, 7:10], cache, rope)[0]  # a verify-like block
         c = torch.cat([policy_forward(m, ids[:, t:t + 1], pos[:, t:t + 1], cache, rope)[0]
                        for t in (10, 11)], 1)  # token by token
-    assert torch.allclose(torch.cat([a, b, c], 1), full, atol=1e-5)
+    return torch.cat([a, b, c], 1), full
 
 
 def test_taps_are_detached_and_ordered():

@@ -17,7 +17,7 @@ import torch
 
 from specco.model.config import PolicyConfig
 from specco.model.policy import Policy
-from specco.rollout.forward import RopeTable, check_graph_safe, policy_forward
+from specco.rollout.forward import check_graph_safe
 from specco.rollout.generate import GenerateConfig, generate
 from specco.rollout.sampling import SamplingParams
 from test_rollout_helpers import one_thread, random_draft  # noqa: F401
@@ -45,18 +45,9 @@ def moe_policy(family="qwen3_moe", V=32, h=32, layers=3, seed=0, router_scale=0.
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_cached_decode_matches_full_forward(family):
-    m = moe_policy(family)
-    ids = torch.randint(0, 32, (2, 12))
-    with torch.no_grad():
-        full = m(ids).logits
-        cache = m.new_cache(2, 32)
-        rope = RopeTable.build(m.cfg.head_dim, m.cfg.rope_theta, 32, "cpu", torch.float32, scaling=None)
-        pos = torch.arange(12).expand(2, 12)
-        a = policy_forward(m, ids[:, :7], pos[:, :7], cache, rope, prefill=True)[0]  # the prompt
-        b = policy_forward(m, ids[:, 7:10], pos[:, 7:10], cache, rope)[0]  # a verify-like block
-        c = torch.cat([policy_forward(m, ids[:, t:t + 1], pos[:, t:t + 1], cache, rope)[0]
-                       for t in (10, 11)], 1)  # token by token
-    torch.testing.assert_close(torch.cat([a, b, c], 1), full, atol=1e-5, rtol=0)
+    from test_hf_parity import cached_and_full_logits  # the dense models' check, on a MoE policy
+    cached, full = cached_and_full_logits(moe_policy(family), 32)
+    torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("k", [1, 3])

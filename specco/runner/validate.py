@@ -49,12 +49,12 @@ def check_policy(cfg: RunConfig, out: Path):
         from ..model.hf_io import check_policy_dir, check_tokenizer_fits
         pc = check_policy_dir(src)
         check_moe_layout(cfg, pc, src / "config.json")
-        if cfg.parallel.tp > 1:  # before any stage: the trainer's layers are cut at make_arm (parallel/tp.py)
-            from .derive import check_tp_sizes
-            check_tp_sizes(pc, cfg.parallel.tp, f"the policy's ({src / 'config.json'}) ")
-        if cfg.rollout.tp > 1:  # the engine's shard (rollout/tp.py), cut at make_arm
-            from .derive import check_tp_sizes
-            check_tp_sizes(pc, cfg.rollout.tp, f"the policy's ({src / 'config.json'}) ", "rollout.tp")
+        from .derive import check_tp_sizes
+        # before any stage: the trainer's layers (parallel/tp.py) and the engine's shard (rollout/tp.py) are cut at
+        # make_arm
+        for key, n in (("parallel.tp", cfg.parallel.tp), ("rollout.tp", cfg.rollout.tp)):
+            if n > 1:
+                check_tp_sizes(pc, n, f"the policy's ({src / 'config.json'}) ", key)
         check_tokenizer_fits(src)
         check_aux_coef(cfg, pc, src)
         bad = [i for i in cfg.draft.aux_layer_ids if not 0 <= i < pc.num_layers]
