@@ -75,7 +75,8 @@ class PolicySpec:
 
 DRAFT_KINDS = ("eagle3", "dflash", "dspark")
 BLOCK_KINDS = ("dflash", "dspark")  # block drafters: all γ tokens of a round from one forward
-ARM_MODES = ("none", "frozen", "cotrained")
+# cold: co-trained from a new draft (no offline warm start), the run's warm draft of its kind as its frozen shadow
+ARM_MODES = ("none", "frozen", "cotrained", "cold")
 # train.compile: torch.compile backend of the trainer's decoder layers (train/compile.py); "none" = eager
 COMPILE_BACKENDS = ("none", "inductor", "aot_eager")
 SAMPLERS = ("rejection", "coupled")  # rollout.sampler (rollout/sampling.py)
@@ -480,7 +481,8 @@ class RunConfig:
     out_dir: str = "runs/demo"
     device: str = "auto"
     # RL arms, each from the same SFT policy and seed: `<mode>` or `<mode>-<kind>` (split_arm), e.g.
-    # ("none", "frozen", "cotrained", "cotrained-dflash"); each draft kind gets its own warm start.
+    # ("none", "frozen", "cotrained", "cotrained-dflash"); each draft kind gets its own warm start. A `cold` arm
+    # co-trains its kind's draft as it is before the warm start (new, or draft.init imported as is): no offline stage.
     # One job trains one co-trained policy + draft (the default). More arms make it a comparison (`specco compare`,
     # `specco demo`): each from the same starting policy and seed.
     arms: tuple[str, ...] = ("cotrained",)
@@ -492,7 +494,7 @@ class RunConfig:
     # low bound; its no-draft train step is train less the draft's span). Costs one plain rollout and one
     # policy-only train step per step.
     plain_baseline: tuple[str, ...] = ()
-    # Co-trained arms that keep a frozen copy of their warm draft and, every RL step, score it and the draft being
+    # Co-trained (or cold) arms that keep a frozen copy of their kind's warm draft and, every RL step, score it and the draft being
     # trained on the step's rollouts under the sampling policy (runner/measure.FrozenShadow): a frozen draft's
     # acceptance on the co-trained arm's own policy and tokens, where a frozen arm of its own drifts elsewhere
     # after step 1 on a GPU. Costs one policy forward over the draft rows and both drafts on it per step (timed, left
@@ -517,8 +519,8 @@ class RunConfig:
         object.__setattr__(self, "arms", tuple(self.arms))
         object.__setattr__(self, "reward", tuple(self.reward))
         arm_keys = {split_arm(a, self.draft.kind) for a in self.arms}
-        for name, modes, why in (("plain_baseline", ("frozen", "cotrained"), "decodes plainly already (no draft)"),
-                                 ("frozen_shadow", ("cotrained",), "has no draft in training to compare")):
+        for name, modes, why in (("plain_baseline", ("frozen", "cotrained", "cold"), "decodes plainly already (no draft)"),
+                                 ("frozen_shadow", ("cotrained", "cold"), "has no draft in training to compare")):
             object.__setattr__(self, name, tuple(getattr(self, name)))
             for arm in getattr(self, name):
                 key = split_arm(arm, self.draft.kind)
@@ -533,8 +535,8 @@ class RunConfig:
         _check(not self.plain_baseline or self.rollout.spec_control != "off",
                f"plain_baseline={list(self.plain_baseline)} with rollout.spec_control='off': the plain decode runs the "
                "runner's plain step set, which only speculation control builds; set rollout.spec_control=on or auto")
-        blocks = [a for a in self.arms if split_arm(a, self.draft.kind) in (("cotrained", "dflash"),
-                                                                             ("cotrained", "dspark"))]
+        blocks = [a for a in self.arms if split_arm(a, self.draft.kind)[0] in ("cotrained", "cold")
+                  and split_arm(a, self.draft.kind)[1] in BLOCK_KINDS]
         _check(not self.train.compile_draft or not blocks, f"train.compile_draft with arms {blocks}: compiling a "
                "block drafter is not implemented (only the EAGLE-3 draft's layer); drop those arms or compile_draft")
         # the adaptive stride picks sample i of every prompt group with i % n == 0, the same rows in every minibatch

@@ -130,7 +130,7 @@ def shapes(cfg: RunConfig, pc: PolicyConfig, prompt_tokens: int, device: str = "
     from .runner.derive import on_device
     cfg = on_device(cfg, torch.device(device))
     mode_kinds = [a.partition("-") for a in cfg.arms]
-    cotrained = [k or cfg.draft.kind for m, _, k in mode_kinds if m == "cotrained"]
+    cotrained = [k or cfg.draft.kind for m, _, k in mode_kinds if m in ("cotrained", "cold")]
     kind = cotrained[0] if cotrained else None
     d = cfg.draft
     vocab = pc.vocab_size if kind in BLOCK_KINDS else (

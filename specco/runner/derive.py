@@ -28,7 +28,8 @@ __all__ = ["arm_config", "warm_configs", "step_config", "generate_config", "engi
 
 
 def arm_config(cfg: RunConfig, arm: str) -> tuple[RunConfig, str]:
-    """(The run config as `arm` sees it, the arm's mode: none / frozen / cotrained).
+    """(The run config as `arm` sees it, what the arm does: none / frozen / cotrained). A cold arm does what a
+    co-trained one does, from another starting draft (runner/pipeline.arm_drafts).
 
     An arm `<mode>-<kind>` sees draft.kind = kind. For a kind other than the run's draft.kind, draft.init
     (a draft of the run's kind) does not apply and draft_vocab_size (EAGLE-3's) is the automatic 0 for a block
@@ -45,7 +46,8 @@ def arm_config(cfg: RunConfig, arm: str) -> tuple[RunConfig, str]:
         rollout = dataclasses.replace(rollout, k=rollout.block_k)
     return dataclasses.replace(cfg, draft=draft, rollout=rollout, arms=(arm,),
                                plain_baseline=(arm,) if cfg.measures_plain(arm) else (),
-                               frozen_shadow=(arm,) if cfg.measures_shadow(arm) else ()), mode
+                               frozen_shadow=(arm,) if cfg.measures_shadow(arm) else ()), \
+        "cotrained" if mode == "cold" else mode
 
 
 def warm_configs(cfg: RunConfig) -> dict[str, RunConfig]:

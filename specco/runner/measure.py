@@ -208,9 +208,11 @@ class FrozenShadow(StepHooks):
         return m
 
 
-def hooks_for(cfg: RunConfig, st: ArmState, pad_id: int, device, mesh: Mesh | None = None) -> list[StepHooks]:
+def hooks_for(cfg: RunConfig, st: ArmState, pad_id: int, device, mesh: Mesh | None = None,
+              shadow=None) -> list[StepHooks]:
     """The measurement hooks of `st`'s arm (module docstring), made right after make_arm: [] for a job's
-    co-trained or no-draft arm without plain_baseline and frozen_shadow."""
+    co-trained or no-draft arm without plain_baseline and frozen_shadow. `shadow`: the frozen shadow's draft
+    (None: st.draft as made, the arm's warm draft)."""
     where = _Where(pad_id, device, mesh)
     hooks: list[StepHooks] = []
     if st.mode == "frozen":
@@ -219,5 +221,5 @@ def hooks_for(cfg: RunConfig, st: ArmState, pad_id: int, device, mesh: Mesh | No
         hooks.append(PlainBaseline(where, train=st.mode == "cotrained" and st.pipeline is None,
                                    epochs=cfg.train.ppo_epochs))
     if cfg.measures_shadow(st.arm):
-        hooks.append(FrozenShadow(where, st.draft))
+        hooks.append(FrozenShadow(where, st.draft if shadow is None else shadow))
     return hooks

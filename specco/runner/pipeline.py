@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import RunConfig
+from ..config import RunConfig, split_arm
 from ..faults import point
 from ..model.hf_io import save_policy
 from .derive import arm_config, on_device
@@ -87,8 +87,9 @@ def _run(cfg: RunConfig, data: JobData, mesh, rank: int, progress: bool, force_n
         arm_cfg, _ = arm_config(cfg, arm)  # its draft kind's warm draft (the no-draft arm drops it)
         where = arm_dir(cfg, out, arm)
         hook = Outputs(arm_cfg, data, tok, where, source_dir(cfg, out), out / "start_policy", rank, progress)
-        run_arm(arm_cfg, arm, policy, drafts.get(arm_cfg.draft.kind), data, tok, where, device,
-                progress=progress, mesh=mesh, on_step=hook)
+        draft, shadow = arm_drafts(cfg, drafts, arm)
+        run_arm(arm_cfg, arm, policy, draft, data, tok, where, device,
+                progress=progress, mesh=mesh, on_step=hook, shadow=shadow)
         # the rank-0 log, including rows from before a resume, for the report
         arm_rows[arm] = read_jsonl(where / "metrics.jsonl") if rank == 0 else []
         gc.collect()  # the arm's models, optimizer and graph pools go before the next arm starts
@@ -109,6 +110,16 @@ def _run(cfg: RunConfig, data: JobData, mesh, rank: int, progress: bool, force_n
     (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     say(f"[4/4] done: policy {out / 'policy'}" + (f", draft {out / 'draft'}" if summary["draft"] else ""), progress)
     return summary
+
+
+def arm_drafts(cfg: RunConfig, drafts: dict, arm: str) -> tuple:
+    """(The starting draft of `arm`, the draft its frozen shadow scores) from prepare_drafts' {key: draft}: its
+    kind's warm draft for both, or for a cold arm its kind's cold draft and, as the shadow, the warm one (the
+    offline stage it skipped: the cold draft's catching up is read on the same rollouts). None for no draft."""
+    mode, kind = split_arm(arm, cfg.draft.kind)
+    if kind is None:
+        return None, None
+    return drafts.get(f"cold-{kind}" if mode == "cold" else kind), drafts.get(kind)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..config import RunConfig
+from ..config import RunConfig, split_arm
 from ..data.tokenizer import build_char_tokenizer, load_tokenizer
 from ..faults import point
 from ..model.hf_io import load_policy, save_policy
@@ -183,7 +183,15 @@ def prepare_drafts(cfg: RunConfig, policy, tok, data, out: Path, progress=True, 
     for kind in warm_configs(cfg):
         drafts[kind], metrics[kind] = prepare_draft(cfg, policy, tok, data, out, progress, kind=kind, pool=pool,
                                                     mesh=mesh)
+    for kind in cold_kinds(cfg):  # key "cold-<kind>": the cold arms' starting drafts (pipeline.arm_drafts)
+        drafts[f"cold-{kind}"], metrics[f"cold-{kind}"] = prepare_draft(cfg, policy, tok, data, out, progress,
+                                                                        kind=kind, pool=pool, mesh=mesh, cold=True)
     return drafts, metrics
+
+
+def cold_kinds(cfg: RunConfig) -> list[str]:
+    """The draft kinds of the run's cold arms (config.split_arm), in the order of the arms."""
+    return list(dict.fromkeys(k for m, k in (split_arm(a, cfg.draft.kind) for a in cfg.arms) if m == "cold"))
 
 
 def warm_pool(cfg: RunConfig, policy, source, tok, mesh=None):
@@ -204,10 +212,12 @@ def warm_pool(cfg: RunConfig, policy, source, tok, mesh=None):
 
 
 def prepare_draft(cfg: RunConfig, policy, tok, data, out: Path, progress=True, kind: str | None = None, pool=None,
-                  mesh=None):
+                  mesh=None, cold: bool = False):
     """The starting draft of `kind` (default draft.kind) and its offline sim-vs-real tau figures, cached in
     out/warm_draft (draft.kind) or out/warm_draft_<kind> (stages.warm_draft_stage): imported from draft.init
-    and/or warm-started for train.warm_start_steps on the policy's own samples. `pool`: warm_pool's function,
+    and/or warm-started for train.warm_start_steps on the policy's own samples. `cold`: the cold arms' draft
+    instead, the same one before any warm start (out/cold_draft_<kind>; its warm_time_s is building it and
+    measuring its tau: no offline training). `pool`: warm_pool's function,
     shared by the kinds (None: this call's own). The draft and its warm start see the config of the kind's
     co-trained arm (derive.warm_configs: a new block drafter's γ is its rollout.k).
 
@@ -217,7 +227,9 @@ def prepare_draft(cfg: RunConfig, policy, tok, data, out: Path, progress=True, k
     world (warm_start's `group`; on rank 0 alone, then sent, when its batch has fewer draft rows than ranks), and
     rank 0 alone measures tau and commits; the other ranks' metrics are {}."""
     kind = kind or cfg.draft.kind
-    stage = warm_draft_stage(kind, cfg.draft.kind)
+    stage = f"cold_draft_{kind}" if cold else warm_draft_stage(kind, cfg.draft.kind)
+    if cold:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, warm_start_steps=0))
     d_dir = out / stage
     rank = 0 if mesh is None else mesh.rank
     dev = next(policy.parameters()).device
@@ -234,7 +246,8 @@ def prepare_draft(cfg: RunConfig, policy, tok, data, out: Path, progress=True, k
     gcfg = generate_config(kcfg, tok.stop_ids, tok.pad_id)
     t = time.perf_counter()  # warm_time_s: includes sampling the pool when this kind is the first to need it
     tokens, mask = (pool or warm_pool(cfg, policy, data.train, tok))()
-    seed_stage(cfg.train.seed, stage)  # the new draft's init draws from the global RNG
+    # the new draft's init draws from the global RNG; a cold draft is its kind's warm draft before training
+    seed_stage(cfg.train.seed, warm_draft_stage(kind, cfg.draft.kind))
     draft = share_model(initial_draft(policy, tokens, kcfg.draft, gamma=kcfg.rollout.k, mask_fallback=tok.pad_id),
                         mesh, dev)
     say(f"[2/4] {kind} draft warm start: {cfg.train.warm_start_steps} offline steps x "

@@ -70,7 +70,7 @@ def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
 def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | BlockDraft | None, data, tokenizer,
             out_dir, device="cpu", resume: bool = True, progress: bool = True,
             stop_after: int | None = None, mesh: Mesh | None = None, state_out: dict | None = None,
-            record: list | None = None, on_step=None) -> list[dict]:
+            record: list | None = None, on_step=None, shadow=None) -> list[dict]:
     """Run (or resume) the RL loop of one arm in `out_dir`; returns the per-step metrics.
 
     `cfg`: the run config or the arm's own (derive.arm_config); `draft`: the warm draft of the arm's kind.
@@ -83,6 +83,8 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Block
     `on_step(st, metrics)`: the caller's hook (pipeline.Outputs: evaluation, saved outputs), called on every
     rank before the first step of a fresh arm (metrics None) and after every step and its checkpoint.
     `data`: the job's data (validate.JobData: training prompts and rewards).
+    `shadow`: the draft config frozen_shadow scores beside the arm's (None: a copy of `draft`; a cold arm's is its
+    kind's warm draft, pipeline.arm_drafts).
     """
     out_dir = Path(out_dir)
     rank = mesh.rank if mesh is not None else 0
@@ -91,7 +93,7 @@ def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Block
     gen_cfg = dataclasses.replace(generate_config(cfg, tokenizer.stop_ids, tokenizer.pad_id),
                                   min_prompt_len=longest_prompt(data.train, cfg))  # one runner for every step
     st = make_arm(cfg, arm, policy, draft, gen_cfg, rank=mesh.dp_rank if mesh is not None else 0, mesh=mesh)
-    hooks = hooks_for(cfg, st, tokenizer.pad_id, device, mesh)  # before a resume (the shadow's warm draft)
+    hooks = hooks_for(cfg, st, tokenizer.pad_id, device, mesh, shadow)  # before a resume (the shadow's warm draft)
     if rank == 0:  # crashed writes' leftovers (the run lock, runner/stages.py, excludes a live writer)
         remove_stale_temporaries(out_dir / "ckpt")
     if resume:  # at this layout or another (arm_checkpoint.py)
