@@ -90,3 +90,36 @@ def test_cold_run_starts_from_the_untrained_warm_draft(tmp_path_factory):
     for start in ("cold_draft_eagle3", "warm_draft"):
         sd = load_draft_dir(out / start).state_dict()
         assert any(not torch.equal(saved[k], sd[k]) for k in sd), start
+
+
+def test_committed_drift_config_is_the_second_runs():
+    """configs/drift.toml is the config of the second H200 run (bench/results/drift_2026-12-04/run2_lr1e-5), every
+    default spelled out; the first run differed in lr, arms and the measured arms only."""
+    from specco.config_load import config_to_dict
+    from pathlib import Path
+    runs = Path(__file__).resolve().parents[1] / "bench" / "results" / "drift_2026-12-04"
+    mine = config_to_dict(load_config(DEMO.parent / "drift.toml"))
+    assert mine == json.loads((runs / "run2_lr1e-5" / "config.json").read_text())
+    first = config_to_dict(load_config(DEMO.parent / "drift.toml", [
+        "train.lr=5e-5", "arms=[none,frozen,cotrained,cold,cotrained-dflash,cold-dflash]",
+        "plain_baseline=[cotrained,cotrained-dflash]", "frozen_shadow=[cotrained,cold,cotrained-dflash,cold-dflash]"]))
+    assert first == json.loads((runs / "run1_lr5e-5" / "config.json").read_text())
+
+
+def test_cold_arm_co_trains_an_imported_draft_as_is(tmp_path, tiny_start):
+    """draft.init with a cold arm (an off-domain start: a published draft co-trained from step 1): the cold draft is
+    the imported one unchanged, the warm draft (its shadow) the same import warm-started on this policy."""
+    from specco.runner.pipeline import run
+    over = [o for o in tiny_start.overrides("eagle3") if not o.startswith("train.warm_start_steps")]
+    cfg = load_config(DEMO, [*over, "train.warm_start_steps=2", "train.warm_start_prompts=4",
+                             "train.warm_start_batch=4", "train.steps=1", "rollout.prompts_per_step=2",
+                             "rollout.group_size=2", "rollout.max_new_tokens=6", "data.eval_size=2",
+                             "arms=[none,cold]", "frozen_shadow=[cold]", f"out_dir={tmp_path}"])
+    run(cfg, progress=False)
+    imported = load_draft_dir(tiny_start.drafts["eagle3"]).state_dict()
+    cold = load_draft_dir(tmp_path / "cold_draft_eagle3").state_dict()
+    warm = load_draft_dir(tmp_path / "warm_draft").state_dict()
+    assert all(torch.equal(cold[k], imported[k]) for k in imported)
+    assert any(not torch.equal(warm[k], imported[k]) for k in imported)
+    (row,) = [json.loads(x) for x in (tmp_path / "arms" / "cold" / "metrics.jsonl").read_text().splitlines()]
+    assert row["shadow/frozen/loss"] != row["shadow/cotrained/loss"]
