@@ -63,7 +63,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..model.moe import Experts, SparseMoE
 
 __all__ = ["apply_ep", "EPExperts", "is_ep", "expert_parameters", "full_expert_state", "ep_groups",
-           "expert_meshes", "as_global", "check_same_micro_batches"]
+           "expert_meshes", "as_global", "check_same_micro_batches", "slice_offsets"]
 
 
 def ep_groups(stage_ranks: list[int], ep: int, rank: int):
@@ -262,6 +262,14 @@ def full_expert_state(policy: nn.Module) -> dict[str, torch.Tensor]:
             state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, I:]
             state[f"{prefix}{e}.down_proj.weight"] = down[e]
     return state
+
+
+def slice_offsets(model: nn.Module) -> dict[str, int]:
+    """{FQN of each expert slice parameter in `model`: the row of the whole (E, ...) tensor that is its row 0, i.e.
+    its first expert's id}: where a copy filled from the whole policy reads a slice's rows (parallel/load.py's
+    sharded_copy under ep × FSDP). Empty without expert parallelism."""
+    return {f"{name}.{p}": mod.first for name, mod in model.named_modules() if isinstance(mod, EPExperts)
+            for p in ("gate_up_proj", "down_proj")}
 
 
 def expert_meshes(model: nn.Module) -> dict[str, DeviceMesh]:
