@@ -133,3 +133,127 @@ def test_ep_fsdp_mutation_experts_reduce_scattered_by_fsdp_fails():
 
 def test_ep_fsdp_mutation_expert_grads_reduced_over_ep_group_fails():
     spawn_local(_step_worker, WORLD, ((4, 2),), "reduce_over_ep")
+
+
+# -- the RL loop ---------------------------------------------------------------------------------------------------
+
+def _whole_weights(st) -> dict:
+    """The arm's trained weights whole by name: the policy's FSDP shards and expert slices gathered (collectives),
+    the draft."""
+    from specco.parallel.ep import full_expert_state, is_ep
+    sd = full_expert_state(st.policy) if is_ep(st.policy) else st.policy.state_dict()
+    out = {f"policy.{k}": _whole(v).detach().clone() for k, v in sd.items()}
+    out.update({f"draft.{k}": v.detach().clone() for k, v in st.draft.state_dict().items()})
+    return out
+
+
+def _rl_worker(rank, world, tmp):
+    """Two RL steps of the co-trained EAGLE-3 arm at dp 2 = dp_shard 2, ep 2 against the same run at ep 1 without
+    FSDP (same processes, same seeds): the same rollouts (step 2's from each run's refit engine), rewards, losses,
+    aux loss, KL, grad norms (rel 1e-9: fp64 summation orders), every weight after both steps (rtol 1e-9, atol
+    1e-12), each rank's engine holding the gathered whole policy (bit for bit the trainer's gathered weights); the
+    step-1 checkpoint (dense tensors as FSDP's Shard(0) chunks, the experts as their ep slices, both with global
+    shapes) resumed at the same layout equals the straight run bit for bit, and at ep 1 without FSDP (every tensor
+    read whole) to rtol 1e-9."""
+    import json
+    from pathlib import Path
+    from test_ep import RL_EXTRA, _rl_models
+    from test_grpo import DigitTask
+    from test_rl_cp import _cfg
+    from specco.runner.rl import full_models, run_arm
+    from specco.train.checkpoint import latest_checkpoint
+    tmp = Path(tmp)
+    tok, policy, draft = _rl_models()
+    out = {}
+    for name, extra, mesh_kw in (("ep1", ("parallel.dp=2",), {}),
+                                 ("ep2", ("parallel.dp_shard=2", "parallel.ep=2"), {"dp_shard": 2, "ep": 2})):
+        cfg = _cfg(tmp, *extra, *RL_EXTRA)
+        mesh = Mesh.build(2, 1, backend="gloo", **mesh_kw)
+        st, rec = {}, []
+        rows = run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / name, progress=False, mesh=mesh,
+                       state_out=st, record=rec)
+        out[name] = (rows, [ro.pairs for ro in rec], st["state"], cfg, mesh)
+    (rows1, pairs1, st1, cfg1, mesh1), (rows2, pairs2, st2, cfg2, mesh2) = out["ep1"], out["ep2"]
+    assert cfg2.parallel.fsdp and cfg2.parallel.ep == 2
+    experts = st2.policy.layers["0"].mlp.experts
+    assert isinstance(experts, EPExperts) and not isinstance(experts.gate_up_proj, DTensor)
+    assert experts.gate_up_proj.shape[0] == policy.cfg.num_experts // 2
+    assert isinstance(st2.policy.layers["0"].self_attn.qkv_proj.weight, DTensor)  # the dense part sharded
+    assert isinstance(st2.ref.layers["0"].mlp.experts, EPExperts)  # the KL reference placed and sharded the same way
+    assert isinstance(st2.ref.embed_tokens.weight, DTensor)
+    assert pairs2 == pairs1
+    for a, b in zip(rows2, rows1):
+        for k in ("reward", "policy/loss", "policy/aux_loss", "policy/kl", "policy/grad_norm", "draft/loss",
+                  "draft/grad_norm"):
+            assert abs(a[k] - b[k]) <= 1e-9 * max(1.0, abs(b[k])), (k, a[k], b[k])
+    assert rows1[0]["policy/aux_loss"] > 0 and rows1[1]["policy/kl"] > 0  # both terms present
+    w1, w2 = _whole_weights(st1), _whole_weights(st2)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-9, atol=1e-12, msg=k)
+    eng = st2.engine.policy.state_dict()  # the engine: the whole policy refit from the gathered shards and experts
+    assert all(torch.equal(v, w2[f"policy.{k}"]) for k, v in eng.items())
+    assert full_models(st2)[0] is st2.engine.policy  # evaluation and the saved policy read the engine's copy
+    saved = json.loads((latest_checkpoint(tmp / "ep2" / "ckpt") / "state.json").read_text())["tensors"]
+    E = policy.cfg.num_experts  # global shapes: whole experts (and their moments), the whole embedding
+    assert saved["model.policy.layers.0.mlp.experts.gate_up_proj"]["shape"][0] == E
+    assert saved["opt.state.policy.layers.0.mlp.experts.down_proj.exp_avg"]["shape"][0] == E
+    assert saved["model.policy.embed_tokens.weight"]["shape"][0] == policy.cfg.vocab_size
+    # resumed at the same layout: bit for bit
+    run = lambda d, cfg, mesh, **kw: run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok,  # noqa: E731
+                                             tmp / d, progress=False, mesh=mesh, **kw)
+    part1 = run("resume", cfg2, mesh2, stop_after=1)
+    fin = {}
+    part2 = run("resume", cfg2, mesh2, state_out=fin)
+    assert [r["step"] for r in part1 + part2] == [1, 2]
+    for a, b in zip(rows2, part1 + part2):
+        for k in ("reward", "policy/loss", "policy/aux_loss", "draft/loss", "policy/grad_norm"):
+            assert a[k] == b[k], (k, a[k], b[k])
+    w3 = _whole_weights(fin["state"])
+    assert all(torch.equal(w3[k], w2[k]) for k in w2)
+    # the ep 2 × dp_shard 2 step-1 checkpoint resumed at ep 1 without FSDP: step 2 equals the straight run's
+    fin1 = {}
+    again = run("other", cfg2, mesh2, stop_after=1) + run("other", cfg1, mesh1, state_out=fin1)
+    assert [r["step"] for r in again] == [1, 2]
+    for k in ("reward", "policy/loss", "policy/aux_loss", "draft/loss", "policy/grad_norm"):
+        assert abs(again[1][k] - rows2[1][k]) <= 1e-9 * max(1.0, abs(rows2[1][k])), (k, again[1][k], rows2[1][k])
+    w4 = _whole_weights(fin1["state"])
+    for k in w2:
+        torch.testing.assert_close(w4[k], w2[k], rtol=1e-9, atol=1e-12, msg=k)
+
+
+def test_rl_loop_ep2_dp_shard2_equals_ep1_and_resumes(tmp_path):
+    spawn_local(_rl_worker, 2, str(tmp_path))
+
+
+# -- what is refused -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra, world, match", [
+    (("parallel.dp_shard=2", "parallel.pp=2"), 4, r"parallel.ep=2 with parallel.pp=2: expert parallelism under pipe"),
+    (("parallel.dp_shard=2", "parallel.tp=2"), 4, r"parallel.ep=2 with parallel.tp=2: expert parallelism under tens"),
+    # ep × dp_shard itself passes derive's checks: what stops it here is the tiny (dense) policy
+    (("parallel.dp_shard=2",), 2, r"parallel.ep=2: policy.source='tiny' is a dense model"),
+])
+def test_ep_fsdp_layouts_not_wired_are_refused_by_name(tmp_path, extra, world, match):
+    from test_rl_cp import _cfg
+    from specco.model.config import ConfigError
+    from specco.runner.derive import check_parallel
+    with pytest.raises(ConfigError, match=match):
+        check_parallel(_cfg(tmp_path, "parallel.ep=2", *extra), world, "train")
+
+
+def test_fsdp_of_a_moe_policy_needs_ep(tmp_path):
+    """validate.check_moe_layout (before out_dir): dp_shard at ep 1 is refused, naming parallel.ep as the fix; with
+    ep 2 it passes. apply_fsdp, the backstop, refuses a MoE policy whose experts are not placed."""
+    from test_rl_cp import _cfg
+    from specco.model.config import ConfigError, PolicyConfig
+    from specco.runner.validate import check_moe_layout
+    moe = PolicyConfig(**QWEN3_MOE)
+    check_moe_layout(_cfg(tmp_path, "parallel.dp_shard=2", "parallel.ep=2"), moe, "p/config.json")
+    check_moe_layout(_cfg(tmp_path, "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=4"), moe, "p")
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard=2 at parallel.ep=1: .* place the experts with "
+                                          r"parallel.ep > 1"):
+        check_moe_layout(_cfg(tmp_path, "parallel.dp_shard=2"), moe, "p/config.json")
+    with pytest.raises(ValueError, match=r"FSDP .* mixture-of-experts policy \(qwen3_moe\) at parallel.ep = 1 is not "
+                                         r"implemented: .* parallel.ep > 1"):
+        fsdp_mod.apply_fsdp(_policy(), mesh=None)

@@ -185,7 +185,8 @@ def test_moe_layouts_not_implemented_are_refused_by_name(tmp_path):
     from specco.parallel.tp import apply_tp
     from specco.runner.validate import check_moe_layout
     pc = _policy(torch.float32).cfg
-    for over, match in ((["parallel.tp=2"], "parallel.tp=2"), (["parallel.dp_shard=2"], "parallel.dp_shard=2 at parallel.ep=1"),
+    for over, match in ((["parallel.tp=2"], "parallel.tp=2"),
+                        (["parallel.dp_shard=2"], "parallel.dp_shard=2 at parallel.ep=1"),
                         (["parallel.pp=2", "policy.router_aux_loss_coef=0.01"], "router_aux_loss_coef=0.01"),
                         (["rollout.tp=2", "parallel.cp=2"], "rollout.tp=2: .* tensor-parallel engine over MoE")):
         with pytest.raises(ConfigError, match=match):

@@ -43,7 +43,8 @@ def sharded_policy(cfg: PolicyConfig, mesh: DeviceMesh, device, fill, dtype: tor
     """The FSDP-sharded Policy of `cfg` on `mesh` (`Mesh.fsdp_mesh`), its shards allocated on `device` in `dtype`
     and filled by `fill(model, rows_of)` (module docstring). A collective (fully_shard): every rank of the mesh
     calls it. `prepare(model)`: what must wrap the plain model before FSDP (torchtitan's order: expert parallelism's
-    `apply_ep`, whose slices FSDP then leaves alone, then activation checkpointing), run on the meta model; `forward_only`: apply_fsdp's (a model that never runs a backward).
+    `apply_ep`, whose slices FSDP then leaves alone, then activation checkpointing), run on the meta model;
+    `forward_only`: apply_fsdp's (a model that never runs a backward).
     Tied embeddings: to_empty unties what the meta model tied, so the head is tied again before the fill (one
     parameter, one shard, filled once as the embedding)."""
     with torch.device("meta"):

@@ -161,8 +161,9 @@ def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
 def _check_ep(cfg: RunConfig, command: str) -> None:
     """What expert parallelism (parallel.ep, parallel/ep.py) is not wired into, refused by name with the fix: it is
     tested (tests/test_ep.py, test_ep_fsdp.py) with plain data parallelism, context parallelism and FSDP
-    (parallel.dp_shard: the dense parameters sharded, the expert slices left to ep), fp64, on gloo. Whether the policy is a mixture of experts
-    whose num_experts ep divides is validate.check_moe_layout's (it reads config.json)."""
+    (parallel.dp_shard: the dense parameters sharded, the expert slices left to ep), fp64, on gloo. Whether the
+    policy is a mixture of experts whose num_experts ep divides is validate.check_moe_layout's (it reads
+    config.json)."""
     p, off = cfg.parallel, "or set parallel.ep=1"
     if command != "train":
         raise ConfigError(f"parallel.ep={p.ep}: expert parallelism runs in `specco train` only; set parallel.ep=1")
