@@ -21,7 +21,14 @@ all-reduced: tests/test_ep.py and test_dp.py tie that step to one process):
   step the same way: rtol 1e-9, atol 1e-12. fp64; only summation orders differ (the reduce-scatter's and the
   replica all-reduce's against one all-reduce over 4 ranks; an expert's rows in all-to-all arrival order), ~1e-15
   relative, so 1e-9 leaves room while a gradient reduced over the wrong ranks (off by whole rows, or doubled) cannot
-  pass. Seen: max |diff| ~1e-16 on gradients, ~1e-17 on parameters.
+  pass. Seen: at most 1.0e-15 absolute over every gradient and parameter of the four layouts.
+* bf16 at ep 2 × dp_shard 2 (world 2): FSDP's MixedPrecisionPolicy(bf16, fp32 reduce) under the step's autocast
+  against the ep 1 autocast step (fp32 master weights in both; the expert slices stay fp32 under FSDP and autocast
+  casts them, as it does the reference's). The runs round different tensors to bf16 (FSDP casts every dense weight:
+  norms and head run on bf16 weights), so as tests/test_fsdp.py derives: losses, aux loss and grad norm within
+  rtol 2e-2; after the one AdamW step every weight moved by lr·g/(|g| + eps) = ±lr in both runs, so a component
+  whose gradient sign the rounding flips is off by at most 2·lr (a hard bound), and the mean stays below 0.05·lr.
+  Seen: loss 2.6e-5, grad norm 1.6e-3 relative; parameters max 1.99 lr, mean 0.0067 lr.
 
 Mutations that must fail the same comparison (asserted to differ, on every rank): the expert slices handed to FSDP
 (not ignored: reduce-scattered over the fsdp ranks with other experts' gradients), and the slices' gradients summed
@@ -58,9 +65,12 @@ LAYOUTS = ((2, 2), (4, 2), (4, 4), (2, 4))  # (dp_shard, ep) at dp 4
 CFG = StepConfig(micro_batch_rows=1, policy_grad_clip=0.1)
 
 
-def _step(policy, batch, **kw):
-    opt = build_optimizer(policy, None, 1e-2, 1e-2)
-    m = cotrain_step(policy, None, batch, opt, None, CFG, **kw)
+LR = 1e-2
+
+
+def _step(policy, batch, cfg=CFG, **kw):
+    opt = build_optimizer(policy, None, LR, LR)
+    m = cotrain_step(policy, None, batch, opt, None, cfg, **kw)
     return m, {n: p.grad.clone() for n, p in policy.named_parameters()}, \
         {n: p.detach().clone() for n, p in policy.named_parameters()}
 
@@ -133,6 +143,43 @@ def test_ep_fsdp_mutation_experts_reduce_scattered_by_fsdp_fails():
 
 def test_ep_fsdp_mutation_expert_grads_reduced_over_ep_group_fails():
     spawn_local(_step_worker, WORLD, ((4, 2),), "reduce_over_ep")
+
+
+def _bf16_worker(rank, world):
+    """bf16 (module docstring): ep 2 × dp_shard 2 under FSDP's mixed precision and the step's autocast against the
+    ep 1 autocast step without FSDP, fp32 master weights in both."""
+    import dataclasses
+    from specco.parallel.fsdp import mixed_precision
+    mesh = Mesh.build(dp=world, backend="gloo", dp_shard=world, ep=world)
+    full, h = _batch(), B // world
+    local = TrainBatch(tokens=full.tokens[rank * h:(rank + 1) * h],
+                       **{k: getattr(full, k)[rank * h:(rank + 1) * h].float()
+                          for k in ("target_mask", "advantages", "logp_old")})
+    base = _policy().float()
+    cfg = dataclasses.replace(CFG, amp_dtype=torch.bfloat16)
+    m_ref, _, p_ref = _step(copy.deepcopy(base), local, cfg, grad_group=dist.group.WORLD)
+    policy = sharded_copy(base, mesh.fsdp_mesh, mp_policy=mixed_precision(torch.bfloat16),
+                          prepare=lambda m: apply_ep(m, mesh.ep_group, mesh.ep_replica_group))
+    m, g, p = _step(policy, local, cfg, grad_group=dist.group.WORLD, grad_sync=grad_syncs(policy, dist.group.WORLD))
+    assert all(v.dtype == torch.float32 for v in list(g.values()) + list(p.values()))  # fp32 masters and grads
+    for key in ("policy/loss", "policy/aux_loss", "policy/grad_norm"):
+        assert abs(m[key] - m_ref[key]) <= 2e-2 * abs(m_ref[key]), (key, m[key], m_ref[key])
+    local_of = {n: mod for n, mod in policy.named_modules() if isinstance(mod, EPExperts)}
+    d = []
+    for n, q in p.items():
+        mod = local_of.get(n.rsplit(".", 1)[0])
+        want = p_ref[n] if mod is None else p_ref[n][mod.first:mod.first + mod.local]
+        d.append((_whole(q) - want).abs().flatten())
+    d = torch.cat(d)
+    if rank == 0:
+        print(f"bf16: loss {abs(m['policy/loss'] / m_ref['policy/loss'] - 1):.1e}, norm "
+              f"{abs(m['policy/grad_norm'] / m_ref['policy/grad_norm'] - 1):.1e} relative; params max "
+              f"{d.max().item() / LR:.2f} lr, mean {d.mean().item() / LR:.4f} lr", flush=True)
+    assert d.max() <= 2.0001 * LR and d.mean() <= 0.05 * LR, (d.max().item(), d.mean().item())
+
+
+def test_ep_fsdp_step_under_bf16_mixed_precision_tracks_ep1_autocast():
+    spawn_local(_bf16_worker, 2)
 
 
 # -- the RL loop ---------------------------------------------------------------------------------------------------

@@ -39,6 +39,13 @@ multiply by one; forcing SUM avoids both. For fp64 (tests) torch already uses SU
 Mixed precision. `mixed_precision(torch.bfloat16)` = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32):
 weights all-gathered and computed in bf16, gradients reduced in fp32 into the fp32 sharded master weights that
 AdamW updates. `mixed_precision(None)` (fp32 / fp64 runs, the tests) casts nothing.
+
+Mixture of experts. A policy whose experts expert parallelism placed (parallel/ep.py: `apply_ep` first) is sharded
+except for its expert slices, which `apply_fsdp` passes as `ignored_params`: they stay plain tensors of E/ep experts
+(not gathered, not reduce-scattered; train/grad_sync.EPSync sums their gradients over their replica group), the rest
+— attention, norms, routers, shared experts, embeddings, head — is sharded as for a dense policy. Under bf16 mixed
+precision the slices stay fp32 and the step's autocast casts them for the expert GEMMs. A MoE policy without ep
+is refused: every rank would hold every expert whole, FSDP sharding only the small rest.
 """
 from __future__ import annotations
 
