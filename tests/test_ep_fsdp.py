@@ -35,9 +35,10 @@ Mutations that must fail the same comparison (asserted to differ, on every rank)
 over the ep group instead of the replica group.
 
 The RL loop: two steps of the co-trained EAGLE-3 arm (run_arm, PPO 2 × 2 with the log-prob recompute, a KL
-reference sharded and expert-placed like the trainer) at ep 2 × dp_shard 2 (world 2) against the same run at ep 1
-without FSDP, a resume from its step-1 checkpoint at the same layout (bit for bit), and at ep 1 without FSDP
-(another layout, fp64 summation order). Refusals by name: FSDP of a MoE policy at ep 1 (validate.check_moe_layout,
+reference sharded and expert-placed like the trainer) at ep 2 × dp_shard 2 (world 2; slow lane: ep 2 × dp_shard 4,
+each slice on two ranks) against the same run at ep 1 without FSDP, a resume from its step-1 checkpoint at the same
+layout (bit for bit), and at ep 1 without FSDP (another layout, fp64 summation order); measurement hooks and
+on_nonfinite=skip leave the trajectory bit for bit. Refusals by name: FSDP of a MoE policy at ep 1 (validate.check_moe_layout,
 apply_fsdp), ep × FSDP with pp or tp (derive.check_parallel).
 """
 import copy
@@ -194,14 +195,16 @@ def _whole_weights(st) -> dict:
     return out
 
 
-def _rl_worker(rank, world, tmp):
-    """Two RL steps of the co-trained EAGLE-3 arm at dp 2 = dp_shard 2, ep 2 against the same run at ep 1 without
+def _rl_worker(rank, world, tmp, dp_shard=2, ep=2):
+    """Two RL steps of the co-trained EAGLE-3 arm at dp = dp_shard = world and `ep` against the same run at ep 1 without
     FSDP (same processes, same seeds): the same rollouts (step 2's from each run's refit engine), rewards, losses,
     aux loss, KL, grad norms (rel 1e-9: fp64 summation orders), every weight after both steps (rtol 1e-9, atol
     1e-12), each rank's engine holding the gathered whole policy (bit for bit the trainer's gathered weights); the
     step-1 checkpoint (dense tensors as FSDP's Shard(0) chunks, the experts as their ep slices, both with global
     shapes) resumed at the same layout equals the straight run bit for bit, and at ep 1 without FSDP (every tensor
-    read whole) to rtol 1e-9."""
+    read whole) to rtol 1e-9. The plain baseline and frozen shadow hooks and on_nonfinite=skip leave the trajectory
+    bit for bit (at world 2). At dp_shard 4 × ep 2 each expert slice is held by two ranks: the checkpoint writes it once
+    (DCP's deduplication of equal chunks) and every holder reads it back."""
     import json
     from pathlib import Path
     from test_ep import RL_EXTRA, _rl_models
@@ -212,19 +215,21 @@ def _rl_worker(rank, world, tmp):
     tmp = Path(tmp)
     tok, policy, draft = _rl_models()
     out = {}
-    for name, extra, mesh_kw in (("ep1", ("parallel.dp=2",), {}),
-                                 ("ep2", ("parallel.dp_shard=2", "parallel.ep=2"), {"dp_shard": 2, "ep": 2})):
-        cfg = _cfg(tmp, *extra, *RL_EXTRA)
-        mesh = Mesh.build(2, 1, backend="gloo", **mesh_kw)
+    layout = (f"parallel.dp_shard={dp_shard}", f"parallel.ep={ep}")
+    for name, extra, mesh_kw in (("ep1", (f"parallel.dp={world}",), {}),
+                                 ("ep2", layout, {"dp_shard": dp_shard, "ep": ep})):
+        # 2 GRPO groups per DP rank: minibatches=2
+        cfg = _cfg(tmp, *extra, *RL_EXTRA, f"rollout.prompts_per_step={2 * world}")
+        mesh = Mesh.build(world, 1, backend="gloo", **mesh_kw)
         st, rec = {}, []
         rows = run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / name, progress=False, mesh=mesh,
                        state_out=st, record=rec)
         out[name] = (rows, [ro.pairs for ro in rec], st["state"], cfg, mesh)
     (rows1, pairs1, st1, cfg1, mesh1), (rows2, pairs2, st2, cfg2, mesh2) = out["ep1"], out["ep2"]
-    assert cfg2.parallel.fsdp and cfg2.parallel.ep == 2
+    assert cfg2.parallel.fsdp and cfg2.parallel.ep == ep and cfg2.parallel.shard == dp_shard
     experts = st2.policy.layers["0"].mlp.experts
     assert isinstance(experts, EPExperts) and not isinstance(experts.gate_up_proj, DTensor)
-    assert experts.gate_up_proj.shape[0] == policy.cfg.num_experts // 2
+    assert experts.gate_up_proj.shape[0] == policy.cfg.num_experts // ep
     assert isinstance(st2.policy.layers["0"].self_attn.qkv_proj.weight, DTensor)  # the dense part sharded
     assert isinstance(st2.ref.layers["0"].mlp.experts, EPExperts)  # the KL reference placed and sharded the same way
     assert isinstance(st2.ref.embed_tokens.weight, DTensor)
@@ -258,7 +263,22 @@ def _rl_worker(rank, world, tmp):
             assert a[k] == b[k], (k, a[k], b[k])
     w3 = _whole_weights(fin["state"])
     assert all(torch.equal(w3[k], w2[k]) for k in w2)
-    # the ep 2 × dp_shard 2 step-1 checkpoint resumed at ep 1 without FSDP: step 2 equals the straight run's
+    if world == 2:
+        # the measurements (the plain baseline reruns the updates from state copies of the sharded EP policy, loaded
+        # back through FSDP's DTensors and EPExperts' state-dict hooks; the frozen shadow) and on_nonfinite=skip's
+        # snapshot leave the trajectory as it is
+        runs = {}
+        for name, hooks in (("with", ("plain_baseline=[cotrained]", "frozen_shadow=[cotrained]")), ("without", ())):
+            cfg_m = _cfg(tmp, *layout, *RL_EXTRA, "rollout.sampler=coupled", "rollout.spec_control=on",
+                         "train.on_nonfinite=skip", *hooks)
+            runs[name] = {}
+            runs[name]["rows"] = run(name, cfg_m, mesh2, state_out=runs[name])
+        assert "time/rollout_plain" in runs["with"]["rows"][0]
+        loss = {k: [r["policy/loss"] for r in v["rows"]] for k, v in runs.items()}
+        assert loss["with"] == loss["without"]
+        wa, wb = _whole_weights(runs["with"]["state"]), _whole_weights(runs["without"]["state"])
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the ep × dp_shard step-1 checkpoint resumed at ep 1 without FSDP: step 2 equals the straight run's
     fin1 = {}
     again = run("other", cfg2, mesh2, stop_after=1) + run("other", cfg1, mesh1, state_out=fin1)
     assert [r["step"] for r in again] == [1, 2]
@@ -271,6 +291,11 @@ def _rl_worker(rank, world, tmp):
 
 def test_rl_loop_ep2_dp_shard2_equals_ep1_and_resumes(tmp_path):
     spawn_local(_rl_worker, 2, str(tmp_path))
+
+
+@pytest.mark.slow  # 4 processes
+def test_rl_loop_ep2_dp_shard4_equals_ep1_and_resumes(tmp_path):
+    spawn_local(_rl_worker, 4, str(tmp_path), 4, 2)
 
 
 # -- what is refused -----------------------------------------------------------------------------------------------
