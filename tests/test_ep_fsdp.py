@@ -38,8 +38,8 @@ The RL loop: two steps of the co-trained EAGLE-3 arm (run_arm, PPO 2 × 2 with t
 reference sharded and expert-placed like the trainer) at ep 2 × dp_shard 2 (world 2; slow lane: ep 2 × dp_shard 4,
 each slice on two ranks) against the same run at ep 1 without FSDP, a resume from its step-1 checkpoint at the same
 layout (bit for bit), and at ep 1 without FSDP (another layout, fp64 summation order); measurement hooks and
-on_nonfinite=skip leave the trajectory bit for bit. Refusals by name: FSDP of a MoE policy at ep 1 (validate.check_moe_layout,
-apply_fsdp), ep × FSDP with pp or tp (derive.check_parallel).
+on_nonfinite=skip leave the trajectory bit for bit. Refusals by name: FSDP of a MoE policy at ep 1
+(validate.check_moe_layout, apply_fsdp), ep × FSDP with pp or tp (derive.check_parallel).
 """
 import copy
 
@@ -203,8 +203,8 @@ def _rl_worker(rank, world, tmp, dp_shard=2, ep=2):
     step-1 checkpoint (dense tensors as FSDP's Shard(0) chunks, the experts as their ep slices, both with global
     shapes) resumed at the same layout equals the straight run bit for bit, and at ep 1 without FSDP (every tensor
     read whole) to rtol 1e-9. The plain baseline and frozen shadow hooks and on_nonfinite=skip leave the trajectory
-    bit for bit (at world 2). At dp_shard 4 × ep 2 each expert slice is held by two ranks: the checkpoint writes it once
-    (DCP's deduplication of equal chunks) and every holder reads it back."""
+    bit for bit (at world 2). At dp_shard 4 × ep 2 each expert slice is held by two ranks: the checkpoint writes it
+    once (DCP's deduplication of equal chunks) and every holder reads it back."""
     import json
     from pathlib import Path
     from test_ep import RL_EXTRA, _rl_models
