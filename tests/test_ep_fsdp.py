@@ -37,8 +37,9 @@ over the ep group instead of the replica group.
 The RL loop: two steps of the co-trained EAGLE-3 arm (run_arm, PPO 2 × 2 with the log-prob recompute, a KL
 reference sharded and expert-placed like the trainer) at ep 2 × dp_shard 2 (world 2; slow lane: ep 2 × dp_shard 4,
 each slice on two ranks) against the same run at ep 1 without FSDP, a resume from its step-1 checkpoint at the same
-layout (bit for bit), and at ep 1 without FSDP (another layout, fp64 summation order); measurement hooks and
-on_nonfinite=skip leave the trajectory bit for bit. Refusals by name: FSDP of a MoE policy at ep 1
+layout (bit for bit), and at ep 1 without FSDP and back (other layouts, fp64 summation order); measurement hooks and
+on_nonfinite=skip leave the trajectory bit for bit. The same at dp 1 × cp 2 with dp_shard 1 (FSDP and ep both over
+the cp pair). Refusals by name: FSDP of a MoE policy at ep 1
 (validate.check_moe_layout, apply_fsdp), ep × FSDP with pp or tp (derive.check_parallel).
 """
 import copy
@@ -194,15 +195,15 @@ def _whole_weights(st) -> dict:
     return out
 
 
-def _rl_worker(rank, world, tmp, dp_shard=2, ep=2):
-    """Two RL steps of the co-trained EAGLE-3 arm at dp = dp_shard = world and `ep` against the same run at ep 1 without
-    FSDP (same processes, same seeds): the same rollouts (step 2's from each run's refit engine), rewards, losses,
+def _rl_worker(rank, world, tmp, dp_shard=2, ep=2, cp=1):
+    """Two RL steps of the co-trained EAGLE-3 arm at dp = dp_shard = world / cp, cp and `ep` against the same run at
+    ep 1 without FSDP (same processes, same seeds): the same rollouts (step 2's from each run's refit engine), rewards, losses,
     aux loss, KL, grad norms (rel 1e-9: fp64 summation orders), every weight after both steps (rtol 1e-9, atol
     1e-12), each rank's engine holding the gathered whole policy (bit for bit the trainer's gathered weights); the
     step-1 checkpoint (dense tensors as FSDP's Shard(0) chunks, the experts as their ep slices, both with global
     shapes) resumed at the same layout equals the straight run bit for bit, and at ep 1 without FSDP (every tensor
-    read whole) to rtol 1e-9. The plain baseline and frozen shadow hooks and on_nonfinite=skip leave the trajectory
-    bit for bit (at world 2). At dp_shard 4 × ep 2 each expert slice is held by two ranks: the checkpoint writes it
+    read whole) to rtol 1e-9, and the other way (ep 1's checkpoint resumed at ep × dp_shard). The plain baseline and frozen shadow hooks and on_nonfinite=skip leave the trajectory
+    bit for bit (at dp_shard 2). At dp_shard 4 × ep 2 each expert slice is held by two ranks: the checkpoint writes it
     once (DCP's deduplication of equal chunks) and every holder reads it back."""
     import json
     from pathlib import Path
@@ -214,12 +215,13 @@ def _rl_worker(rank, world, tmp, dp_shard=2, ep=2):
     tmp = Path(tmp)
     tok, policy, draft = _rl_models()
     out = {}
-    layout = (f"parallel.dp_shard={dp_shard}", f"parallel.ep={ep}")
-    for name, extra, mesh_kw in (("ep1", (f"parallel.dp={world}",), {}),
+    dp = world // cp
+    layout = (f"parallel.dp_shard={dp_shard}", f"parallel.ep={ep}", f"parallel.cp={cp}")
+    for name, extra, mesh_kw in (("ep1", (f"parallel.dp={dp}", f"parallel.cp={cp}"), {}),
                                  ("ep2", layout, {"dp_shard": dp_shard, "ep": ep})):
         # 2 GRPO groups per DP rank: minibatches=2
-        cfg = _cfg(tmp, *extra, *RL_EXTRA, f"rollout.prompts_per_step={2 * world}")
-        mesh = Mesh.build(world, 1, backend="gloo", **mesh_kw)
+        cfg = _cfg(tmp, *extra, *RL_EXTRA, f"rollout.prompts_per_step={2 * dp}")
+        mesh = Mesh.build(dp, cp, backend="gloo", **mesh_kw)
         st, rec = {}, []
         rows = run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / name, progress=False, mesh=mesh,
                        state_out=st, record=rec)
@@ -262,7 +264,7 @@ def _rl_worker(rank, world, tmp, dp_shard=2, ep=2):
             assert a[k] == b[k], (k, a[k], b[k])
     w3 = _whole_weights(fin["state"])
     assert all(torch.equal(w3[k], w2[k]) for k in w2)
-    if world == 2:
+    if world == 2 and cp == 1:
         # the measurements (the plain baseline reruns the updates from state copies of the sharded EP policy, loaded
         # back through FSDP's DTensors and EPExperts' state-dict hooks; the frozen shadow) and on_nonfinite=skip's
         # snapshot leave the trajectory as it is
@@ -286,10 +288,26 @@ def _rl_worker(rank, world, tmp, dp_shard=2, ep=2):
     w4 = _whole_weights(fin1["state"])
     for k in w2:
         torch.testing.assert_close(w4[k], w2[k], rtol=1e-9, atol=1e-12, msg=k)
+    # and the other way: ep 1's step-1 checkpoint (whole experts) resumed at ep × dp_shard (each rank reads its slice
+    # and its shards)
+    fin2 = {}
+    back = run("back", cfg1, mesh1, stop_after=1) + run("back", cfg2, mesh2, state_out=fin2)
+    assert [r["step"] for r in back] == [1, 2]
+    for k in ("reward", "policy/loss", "policy/aux_loss", "draft/loss", "policy/grad_norm"):
+        assert abs(back[1][k] - rows1[1][k]) <= 1e-9 * max(1.0, abs(rows1[1][k])), (k, back[1][k], rows1[1][k])
+    w5 = _whole_weights(fin2["state"])
+    for k in w1:
+        torch.testing.assert_close(w5[k], w1[k], rtol=1e-9, atol=1e-12, msg=k)
 
 
 def test_rl_loop_ep2_dp_shard2_equals_ep1_and_resumes(tmp_path):
     spawn_local(_rl_worker, 2, str(tmp_path))
+
+
+def test_rl_loop_ep2_over_cp2_with_fsdp_equals_ep1(tmp_path):
+    """dp 1, cp 2, dp_shard 1: FSDP over the cp pair (the fsdp axis is dp_shard × cp), ep over the same pair (they hold
+    other tokens of the same sequences); the ring attention untouched."""
+    spawn_local(_rl_worker, 2, str(tmp_path), 1, 2, 2)
 
 
 @pytest.mark.slow  # 4 processes
