@@ -196,15 +196,16 @@ def _whole_weights(st) -> dict:
 
 
 def _rl_worker(rank, world, tmp, dp_shard=2, ep=2, cp=1):
-    """Two RL steps of the co-trained EAGLE-3 arm at dp = dp_shard = world / cp, cp and `ep` against the same run at
-    ep 1 without FSDP (same processes, same seeds): the same rollouts (step 2's from each run's refit engine), rewards, losses,
-    aux loss, KL, grad norms (rel 1e-9: fp64 summation orders), every weight after both steps (rtol 1e-9, atol
-    1e-12), each rank's engine holding the gathered whole policy (bit for bit the trainer's gathered weights); the
-    step-1 checkpoint (dense tensors as FSDP's Shard(0) chunks, the experts as their ep slices, both with global
-    shapes) resumed at the same layout equals the straight run bit for bit, and at ep 1 without FSDP (every tensor
-    read whole) to rtol 1e-9, and the other way (ep 1's checkpoint resumed at ep × dp_shard). The plain baseline and frozen shadow hooks and on_nonfinite=skip leave the trajectory
-    bit for bit (at dp_shard 2). At dp_shard 4 × ep 2 each expert slice is held by two ranks: the checkpoint writes it
-    once (DCP's deduplication of equal chunks) and every holder reads it back."""
+    """Two RL steps of the co-trained EAGLE-3 arm at dp = dp_shard = world / cp, cp and `ep` against the same run
+    at ep 1 without FSDP (same processes, same seeds): the same rollouts (step 2's from each run's refit engine),
+    rewards, losses, aux loss, KL, grad norms (rel 1e-9: fp64 summation orders), every weight after both steps
+    (rtol 1e-9, atol 1e-12), each rank's engine holding the gathered whole policy (bit for bit the trainer's
+    gathered weights). The step-1 checkpoint (dense tensors as FSDP's Shard(0) chunks, the experts as their ep
+    slices, both with global shapes) resumed at the same layout equals the straight run bit for bit; at ep 1 without
+    FSDP (every tensor read whole) to rtol 1e-9, and the other way (ep 1's checkpoint resumed at ep × dp_shard). The
+    plain baseline and frozen shadow hooks and on_nonfinite=skip leave the trajectory bit for bit (at dp_shard 2).
+    At dp_shard 4 × ep 2 each expert slice is held by two ranks: the checkpoint writes it once (DCP's deduplication
+    of equal chunks) and every holder reads it back."""
     import json
     from pathlib import Path
     from test_ep import RL_EXTRA, _rl_models
