@@ -11,7 +11,8 @@ The co-training step, 4 ranks (dp 4, 2 rows each), at four layouts built by the 
     dp_shard 4, ep 4                      ep = fsdp = the world, no replica group
     dp_shard 2 (HSDP), ep 4               an ep group spanning both replicas (two fsdp groups)
 
-each against the ep 1, no-FSDP data-parallel step in the same processes (a whole policy per rank, its gradients
+(and dp_shard 4 × ep 2 with activation checkpointing: the backward recomputes each layer's all-to-alls and FSDP
+gathers it again) each against the ep 1, no-FSDP data-parallel step in the same processes (a whole policy per rank, its gradients
 all-reduced: tests/test_ep.py and test_dp.py tie that step to one process):
 
 * "policy/loss", "policy/aux_loss" (this rank's shares) and the policy's grad norm (clipping active: max 0.1, the
@@ -80,9 +81,16 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _ep_fsdp_policy(base, mesh):
-    """The trainer's copy as make_arm cuts it: EP on the meta model, then FSDP of the rest, filled from `base`."""
-    return sharded_copy(base, mesh.fsdp_mesh, prepare=lambda m: apply_ep(m, mesh.ep_group, mesh.ep_replica_group))
+def _ep_fsdp_policy(base, mesh, checkpointed=False):
+    """The trainer's copy as make_arm cuts it: EP on the meta model, (activation checkpointing,) then FSDP of the
+    rest, filled from `base`."""
+    from specco.train.activation_checkpointing import apply_activation_checkpointing
+
+    def prepare(m):
+        apply_ep(m, mesh.ep_group, mesh.ep_replica_group)
+        if checkpointed:  # the backward recomputes each layer: its all-to-alls and FSDP's gathers, in order
+            apply_activation_checkpointing(m)
+    return sharded_copy(base, mesh.fsdp_mesh, prepare=prepare)
 
 
 def _mismatches(rank, dp_shard, ep, mutation) -> list[str]:
@@ -93,7 +101,7 @@ def _mismatches(rank, dp_shard, ep, mutation) -> list[str]:
     base = _policy()
     m_ref, g_ref, p_ref = _step(copy.deepcopy(base), local, grad_group=dist.group.WORLD)
     assert m_ref["policy/grad_norm"] > 2 * CFG.policy_grad_clip  # the clip is active
-    policy = _ep_fsdp_policy(base, mesh)
+    policy = _ep_fsdp_policy(base, mesh, checkpointed=mutation == "checkpointed")
     local_of = {n: mod for n, mod in policy.named_modules() if isinstance(mod, EPExperts)}
     assert len(local_of) == 2  # the sparse layers 0 and 2
     for n, p in policy.named_parameters():  # the dense parameters sharded, the slices plain (E/ep experts)
@@ -123,7 +131,7 @@ def _mismatches(rank, dp_shard, ep, mutation) -> list[str]:
 def _step_worker(rank, world, layouts, mutation):
     for dp_shard, ep in layouts:
         bad = _mismatches(rank, dp_shard, ep, mutation)
-        if mutation is None:
+        if mutation in (None, "checkpointed"):  # (not a mutation: a recipe that must still match)
             assert not bad, (dp_shard, ep, bad)
         else:  # every rank holds experts (or shards) the wrong gradients reached
             assert bad, f"mutation {mutation!r} at dp_shard={dp_shard}, ep={ep} went unnoticed"
@@ -131,6 +139,10 @@ def _step_worker(rank, world, layouts, mutation):
 
 def test_ep_fsdp_step_equals_ep1():
     spawn_local(_step_worker, WORLD, LAYOUTS, None)
+
+
+def test_ep_fsdp_step_with_activation_checkpointing_equals_ep1():
+    spawn_local(_step_worker, WORLD, ((4, 2),), "checkpointed")
 
 
 def _experts_to_fsdp(rank, world, layouts):
