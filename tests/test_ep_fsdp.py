@@ -12,8 +12,8 @@ The co-training step, 4 ranks (dp 4, 2 rows each), at four layouts built by the 
     dp_shard 2 (HSDP), ep 4               an ep group spanning both replicas (two fsdp groups)
 
 (and dp_shard 4 × ep 2 with activation checkpointing: the backward recomputes each layer's all-to-alls and FSDP
-gathers it again) each against the ep 1, no-FSDP data-parallel step in the same processes (a whole policy per rank, its gradients
-all-reduced: tests/test_ep.py and test_dp.py tie that step to one process):
+gathers it again) each against the ep 1, no-FSDP data-parallel step in the same processes (a whole policy per rank,
+its gradients all-reduced: tests/test_ep.py and test_dp.py tie that step to one process):
 
 * "policy/loss", "policy/aux_loss" (this rank's shares) and the policy's grad norm (clipping active: max 0.1, the
   norm 0.496): rel 1e-10;
