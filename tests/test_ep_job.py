@@ -1,4 +1,5 @@
-"""`specco train` at parallel.ep = 2 under torchrun (2 CPU processes, gloo), end to end on a tiny Qwen3-MoE."""
+"""`specco train` at parallel.ep = 2 under torchrun (2 CPU processes, gloo), end to end on a tiny Qwen3-MoE: with plain
+data parallelism and with FSDP (parallel.dp_shard = 2: the dense parameters sharded, the expert slices left to ep)."""
 import os
 import subprocess
 import sys
@@ -10,9 +11,10 @@ import torch
 pytestmark = pytest.mark.e2e
 
 
-def test_specco_train_under_torchrun_at_ep2(tmp_path):
-    """A user's job: `specco train` on a tiny random Qwen3-MoE saved by transformers, under torchrun at dp 2, ep 2
-    (validation, SFT-free warm start on rank 0, the policy shared, EP applied in make_arm, refits, sharded
+@pytest.mark.parametrize("data_axis", ["parallel.dp=2", "parallel.dp_shard=2"])
+def test_specco_train_under_torchrun_at_ep2(tmp_path, data_axis):
+    """A user's job: `specco train` on a tiny random Qwen3-MoE saved by transformers, under torchrun at dp 2 (or
+    dp_shard 2), ep 2 (validation, SFT-free warm start on rank 0, the policy shared, EP applied in make_arm, refits, sharded
     checkpoints, evaluation and saving from the engine's whole copy): 2 steps log the aux loss, and out/policy
     holds every expert (both ep ranks' halves, changed by training; the numerics are tests/test_ep.py's)."""
     from job_helpers import job_overrides, word_problems, write_jsonl
@@ -25,7 +27,7 @@ def test_specco_train_under_torchrun_at_ep2(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "specco",
            "train", "--policy", str(policy), "--data", str(data), "--reward", "math", "--quiet", *job_overrides(out),
-           "data.eval_fraction=0.25", "policy.router_aux_loss_coef=0.05", "parallel.dp=2", "parallel.ep=2"]
+           "data.eval_fraction=0.25", "policy.router_aux_loss_coef=0.05", data_axis, "parallel.ep=2"]
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=480)
     assert p.returncode == 0, p.stdout[-4000:]

@@ -185,14 +185,15 @@ def test_moe_layouts_not_implemented_are_refused_by_name(tmp_path):
     from specco.parallel.tp import apply_tp
     from specco.runner.validate import check_moe_layout
     pc = _policy(torch.float32).cfg
-    for over, match in ((["parallel.tp=2"], "parallel.tp=2"), (["parallel.dp_shard=2"], "parallel.dp_shard=2"),
+    for over, match in ((["parallel.tp=2"], "parallel.tp=2"),
+                        (["parallel.dp_shard=2"], "parallel.dp_shard=2 at parallel.ep=1"),
                         (["parallel.pp=2", "policy.router_aux_loss_coef=0.01"], "router_aux_loss_coef=0.01"),
                         (["rollout.tp=2", "parallel.cp=2"], "rollout.tp=2: .* tensor-parallel engine over MoE")):
         with pytest.raises(ConfigError, match=match):
             check_moe_layout(load_config(overrides=over), pc, "dir/config.json")
     check_moe_layout(load_config(overrides=["parallel.pp=2", "policy.router_aux_loss_coef=0"]), pc, "x")
     policy = _policy(torch.float32)
-    with pytest.raises(ValueError, match="FSDP .* mixture-of-experts"):
+    with pytest.raises(ValueError, match="FSDP .* mixture-of-experts policy .* at parallel.ep = 1"):
         apply_fsdp(policy, mesh=None)
 
     class _Mesh:

@@ -38,6 +38,22 @@ replicated parameters keep their all-reduce over grad_group. train/grad_sync.EPS
 the norm of the expert slices summed over the ep group. The router's aux loss reads the local router logits, as
 at ep 1: unchanged.
 
+**With FSDP** (parallel.dp_shard; tests/test_ep_fsdp.py). The recipe (trainer.make_arm, through
+parallel/load.sharded_copy): `apply_ep` on the meta model, activation checkpointing, then `apply_fsdp`, which
+passes the expert slices to `fully_shard(ignored_params=)`: the dense parameters (attention, norms, the router
+`gate`, Qwen2-MoE's shared expert, embeddings, head) become DTensor shards over mesh.fsdp_mesh and are
+reduce-scattered inside the backward as for a dense policy; the slices stay plain tensors of E/ep experts, never
+gathered or reduced by FSDP, and EPSync (over FSDPSync for the rest) sums them over the replica group as above. The
+clip's norm is the dense DTensors' norm plus the slices' squared norms summed over the ep group. ep and the fsdp mesh
+are both cut from the stage's dp × cp ranks and need not agree: ep 2 inside dp_shard 4, or ep 4 across two HSDP
+replicas, are the same code. A slice is thus held whole by every rank of its replica group (dp × cp / ep copies);
+torchtitan's alternative, FSDP of each slice over its replica ranks (`dp_shard_in_ep`), which would cut the experts'
+memory by that factor too, is a later step. The KL reference is placed and sharded the same way; the refit gathers
+the shards (in buckets) and the experts (`full_expert_state`); sharded checkpoints hold both with global shapes, so
+a run resumes at ep × dp_shard or at ep 1 without FSDP (tested; other ep / dp_shard combinations go through the same
+DCP resharding, untested). A mixture-of-experts policy under FSDP at ep 1 is refused (apply_fsdp,
+validate.check_moe_layout): every rank would hold every expert whole.
+
 Every rank of an ep group must run the same sparse-layer forwards and backwards (the all-to-alls are collectives):
 the same number of micro-batches per step, which the runner's even split of prompts over dp gives.
 
@@ -49,7 +65,7 @@ slice as its Shard(0) of the whole (E, ...) tensor (`expert_meshes`, `as_global`
 resumes at any ep, 1 included.
 
 Not here: grouped GEMMs (the loop over local experts reads the counts on the host, like the dispatch's split sizes:
-no CUDA graph, no compile), FSDP of the dense parameters beside ep (refused), pp and tp with ep (refused).
+no CUDA graph, no compile), FSDP of the expert slices over their replica ranks (above), pp and tp with ep (refused).
 """
 from __future__ import annotations
 
@@ -63,7 +79,7 @@ from torch.distributed.tensor import DTensor, Shard
 from ..model.moe import Experts, SparseMoE
 
 __all__ = ["apply_ep", "EPExperts", "is_ep", "expert_parameters", "full_expert_state", "ep_groups",
-           "expert_meshes", "as_global", "check_same_micro_batches"]
+           "expert_meshes", "as_global", "check_same_micro_batches", "slice_offsets"]
 
 
 def ep_groups(stage_ranks: list[int], ep: int, rank: int):
@@ -262,6 +278,14 @@ def full_expert_state(policy: nn.Module) -> dict[str, torch.Tensor]:
             state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, I:]
             state[f"{prefix}{e}.down_proj.weight"] = down[e]
     return state
+
+
+def slice_offsets(model: nn.Module) -> dict[str, int]:
+    """{FQN of each expert slice parameter in `model`: the row of the whole (E, ...) tensor that is its row 0, i.e.
+    its first expert's id}: where a copy filled from the whole policy reads a slice's rows (parallel/load.py's
+    sharded_copy under ep × FSDP). Empty without expert parallelism."""
+    return {f"{name}.{p}": mod.first for name, mod in model.named_modules() if isinstance(mod, EPExperts)
+            for p in ("gate_up_proj", "down_proj")}
 
 
 def expert_meshes(model: nn.Module) -> dict[str, DeviceMesh]:

@@ -39,6 +39,13 @@ multiply by one; forcing SUM avoids both. For fp64 (tests) torch already uses SU
 Mixed precision. `mixed_precision(torch.bfloat16)` = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32):
 weights all-gathered and computed in bf16, gradients reduced in fp32 into the fp32 sharded master weights that
 AdamW updates. `mixed_precision(None)` (fp32 / fp64 runs, the tests) casts nothing.
+
+Mixture of experts. A policy whose experts expert parallelism placed (parallel/ep.py: `apply_ep` first) is sharded
+except for its expert slices, which `apply_fsdp` passes as `ignored_params`: they stay plain tensors of E/ep experts
+(not gathered, not reduce-scattered; train/grad_sync.EPSync sums their gradients over their replica group), the rest
+— attention, norms, routers, shared experts, embeddings, head — is sharded as for a dense policy. Under bf16 mixed
+precision the slices stay fp32 and the step's autocast casts them for the expert GEMMs. A MoE policy without ep
+is refused: every rank would hold every expert whole, FSDP sharding only the small rest.
 """
 from __future__ import annotations
 
@@ -100,20 +107,34 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
     Call it after activation checkpointing / compile (torchtitan's order) and BEFORE building the optimizer:
     fully_shard replaces every parameter with a DTensor shard. Gradients are summed, never averaged (module
     docstring). Returns `model` (its class now also an FSDPModule)."""
-    if getattr(getattr(model, "cfg", None), "moe", False):  # a boundary: the expert tensors' state-dict views
-        # (model/moe.py) slice dim 0, which fully_shard cuts; sharding experts is expert parallelism's job (issue 38)
-        raise ValueError(f"FSDP (parallel.dp_shard > 1) of a mixture-of-experts policy ({model.cfg.model_type}) is not "
-                         "implemented; use parallel.dp_shard = 1 (data parallelism replicates it)")
+    ignored = _expert_slices(model)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     *layers, (root, _) = layer_reshards_after_forward(model, reshard_after_forward)
     for layer, reshard in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard or forward_only)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard or forward_only,
+                    ignored_params=ignored)
     # embeddings, norm, head: the root unit, left to FSDP's default (None: not resharded after forward)
-    fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True if forward_only else None)
+    fully_shard(root, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True if forward_only else None,
+                ignored_params=ignored)
     for m in fsdp_modules(model):  # per unit: the setters below are not recursive
         m.set_gradient_divide_factor(1.0)
         m.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _expert_slices(model: nn.Module) -> set[nn.Parameter] | None:
+    """The parameters FSDP must leave alone (`fully_shard(ignored_params=)`): an expert-parallel policy's expert
+    slices (parallel/ep.py), already cut over the ep group; None for a dense policy. A mixture-of-experts policy
+    whose experts are not placed by ep is refused (a boundary: config checks refuse it first, by name)."""
+    from .ep import expert_parameters, is_ep
+    if is_ep(model):
+        return set(expert_parameters(model)[0])
+    if getattr(getattr(model, "cfg", None), "moe", False):
+        raise ValueError(f"FSDP (parallel.dp_shard > 1) of a mixture-of-experts policy ({model.cfg.model_type}) at "
+                         "parallel.ep = 1 is not implemented: every rank would hold every expert whole (most of the "
+                         "parameters), FSDP sharding only the rest; place the experts with parallel.ep > 1 (a divisor "
+                         "of num_experts and of parallel.dp × parallel.cp), or use parallel.dp_shard = 1")
+    return None
 
 
 def shard_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:

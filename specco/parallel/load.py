@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..model.config import PolicyConfig
 from ..model.hf_io import load_policy_config, load_policy_rows
 from ..model.policy import Policy
+from .ep import slice_offsets
 from .fsdp import MixedPrecisionPolicy, apply_fsdp, shard_rows
 
 __all__ = ["sharded_policy", "load_sharded_policy", "sharded_copy"]
@@ -41,8 +42,9 @@ def sharded_policy(cfg: PolicyConfig, mesh: DeviceMesh, device, fill, dtype: tor
                    forward_only: bool = False, prepare=None) -> Policy:
     """The FSDP-sharded Policy of `cfg` on `mesh` (`Mesh.fsdp_mesh`), its shards allocated on `device` in `dtype`
     and filled by `fill(model, rows_of)` (module docstring). A collective (fully_shard): every rank of the mesh
-    calls it. `prepare(model)`: what must wrap the plain model before FSDP (torchtitan's order: activation
-    checkpointing), run on the meta model; `forward_only`: apply_fsdp's (a model that never runs a backward).
+    calls it. `prepare(model)`: what must wrap the plain model before FSDP (torchtitan's order: expert parallelism's
+    `apply_ep`, whose slices FSDP then leaves alone, then activation checkpointing), run on the meta model;
+    `forward_only`: apply_fsdp's (a model that never runs a backward).
     Tied embeddings: to_empty unties what the meta model tied, so the head is tied again before the fill (one
     parameter, one shard, filled once as the embedding)."""
     with torch.device("meta"):
@@ -79,7 +81,9 @@ def sharded_copy(policy: Policy, mesh: DeviceMesh, **kw) -> Policy:
         mine = dict(model.named_parameters())
         if mine.keys() != whole.keys():
             raise AssertionError(f"sharded_copy: parameters differ: {sorted(mine.keys() ^ whole.keys())}")
+        first = slice_offsets(model)  # `prepare` applied expert parallelism: a slice's rows start at its first expert
         for name, p in mine.items():
-            local, start, stop = rows_of(p)
-            local.copy_(whole[name][start:stop])
+            local, start, stop = rows_of(p)  # an expert slice is a plain tensor (FSDP leaves it alone): all its rows
+            o = first.get(name, 0)
+            local.copy_(whole[name][o + start:o + stop])
     return sharded_policy(policy.cfg, mesh, next(iter(whole.values())).device, fill, dtypes.pop(), **kw)

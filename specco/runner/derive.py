@@ -160,8 +160,10 @@ def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
 
 def _check_ep(cfg: RunConfig, command: str) -> None:
     """What expert parallelism (parallel.ep, parallel/ep.py) is not wired into, refused by name with the fix: it is
-    tested (tests/test_ep.py) with plain data parallelism, fp64, on gloo. Whether the policy is a mixture of experts
-    whose num_experts ep divides is validate.check_moe_layout's (it reads config.json)."""
+    tested (tests/test_ep.py, test_ep_fsdp.py) with plain data parallelism, context parallelism and FSDP
+    (parallel.dp_shard: the dense parameters sharded, the expert slices left to ep), fp64, on gloo. Whether the
+    policy is a mixture of experts whose num_experts ep divides is validate.check_moe_layout's (it reads
+    config.json)."""
     p, off = cfg.parallel, "or set parallel.ep=1"
     if command != "train":
         raise ConfigError(f"parallel.ep={p.ep}: expert parallelism runs in `specco train` only; set parallel.ep=1")
@@ -170,9 +172,6 @@ def _check_ep(cfg: RunConfig, command: str) -> None:
             raise ConfigError(f"parallel.ep={p.ep} with parallel.{key}={n}: expert parallelism under "
                               f"{'pipeline' if key == 'pp' else 'tensor'} parallelism is not implemented; set "
                               f"parallel.{key}=1 {off}")
-    if p.fsdp:
-        raise ConfigError(f"parallel.ep={p.ep} with parallel.dp_shard={p.shard}: FSDP of a mixture-of-experts policy "
-                          f"is not implemented (the experts would be cut twice); drop parallel.dp_shard {off}")
     if (p.dp * p.cp) % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp × parallel.cp = {p.dp * p.cp}: expert "
                           "parallelism borrows those ranks (they hold different tokens); set parallel.ep to a "

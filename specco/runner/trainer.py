@@ -50,6 +50,10 @@ rank, each rank's engine holds the whole policy, refit from the gathered shards 
 engine is tensor-parallel on its own (rollout/tp.py): each rank's engine holds its shard for its engine tp group
 (mesh.rollout_tp_group, cut from the cp x tp ranks that share a DP group's rollouts); the first group generates
 them together, and the refit keeps each rank's slice of the whole tensors it streams.
+With parallel.ep (parallel/ep.py) the trainer's experts of a mixture-of-experts policy are cut over the ep ranks
+(borrowed from dp × cp); under FSDP as well, the rest sharded and the slices left out of FSDP's units (the KL
+reference placed and sharded the same way; without FSDP it stays whole); the engine keeps every expert, refit from
+the gathered slices (full_expert_state).
 Metrics: losses summed over all ranks (each holds its share), tokens/s summed and the engine-vs-trainer
 log-prob gap maxed over DP ranks, everything else the mean over DP ranks.
 """
@@ -121,6 +125,18 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
     sharded = cfg.parallel.fsdp and distributed(mesh)
     tp = mesh is not None and mesh.tp > 1  # parallel/tp.py: TP first, then (AC, then) FSDP, as torchtitan
     mp = mixed_precision(amp) if sharded and amp == torch.bfloat16 else None
+    ep = mesh is not None and mesh.ep > 1  # the trainer's experts cut over the ep group (parallel/ep.py); the engine
+    # keeps every expert. pp and tp with ep are refused (derive.check_parallel). Under FSDP the recipe's order: EP
+    # on the meta model, then AC, then FSDP of the rest (apply_fsdp leaves the slices alone)
+
+    def recipe(*steps):  # what wraps the plain (meta) model before FSDP, in order; None when nothing does
+        steps = [f for f in steps if f is not None]
+
+        def prepare(m):
+            for f in steps:
+                f(m)
+        return prepare if steps else None
+    place = (lambda m: apply_ep(m, mesh.ep_group, mesh.ep_replica_group)) if ep else None
     ref = None
     if cfg.train.kl_coef > 0:  # forward-only; under FSDP its shards, gathered unit by unit in its forwards (on
         # every rank: the log-prob recompute runs the same micro-batches everywhere) and freed after each
@@ -128,8 +144,8 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
         if tp:  # tensor-parallel like the trainer, so its log-probs are computed as the trainer's are
             ref = tp_copy(policy, mesh.tp_mesh, mesh.fsdp_mesh if sharded else None, prepare=freeze, mp_policy=mp,
                           forward_only=True, sequence_parallel=cfg.parallel.tp_sequence_parallel)
-        elif sharded:
-            ref = sharded_copy(policy, mesh.fsdp_mesh, mp_policy=mp, forward_only=True, prepare=freeze)
+        elif sharded:  # under ep its experts placed too (its forwards dispatch like the trainer's)
+            ref = sharded_copy(policy, mesh.fsdp_mesh, mp_policy=mp, forward_only=True, prepare=recipe(place, freeze))
         else:
             ref = freeze(copy.deepcopy(policy))
         ref = ref.eval()
@@ -144,12 +160,11 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
         # (parallel/load.sharded_copy). torchtitan's order: AC wraps the meta layers before FSDP; compile under
         # FSDP is refused (derive.check_parallel). Under PP the stage is cut from a whole copy below
         ac = apply_activation_checkpointing if cfg.train.activation_checkpointing else None
-        policy = sharded_copy(policy, mesh.fsdp_mesh, mp_policy=mp, prepare=ac).train()
+        policy = sharded_copy(policy, mesh.fsdp_mesh, mp_policy=mp, prepare=recipe(place, ac)).train()
     else:
         policy = copy.deepcopy(policy).train()
-    if mesh is not None and mesh.ep > 1:  # the trainer's experts cut over the ep group (parallel/ep.py); the engine
-        # and the reference keep every expert. pp, tp and FSDP with ep are refused (derive.check_parallel)
-        apply_ep(policy, mesh.ep_group, mesh.ep_replica_group)
+        if ep:  # without FSDP the reference keeps every expert too
+            apply_ep(policy, mesh.ep_group, mesh.ep_replica_group)
     if (dt := engine_dtype(cfg)) is not None:  # rollout.dtype: refit casts into these (engine.py)
         eng_policy, eng_draft = eng_policy.to(dt), eng_draft.to(dt) if eng_draft is not None else None
     if mesh is not None and mesh.rollout_tp > 1:  # rollout.tp: this rank's shard of the engine's policy (rollout/tp.py);

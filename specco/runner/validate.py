@@ -72,7 +72,8 @@ def check_policy(cfg: RunConfig, out: Path):
 
 def check_moe_layout(cfg: RunConfig, pc, where) -> None:
     """What a mixture-of-experts policy cannot run under yet, refused by name before out_dir is touched: tensor
-    parallelism and FSDP (its experts are placed by expert parallelism, parallel.ep, not cut by tp or dp_shard),
+    parallelism, and FSDP at ep 1 (its experts are placed by expert parallelism, parallel.ep, not cut by tp or
+    dp_shard; with ep > 1 FSDP shards the rest),
     the router's aux loss under pp > 1 (apply_tp, apply_fsdp and cotrain_step are the backstops); and parallel.ep
     on a dense policy or one whose num_experts it does not divide."""
     ep = cfg.parallel.ep
@@ -84,12 +85,16 @@ def check_moe_layout(cfg: RunConfig, pc, where) -> None:
     if ep > 1 and pc.num_experts % ep:
         raise ConfigError(f"parallel.ep={ep} does not divide the policy's num_experts={pc.num_experts} ({where}): each "
                           "ep rank holds num_experts / ep experts; set parallel.ep to a divisor of it")
-    for key in ("tp", "dp_shard"):  # (a dp_shard derived from the launch is refused by apply_fsdp, the backstop)
-        n = getattr(cfg.parallel, key)
-        if n > 1:
-            raise ConfigError(f"parallel.{key}={n}: the policy ({where}) is a mixture of experts ({pc.model_type}); "
-                              f"{'tensor parallelism' if key == 'tp' else 'FSDP'} of MoE layers is not implemented "
-                              f"(place the experts with parallel.ep instead): use parallel.{key} = 1")
+    if cfg.parallel.tp > 1:
+        raise ConfigError(f"parallel.tp={cfg.parallel.tp}: the policy ({where}) is a mixture of experts "
+                          f"({pc.model_type}); tensor parallelism of MoE layers is not implemented (place the experts "
+                          "with parallel.ep instead): use parallel.tp = 1")
+    if cfg.parallel.fsdp and ep == 1:  # (apply_fsdp is the backstop, with the same reason)
+        raise ConfigError(f"parallel.dp_shard={cfg.parallel.shard} at parallel.ep=1: the policy ({where}) is a mixture "
+                          f"of experts ({pc.model_type}), and FSDP of it without expert parallelism is not implemented "
+                          "(every rank would hold every expert whole, most of the parameters); place the experts with "
+                          "parallel.ep > 1 (a divisor of num_experts and of parallel.dp × parallel.cp), or use "
+                          "parallel.dp_shard = 1")
     if cfg.rollout.tp > 1:  # rollout/tp.tp_shard cuts dense MLP rows; the experts are not cut (the backstop refuses)
         raise ConfigError(f"rollout.tp={cfg.rollout.tp}: the policy ({where}) is a mixture of experts "
                           f"({pc.model_type}); a tensor-parallel engine over MoE layers is not implemented: use "

@@ -20,8 +20,9 @@ price of a whole copy of the weights and of the gradient on every rank for the s
 have many micro-batches of long rows, whose compute hides the per-micro-batch traffic; models that need FSDP are
 those whose whole gradient does not fit, so the default is to reshard.
 
-`clip_grad_norm` takes the norm over all of a group's shards (DTensor grads: `full_tensor()` of the local norms)
-and over its pipeline stages (`norm_group`), so the clip coefficient is the unsharded step's.
+`clip_grad_norm` takes the norm over all of a group's shards (DTensor grads: `full_tensor()` of the local norms,
+`grad_norm`) and over its pipeline stages (`norm_group`), so the clip coefficient is the unsharded step's;
+EPSync adds its slices' squared norms summed over the ep group.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["AllReduceSync", "FSDPSync", "EPSync", "grad_syncs", "reduce_grads", "clip_grad_norm"]
+__all__ = ["AllReduceSync", "FSDPSync", "EPSync", "grad_syncs", "reduce_grads", "clip_grad_norm", "grad_norm",
+           "clip_with_norm"]
 
 
 def reduce_grads(params, group) -> None:
@@ -45,20 +47,13 @@ def reduce_grads(params, group) -> None:
             dist.all_reduce(g, group=group)
 
 
-def clip_grad_norm(params, max_norm: float, norm_group=None) -> torch.Tensor:
-    """Clip by the total gradient norm of a parameter group that may be split over `norm_group` (the
-    ranks holding *different* parts of it, e.g. pipeline stages; None: this rank holds all of it) and sharded
-    by FSDP (DTensor gradients: the local norms' `full_tensor()` is the norm over every shard); the squared
-    norms are summed over `norm_group`, so every part is scaled by the same coefficient."""
-    params = list(params)
-    # by kind of gradient: plain tensors and each DTensor mesh apart (tensor parallelism without FSDP leaves the
-    # norms and the embedding plain beside the layers' tp shards; FSDP over tp puts them on another mesh than the
-    # 2-D tp ones), since torch's foreach kernels refuse a mix. One kind: the single norm of before
-    kinds: dict = {}
-    for p in params:
-        kinds.setdefault(_mesh_of(p.grad), []).append(p)
+def grad_norm(params) -> torch.Tensor | None:
+    """The total L2 norm of the gradients of `params` on this rank's share of them, None when none has one: each
+    kind of gradient apart (plain tensors, each DTensor mesh) since torch's foreach kernels refuse a mix, a DTensor
+    kind's norm over every shard (its local norms' `full_tensor()`: FSDP's shards, a collective over its mesh). The
+    one home of that norm: `clip_grad_norm` and `EPSync.clip` take it."""
     total = None
-    for group in kinds.values():
+    for group in _by_kind(params).values():
         grads = [p.grad for p in group if p.grad is not None]
         if not grads:
             continue
@@ -66,6 +61,32 @@ def clip_grad_norm(params, max_norm: float, norm_group=None) -> torch.Tensor:
         if isinstance(n, DTensor):  # Partial over the shards: the all-reduce of the squares happens here
             n = n.full_tensor()
         total = n if total is None else torch.linalg.vector_norm(torch.stack([total, n]))
+    return total
+
+
+def _by_kind(params) -> dict:
+    """`params` grouped by kind of gradient: plain tensors and each DTensor mesh apart (tensor parallelism without
+    FSDP leaves the norms and the embedding plain beside the layers' tp shards; FSDP over tp puts them on another
+    mesh than the 2-D tp ones; expert parallelism under FSDP leaves the expert slices plain beside the shards)."""
+    kinds: dict = {}
+    for p in params:
+        kinds.setdefault(_mesh_of(p.grad), []).append(p)
+    return kinds
+
+
+def clip_with_norm(params, max_norm: float, total: torch.Tensor) -> None:
+    """Scale every gradient of `params` by min(1, max_norm / total), kind by kind (`_by_kind`)."""
+    for group in _by_kind(params).values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+
+
+def clip_grad_norm(params, max_norm: float, norm_group=None) -> torch.Tensor:
+    """Clip by the total gradient norm of a parameter group that may be split over `norm_group` (the
+    ranks holding *different* parts of it, e.g. pipeline stages; None: this rank holds all of it) and sharded
+    by FSDP (DTensor gradients: `grad_norm` takes the norm over every shard); the squared
+    norms are summed over `norm_group`, so every part is scaled by the same coefficient."""
+    params = list(params)
+    total = grad_norm(params)
     if total is None:
         # a group this step did not train (the plain train step's draft) has no gradients: get_total_norm would
         # give a CPU zero, which the metrics' one device-side stack refuses beside CUDA ones; the all-reduce below
@@ -75,8 +96,7 @@ def clip_grad_norm(params, max_norm: float, norm_group=None) -> torch.Tensor:
         sq = total.double().square().reshape(1)
         dist.all_reduce(sq, group=norm_group)
         total = sq[0].sqrt().to(total.dtype)
-    for group in kinds.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    clip_with_norm(params, max_norm, total)
     return total
 
 
@@ -127,19 +147,26 @@ class FSDPSync:
 
 
 class EPSync:
-    """A policy whose experts are placed by expert parallelism (parallel/ep.py): the dense and replicated
-    parameters summed over `group` (grad_group) as AllReduceSync does; each expert slice over the ranks holding
-    the same slice only (`replica_group`; None: ep covers the stage, nothing to sum) — over the ep group it would
-    add other experts' gradients into it. The clip's norm sums the slices' squared norms over the ep group (each
-    rank holds other experts) and adds the replicated parameters' once."""
+    """A policy whose experts are placed by expert parallelism (parallel/ep.py). Its dense and replicated parameters
+    go through `dense`, the strategy they would have without ep: AllReduceSync(group) (the sum over grad_group), or
+    FSDPSync(policy) under FSDP (parallel.dp_shard: reduce-scattered inside the backward; apply_fsdp leaves the
+    expert slices out of its units). Each expert slice is summed over the ranks holding the same slice only
+    (`replica_group`; None: ep covers the stage, nothing to sum) — over the ep group it would add other experts'
+    gradients into it, and FSDP's reduce-scatter would cut and sum it with other slices (tests/test_ep.py and
+    test_ep_fsdp.py mutate both). The clip's norm:
 
-    def __init__(self, policy: nn.Module, group=None):
+        |g|² = |g_dense|² (grad_norm: over every FSDP shard, once)  +  Σ_{ep group} |g_slice|² (each rank's experts)
+
+    so every rank scales by the coefficient of the whole model's norm."""
+
+    def __init__(self, policy: nn.Module, group=None, dense=None):
         from ..parallel.ep import expert_parameters
         experts, self.ep_group, self.replica_group = expert_parameters(policy)
         self.group, self.expert_ids = group, {id(p) for p in experts}
+        self.dense = dense if dense is not None else AllReduceSync(group)
 
     def micro_batch(self, last: bool) -> None:
-        pass
+        self.dense.micro_batch(last)  # FSDP may hold its reductions; the slices accumulate until `reduce`
 
     def _split(self, params):
         params = list(params)
@@ -147,7 +174,7 @@ class EPSync:
 
     def reduce(self, params) -> None:
         dense, experts = self._split(params)
-        reduce_grads(dense, self.group)
+        self.dense.reduce(dense)
         for p in experts:  # a slice that saw no row on this rank has no gradient: its peers still all-reduce
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -157,17 +184,17 @@ class EPSync:
         """clip_grad_norm's contract (pp is refused with ep, so `norm_group` must be None)."""
         if norm_group is not None:
             raise ValueError("parallel.ep with a pipeline's norm group is not implemented (parallel.pp > 1)")
+        params = list(params)
         dense, experts = self._split(params)
-        grads = [p.grad for p in dense if p.grad is not None]
-        sq_dense = torch.nn.utils.get_total_norm(grads).double().square() if grads else \
-            torch.zeros((), dtype=torch.float64)
-        eg = [p.grad for p in experts if p.grad is not None]
-        sq_exp = torch.nn.utils.get_total_norm(eg).double().square().reshape(1) if eg else \
-            torch.zeros(1, dtype=torch.float64, device=sq_dense.device)
+        n_dense, n_exp = grad_norm(dense), grad_norm(experts)
+        like = n_dense if n_dense is not None else n_exp
+        dev = like.device if like is not None else params[0].device
+        sq_exp = n_exp.double().square().reshape(1) if n_exp is not None else \
+            torch.zeros(1, dtype=torch.float64, device=dev)
         dist.all_reduce(sq_exp, group=self.ep_group)  # the ep group's slices make the whole experts
-        dtype = (grads or eg)[0].dtype if (grads or eg) else torch.float32
-        total = (sq_dense.to(sq_exp.device) + sq_exp[0]).sqrt().to(dtype)
-        torch.nn.utils.clip_grads_with_norm_(list(params), max_norm, total)
+        sq_dense = n_dense.double().square().to(dev) if n_dense is not None else 0.0
+        total = (sq_dense + sq_exp[0]).sqrt().to(like.dtype if like is not None else torch.float32)
+        clip_with_norm(params, max_norm, total)
         return total
 
 
@@ -175,11 +202,12 @@ def grad_syncs(policy: nn.Module | None, group=None, hold_unsharded: bool = Fals
                reshard_after_forward: bool = True) -> dict:
     """The strategies of the optimizer's groups ('policy', 'draft'): FSDP for a sharded policy, the all-reduce
     over `group` (the stage's dp × cp ranks) for everything replicated — the draft always (parallel/fsdp.py says
-    why); EPSync for a policy with expert-parallel experts (parallel/ep.py)."""
+    why); for a policy with expert-parallel experts (parallel/ep.py) EPSync, with FSDP's or the all-reduce for its
+    dense part."""
     from ..parallel.ep import is_ep
     from ..parallel.fsdp import is_sharded
-    if is_ep(policy):
-        return {"policy": EPSync(policy, group), "draft": AllReduceSync(group)}
     pol = FSDPSync(policy, hold_unsharded, reshard_after_forward) if policy is not None and is_sharded(policy) \
         else AllReduceSync(group)
+    if is_ep(policy):  # the experts apart, the rest as above (FSDP's or the all-reduce)
+        pol = EPSync(policy, group, dense=pol)
     return {"policy": pol, "draft": AllReduceSync(group)}
