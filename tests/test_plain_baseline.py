@@ -193,7 +193,7 @@ def test_config_base_and_plain_baseline_refusals(tmp_path):
 
 TINY_LONG = ("device=cpu", "policy.hidden_size=64", "policy.num_layers=4", "policy.num_heads=4", "policy.num_kv_heads=2",
              "policy.intermediate_size=128", "policy.max_positions=512", "data.options.min_terms=4", "data.options.max_terms=6",
-             "rollout.max_new_tokens=96", "rollout.prompts_per_step=4", "rollout.group_size=4", "train.steps=2",
+             "rollout.max_new_tokens=64", "rollout.prompts_per_step=4", "rollout.group_size=4", "train.steps=2",
              "sft.steps=40", "train.warm_start_steps=8", "train.warm_start_prompts=8", "data.eval_size=4",
              "train.amp=none", "train.micro_batch_rows=4", "train.compile=none", "rollout.spec_control=on")
 

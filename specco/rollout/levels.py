@@ -121,13 +121,16 @@ class Level:
             self.graphs[self.k].run(name)
 
     @torch.no_grad()
-    def measure(self, iters: int = 5) -> dict[int, float]:
+    def measure(self, iters: int | None = None) -> dict[int, float]:
         """Seconds per round of every k, timed with the rows frozen (the work is static-shaped, so
         identical) at the state's current positions; the state is restored. On CUDA the captured
-        graphs are timed with events; on CPU the eager steps with the host clock."""
+        graphs are timed with events, 5 rounds each after a warm one; on CPU the eager steps with the host
+        clock, 2 rounds each (an eager CPU round costs as much as decoding: at 5 the measurements were ~40% of a
+        tiny CPU run's rollout time, tests/test_plain_baseline.py's long_ab run)."""
         saved = [t.clone() for t in self.st.small_tensors()]
         self.st.finished.fill_(True)
         cuda = self.st.n.is_cuda
+        iters = iters or (5 if cuda else 2)
         for k, steps in self.steps.items():
             run = lambda: [self.graphs[k].run(name) for name in steps.order]  # noqa: E731
             run()
