@@ -16,7 +16,7 @@ makes it; the run's own out_dir is not touched).
 
     python bench/mode_accuracy.py configs/drift.toml [key=value ...] [--prompts 256] [--work DIR]
 
-JSON to bench/results/mode_accuracy_<device>.json (or --out).
+JSON to --out (by default into bench/results/, named mode_accuracy_<device>.json).
 """
 from __future__ import annotations
 
