@@ -409,3 +409,20 @@ def test_ep_against_the_policy_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="parallel.ep=0: must be >= 1"):
         ParallelSpec(ep=0)
 
+
+
+def _nonfinite_worker(rank, world):
+    from specco.train.nonfinite import first_nonfinite_weight
+    mesh = Mesh.build(dp=world, backend="gloo", ep=world)
+    policy = apply_ep(_policy(), mesh.ep_group, mesh.ep_replica_group)
+    assert first_nonfinite_weight(policy) is None
+    if rank == 1:  # a NaN in rank 1's expert slice only: rank 0's own slices are finite
+        slices = [m for m in policy.modules() if isinstance(m, EPExperts)]
+        with torch.no_grad():
+            slices[0].down_proj[0, 0, 0] = float("nan")
+    name = first_nonfinite_weight(policy)
+    assert name is not None and name.endswith("experts.down_proj"), name  # on both ranks: one verdict, no hang
+
+
+def test_nonfinite_expert_slice_is_named_on_every_rank_of_the_ep_group():
+    spawn_local(_nonfinite_worker, 2)

@@ -30,7 +30,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 def first_nonfinite_weight(*modules) -> str | None:
-    """The name of the first parameter holding a NaN or inf (None: all finite). One host sync."""
+    """The name of the first parameter holding a NaN or inf (None: all finite), the same on every rank: one host sync,
+    and a collective over the FSDP shards and the ep group where the modules are sharded or expert-parallel."""
     named = [(f"{i}:{n}", p) for i, m in enumerate(modules) if m is not None for n, p in m.named_parameters()]
     if not named:
         return None
@@ -45,9 +46,26 @@ def first_nonfinite_weight(*modules) -> str | None:
             if pl.is_shard():
                 dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=mesh.get_group(d))
         ok = flags.bool()
+    group = _ep_group(modules)
+    if group is not None:  # expert slices (parallel/ep.py) differ across the ep group, each rank holding its own:
+        # the verdict of the whole group, so every rank of it names the same weight (else one rank would raise while
+        # its peers wait in the next step's all-to-all)
+        flags = ok.to(torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)
+        ok = flags.bool()
     ok = ok.cpu()
     bad = [n for (n, _), good in zip(named, ok.tolist()) if not good]
     return bad[0].split(":", 1)[1] if bad else None
+
+
+def _ep_group(modules):
+    """The ep group of the expert-parallel module among `modules` (one per run: the trainer's policy), else None."""
+    from ..parallel.ep import EPExperts
+    for m in modules:
+        for sub in (m.modules() if m is not None else ()):
+            if isinstance(sub, EPExperts):
+                return sub.group
+    return None
 
 
 def check_finite(where: str, metrics: dict | None = None, keys=None, modules=()) -> None:
