@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specco.config import split_arm  # noqa: E402
 from specco.runner.report import TIME_PARTS, markdown_table, read_jsonl  # noqa: E402
+from specco.runner.stages import cold_draft_stage, warm_draft_stage  # noqa: E402
 
 SIM = "shadow/{}/sim_accept_len"
 
@@ -48,7 +49,7 @@ def offline_seconds(run: Path, arm: str, run_kind: str) -> float:
     mode, kind = split_arm(arm, run_kind)
     if kind is None:
         return 0.0
-    stage = f"cold_draft_{kind}" if mode == "cold" else ("warm_draft" if kind == run_kind else f"warm_draft_{kind}")
+    stage = cold_draft_stage(kind) if mode == "cold" else warm_draft_stage(kind, run_kind)
     f = run / stage / "warm_metrics.json"
     return json.loads(f.read_text())["warm_time_s"] if f.exists() else float("nan")
 

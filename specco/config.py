@@ -536,8 +536,8 @@ class RunConfig:
         _check(not self.plain_baseline or self.rollout.spec_control != "off",
                f"plain_baseline={list(self.plain_baseline)} with rollout.spec_control='off': the plain decode runs the "
                "runner's plain step set, which only speculation control builds; set rollout.spec_control=on or auto")
-        blocks = [a for a in self.arms if split_arm(a, self.draft.kind)[0] in ("cotrained", "cold")
-                  and split_arm(a, self.draft.kind)[1] in BLOCK_KINDS]
+        blocks = [a for a in self.arms if (mk := split_arm(a, self.draft.kind))[0] in ("cotrained", "cold")
+                  and mk[1] in BLOCK_KINDS]
         _check(not self.train.compile_draft or not blocks, f"train.compile_draft with arms {blocks}: compiling a "
                "block drafter is not implemented (only the EAGLE-3 draft's layer); drop those arms or compile_draft")
         # the adaptive stride picks sample i of every prompt group with i % n == 0, the same rows in every minibatch

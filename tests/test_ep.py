@@ -32,6 +32,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import specco.parallel.ep as ep_mod
 from specco.model.config import PolicyConfig
@@ -71,21 +72,52 @@ def _batch() -> TrainBatch:
 
 # 2 micro-batches per rank; the clip is active (the reference's norm is 0.496: asserted in _mismatches)
 CFG = StepConfig(micro_batch_rows=1, policy_grad_clip=0.1)
+LR = 1e-2
 
 
-def _step(policy, batch, **kw):
-    opt = build_optimizer(policy, None, 1e-2, 1e-2)
-    m = cotrain_step(policy, None, batch, opt, None, CFG, **kw)
+def _step(policy, batch, cfg=CFG, **kw):
+    """One co-training step of `policy` (AdamW at LR): (metrics, gradients, parameters after the update)."""
+    opt = build_optimizer(policy, None, LR, LR)
+    m = cotrain_step(policy, None, batch, opt, None, cfg, **kw)
     return m, {n: p.grad.clone() for n, p in policy.named_parameters()}, \
         {n: p.detach().clone() for n, p in policy.named_parameters()}
+
+
+def _rank_rows(full: TrainBatch, rank: int) -> TrainBatch:
+    """This data-parallel rank's B / WORLD rows of `full`."""
+    h = B // WORLD
+    return TrainBatch(**{k: getattr(full, k)[rank * h:(rank + 1) * h]
+                         for k in ("tokens", "target_mask", "advantages", "logp_old")})
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (an FSDP shard) as its whole tensor; a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _compare(step, ref, local_of) -> list[str]:
+    """What differs between an expert-parallel step's (metrics, grads, params) and the ep 1 reference's (module
+    docstring: metrics rel 1e-10; each gradient and parameter rtol 1e-9, atol 1e-12, a DTensor as its full tensor,
+    an expert slice against its experts' rows of the reference's). `local_of`: {FQN: EPExperts} of the step's policy."""
+    (m, g, p), (m_ref, g_ref, p_ref) = step, ref
+    bad = []
+    for key in ("policy/loss", "policy/aux_loss", "policy/grad_norm"):
+        if abs(m[key] - m_ref[key]) > 1e-10 * abs(m_ref[key]):
+            bad.append(f"{key}: {m[key]} vs {m_ref[key]}")
+    assert g.keys() == g_ref.keys()
+    for n in g_ref:
+        mod = local_of.get(n.rsplit(".", 1)[0])
+        cut = slice(mod.first, mod.first + mod.local) if mod is not None else slice(None)
+        for what, got, want in (("grad", _full(g[n]), g_ref[n][cut]), ("param", _full(p[n]), p_ref[n][cut])):
+            if not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
+                bad.append(f"{what} {n}: max diff {(got - want).abs().max().item():.3g}")
+    return bad
 
 
 def _mismatches(rank, ep, mutation) -> list[str]:
     mesh = Mesh.build(dp=WORLD, backend="gloo", ep=ep)
     full = _batch()
-    h = B // WORLD
-    local = TrainBatch(**{k: getattr(full, k)[rank * h:(rank + 1) * h]
-                          for k in ("tokens", "target_mask", "advantages", "logp_old")})
+    local = _rank_rows(full, rank)
     base = _policy()
     m_ref, g_ref, p_ref = _step(copy.deepcopy(base), local, grad_group=dist.group.WORLD)
     assert m_ref["policy/grad_norm"] > 2 * CFG.policy_grad_clip  # the clip is active
@@ -98,17 +130,8 @@ def _mismatches(rank, ep, mutation) -> list[str]:
         sync = {"policy": EPSync(policy, dist.group.WORLD), "draft": AllReduceSync(dist.group.WORLD)}
         sync["policy"].replica_group = mesh.ep_group
     m, g, p = _step(policy, local, grad_group=dist.group.WORLD, grad_sync=sync)
-    bad = []
-    for key in ("policy/loss", "policy/aux_loss", "policy/grad_norm"):
-        if abs(m[key] - m_ref[key]) > 1e-10 * abs(m_ref[key]):
-            bad.append(f"{key}: {m[key]} vs {m_ref[key]}")
     local_of = {n: mod for n, mod in policy.named_modules() if isinstance(mod, EPExperts)}
-    for n in g_ref:
-        mod = local_of.get(n.rsplit(".", 1)[0])
-        cut = slice(mod.first, mod.first + mod.local) if mod is not None else slice(None)
-        for what, got, want in (("grad", g[n], g_ref[n][cut]), ("param", p[n], p_ref[n][cut])):
-            if not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
-                bad.append(f"{what} {n}: max diff {(got - want).abs().max().item():.3g}")
+    bad = _compare((m, g, p), (m_ref, g_ref, p_ref), local_of)
     assert len(local_of) == 2  # the sparse layers 0 and 2 (layer 1 is in mlp_only_layers)
     # this rank's state dict (its experts under global names) loads back into the slices (state copies)
     copy_sd = {k: v.clone() for k, v in policy.state_dict().items()}

@@ -55,30 +55,13 @@ from specco.parallel.ep import EPExperts, apply_ep
 from specco.parallel.load import sharded_copy
 from specco.parallel.mesh import Mesh, spawn_local
 from specco.train.grad_sync import EPSync, FSDPSync, grad_syncs
-from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
-from test_ep import QWEN3_MOE, B, _batch, _policy
+from specco.train.cotrain import TrainBatch
+from test_ep import CFG, LR, QWEN3_MOE, B, _batch, _compare, _full, _policy, _rank_rows, _step
 
 pytestmark = pytest.mark.dist
 
 WORLD = 4
 LAYOUTS = ((2, 2), (4, 2), (4, 4), (2, 4))  # (dp_shard, ep) at dp 4
-
-
-CFG = StepConfig(micro_batch_rows=1, policy_grad_clip=0.1)  # 2 micro-batches per rank; the clip active (norm 0.496)
-
-
-LR = 1e-2
-
-
-def _step(policy, batch, cfg=CFG, **kw):
-    opt = build_optimizer(policy, None, LR, LR)
-    m = cotrain_step(policy, None, batch, opt, None, cfg, **kw)
-    return m, {n: p.grad.clone() for n, p in policy.named_parameters()}, \
-        {n: p.detach().clone() for n, p in policy.named_parameters()}
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _ep_fsdp_policy(base, mesh, checkpointed=False):
@@ -95,9 +78,7 @@ def _ep_fsdp_policy(base, mesh, checkpointed=False):
 
 def _mismatches(rank, dp_shard, ep, mutation) -> list[str]:
     mesh = Mesh.build(dp=WORLD, backend="gloo", dp_shard=dp_shard, ep=ep)
-    full, h = _batch(), B // WORLD
-    local = TrainBatch(**{k: getattr(full, k)[rank * h:(rank + 1) * h]
-                          for k in ("tokens", "target_mask", "advantages", "logp_old")})
+    local = _rank_rows(_batch(), rank)
     base = _policy()
     m_ref, g_ref, p_ref = _step(copy.deepcopy(base), local, grad_group=dist.group.WORLD)
     assert m_ref["policy/grad_norm"] > 2 * CFG.policy_grad_clip  # the clip is active
@@ -113,19 +94,8 @@ def _mismatches(rank, dp_shard, ep, mutation) -> list[str]:
     assert isinstance(sync["policy"], EPSync) and isinstance(sync["policy"].dense, FSDPSync)
     if mutation == "reduce_over_ep":
         sync["policy"].replica_group = mesh.ep_group
-    m, g, p = _step(policy, local, grad_group=dist.group.WORLD, grad_sync=sync)
-    bad = []
-    for key in ("policy/loss", "policy/aux_loss", "policy/grad_norm"):
-        if abs(m[key] - m_ref[key]) > 1e-10 * abs(m_ref[key]):
-            bad.append(f"{key}: {m[key]} vs {m_ref[key]}")
-    assert g.keys() == g_ref.keys()
-    for n in g_ref:
-        mod = local_of.get(n.rsplit(".", 1)[0])
-        cut = slice(mod.first, mod.first + mod.local) if mod is not None else slice(None)
-        for what, got, want in (("grad", _whole(g[n]), g_ref[n][cut]), ("param", _whole(p[n]), p_ref[n][cut])):
-            if not torch.allclose(got, want, rtol=1e-9, atol=1e-12):
-                bad.append(f"{what} {n}: max diff {(got - want).abs().max().item():.3g}")
-    return bad
+    return _compare(_step(policy, local, grad_group=dist.group.WORLD, grad_sync=sync), (m_ref, g_ref, p_ref),
+                    local_of)
 
 
 def _step_worker(rank, world, layouts, mutation):
@@ -182,7 +152,7 @@ def _bf16_worker(rank, world):
     for n, q in p.items():
         mod = local_of.get(n.rsplit(".", 1)[0])
         want = p_ref[n] if mod is None else p_ref[n][mod.first:mod.first + mod.local]
-        d.append((_whole(q) - want).abs().flatten())
+        d.append((_full(q) - want).abs().flatten())
     d = torch.cat(d)
     if rank == 0:
         print(f"bf16: loss {abs(m['policy/loss'] / m_ref['policy/loss'] - 1):.1e}, norm "
@@ -202,7 +172,7 @@ def _whole_weights(st) -> dict:
     the draft."""
     from specco.parallel.ep import full_expert_state, is_ep
     sd = full_expert_state(st.policy) if is_ep(st.policy) else st.policy.state_dict()
-    out = {f"policy.{k}": _whole(v).detach().clone() for k, v in sd.items()}
+    out = {f"policy.{k}": _full(v).detach().clone() for k, v in sd.items()}
     out.update({f"draft.{k}": v.detach().clone() for k, v in st.draft.state_dict().items()})
     return out
 
@@ -292,25 +262,19 @@ def _rl_worker(rank, world, tmp, dp_shard=2, ep=2, cp=1):
         assert loss["with"] == loss["without"]
         wa, wb = _whole_weights(runs["with"]["state"]), _whole_weights(runs["without"]["state"])
         assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    # the ep × dp_shard step-1 checkpoint resumed at ep 1 without FSDP: step 2 equals the straight run's
-    fin1 = {}
-    again = run("other", cfg2, mesh2, stop_after=1) + run("other", cfg1, mesh1, state_out=fin1)
-    assert [r["step"] for r in again] == [1, 2]
-    for k in ("reward", "policy/loss", "policy/aux_loss", "draft/loss", "policy/grad_norm"):
-        assert abs(again[1][k] - rows2[1][k]) <= 1e-9 * max(1.0, abs(rows2[1][k])), (k, again[1][k], rows2[1][k])
-    w4 = _whole_weights(fin1["state"])
-    for k in w2:
-        torch.testing.assert_close(w4[k], w2[k], rtol=1e-9, atol=1e-12, msg=k)
-    # and the other way: ep 1's step-1 checkpoint (whole experts) resumed at ep × dp_shard (each rank reads its slice
-    # and its shards)
-    fin2 = {}
-    back = run("back", cfg1, mesh1, stop_after=1) + run("back", cfg2, mesh2, state_out=fin2)
-    assert [r["step"] for r in back] == [1, 2]
-    for k in ("reward", "policy/loss", "policy/aux_loss", "draft/loss", "policy/grad_norm"):
-        assert abs(back[1][k] - rows1[1][k]) <= 1e-9 * max(1.0, abs(rows1[1][k])), (k, back[1][k], rows1[1][k])
-    w5 = _whole_weights(fin2["state"])
-    for k in w1:
-        torch.testing.assert_close(w5[k], w1[k], rtol=1e-9, atol=1e-12, msg=k)
+    # the ep × dp_shard step-1 checkpoint resumed at ep 1 without FSDP ("other"), and the other way: ep 1's (whole
+    # experts) resumed at ep × dp_shard, each rank reading its slice and its shards ("back"): step 2 equals the
+    # straight run's at the layout step 2 ran at
+    for d, first, then, rows, w in (("other", (cfg2, mesh2), (cfg1, mesh1), rows2, w2),
+                                    ("back", (cfg1, mesh1), (cfg2, mesh2), rows1, w1)):
+        fin = {}
+        again = run(d, *first, stop_after=1) + run(d, *then, state_out=fin)
+        assert [r["step"] for r in again] == [1, 2]
+        for k in ("reward", "policy/loss", "policy/aux_loss", "draft/loss", "policy/grad_norm"):
+            assert abs(again[1][k] - rows[1][k]) <= 1e-9 * max(1.0, abs(rows[1][k])), (d, k, again[1][k], rows[1][k])
+        got = _whole_weights(fin["state"])
+        for k in w:
+            torch.testing.assert_close(got[k], w[k], rtol=1e-9, atol=1e-12, msg=k)
 
 
 def test_rl_loop_ep2_dp_shard2_equals_ep1_and_resumes(tmp_path):

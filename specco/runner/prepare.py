@@ -30,7 +30,7 @@ from ..train.sft import sft, tiny_policy_config
 from .derive import at_temperature, generate_config, step_config, warm_configs
 from .setup import from_rank0, share_model, share_policy, share_tensors
 from .validate import check_aux_coef
-from .stages import commit_dir, load_stage, seed_stage, warm_draft_stage
+from .stages import cold_draft_stage, commit_dir, load_stage, seed_stage, warm_draft_stage
 from .warmstart import initial_draft, load_draft_dir, measure_tau, sample_pool, warm_start
 
 # The SFT stage reads stream `seed + SFT_STREAM` of a procedural source, disjoint from the RL prompts
@@ -227,7 +227,7 @@ def prepare_draft(cfg: RunConfig, policy, tok, data, out: Path, progress=True, k
     world (warm_start's `group`; on rank 0 alone, then sent, when its batch has fewer draft rows than ranks), and
     rank 0 alone measures tau and commits; the other ranks' metrics are {}."""
     kind = kind or cfg.draft.kind
-    stage = f"cold_draft_{kind}" if cold else warm_draft_stage(kind, cfg.draft.kind)
+    stage = cold_draft_stage(kind) if cold else warm_draft_stage(kind, cfg.draft.kind)
     if cold:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, warm_start_steps=0))
     d_dir = out / stage

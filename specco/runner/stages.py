@@ -67,6 +67,12 @@ def warm_draft_stage(kind: str, run_kind: str) -> str:
     return "warm_draft" if kind == run_kind else f"warm_draft_{kind}"
 
 
+def cold_draft_stage(kind: str) -> str:
+    """The directory in out_dir of the cold arms' starting draft of `kind` (config.split_arm's `cold` mode): the
+    kind's warm draft before any training (its RNG stream is warm_draft_stage's)."""
+    return f"cold_draft_{kind}"
+
+
 @contextmanager
 def commit_dir(final: Path):
     """Yields a temporary directory to write a stage into; on success renames it to `final` (atomic

@@ -60,12 +60,8 @@ def first_nonfinite_weight(*modules) -> str | None:
 
 def _ep_group(modules):
     """The ep group of the expert-parallel module among `modules` (one per run: the trainer's policy), else None."""
-    from ..parallel.ep import EPExperts
-    for m in modules:
-        for sub in (m.modules() if m is not None else ()):
-            if isinstance(sub, EPExperts):
-                return sub.group
-    return None
+    from ..parallel.ep import expert_parameters, is_ep
+    return next((expert_parameters(m)[1] for m in modules if is_ep(m)), None)
 
 
 def check_finite(where: str, metrics: dict | None = None, keys=None, modules=()) -> None:
