@@ -98,7 +98,8 @@ def test_make_arm_uses_the_mode():
 def test_force_new_deletes_every_warm_draft(tmp_path):
     from specco.runner.stages import record_config
     record_config(tmp_path, _cfg(tmp_path, "arms=none,cotrained-dflash,cotrained-dspark"))
-    for d in ("warm_draft", "warm_draft_dflash", "warm_draft_dspark", "warm_draft_notes"):
+    for d in ("warm_draft", "warm_draft_dflash", "warm_draft_dspark", "cold_draft_eagle3", "cold_draft_dflash",
+              "warm_draft_notes"):
         (tmp_path / d).mkdir()
     record_config(tmp_path, _cfg(tmp_path), force_new=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "warm_draft_notes"]  # not a run output

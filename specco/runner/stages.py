@@ -31,9 +31,18 @@ from ..faults import point
 from ..model.config import ConfigError
 
 TMP_PREFIX = ".tmp_"
+
+
+def cold_draft_stage(kind: str) -> str:
+    """The directory in out_dir of the cold arms' starting draft of `kind` (config.split_arm's `cold` mode): the
+    kind's warm draft before any training (its RNG stream is warm_draft_stage's)."""
+    return f"cold_draft_{kind}"
+
+
 # What a run writes into its out_dir (and --force-new deletes); nothing else there is touched. The
-# warm drafts by name, one per kind (no glob: a user's `warm_draft_notes` stays).
-RUN_OUTPUTS = ("start_policy", "warm_draft", *(f"warm_draft_{k}" for k in DRAFT_KINDS), "arms", "config.json",
+# warm and cold drafts by name, one per kind (no glob: a user's `warm_draft_notes` stays).
+RUN_OUTPUTS = ("start_policy", "warm_draft", *(f"warm_draft_{k}" for k in DRAFT_KINDS),
+               *(cold_draft_stage(k) for k in DRAFT_KINDS), "arms", "config.json",
                "report.md", "summary.json", "tau_reward.png", "draft.png", "time_split.png",
                # a job's (one arm's) own outputs, in out_dir itself (runner/pipeline.py)
                "policy", "draft", "ckpt", "tb", "metrics.jsonl", "eval.jsonl", "eval.png")
@@ -65,12 +74,6 @@ def warm_draft_stage(kind: str, run_kind: str) -> str:
     and its seed stream. The run's own kind keeps the name `warm_draft` it had before arms could name a
     kind (so such runs reproduce), every other kind an arm names gets `warm_draft_<kind>`."""
     return "warm_draft" if kind == run_kind else f"warm_draft_{kind}"
-
-
-def cold_draft_stage(kind: str) -> str:
-    """The directory in out_dir of the cold arms' starting draft of `kind` (config.split_arm's `cold` mode): the
-    kind's warm draft before any training (its RNG stream is warm_draft_stage's)."""
-    return f"cold_draft_{kind}"
 
 
 @contextmanager
