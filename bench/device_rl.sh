@@ -44,9 +44,11 @@ if ! pgrep -f "specco train $CONFIG" >/dev/null; then
   fi
 fi
 t0=$(date +%s)
-snapshot() {  # what the run has written so far, as one archive in $OUT (a call cut short still returns it)
+snapshot() {  # what the run has written so far, as one archive in $OUT (a call cut short still returns it); no
+  # weights: the arms' saved policies (~300 MB each at 76M) made the archive too large to return and its writing
+  # ran a call past its limit
   [ -n "${OUT:-}" ] && tar czf "$OUT/run.tgz" -C "$OUTDIR" --exclude=ckpt --exclude=start_policy --exclude='warm_draft*' \
-    --exclude=tb . 2>/dev/null
+    --exclude=tb --exclude='*.safetensors' . 2>/dev/null
 }
 while pgrep -f "specco train $CONFIG" >/dev/null && [ $(( $(date +%s) - t0 )) -lt "$WAIT" ]; do
   sleep 5; [ $(( ($(date +%s) - t0) % 30 )) -lt 5 ] && snapshot

@@ -92,16 +92,21 @@ def test_cold_run_starts_from_the_untrained_warm_draft(tmp_path_factory):
         assert any(not torch.equal(saved[k], sd[k]) for k in sd), start
 
 
-def test_committed_drift_config_is_the_second_runs():
-    """configs/drift.toml is the config of the second H200 run (bench/results/drift_2026-12-04/run2_lr1e-5), every
-    default spelled out; the first run differed in lr, arms and the measured arms only."""
+def test_committed_drift_config_is_the_third_runs():
+    """configs/drift.toml is the config of the third H200 run (bench/results/drift_2026-12-04/run3_cot16-24), every
+    default spelled out; the first two runs differ from it in the task (5-10 terms, the rewrite format, a quarter of
+    the SFT references worked, 600 SFT steps), the lr and (the first) the arms only."""
     from specco.config_load import config_to_dict
     from pathlib import Path
     runs = Path(__file__).resolve().parents[1] / "bench" / "results" / "drift_2026-12-04"
     mine = config_to_dict(load_config(DEMO.parent / "drift.toml"))
-    assert mine == json.loads((runs / "run2_lr1e-5" / "config.json").read_text())
+    assert mine == json.loads((runs / "run3_cot16-24" / "config.json").read_text())
+    task = ["data.format=rewrite", "data.options.min_terms=5", "data.options.max_terms=10", "data.cot_fraction=0.25",
+            "sft.steps=600"]
+    second = config_to_dict(load_config(DEMO.parent / "drift.toml", [*task, "train.lr=1e-5"]))
+    assert second == json.loads((runs / "run2_lr1e-5" / "config.json").read_text())
     first = config_to_dict(load_config(DEMO.parent / "drift.toml", [
-        "train.lr=5e-5", "arms=[none,frozen,cotrained,cold,cotrained-dflash,cold-dflash]",
+        *task, "train.lr=5e-5", "arms=[none,frozen,cotrained,cold,cotrained-dflash,cold-dflash]",
         "plain_baseline=[cotrained,cotrained-dflash]", "frozen_shadow=[cotrained,cold,cotrained-dflash,cold-dflash]"]))
     assert first == json.loads((runs / "run1_lr5e-5" / "config.json").read_text())
 
