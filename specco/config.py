@@ -33,6 +33,9 @@ def _check_finite(spec, prefix: str):
         _check(not isinstance(v, float) or math.isfinite(v), f"{prefix}.{f.name}={v}: must be a finite number")
 
 
+TINY_FAMILIES = ("llama", "qwen3", "qwen3_moe")  # policy.family: the from-scratch policy's architecture
+
+
 @dataclass(frozen=True)
 class PolicySpec:
     """Which policy to train: `source` is a Hugging Face directory (config.json, *.safetensors, tokenizer.json),
@@ -57,10 +60,32 @@ class PolicySpec:
     # A mixture-of-experts policy's router load-balancing loss weight in the GRPO loss (train/moe_loss.py);
     # None: its config.json's router_aux_loss_coef (transformers' default 0.001). Refused for a dense policy.
     router_aux_loss_coef: float | None = None
+    # The tiny policy's architecture (source = "tiny" only; a checkpoint's is its config.json's): "llama",
+    # "qwen3" (q and k RMS-normalised per head) or "qwen3_moe" (qwen3 whose every MLP is a mixture of num_experts
+    # SwiGLU experts of moe_intermediate_size, the top num_experts_per_tok per token, their weights renormalised as
+    # Qwen3-MoE checkpoints set norm_topk_prob; its router's aux loss, 0.001 unless router_aux_loss_coef, also in
+    # SFT). A MoE's dense twin of equal active parameters is qwen3 with intermediate_size = num_experts_per_tok x
+    # moe_intermediate_size.
+    family: str = "llama"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     def __post_init__(self):
         _check(self.router_aux_loss_coef is None or self.router_aux_loss_coef >= 0,
                f"policy.router_aux_loss_coef={self.router_aux_loss_coef}: must be >= 0")
+        _check(self.family in TINY_FAMILIES,
+               f"policy.family={self.family!r}: the tiny policy is one of {', '.join(TINY_FAMILIES)}")
+        moe = {n: getattr(self, n) for n in ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+        if self.family == "qwen3_moe":
+            _check(self.num_experts >= 2 and 1 <= self.num_experts_per_tok <= self.num_experts
+                   and self.moe_intermediate_size >= 1,
+                   f"policy.family='qwen3_moe' needs policy.num_experts >= 2, 1 <= policy.num_experts_per_tok <= "
+                   f"num_experts and policy.moe_intermediate_size >= 1; got {moe}")
+        else:
+            _check(not any(moe.values()), f"policy.family={self.family!r} has no experts: "
+                   f"{', '.join(f'policy.{k}={v}' for k, v in moe.items() if v)} would do nothing; set "
+                   "policy.family='qwen3_moe' or remove them")
         for n in ("hidden_size", "num_heads", "num_kv_heads", "intermediate_size", "max_positions"):
             _check(getattr(self, n) >= 1, f"policy.{n}={getattr(self, n)}: must be >= 1")
         _check(self.hidden_size % self.num_heads == 0,
@@ -501,6 +526,12 @@ class RunConfig:
     # after step 1 on a GPU. Costs one policy forward over the draft rows and both drafts on it per step (timed, left
     # out of the step's time).
     frozen_shadow: tuple[str, ...] = ()
+    # With frozen_shadow: also score both drafts on the tokens at output positions [w, 2w), [2w, 3w), ... of each
+    # completion, w = this many tokens (`shadow/<tag>/sim_accept_len@<start>`; the report's "by output position"
+    # table): acceptance against position in the completion, where a frozen draft falls behind over thousands of
+    # tokens. Both drafts' passes again per window on the same policy forward. 0: off. Not under parallel.cp > 1
+    # (its packed rows have no per-row output position here).
+    shadow_window: int = 0
 
     def measures_plain(self, arm: str) -> bool:
         """Whether `arm` runs the plain baseline (`plain_baseline`, compared as arms: `cotrained` is
@@ -527,6 +558,12 @@ class RunConfig:
                 key = split_arm(arm, self.draft.kind)
                 _check(key in arm_keys, f"{name}: {arm!r} is not one of arms {list(self.arms)}")
                 _check(key[0] in modes, f"{name}: {arm!r} {why}; list {' or '.join(modes)} arms")
+        _check(self.shadow_window >= 0, f"shadow_window={self.shadow_window}: must be >= 0 (0: off)")
+        _check(not self.shadow_window or self.frozen_shadow, f"shadow_window={self.shadow_window} without "
+               "frozen_shadow: it windows the frozen shadow's scores; list the co-trained arms in frozen_shadow")
+        _check(not self.shadow_window or self.parallel.cp == 1,
+               f"shadow_window={self.shadow_window} with parallel.cp={self.parallel.cp}: not implemented (context "
+               "parallelism packs and splits the rows); set shadow_window=0 or parallel.cp=1")
         _check(not self.frozen_shadow or self.parallel.pp == 1,
                f"frozen_shadow={list(self.frozen_shadow)} with parallel.pp={self.parallel.pp}: not supported (the "
                "co-trained draft lives on the last stage only); drop frozen_shadow or run with pp = 1")
@@ -577,6 +614,11 @@ class RunConfig:
         _check(self.parallel.ep == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
                f"rollout.dtype={self.rollout.dtype!r} with parallel.ep={self.parallel.ep}: not supported (the engine's "
                "copy is the whole policy evaluated and saved); leave rollout.dtype unset")
+        tiny_arch = [f"policy.{f}={getattr(self.policy, f)!r}" for f in ("family", "num_experts", "num_experts_per_tok",
+                     "moe_intermediate_size") if getattr(self.policy, f) != getattr(PolicySpec, f)]
+        _check(self.policy.source == "tiny" or not tiny_arch,
+               f"{', '.join(tiny_arch)} with policy.source={self.policy.source!r}: these shape the from-scratch tiny "
+               "policy only (a checkpoint's architecture is its config.json's); remove them")
         n = self.policy.num_layers
         out = [i for i in self.draft.aux_layer_ids if i >= n]
         # the tiny policy's depth is known here; a pretrained one's is checked by runner.demo.validate_run,

@@ -107,18 +107,18 @@ def policy_config(cfg: RunConfig, model: str | None = None) -> PolicyConfig:
         if model not in PRESETS:
             raise ConfigError(f"--model {model!r}: use one of {', '.join(PRESETS)}")
         return PRESETS[model]
-    src, ps = cfg.policy.source, cfg.policy
+    src = cfg.policy.source
     if src in ("", "tiny"):
         from .data.tokenizer import build_char_tokenizer
-        from .train.sft import tiny_policy_config
-        return tiny_policy_config(build_char_tokenizer(), ps.hidden_size, ps.num_layers, ps.num_heads,
-                                  ps.num_kv_heads, ps.intermediate_size, ps.max_positions, ps.rope_theta)
-    from .model.hf_io import load_policy_config
-    try:
-        pc = load_policy_config(src)
-    except FileNotFoundError as e:
-        raise ConfigError(f"policy.source={src!r}: no config.json to read the shape from ({e}); pass "
-                          f"--model {'|'.join(PRESETS)} for a published shape") from None
+        from .runner.derive import tiny_policy
+        pc = tiny_policy(cfg, build_char_tokenizer())
+    else:
+        from .model.hf_io import load_policy_config
+        try:
+            pc = load_policy_config(src)
+        except FileNotFoundError as e:
+            raise ConfigError(f"policy.source={src!r}: no config.json to read the shape from ({e}); pass "
+                              f"--model {'|'.join(PRESETS)} for a published shape") from None
     if pc.moe:  # the per-layer parameter and activation model below is the dense layer's (policy_parts, ...)
         raise ConfigError(f"policy.source={src!r} is a mixture-of-experts policy ({pc.model_type}): specco plan "
                           "models dense layers only; its memory plan is not implemented yet")

@@ -402,7 +402,7 @@ def test_rl_loop_ep4_equals_ep1(tmp_path):
     (("parallel.dp=2", "parallel.ep=4"), 2, "train", r"parallel.ep=4 does not divide parallel.dp × parallel.cp = 2"),
     (("parallel.dp=2", "train.compile=aot_eager"), 2, "train", r"train.compile='aot_eager' with parallel.ep=2"),
     (("parallel.dp=2",), 2, "cotrain-cp", r"parallel.ep=2: expert parallelism runs in `specco train` only"),
-    (("parallel.dp=2",), 2, "train", r"parallel.ep=2: policy.source='tiny' is a dense model"),
+    (("parallel.dp=2",), 2, "train", r"parallel.ep=2: policy.source='tiny' with policy.family='llama' is a dense model"),
 ])
 def test_ep_layouts_not_wired_are_refused_by_name(tmp_path, extra, world, command, match):
     from test_rl_cp import _cfg

@@ -298,7 +298,7 @@ def test_rl_loop_ep2_dp_shard4_equals_ep1_and_resumes(tmp_path):
     (("parallel.dp_shard=2", "parallel.pp=2"), 4, r"parallel.ep=2 with parallel.pp=2: expert parallelism under pipe"),
     (("parallel.dp_shard=2", "parallel.tp=2"), 4, r"parallel.ep=2 with parallel.tp=2: expert parallelism under tens"),
     # ep × dp_shard itself passes derive's checks: what stops it here is the tiny (dense) policy
-    (("parallel.dp_shard=2",), 2, r"parallel.ep=2: policy.source='tiny' is a dense model"),
+    (("parallel.dp_shard=2",), 2, r"parallel.ep=2: policy.source='tiny' with policy.family='llama' is a dense model"),
 ])
 def test_ep_fsdp_layouts_not_wired_are_refused_by_name(tmp_path, extra, world, match):
     from test_rl_cp import _cfg

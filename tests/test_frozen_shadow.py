@@ -7,13 +7,15 @@ draft on every step's rollouts, under the policy that sampled them.
 * a resumed arm's shadow is still the warm draft (the checkpoint restores only the trained copy);
 * the report's table is the stated arithmetic; the field's refusals.
 """
+import dataclasses
+
 import pytest
 import torch
 
 from specco.config_load import load_config
 from specco.model.config import ConfigError
 from specco.runner.derive import step_config
-from specco.runner.report import shadow_table
+from specco.runner.report import shadow_position_table, shadow_table
 from specco.runner.measure import draft_eval
 from specco.runner.rl import run_arm
 from specco.runner.rollouts import minibatches
@@ -114,3 +116,58 @@ def test_committed_long_eagle3_config_is_the_ninth_runs():
                                                              "train.steps=7"]))
     assert mine.pop("out_dir") == "runs/long_eagle3" and ran.pop("out_dir") == "runs/long_ab"
     assert mine == ran
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_output_windows_score_the_tokens_at_those_positions(tmp_path, kind):
+    """config shadow_window: the shadow's per-window scores are draft_eval on the batch whose targets are the
+    completion tokens at those output positions (cut here row by row, independently of measure.output_windows);
+    for EAGLE-3 the windows' pass-1 targets partition the whole batch's; one window as long as the longest
+    completion is the whole batch, bit for bit. In a run (3 steps) the keys are logged every step, the
+    trajectory is unchanged (the first test's TRAINED keys), and the report's table reads them."""
+    from specco.runner.derive import arm_config
+    from specco.runner.measure import draft_evals
+    tok, policy = _setup()
+    warm = _warm(kind, policy, tok)
+    arm = "cotrained" if kind == "eagle3" else f"cotrained-{kind}"
+    common = ("train.steps=3", "rollout.max_new_tokens=8", "train.draft_lr=1e-2", f"arms=[{arm}]",
+              f"frozen_shadow=[{arm}]", "train.draft_row_stride=1")
+    record = []
+    plain = run_arm(_cfg(tmp_path, *common), arm, policy, warm, DigitTask(), tok, tmp_path / "a", progress=False)
+    rows = run_arm(_cfg(tmp_path, *common, "shadow_window=3"), arm, policy, warm, DigitTask(), tok, tmp_path / "b",
+                   progress=False, record=record)
+    for a, b in zip(rows, plain):
+        assert all(a[k] == b[k] for k in TRAINED) and a["shadow/frozen/sim_accept_len"] == b["shadow/frozen/sim_accept_len"]
+        assert {"shadow/frozen/sim_accept_len@0", "shadow/cotrained/sim_accept_len@3"} <= set(a)
+    acfg, mode = arm_config(_cfg(tmp_path, *common), arm)
+    scfg = step_config(acfg, mode)
+    whole = minibatches(record[0], 1, scfg, tok.pad_id, "cpu", None)[0].batch
+    longest = int(whole.target_mask.sum(-1).max())
+    got = draft_evals(policy, {"w": warm}, whole, scfg, window=3)["w"]
+    for start in range(0, longest, 3):
+        cut = whole.target_mask.clone()
+        for r in range(cut.shape[0]):  # the row's completion tokens, counted from its first
+            idx = cut[r].nonzero().flatten().tolist()
+            for j, col in enumerate(idx):
+                if not start <= j < start + 3:
+                    cut[r, col] = 0
+        ref = draft_eval(policy, warm, dataclasses.replace(whole, target_mask=cut), scfg)
+        assert got[f"draft/sim_accept_len@{start}"] == pytest.approx(ref["draft/sim_accept_len"], rel=1e-6), start
+        assert got[f"draft/tokens@{start}"] == ref["draft/tokens"]
+    if kind == "eagle3":  # pass-1 targets: each completion token (but the first two of a row) in one window
+        assert sum(got[f"draft/tokens@{s}"] for s in range(0, longest, 3)) == got["draft/tokens"]
+    one = draft_evals(policy, {"w": warm}, whole, scfg, window=longest)["w"]
+    assert one["draft/sim_accept_len@0"] == one["draft/sim_accept_len"] == got["draft/sim_accept_len"]
+    table, vals = shadow_position_table({arm: rows})
+    last = rows[-1]  # 3 steps: the last 25% is the last step
+    assert vals[arm][3]["frozen sim tau (last 25%)"] == last["shadow/frozen/sim_accept_len@3"]
+    assert vals[arm][3]["co-trained / frozen"] == pytest.approx(
+        last["shadow/cotrained/sim_accept_len@3"] / last["shadow/frozen/sim_accept_len@3"])
+    assert "output position from" in table
+
+
+def test_shadow_window_refusals():
+    with pytest.raises(ConfigError, match="without frozen_shadow"):
+        load_config(DEMO, ["shadow_window=64"])
+    with pytest.raises(ConfigError, match="with parallel.cp=2: not implemented"):
+        load_config(DEMO, ["shadow_window=64", "frozen_shadow=[cotrained]", "parallel.cp=2"])

@@ -60,9 +60,9 @@ def synthetic_packed_batch(seq_lens, vocab: int, seed: int, device=None) -> tupl
 
 def _build_models(cfg: RunConfig, device):
     ps = cfg.policy
-    if ps.source != "tiny":
-        raise ValueError(f"run_cotrain_step_cp builds synthetic tiny models; policy.source={ps.source!r} "
-                         "is loaded by the training CLI, not here")
+    if ps.source != "tiny" or ps.family != "llama":
+        raise ValueError(f"run_cotrain_step_cp builds synthetic Llama-style tiny models; policy.source={ps.source!r}, "
+                         f"policy.family={ps.family!r} are trained by `specco train`, not here")
     dtype = getattr(torch, ps.dtype)
     torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank
     pc = PolicyConfig(vocab_size=_SYNTH_VOCAB, hidden_size=ps.hidden_size, intermediate_size=ps.intermediate_size,

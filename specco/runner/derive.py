@@ -19,10 +19,11 @@ import torch
 
 from ..batch import longest_first, round_up
 from ..config import BLOCK_KINDS, RunConfig, split_arm
-from ..model.config import ConfigError
+from ..model.config import ConfigError, PolicyConfig
 from ..rollout.config import GenerateConfig
 from ..rollout.sampling import SamplingParams
 from ..train.cotrain import AMP_DTYPES, StepConfig
+from ..train.sft import tiny_policy_config
 
 __all__ = ["arm_config", "warm_configs", "step_config", "generate_config", "engine_dtype", "at_temperature", "check_parallel"]
 
@@ -179,9 +180,22 @@ def _check_ep(cfg: RunConfig, command: str) -> None:
     if cfg.train.compile != "none":  # the dispatch reads its split sizes on the host
         raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.ep={p.ep}: compiling the expert-parallel "
                           f"layers is not wired; set train.compile=none {off}")
-    if cfg.policy.source == "tiny":
-        raise ConfigError(f"parallel.ep={p.ep}: policy.source='tiny' is a dense model (no experts to place); set "
-                          "parallel.ep=1 or train a mixture-of-experts policy")
+    if cfg.policy.source == "tiny" and cfg.policy.family != "qwen3_moe":
+        raise ConfigError(f"parallel.ep={p.ep}: policy.source='tiny' with policy.family={cfg.policy.family!r} is a "
+                          "dense model (no experts to place); set parallel.ep=1, or policy.family='qwen3_moe' with "
+                          "policy.num_experts, or train a mixture-of-experts checkpoint")
+
+
+def tiny_policy(cfg: RunConfig, tok) -> PolicyConfig:
+    """The from-scratch policy's config (policy.source = 'tiny'): sizes and architecture from [policy], the
+    vocabulary the tokenizer's; the one place they are read (prepare builds it, validate and plan check its shape)."""
+    ps = cfg.policy
+    pc = tiny_policy_config(tok, ps.hidden_size, ps.num_layers, ps.num_heads, ps.num_kv_heads, ps.intermediate_size,
+                            ps.max_positions, ps.rope_theta, family=ps.family, num_experts=ps.num_experts,
+                            num_experts_per_tok=ps.num_experts_per_tok, moe_intermediate_size=ps.moe_intermediate_size)
+    if pc.moe and ps.router_aux_loss_coef is not None:  # (on a dense one validate.check_aux_coef refuses it)
+        pc = dataclasses.replace(pc, router_aux_loss_coef=float(ps.router_aux_loss_coef))
+    return pc
 
 
 def _check_tp(cfg: RunConfig) -> None:

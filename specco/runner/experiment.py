@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from .report import (markdown_table, plain_baseline_table, plot_arms, plot_time_split, same_token_end_to_end,
-                     shadow_table, steady_rows, time_split, window_mean)
+                     shadow_position_table, shadow_table, steady_rows, time_split, window_mean)
 
 # The comparison's arms when a config names one (`specco compare CONFIG` on a job's config)
 DEFAULT_ARMS = ("none", "frozen", "cotrained")
@@ -108,7 +108,9 @@ def write_report(cfg, out: Path, arm_rows, sft_m, warm_m, elapsed, warm_by_kind:
              "with those two in place of its rollout and train)", plain_baseline_table(arm_rows)),
             ("frozen shadow", "Frozen shadow (config frozen_shadow: the co-trained draft and a frozen copy of its warm "
              "draft, both scored on the arm's own rollouts under the sampling policy before each update; simulated "
-             "tau)", shadow_table(arm_rows))):
+             "tau)", shadow_table(arm_rows)),
+            ("frozen shadow by output position", "Frozen shadow by output position (config shadow_window: the same "
+             "two drafts scored on the tokens of each window of output positions)", shadow_position_table(arm_rows))):
         if made:
             summary[key] = made[1]
             table += f"\n\n{caption}:\n\n" + made[0]

@@ -18,6 +18,7 @@ import dataclasses
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..batch import TrainBatch
 from ..config import RunConfig
@@ -27,7 +28,7 @@ from ..model.policy import Policy
 from ..parallel.layout import PADDED
 from ..parallel.mesh import Mesh
 from ..train.cotrain import StepConfig, amp_context, micro_batches, step_counts
-from ..train.drafters import draft_rows, drafter
+from ..train.drafters import draft_mask, draft_rows, drafter
 from ..train.losses import all_reduce_sums, metrics_to_floats
 from .rollouts import Minibatch, Rollouts, completions, from_generator, generates, minibatches, phases_text
 from .trainer import ArmState, StepHooks, grad_group, run_updates, settled, state_copy
@@ -47,11 +48,28 @@ def draft_eval(policy: Policy, draft: Eagle3Draft | BlockDraft, b: TrainBatch, c
     return draft_evals(policy, {"draft": draft}, b, cfg, count_group, layout)["draft"]
 
 
+def output_windows(mb: TrainBatch, window: int) -> list[tuple[int, TrainBatch]]:
+    """(start, `mb` with its targets cut to the completion tokens at output positions [start, start + window))
+    for every window that holds one: a completion token's output position is its index among its row's
+    completion tokens (padded rows; config refuses shadow_window under cp > 1)."""
+    mask = draft_mask(mb)
+    pos = mask.cumsum(-1) - 1  # (B, S): output position of each completion token (-1 before the first)
+    out = []
+    for start in range(0, int(mask.sum(-1).max()), window):
+        m = mask * ((pos >= start) & (pos < start + window))
+        out.append((start, dataclasses.replace(mb, target_mask=m, draft_mask=None)))
+    return out
+
+
 @torch.no_grad()
 def draft_evals(policy: Policy, drafts: dict, b: TrainBatch, cfg: StepConfig, count_group=None,
-                layout=PADDED) -> dict[str, dict]:
+                layout=PADDED, window: int = 0) -> dict[str, dict]:
     """`draft_eval` of several drafts of one kind and one set of aux layers ({name: draft}) on one policy forward
-    per micro-batch: {name: metrics} (config frozen_shadow scores the co-trained draft and its frozen copy)."""
+    per micro-batch: {name: metrics} (config frozen_shadow scores the co-trained draft and its frozen copy).
+    `window` > 0: also each draft's simulated tau on the targets of each output-position window
+    (`output_windows`; the loss reads only the policy forward's taps and logits, so the drafts run again per
+    window on the same forward), as `draft/sim_accept_len@<start>` — the windows' counts are summed over
+    micro-batches and ranks like the whole batch's."""
     first = next(iter(drafts.values()))
     kind = drafter(first)
     parts = [(None, b)]
@@ -60,17 +78,40 @@ def draft_evals(policy: Policy, drafts: dict, b: TrainBatch, cfg: StepConfig, co
         cfg = dataclasses.replace(cfg, draft_row_stride=1)
         parts = micro_batches(b, cfg.micro_batch_rows, width_multiple=cfg.width_multiple)
     counts = step_counts(b, cfg, layout, count_group, first)
-    loss, stats = dict.fromkeys(drafts, 0.0), dict.fromkeys(drafts)
+    loss, stats = dict.fromkeys(drafts, 0.0), {}
+    if window:  # every window of the whole batch, so each micro-batch and rank sums the same keys
+        assert not layout.packed and b.cu_seqlens is None, "output windows need one sequence per row"
+        longest = draft_mask(b).sum(-1).max().to(torch.float64)  # every rank the same windows: the global longest
+        if count_group is not None:
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=count_group)
+        starts = range(0, int(longest), window)
     for rows, mb in parts:
         with amp_context(cfg, mb.tokens):
             out = policy(mb.tokens, mb.positions, tap_layers=first.cfg.aux_layer_ids, attn_core=layout.attn_core)
+            scored = [(None, mb)] + (output_windows(mb, window) if window else [])
             for name, draft in drafts.items():
                 # EAGLE-3: TTT loss per pass, top-1, simulated tau; a block drafter: per-slot acceptance,
                 # probabilistic tau, confidence error (train/block_losses.BlockStats)
-                l_d, s = kind.loss(draft, policy, out, mb, cfg, counts.draft, rows, layout=layout)
-                loss[name], stats[name] = loss[name] + l_d, s if stats[name] is None else stats[name] + s
-    reduced = all_reduce_sums(list(stats.values()), count_group)
-    return {name: metrics_to_floats({**st.metrics(), "draft/loss": loss[name]}) for name, st in zip(drafts, reduced)}
+                for start, wmb in scored:
+                    l_d, s = kind.loss(draft, policy, out, wmb, cfg, counts.draft, rows, layout=layout)
+                    if start is None:
+                        loss[name] = loss[name] + l_d
+                    stats[name, start] = s if (name, start) not in stats else stats[name, start] + s
+    if window:  # a micro-batch of short rows has no late windows: their counts stay 0 (sim tau 1 then)
+        zero = {name: type(stats[name, None])(*(torch.zeros_like(t) for t in stats[name, None]._tensors()))
+                for name in drafts}
+        for name in drafts:
+            for start in starts:
+                stats.setdefault((name, start), zero[name])
+    keys = list(stats)
+    reduced = dict(zip(keys, all_reduce_sums([stats[k] for k in keys], count_group)))
+    res = {name: metrics_to_floats({**reduced[name, None].metrics(), "draft/loss": loss[name]}) for name in drafts}
+    for (name, start), st in reduced.items():
+        if start is not None:
+            m = st.metrics()
+            res[name][f"draft/sim_accept_len@{start}"] = float(m["draft/sim_accept_len"])
+            res[name][f"draft/tokens@{start}"] = float(m["draft/tokens"])
+    return res
 
 
 def clone_generator(gen: torch.Generator) -> torch.Generator:
@@ -189,20 +230,20 @@ class FrozenShadow(StepHooks):
     arm's warm draft, each scored (`draft_eval`: simulated tau, loss, per-pass or per-slot agreement) on those
     rollouts under the policy that sampled them, before the step's update. The same estimator, rows and teacher
     for both, so their ratio is co-training's gain on this arm's own trajectory. Keys `shadow/cotrained/...`
-    and `shadow/frozen/...`; `time/shadow`.
+    and `shadow/frozen/...`; `time/shadow`. `window` (config shadow_window): also per output-position window.
 
     `draft`: the arm's draft as made (make_arm: compiled like the trainer's under train.compile_draft), copied
     before any checkpoint is loaded into the arm, so a resumed arm's shadow is still the warm draft."""
 
-    def __init__(self, where: _Where, draft: Eagle3Draft | BlockDraft):
-        self.where = where
+    def __init__(self, where: _Where, draft: Eagle3Draft | BlockDraft, window: int = 0):
+        self.where, self.window = where, window
         self.frozen = copy.deepcopy(draft).eval().requires_grad_(False)
 
     def after_rollout(self, st: ArmState, ro: Rollouts, scfg: StepConfig) -> dict:
         t0 = time.perf_counter()
         whole = self.where.whole(ro, scfg)  # the rows the step's draft trains on (scfg: its stride)
         scores = draft_evals(st.policy, {"cotrained": st.draft, "frozen": self.frozen}, whole.batch, scfg,
-                             grad_group(self.where.mesh), whole.layout)
+                             grad_group(self.where.mesh), whole.layout, self.window)
         m = {f"shadow/{tag}/{k.partition('/')[2]}": v for tag, ms in scores.items() for k, v in ms.items()}
         m["time/shadow"] = time.perf_counter() - t0
         return m
@@ -221,5 +262,5 @@ def hooks_for(cfg: RunConfig, st: ArmState, pad_id: int, device, mesh: Mesh | No
         hooks.append(PlainBaseline(where, train=st.mode == "cotrained" and st.pipeline is None,
                                    epochs=cfg.train.ppo_epochs))
     if cfg.measures_shadow(st.arm):
-        hooks.append(FrozenShadow(where, st.draft if shadow is None else shadow))
+        hooks.append(FrozenShadow(where, st.draft if shadow is None else shadow, cfg.shadow_window))
     return hooks

@@ -26,8 +26,8 @@ from ..model.policy import Policy
 from ..rollout.engine import RolloutEngine
 from ..train.cotrain import AMP_DTYPES, StepConfig
 from ..train.nonfinite import check_finite
-from ..train.sft import sft, tiny_policy_config
-from .derive import at_temperature, generate_config, step_config, warm_configs
+from ..train.sft import sft
+from .derive import at_temperature, generate_config, step_config, tiny_policy, warm_configs
 from .setup import from_rank0, share_model, share_policy, share_tensors
 from .validate import check_aux_coef
 from .stages import cold_draft_stage, commit_dir, load_stage, seed_stage, warm_draft_stage
@@ -100,11 +100,9 @@ def prepare_policy(cfg: RunConfig, data, out: Path, device, progress=True, mesh=
         tok = start_tokenizer(cfg, out)
         seed_stage(cfg.train.seed, "sft")
         if src is None:
-            pc = tiny_policy_config(tok, cfg.policy.hidden_size, cfg.policy.num_layers, cfg.policy.num_heads,
-                                    cfg.policy.num_kv_heads, cfg.policy.intermediate_size, cfg.policy.max_positions,
-                                    cfg.policy.rope_theta)
+            pc = tiny_policy(cfg, tok)
             policy = Policy(pc).to(device)
-            say(f"[1/4] a from-scratch {pc.num_params / 1e6:.2f}M-parameter policy", progress)
+            say(f"[1/4] a from-scratch {pc.num_params / 1e6:.2f}M-parameter {pc.model_type} policy", progress)
         else:
             policy = load_policy(src, device=device)
             say(f"[1/4] loaded policy {src} ({policy.cfg.num_params / 1e6:.1f}M parameters)", progress)
@@ -113,7 +111,7 @@ def prepare_policy(cfg: RunConfig, data, out: Path, device, progress=True, mesh=
     # before SFT the weights are policy.source's cast to policy.dtype: ranks that can read it load it themselves
     # (not smollm2's converted copy: source_dir would convert it again)
     readable = cfg.policy.source if cfg.policy.source not in ("", "tiny", "smollm2") else None
-    policy = share_policy(policy, readable, mesh, device)
+    policy = with_run_overrides(cfg, share_policy(policy, readable, mesh, device))  # SFT trains with them too
     metrics = {}
     if data.sft is not None:
         s = cfg.sft

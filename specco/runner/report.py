@@ -179,6 +179,26 @@ def shadow_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | None:
     return markdown_table(["arm", *next(iter(out.values())).keys()], rows), out
 
 
+def shadow_position_table(arm_rows: dict[str, list[dict]]) -> tuple[str, dict] | None:
+    """The arms that ran config `shadow_window`: per output-position window (its first position), the co-trained
+    and the frozen draft's simulated tau on the arm's own rollouts over the last 25% of the steps, their ratio, and
+    the window's mean pass-1 targets per step (how much each figure rests on). None when no arm ran it."""
+    out, rows = {}, []
+    for arm, rs in arm_rows.items():
+        starts = sorted({int(k.rpartition("@")[2]) for r in rs for k in r
+                         if k.startswith("shadow/frozen/sim_accept_len@")})
+        for start in starts:
+            co, fr = (window_mean(rs, f"shadow/{tag}/sim_accept_len@{start}", .75, 1) for tag in ("cotrained", "frozen"))
+            vals = {"co-trained sim tau (last 25%)": co, "frozen sim tau (last 25%)": fr,
+                    "co-trained / frozen": co / fr,
+                    "targets per step": window_mean(rs, f"shadow/frozen/tokens@{start}", .75, 1)}
+            out.setdefault(arm, {})[start] = vals
+            rows.append([arm, start, *vals.values()])
+    if not out:
+        return None
+    return markdown_table(["arm", "output position from", *next(iter(next(iter(out.values())).values()))], rows), out
+
+
 def plain_baseline_table(arm_rows: dict[str, list[dict]], select: Callable[[dict], bool] | None = None
                          ) -> tuple[str, dict] | None:
     """The arms that ran config `plain_baseline` (each step's prompts also decoded plainly, same tokens, same

@@ -62,6 +62,12 @@ def check_policy(cfg: RunConfig, out: Path):
             raise ConfigError(f"draft.aux_layer_ids={list(cfg.draft.aux_layer_ids)}: {bad} out of range for "
                               f"{src}, which has {pc.num_layers} layers (ids 0..{pc.num_layers - 1})")
     tok = start_tokenizer(cfg, out)
+    if src is None:  # the from-scratch policy: its shape is known before it exists
+        from .derive import tiny_policy
+        pc = tiny_policy(cfg, tok)
+        where = f"policy.source='tiny', policy.family={cfg.policy.family!r}"
+        check_moe_layout(cfg, pc, where)
+        check_aux_coef(cfg, pc, where)
     if src is None and cfg.rollout.tp > 1 and tok.vocab_size % cfg.rollout.tp:  # the tiny policy's vocabulary is its
         # tokenizer's
         raise ConfigError(f"rollout.tp={cfg.rollout.tp}: the from-scratch policy's vocabulary is its tokenizer's "

@@ -35,17 +35,27 @@ from specco.batch import device_indices, longest_first
 from specco.data.source import reference_ids
 from specco.model.config import ConfigError, PolicyConfig
 from specco.train.grad_sync import reduce_grads
+from specco.train.moe_loss import aux_share
 
 
 def tiny_policy_config(tokenizer, hidden_size: int = 96, num_layers: int = 4, num_heads: int = 4,
                        num_kv_heads: int = 2, intermediate_size: int = 256,
-                       max_position_embeddings: int = 256, rope_theta: float = 10000.0) -> PolicyConfig:
-    """A Llama-style from-scratch policy sized for a CPU demo, matched to `tokenizer`."""
+                       max_position_embeddings: int = 256, rope_theta: float = 10000.0, *, family: str = "llama",
+                       num_experts: int = 0, num_experts_per_tok: int = 0,
+                       moe_intermediate_size: int = 0) -> PolicyConfig:
+    """A from-scratch policy sized for a CPU demo, matched to `tokenizer`: Llama-style, or Qwen3 (q/k norm), or
+    Qwen3-MoE (every MLP a mixture of `num_experts` experts, top `num_experts_per_tok`, renormalised as Qwen3-MoE
+    checkpoints do, transformers' default aux-loss weight 0.001)."""
+    moe = {}
+    if family == "qwen3_moe":
+        moe = dict(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                   moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True, router_aux_loss_coef=0.001)
     return PolicyConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size,
                         intermediate_size=intermediate_size, num_layers=num_layers,
                         num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, model_type="llama",
-                        bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+                        max_position_embeddings=max_position_embeddings, rope_theta=rope_theta, model_type=family,
+                        qk_norm=family != "llama", bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+                        **moe)
 
 
 def sft_batch(examples, tokenizer, device="cpu"):
@@ -71,14 +81,22 @@ def sft_batch(examples, tokenizer, device="cpu"):
 
 def sft_loss(policy, input_ids, loss_mask, num_tokens=None):
     """Next-token cross-entropy summed over completion tokens (logits in fp32 at least), divided by `num_tokens`
-    (default: this batch's own completion-token count, i.e. the mean)."""
-    logits = policy(input_ids).logits[:, :-1]  # (B, S-1, V) predicts tokens 1..S-1
+    (default: this batch's own completion-token count, i.e. the mean); a mixture-of-experts policy adds its
+    router_aux_loss_coef times its load-balancing loss over those tokens, this batch's share of it
+    (train/moe_loss.aux_share), as transformers trains with output_router_logits and as the GRPO step does."""
+    out = policy(input_ids)
+    logits = out.logits[:, :-1]  # (B, S-1, V) predicts tokens 1..S-1
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least (fp64 in tests)
     targets = input_ids[:, 1:]
     mask = loss_mask[:, :-1]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                          reduction="none").view_as(mask)
-    return (ce * mask).sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
+    n = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    loss = (ce * mask).sum() / n
+    coef = policy.cfg.router_aux_loss_coef
+    if out.router_logits and coef > 0:  # a mixture of experts: its load balancing, as in the GRPO step
+        loss = loss + coef * aux_share(out.router_logits, policy.cfg.num_experts_per_tok, loss_mask, n)
+    return loss
 
 
 def sft_micro_batches(input_ids, loss_mask, rows: int):
