@@ -94,7 +94,7 @@ def param_counts(policy: Policy) -> dict:
     expert's parameters (gate, up, down rows: 3·h·I). `active` is the module docstring's formula."""
     out = dict(embed=0, head=0, attention_norms=0, mlp_dense=0, experts=0, router=0)
     expert_each = []
-    for key, layer in policy.layers.items():
+    for layer in policy.layers.values():
         if isinstance(layer.mlp, SparseMoE):
             e = layer.mlp.experts
             expert_each.append((e.gate_up_proj.numel() + e.down_proj.numel()) // e.num_experts)
