@@ -212,7 +212,7 @@ def bench_batch(models: dict, counts: dict, a, batch: int, device: str, bw: floa
     tokens = {"step": step_tok}
     for k in a.ks:  # the verify starts from the step's token: its routed set contains the step's
         tokens[f"verify_k{k}"] = torch.cat([step_tok, torch.randint(0, V, (batch, k), generator=g)], dim=1)
-    runs, res = {}, {"batch": batch, "kv_position": kv}
+    runs, res, keep = {}, {"batch": batch, "kv_position": kv}, []
     for mname, policy in models.items():
         cfg, el = policy.cfg, policy.lm_head.weight.element_size()
         cache_len = -(-(kv + T_max) // 16) * 16  # 16-aligned rows for the attention kernels, as the engine's
@@ -244,7 +244,12 @@ def bench_batch(models: dict, counts: dict, a, batch: int, device: str, bw: floa
                 m["graph_eager_argmax_agree"] = (out.argmax(-1) == eager).float().mean().item()
                 if m["graph_eager_argmax_agree"] < 0.95:  # bf16 near-ties may flip a few; more means a bug
                     raise SystemExit(f"{mname} {name} B={batch}: the graphed forward disagrees with the eager one")
+                # the graph reads and writes its tensors where they lay at capture (tokens, positions, this model's
+                # KV cache and RoPE table): they must outlive it. Dropped with the loop's variables, their memory
+                # went to the next tensors and the replays embedded garbage ids (a device-side index assert on the
+                # first H200 run, 2026-12-04)
                 runs[mname, name] = graph.replay
+                keep.append((tok, pos, out, cache, rope))
             else:
                 runs[mname, name] = fn
             res[mname][name] = m
@@ -260,7 +265,7 @@ def bench_batch(models: dict, counts: dict, a, batch: int, device: str, bw: floa
     for mname in models:
         r = res[mname]
         r["verify_over_step"] = {str(k): r[f"verify_k{k}"]["t_ms"] / r["step"]["t_ms"] for k in a.ks}
-    del runs
+    del runs, keep
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
