@@ -1,4 +1,4 @@
-"""The one timing helper of the benches: median seconds per call.
+"""The timing helpers of the benches: median seconds per call (`timeit`), and a CUDA graph of a call (`capture`).
 
 CUDA: events around each call (device time, after a synchronize); elsewhere the host clock.
 """
@@ -30,3 +30,18 @@ def timeit(fn, device, iters: int = 10, warmup: int = 3) -> float:
             times.append(time.perf_counter() - t)
     times.sort()
     return times[len(times) // 2]
+
+
+def capture(fn):
+    """(a CUDA graph of `fn`, its output): warmed twice on a side stream, then captured. The graph reads and writes
+    the tensors `fn` used where they lay at capture: the caller keeps them alive while it replays the graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out

@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from _results import write_results  # noqa: E402
+from _timing import capture  # noqa: E402
 from rollout import timed  # noqa: E402
 from specco.model.config import PolicyConfig  # noqa: E402
 from specco.model.moe import SparseMoE, route  # noqa: E402
@@ -186,20 +187,6 @@ def experts_touched(policy: Policy, fn) -> list[int]:
         for h in hooks:
             h.remove()
     return counts
-
-
-def capture(fn):
-    """A CUDA graph of `fn` (warmed on a side stream, as bench/rollout.py's graph_floor) and its output."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
 
 
 @torch.no_grad()

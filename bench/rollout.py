@@ -77,7 +77,7 @@ from specco.rollout.control import SpecController  # noqa: E402
 from specco.rollout.generate import DecodeRunner, GenerateConfig, generate  # noqa: E402
 from specco.rollout.forward import RopeTable, policy_forward  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import timeit  # noqa: E402
+from _timing import capture, timeit  # noqa: E402
 from _rollout_rl import bench_rl, refit_check  # noqa: E402
 from anchor import anchor_step_time, copy_bandwidth  # noqa: E402
 from specco.rollout.sampling import SamplingParams  # noqa: E402
@@ -202,16 +202,7 @@ def graph_floor(policy, batch, cache_len, pos_at, device, iters):
                            policy.embed_tokens.weight.dtype, scaling=policy.cfg.rope_scaling)
     tok = torch.zeros(batch, 1, dtype=torch.long, device=device)
     pos = torch.full((batch, 1), pos_at, dtype=torch.long, device=device)
-    fn = lambda: policy_forward(policy, tok, pos, cache, rope)  # noqa: E731
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g, _ = capture(lambda: policy_forward(policy, tok, pos, cache, rope))  # its tensors live through the timing
     return timed(g.replay, device, iters)
 
 
