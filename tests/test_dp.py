@@ -135,3 +135,36 @@ def _eval_worker(rank, world):
 @pytest.mark.slow
 def test_dp_frozen_arm_draft_metrics_are_global():
     spawn_local(_eval_worker, 2)
+
+
+def _window_worker(rank, world):
+    """The frozen shadow's output-position windows under DP (`measure.draft_evals` with a window and count_group):
+    two drafts, rank 1's completions shorter than rank 0's (it has fewer windows, filled with zero counts) and
+    micro-batches of one row: every draft's per-window metrics equal the single-process evaluation (fp64). Catches
+    ranks summing their windows in different orders."""
+    import copy
+    from specco.runner.measure import draft_evals
+    full = _batch()
+    full.target_mask[B // 2:, 8:] = 0  # rank 1's rows end at position 7: windows from 0 and 3 only
+    policy, draft = _models()
+    other = copy.deepcopy(draft)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    drafts = {"a": draft, "b": other}
+    cfg = StepConfig(ttt_passes=3, loss_chunk=5, draft_row_stride=1, micro_batch_rows=1)
+    ref = draft_evals(policy, drafts, full, cfg, window=3)
+    h = B // world
+    take = lambda t: t[rank * h:(rank + 1) * h]  # noqa: E731
+    local = TrainBatch(tokens=take(full.tokens), target_mask=take(full.target_mask))
+    got = draft_evals(policy, drafts, local, cfg, count_group=dist.group.WORLD, window=3)
+    assert "draft/sim_accept_len@9" in ref["a"]  # the longest rows (rank 0's) reach a fourth window
+    for name in drafts:
+        for key in ref[name]:
+            if "@" in key:
+                assert abs(got[name][key] - ref[name][key]) <= 1e-9 * max(1.0, abs(ref[name][key])), \
+                    (name, key, got[name][key], ref[name][key])
+
+
+def test_dp_shadow_windows_are_global():
+    spawn_local(_window_worker, 2)

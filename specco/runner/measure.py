@@ -103,7 +103,9 @@ def draft_evals(policy: Policy, drafts: dict, b: TrainBatch, cfg: StepConfig, co
         for name in drafts:
             for start in starts:
                 stats.setdefault((name, start), zero[name])
-    keys = list(stats)
+    # one order on every rank (a rank whose first micro-batch lacked a window met its key later): the sums travel
+    # concatenated in this order
+    keys = [(name, start) for name in drafts for start in [None, *(starts if window else ())]]
     reduced = dict(zip(keys, all_reduce_sums([stats[k] for k in keys], count_group)))
     res = {name: metrics_to_floats({**reduced[name, None].metrics(), "draft/loss": loss[name]}) for name in drafts}
     for (name, start), st in reduced.items():
