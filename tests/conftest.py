@@ -21,6 +21,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's `-n 2` on two cores): one intra-op thread per worker and per process it starts
+# (torchrun ranks, spawned gloo ranks inherit OMP_NUM_THREADS), or the workers' and their children's OpenMP threads
+# oversubscribe the cores: the long_ab tiny run took 20 s alone and 137 s inside the suite.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 
 import pytest  # noqa: E402
 
