@@ -17,6 +17,7 @@ from specco.data.tokenizer import build_char_tokenizer
 from specco.model.hf_io import load_policy
 from specco.model.policy import Policy
 from specco.runner.derive import tiny_policy
+from specco.runner.prepare import with_run_overrides
 from specco.runner.report import read_jsonl
 from specco.train.moe_loss import load_balancing_loss
 from specco.train.sft import sft_loss
@@ -84,8 +85,9 @@ def test_dense_twin_has_the_moe_policys_active_parameters(moe_cfg, twin_cfg):
 
 def test_sft_loss_adds_the_routers_load_balancing_share():
     torch.manual_seed(0)
-    pc = tiny_policy(load_config(DEMO, [*MOE, "policy.router_aux_loss_coef=0.1"]), build_char_tokenizer())
-    policy = Policy(pc).double()
+    cfg = load_config(DEMO, [*MOE, "policy.router_aux_loss_coef=0.1"])
+    policy = with_run_overrides(cfg, Policy(tiny_policy(cfg, build_char_tokenizer()))).double()
+    pc = policy.cfg
     ids = torch.randint(3, pc.vocab_size, (3, 9))
     mask = torch.zeros(3, 9, dtype=torch.float64)
     mask[:, 3:7] = 1.0

@@ -188,14 +188,13 @@ def _check_ep(cfg: RunConfig, command: str) -> None:
 
 def tiny_policy(cfg: RunConfig, tok) -> PolicyConfig:
     """The from-scratch policy's config (policy.source = 'tiny'): sizes and architecture from [policy], the
-    vocabulary the tokenizer's; the one place they are read (prepare builds it, validate and plan check its shape)."""
+    vocabulary the tokenizer's; the one place they are read (prepare builds it, validate and plan check its shape).
+    policy.router_aux_loss_coef is applied to the built policy, as to a loaded one (prepare.with_run_overrides)."""
     ps = cfg.policy
-    pc = tiny_policy_config(tok, ps.hidden_size, ps.num_layers, ps.num_heads, ps.num_kv_heads, ps.intermediate_size,
-                            ps.max_positions, ps.rope_theta, family=ps.family, num_experts=ps.num_experts,
-                            num_experts_per_tok=ps.num_experts_per_tok, moe_intermediate_size=ps.moe_intermediate_size)
-    if pc.moe and ps.router_aux_loss_coef is not None:  # (on a dense one validate.check_aux_coef refuses it)
-        pc = dataclasses.replace(pc, router_aux_loss_coef=float(ps.router_aux_loss_coef))
-    return pc
+    return tiny_policy_config(tok, ps.hidden_size, ps.num_layers, ps.num_heads, ps.num_kv_heads, ps.intermediate_size,
+                              ps.max_positions, ps.rope_theta, family=ps.family, num_experts=ps.num_experts,
+                              num_experts_per_tok=ps.num_experts_per_tok,
+                              moe_intermediate_size=ps.moe_intermediate_size)
 
 
 def _check_tp(cfg: RunConfig) -> None:

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from specco.batch import device_indices, longest_first
 from specco.data.source import reference_ids
 from specco.model.config import ConfigError, PolicyConfig
+from specco.model.moe_config import MOE_FAMILIES
 from specco.train.grad_sync import reduce_grads
 from specco.train.moe_loss import aux_share
 
@@ -45,11 +46,12 @@ def tiny_policy_config(tokenizer, hidden_size: int = 96, num_layers: int = 4, nu
                        moe_intermediate_size: int = 0) -> PolicyConfig:
     """A from-scratch policy sized for a CPU demo, matched to `tokenizer`: Llama-style, or Qwen3 (q/k norm), or
     Qwen3-MoE (every MLP a mixture of `num_experts` experts, top `num_experts_per_tok`, renormalised as Qwen3-MoE
-    checkpoints do, transformers' default aux-loss weight 0.001)."""
+    checkpoints do, transformers' default aux-loss weight: model/moe_config.MOE_FAMILIES)."""
     moe = {}
     if family == "qwen3_moe":
         moe = dict(num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
-                   moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True, router_aux_loss_coef=0.001)
+                   moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True,
+                   router_aux_loss_coef=MOE_FAMILIES["qwen3_moe"]["router_aux_loss_coef"])
     return PolicyConfig(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size,
                         intermediate_size=intermediate_size, num_layers=num_layers,
                         num_heads=num_heads, num_kv_heads=num_kv_heads,
