@@ -439,8 +439,8 @@ class ParallelSpec:
     # expert parallelism of a mixture-of-experts policy's trainer (parallel/ep.py): each of ep ranks holds
     # num_experts / ep experts of every sparse layer, rows sent to their experts' ranks and back by all-to-all. Its
     # ranks are borrowed from the dp × cp ranks (which hold different tokens): ep divides dp × cp and num_experts, and
-    # the world does not grow. With FSDP (dp_shard) the rest of the policy is sharded, the slices left to ep. Not
-    # with pp or tp yet
+    # the world does not grow. With FSDP (dp_shard) the rest of the policy is sharded, the slices left to ep; under
+    # pp each stage's experts over that stage's ranks. Not with tp yet
     ep: int = 1
     backend: str = "auto"  # auto -> nccl on CUDA, gloo on CPU
     # seconds any wait of the process group may last (a collective, its start-up) before the rank raises, so a rank

@@ -24,7 +24,7 @@ A rank with more micro-batches than its ep peers raises (instead of hanging in a
 
 The RL loop: two steps of the co-trained EAGLE-3 arm at ep 2 over dp 2, over cp 2, and at ep 4 over dp 4 (slow),
 against the same run at ep 1 (see `_rl_worker`), with resumes from the ep checkpoint at ep and at ep 1. Refusals
-by name: ep with pp, tp, compile, outside `specco train`, on a dense policy, sizes it does not divide (ep with
+by name: ep with tp, compile, outside `specco train`, on a dense policy, sizes it does not divide (ep with
 dp_shard: tests/test_ep_fsdp.py).
 """
 import copy
@@ -397,7 +397,6 @@ def test_rl_loop_ep4_equals_ep1(tmp_path):
 # -- what is refused -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, world, command, match", [
-    (("parallel.dp=2", "parallel.pp=2"), 4, "train", r"parallel.ep=2 with parallel.pp=2: expert parallelism under pipe"),
     (("parallel.dp=2", "parallel.tp=2"), 4, "train", r"parallel.ep=2 with parallel.tp=2: expert parallelism under tens"),
     (("parallel.dp=2", "parallel.ep=4"), 2, "train", r"parallel.ep=4 does not divide parallel.dp × parallel.cp = 2"),
     (("parallel.dp=2", "train.compile=aot_eager"), 2, "train", r"train.compile='aot_eager' with parallel.ep=2"),

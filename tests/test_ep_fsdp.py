@@ -41,7 +41,7 @@ each slice on two ranks) against the same run at ep 1 without FSDP, a resume fro
 layout (bit for bit), and at ep 1 without FSDP and back (other layouts, fp64 summation order); measurement hooks and
 on_nonfinite=skip leave the trajectory bit for bit. The same at dp 1 × cp 2 with dp_shard 1 (FSDP and ep both over
 the cp pair). Refusals by name: FSDP of a MoE policy at ep 1
-(validate.check_moe_layout, apply_fsdp), ep × FSDP with pp or tp (derive.check_parallel).
+(validate.check_moe_layout, apply_fsdp), ep × FSDP with tp (derive.check_parallel).
 """
 import copy
 
@@ -295,7 +295,6 @@ def test_rl_loop_ep2_dp_shard4_equals_ep1_and_resumes(tmp_path):
 # -- what is refused -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra, world, match", [
-    (("parallel.dp_shard=2", "parallel.pp=2"), 4, r"parallel.ep=2 with parallel.pp=2: expert parallelism under pipe"),
     (("parallel.dp_shard=2", "parallel.tp=2"), 4, r"parallel.ep=2 with parallel.tp=2: expert parallelism under tens"),
     # ep × dp_shard itself passes derive's checks: what stops it here is the tiny (dense) policy
     (("parallel.dp_shard=2",), 2, r"parallel.ep=2: policy.source='tiny' with policy.family='llama' is a dense model"),

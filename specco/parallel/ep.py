@@ -65,7 +65,13 @@ slice as its Shard(0) of the whole (E, ...) tensor (`expert_meshes`, `as_global`
 resumes at any ep, 1 included.
 
 Not here: grouped GEMMs (the loop over local experts reads the counts on the host, like the dispatch's split sizes:
-no CUDA graph, no compile), FSDP of the expert slices over their replica ranks (above), pp and tp with ep (refused).
+no CUDA graph, no compile), FSDP of the expert slices over their replica ranks (above), tp with ep (refused).
+
+**Under pipeline parallelism** (tests/test_ep_pp.py) each stage is cut from the whole policy first, then its sparse
+layers' experts placed over that stage's own ep group (parallel/mesh.py cuts ep groups from every stage's dp × cp
+ranks); a stage of dense layers only keeps what it has (`apply_ep(strict=False)`). The refit gathers each stage's
+experts (full_expert_state) before the stages are broadcast (pipeline.gather_stages); the clip sums each stage's
+dense and whole-expert squares over the pipeline group (EPSync.clip).
 """
 from __future__ import annotations
 
@@ -218,16 +224,17 @@ def _join_local_experts(mod, state, prefix, local_metadata, strict, missing, une
         state[f"{prefix}down_proj"] = torch.stack([g[e][2] for e in ids])  # (E/ep, h, I)
 
 
-def apply_ep(policy: nn.Module, group, replica_group=None) -> nn.Module:
+def apply_ep(policy: nn.Module, group, replica_group=None, strict: bool = True) -> nn.Module:
     """Swap every sparse layer's experts of `policy` (in place) for this rank's slice over `group` (the ep
     group); `replica_group`: the ranks holding the same slice (their gradients are summed over it). Before the
-    optimizer is built. Returns `policy`."""
+    optimizer is built. strict=False: a pipeline stage whose layers are all dense (mlp_only_layers) is left as it
+    is (its ep group then has nothing to dispatch on that stage). Returns `policy`."""
     swapped = 0
     for mod in policy.modules():
         if isinstance(mod, SparseMoE) and isinstance(mod.experts, Experts):
             mod.experts = EPExperts(mod.experts, group, replica_group)
             swapped += 1
-    if not swapped:
+    if not swapped and strict:
         raise ValueError("parallel.ep > 1 but the policy has no mixture-of-experts layers to place; set parallel.ep=1")
     return policy
 

@@ -126,10 +126,11 @@ def _expert_slices(model: nn.Module) -> set[nn.Parameter] | None:
     """The parameters FSDP must leave alone (`fully_shard(ignored_params=)`): an expert-parallel policy's expert
     slices (parallel/ep.py), already cut over the ep group; None for a dense policy. A mixture-of-experts policy
     whose experts are not placed by ep is refused (a boundary: config checks refuse it first, by name)."""
+    from ..model.moe import Experts
     from .ep import expert_parameters, is_ep
     if is_ep(model):
         return set(expert_parameters(model)[0])
-    if getattr(getattr(model, "cfg", None), "moe", False):
+    if any(isinstance(m, Experts) for m in model.modules()):  # (a pipeline stage of dense layers only passes)
         raise ValueError(f"FSDP (parallel.dp_shard > 1) of a mixture-of-experts policy ({model.cfg.model_type}) at "
                          "parallel.ep = 1 is not implemented: every rank would hold every expert whole (most of the "
                          "parameters), FSDP sharding only the rest; place the experts with parallel.ep > 1 (a divisor "

@@ -185,7 +185,7 @@ class Mesh:
         dp_replicate = dp / dp_shard. `timeout_s`: how long any wait of the group may last (init_distributed).
         `tp`: the tensor-parallel degree (config.ParallelSpec's `tp`), the innermost axis; `rollout_tp`: the
         engine's (config.RolloutSpec's `tp`), a divisor of cp × tp. `ep`: expert parallelism (config.ParallelSpec's
-        `ep`), borrowed from the dp × cp ranks: a divisor of dp × cp, with pp = tp = 1 (the rest is not wired)."""
+        `ep`), borrowed from each stage's dp × cp ranks: a divisor of dp × cp, with tp = 1 (not wired with tp)."""
         for name, n in (("pp", pp), ("dp", dp), ("cp", cp), ("dp_shard", dp_shard), ("tp", tp)):
             if n < 1:
                 raise ValueError(f"parallel.{name}={n}: must be >= 1")
@@ -197,9 +197,9 @@ class Mesh:
         if ep < 1 or (dp * cp) % ep:
             raise ValueError(f"parallel.ep={ep} must divide parallel.dp × parallel.cp = {dp * cp} "
                              "(ep borrows those ranks)")
-        if ep > 1 and (pp > 1 or tp > 1):
-            raise ValueError(f"parallel.ep={ep} with parallel.pp={pp}, parallel.tp={tp}: expert parallelism is wired "
-                             "for pp = tp = 1 only")
+        if ep > 1 and tp > 1:
+            raise ValueError(f"parallel.ep={ep} with parallel.tp={tp}: expert parallelism is not wired with tensor "
+                             "parallelism; use parallel.tp=1")
         rep = dp // dp_shard
         backend = init_distributed(backend, timeout_s)
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -240,9 +240,13 @@ class Mesh:
                     if rank in block[i:i + rollout_tp]:
                         rollout_group = g
         ep_group = ep_replica = None
-        if ep > 1:  # pp = tp = 1: the stage is the whole world, in mesh order (cp innermost)
+        if ep > 1:  # tp = 1: each stage's dp × cp ranks in mesh order (cp innermost); every rank creates every
+            # stage's groups (new_group is collective) and keeps its own stage's
             from .ep import ep_groups
-            ep_group, ep_replica = ep_groups(dm.mesh.reshape(-1).tolist(), ep, rank)
+            for s in range(pp):
+                groups = ep_groups(grid[s, :, :, 0].flatten().tolist(), ep, rank)
+                if s == dm.get_local_rank("pp"):
+                    ep_group, ep_replica = groups
         return cls(pp, dp, cp, rank, backend, dm, dm["cp"].get_group(), dp_mesh.get_group(), dm["pp"].get_group(),
                    grad_group, tap_group, dp_shard, dp_mesh, fsdp_mesh, tp, dm["tp"].get_group(), dm["tp"],
                    rollout_tp, rollout_group, ep, ep_group, ep_replica)

@@ -6,6 +6,8 @@
     one_f_one_b(comm, M, forward, backward, ...)    warmup / steady / cooldown over M micro-batches
     one_f_one_b(NoPipe(), M, ...)                   pp = 1: the stage is the whole policy, the schedule the plain
                                                     micro-batch loop (warm-up 0: forward, backward per micro-batch)
+    one_f_one_b(..., sums=RouterBalance(...))       per micro-batch statistics summed over the stages before its
+                                                    backward (a MoE policy's router balance, train/moe_loss.py)
 
 The schedule is the non-interleaved 1F1B of PipeDream-Flush / Megatron: stage s runs pp - 1 - s warmup
 forwards, then alternates one forward and one backward, then drains the remaining backwards. Each stage
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..model.policy import Policy
+from .ep import full_expert_state, is_ep
 
 __all__ = ["stage_layer_ranges", "split_stage", "PipeComm", "NoPipe", "one_f_one_b", "gather_stages"]
 
@@ -67,10 +70,13 @@ def gather_stages(stage: Policy, pp_group) -> dict[str, torch.Tensor]:
     One broadcast per stage of all its tensors flattened into one buffer (the stages' dtypes agree);
     names are the unsplit model's (layers keyed by global index), so the result loads into an unsplit
     Policy with strict=True. A stage sharded by FSDP (parallel/fsdp.py) is gathered whole first, tensor by
-    tensor over its own ranks (a collective there: every rank of every stage calls this)."""
+    tensor over its own ranks, and its expert-parallel experts over its ep group (collectives there: every rank of
+    every stage calls this)."""
     pp, me = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-    # Which names each stage holds: a small object exchange, then the tensors by broadcast.
-    mine = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in stage.state_dict().items()}
+    # Which names each stage holds: a small object exchange, then the tensors by broadcast. Expert-parallel
+    # experts gathered whole over the stage's ep group first (full_expert_state: a collective of that group)
+    state = full_expert_state(stage) if is_ep(stage) else stage.state_dict()
+    mine = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
     names = [None] * pp
     dist.all_gather_object(names, [(k, tuple(v.shape), str(v.dtype)) for k, v in mine.items()], group=pp_group)
     out = {}
@@ -85,6 +91,9 @@ def gather_stages(stage: Policy, pp_group) -> dict[str, torch.Tensor]:
         for (k, shape, dt), piece in zip(names[s], flat.split(sizes)):
             out[k] = piece.reshape(shape).to(getattr(torch, dt.removeprefix("torch.")))
     return out
+
+
+_TAGS = {"fwd": 0, "bwd": 1, "sums_fwd": 2, "sums_bwd": 3}  # a message's kind -> its p2p tag
 
 
 class PipeComm:
@@ -105,16 +114,26 @@ class PipeComm:
     def _send(self, what, t, peer, m):
         t = t.contiguous()
         self.log.append((what, peer, m, tuple(t.shape), str(t.dtype)))
-        self._sends.append((dist.isend(t, group=self.group, group_dst=peer, tag=0 if what == "send_fwd" else 1), t))
+        self._sends.append((dist.isend(t, group=self.group, group_dst=peer, tag=_TAGS[what[5:]]), t))
 
     def _recv(self, what, shape, dtype, device, peer, m):
         self.log.append((what, peer, m, tuple(shape), str(dtype)))
         t = torch.empty(shape, dtype=dtype, device=device)
-        dist.irecv(t, group=self.group, group_src=peer, tag=0 if what == "recv_fwd" else 1).wait()
+        dist.irecv(t, group=self.group, group_src=peer, tag=_TAGS[what[5:]]).wait()
         return t
 
     def send_fwd(self, act, m):
         self._send("send_fwd", act, self.stage + 1, m)
+
+    def send_sums(self, sums, m, upstream: bool):
+        """A micro-batch's stage sums (one_f_one_b's `sums`): the prefix downstream with the activation, the
+        totals upstream with the gradient; tags of their own, so they never match an activation's receive."""
+        peer = self.stage - 1 if upstream else self.stage + 1
+        self._send("send_sums_bwd" if upstream else "send_sums_fwd", sums, peer, m)
+
+    def recv_sums(self, n, device, m, upstream: bool):
+        return self._recv("recv_sums_bwd" if upstream else "recv_sums_fwd", (n,), torch.float64, device,
+                          self.stage + 1 if upstream else self.stage - 1, m)
 
     def send_bwd(self, grad, m):
         self._send("send_bwd", grad, self.stage - 1, m)
@@ -148,7 +167,7 @@ class NoPipe:
 
 
 def one_f_one_b(comm: PipeComm | NoPipe, num_micro: int, forward: Callable, act_shape: Callable, dtype, device,
-                after_backward: Callable | None = None) -> None:
+                after_backward: Callable | None = None, sums=None) -> None:
     """Run the 1F1B schedule of this stage over `num_micro` micro-batches.
 
     forward(m, x) -> y: micro-batch m's stage forward; x is the received activation (a leaf that requires
@@ -159,30 +178,55 @@ def one_f_one_b(comm: PipeComm | NoPipe, num_micro: int, forward: Callable, act_
     act_shape(m): the (B, S, h) activation shape of micro-batch m (every stage holds the whole batch).
     after_backward(m): last stage only, after micro-batch m's backward and its upstream send (the draft's
         per-micro-batch work goes here: it overlaps the earlier stages' backwards, off the critical path).
+    sums: per micro-batch statistics that must be summed over the stages before the micro-batch's backward (a
+        MoE policy's router balance: train/moe_loss.RouterBalance), or None. After forward(m, x),
+        `sums.add(m, prefix)` returns the stages' sums up to this one (an fp64 vector of `sums.numel`; prefix None
+        on the first stage), sent downstream with the activation; the last stage's are the totals, which travel
+        back with the gradient, and `sums.loss(m, totals)` (a scalar or None) is backpropagated together with the
+        stage's output. With pp = 1 nothing travels: the stage's own sums are the totals.
     """
     s, pp = comm.stage, comm.pp
     first, last = s == 0, s == pp - 1
     warmup = min(pp - 1 - s, num_micro)
     live: dict[int, tuple] = {}  # m -> (x, y): micro-batches forwarded, not yet backpropagated
+    totals: dict[int, torch.Tensor] = {}  # last stage, with `sums`: m -> the stages' sums until m's backward
 
     def fwd(m):
-        x = None
+        x = prefix = None
         if not first:
             x = comm.recv_fwd(act_shape(m), dtype, device, m).requires_grad_()
+            if sums is not None:
+                prefix = comm.recv_sums(sums.numel, device, m, upstream=False)
         y = forward(m, x)
+        if sums is not None:
+            upto = sums.add(m, prefix)
         if not last:
             comm.send_fwd(y.detach(), m)
+            if sums is not None:
+                comm.send_sums(upto, m, upstream=False)
+        elif sums is not None:
+            totals[m] = upto
         live[m] = (x, y)
 
     def bwd(m):
         x, y = live.pop(m)
+        roots, grads = [], []
         if last:
+            tot = totals.pop(m) if sums is not None else None
             if y is not None:
-                y.backward()
+                roots, grads = [y], [None]
         else:
-            torch.autograd.backward(y, comm.recv_bwd(act_shape(m), dtype, device, m))
+            roots, grads = [y], [comm.recv_bwd(act_shape(m), dtype, device, m)]
+            tot = comm.recv_sums(sums.numel, device, m, upstream=True) if sums is not None else None
+        extra = sums.loss(m, tot) if sums is not None else None
+        if extra is not None:  # the stage's own term (e.g. its routers' share of the balance loss), same backward
+            roots, grads = roots + [extra], grads + [None]
+        if roots:
+            torch.autograd.backward(roots, grads)
         if not first:
             comm.send_bwd(x.grad, m)
+            if sums is not None:
+                comm.send_sums(tot, m, upstream=True)
         if last and after_backward is not None:
             after_backward(m)
 
@@ -197,5 +241,5 @@ def one_f_one_b(comm: PipeComm | NoPipe, num_micro: int, forward: Callable, act_
     for m in range(num_micro - warmup, num_micro):
         bwd(m)
     comm.wait_sends()
-    assert not live, f"stage {s}: micro-batches {sorted(live)} forwarded but never backpropagated"
+    assert not live and not totals, f"stage {s}: micro-batches {sorted(live)} forwarded but never backpropagated"
     assert comm.idle, f"stage {s}: sends still in flight after the cooldown"

@@ -161,18 +161,17 @@ def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
 
 def _check_ep(cfg: RunConfig, command: str) -> None:
     """What expert parallelism (parallel.ep, parallel/ep.py) is not wired into, refused by name with the fix: it is
-    tested (tests/test_ep.py, test_ep_fsdp.py) with plain data parallelism, context parallelism and FSDP
-    (parallel.dp_shard: the dense parameters sharded, the expert slices left to ep), fp64, on gloo. Whether the
+    tested (tests/test_ep.py, test_ep_fsdp.py, test_ep_pp.py) with plain data parallelism, context parallelism, FSDP
+    (parallel.dp_shard: the dense parameters sharded, the expert slices left to ep) and pipeline parallelism (each
+    stage's experts over its own ranks), fp64, on gloo. Whether the
     policy is a mixture of experts whose num_experts ep divides is validate.check_moe_layout's (it reads
     config.json)."""
     p, off = cfg.parallel, "or set parallel.ep=1"
     if command != "train":
         raise ConfigError(f"parallel.ep={p.ep}: expert parallelism runs in `specco train` only; set parallel.ep=1")
-    for key, n in (("pp", p.pp), ("tp", p.tp)):
-        if n > 1:
-            raise ConfigError(f"parallel.ep={p.ep} with parallel.{key}={n}: expert parallelism under "
-                              f"{'pipeline' if key == 'pp' else 'tensor'} parallelism is not implemented; set "
-                              f"parallel.{key}=1 {off}")
+    if p.tp > 1:
+        raise ConfigError(f"parallel.ep={p.ep} with parallel.tp={p.tp}: expert parallelism under tensor parallelism "
+                          f"is not implemented; set parallel.tp=1 {off}")
     if (p.dp * p.cp) % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} does not divide parallel.dp × parallel.cp = {p.dp * p.cp}: expert "
                           "parallelism borrows those ranks (they hold different tokens); set parallel.ep to a "

@@ -126,8 +126,9 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
     tp = mesh is not None and mesh.tp > 1  # parallel/tp.py: TP first, then (AC, then) FSDP, as torchtitan
     mp = mixed_precision(amp) if sharded and amp == torch.bfloat16 else None
     ep = mesh is not None and mesh.ep > 1  # the trainer's experts cut over the ep group (parallel/ep.py); the engine
-    # keeps every expert. pp and tp with ep are refused (derive.check_parallel). Under FSDP the recipe's order: EP
-    # on the meta model, then AC, then FSDP of the rest (apply_fsdp leaves the slices alone)
+    # keeps every expert. tp with ep is refused (derive.check_parallel). Under FSDP the recipe's order: EP on the
+    # meta model, then AC, then FSDP of the rest (apply_fsdp leaves the slices alone); under PP the stage is cut
+    # from the whole policy first, then its experts placed over its own stage's ep group
 
     def recipe(*steps):  # what wraps the plain (meta) model before FSDP, in order; None when nothing does
         steps = [f for f in steps if f is not None]
@@ -163,7 +164,7 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
         policy = sharded_copy(policy, mesh.fsdp_mesh, mp_policy=mp, prepare=recipe(place, ac)).train()
     else:
         policy = copy.deepcopy(policy).train()
-        if ep:  # without FSDP the reference keeps every expert too
+        if ep and mesh.pp == 1:  # without FSDP the reference keeps every expert too
             apply_ep(policy, mesh.ep_group, mesh.ep_replica_group)
     if (dt := engine_dtype(cfg)) is not None:  # rollout.dtype: refit casts into these (engine.py)
         eng_policy, eng_draft = eng_policy.to(dt), eng_draft.to(dt) if eng_draft is not None else None
@@ -178,6 +179,8 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
         policy = pipeline.stage
         if tp:  # torchtitan's order: cut the stage, TP, then AC and FSDP (below)
             apply_tp(policy, mesh.tp_mesh)
+        if ep:  # the stage's experts over its ep group (a stage of dense layers only keeps what it has)
+            apply_ep(policy, mesh.ep_group, mesh.ep_replica_group, strict=False)
         if mode == "cotrained" and not pipeline.last:
             draft = None  # the co-trained draft lives on the last stage; the engine has its own copy
     cut = (sharded or tp) and pipeline is None  # the trainer's copy is already sharded (and checkpointed) above

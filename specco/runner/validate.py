@@ -79,8 +79,7 @@ def check_policy(cfg: RunConfig, out: Path):
 def check_moe_layout(cfg: RunConfig, pc, where) -> None:
     """What a mixture-of-experts policy cannot run under yet, refused by name before out_dir is touched: tensor
     parallelism, and FSDP at ep 1 (its experts are placed by expert parallelism, parallel.ep, not cut by tp or
-    dp_shard; with ep > 1 FSDP shards the rest),
-    the router's aux loss under pp > 1 (apply_tp, apply_fsdp and cotrain_step are the backstops); and parallel.ep
+    dp_shard; with ep > 1 FSDP shards the rest; apply_tp and apply_fsdp are the backstops); and parallel.ep
     on a dense policy or one whose num_experts it does not divide."""
     ep = cfg.parallel.ep
     if not pc.moe:
@@ -105,11 +104,6 @@ def check_moe_layout(cfg: RunConfig, pc, where) -> None:
         raise ConfigError(f"rollout.tp={cfg.rollout.tp}: the policy ({where}) is a mixture of experts "
                           f"({pc.model_type}); a tensor-parallel engine over MoE layers is not implemented: use "
                           "rollout.tp = 1")
-    coef = pc.router_aux_loss_coef if cfg.policy.router_aux_loss_coef is None else cfg.policy.router_aux_loss_coef
-    if cfg.parallel.pp > 1 and coef > 0:
-        raise ConfigError(f"parallel.pp={cfg.parallel.pp} with router_aux_loss_coef={coef} ({where} or "
-                          "policy.router_aux_loss_coef): the router's aux loss under a pipeline is not implemented; "
-                          "set policy.router_aux_loss_coef=0 or parallel.pp=1")
 
 
 def check_aux_coef(cfg: RunConfig, pc, where) -> None:

@@ -46,7 +46,7 @@ from .grad_sync import AllReduceSync, clip_grad_norm, grad_syncs, reduce_grads  
 from .step_config import AMP_DTYPES, LR_SCHEDULES, StepConfig  # noqa: F401 (re-exported)
 from .losses import (PolicyStats, all_reduce_sums, clipped_surrogate, draft_denominator, metrics_to_floats,
                      token_logprobs)
-from .moe_loss import aux_share
+from .moe_loss import RouterBalance
 
 __all__ = ["StepConfig", "StepCounts", "TrainBatch", "cotrain_step", "step_counts", "policy_loss",
            "optimizer_step", "build_optimizer", "build_scheduler", "amp_context", "AMP_DTYPES"]
@@ -311,8 +311,9 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
 
     A mixture-of-experts policy adds `cfg.router_aux_loss_coef` (its PolicyConfig's: config.json's or the run
     config's policy.router_aux_loss_coef) times its router load-balancing loss to L_policy (train/moe_loss.py:
-    per micro-batch, weighted by its share of the trained tokens), logged as "policy/aux_loss" (the loss before
-    the coefficient; logged at coefficient 0 too, as a balance monitor).
+    per micro-batch, weighted by its share of the trained tokens; under a pipe its pieces summed over the stages by
+    the schedule: RouterBalance), logged as "policy/aux_loss" (the loss before the coefficient; logged at
+    coefficient 0 too, as a balance monitor).
 
     Metrics: "policy/loss", "policy/aux_loss" and "draft/loss" are this rank's contributions (they sum to the
     global losses over `grad_group`); every other metric is global (from statistics summed over the group). Under a
@@ -334,11 +335,6 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
     aux_coef = policy.cfg.router_aux_loss_coef if (policy.cfg.moe and train_policy) else None
     if pp > 1:
         _check_pipe(draft, tap_layers, use_draft, last, taps, pp, train_policy, syncs)
-        if aux_coef:  # each stage's router logits would need their own loss term inside 1F1B's backward
-            raise ValueError(f"a mixture-of-experts policy with router_aux_loss_coef={aux_coef} under parallel.pp > 1 "
-                             "is not implemented (the router logits live on every stage); set the run config's "
-                             "policy.router_aux_loss_coef = 0 or train with pp = 1")
-        aux_coef = None  # the last stage holds only its own layers' routers: no partial loss or metric
     kind = drafter(draft) if use_draft and last else None  # train/drafters.py: the draft's counts and loss
     if kind is not None:
         kind.check_layout(batch, layout)
@@ -348,6 +344,9 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
     # the draft's counts on every stage: the all-reduce over grad_group has one shape on every rank
     counts = step_counts(batch, cfg, layout, grad_group, draft if kind is not None else None)
     wire = act_dtype or next(policy.parameters()).dtype  # the receive buffers' dtype, forward and backward
+    # a MoE policy's router balance: its pieces summed over the stages by the schedule (train/moe_loss.py)
+    balance = RouterBalance(policy.cfg.num_experts, policy.cfg.num_experts_per_tok, aux_coef,
+                            counts.policy_tokens) if aux_coef is not None else None
     losses = {"policy/loss": 0.0, "policy/aux_loss": 0.0, "draft/loss": 0.0}  # floats never added to are not logged
     stats: dict = {"policy": None, "draft": None}
     held: dict[int, tuple] = {}  # last stage of a real pipe: m -> (its own taps, teacher logits) until the draft's work
@@ -387,6 +386,8 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
         with amp_context(cfg, mb.tokens), torch.set_grad_enabled(train_policy):
             out = policy(mb.tokens if first else None, mb.positions, tap_layers=tap_layers if use_draft else None,
                          hidden_in=x, compute_logits=last, attn_core=layout.attn_core)
+            if balance is not None:
+                balance.record(m, out.router_logits, mb.target_mask)
         if not last:
             if out.hidden.dtype != wire:
                 raise ValueError(f"stage {s} emits {out.hidden.dtype} activations but the schedule receives {wire}: "
@@ -408,17 +409,13 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
         with amp_context(cfg, mb.tokens):
             l_pol, st = policy_loss(out.logits, mb, cfg, counts.policy_tokens, layout.shift)
         add("policy", st, l_pol)
-        if aux_coef is not None and out.router_logits:
-            with amp_context(cfg, mb.tokens), torch.set_grad_enabled(aux_coef > 0):
-                l_aux = aux_share(out.router_logits, policy.cfg.num_experts_per_tok, mb.target_mask,
-                                  counts.policy_tokens)
-            losses["policy/aux_loss"] += l_aux.detach()
-            if aux_coef > 0:
-                l_pol = l_pol + aux_coef * l_aux
         return l_pol
 
     one_f_one_b(pipe, len(mbs), forward, lambda m: (*mbs[m][1].tokens.shape[:2], policy.cfg.hidden_size),
-                wire, batch.tokens.device, after_backward=draft_work if (pp > 1 and kind is not None) else None)
+                wire, batch.tokens.device, after_backward=draft_work if (pp > 1 and kind is not None) else None,
+                sums=balance)
+    if balance is not None:
+        losses["policy/aux_loss"] = balance.total
     if taps is not None:
         taps.end()
     assert not held, f"last stage: the draft never ran on micro-batches {sorted(held)}"

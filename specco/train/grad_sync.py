@@ -181,9 +181,8 @@ class EPSync:
         reduce_grads(experts, self.replica_group)
 
     def clip(self, params, max_norm: float, norm_group=None) -> torch.Tensor:
-        """clip_grad_norm's contract (pp is refused with ep, so `norm_group` must be None)."""
-        if norm_group is not None:
-            raise ValueError("parallel.ep with a pipeline's norm group is not implemented (parallel.pp > 1)")
+        """clip_grad_norm's contract: `norm_group` the ranks holding the policy's other parts (pipeline stages),
+        over which this stage's squared norm (dense + its whole experts) is summed."""
         params = list(params)
         dense, experts = self._split(params)
         n_dense, n_exp = grad_norm(dense), grad_norm(experts)
@@ -193,7 +192,10 @@ class EPSync:
             torch.zeros(1, dtype=torch.float64, device=dev)
         dist.all_reduce(sq_exp, group=self.ep_group)  # the ep group's slices make the whole experts
         sq_dense = n_dense.double().square().to(dev) if n_dense is not None else 0.0
-        total = (sq_dense + sq_exp[0]).sqrt().to(like.dtype if like is not None else torch.float32)
+        sq = (sq_dense + sq_exp).reshape(1)
+        if norm_group is not None:  # the other stages' squares (each its dense part and whole experts)
+            dist.all_reduce(sq, group=norm_group)
+        total = sq[0].sqrt().to(like.dtype if like is not None else torch.float32)
         clip_with_norm(params, max_norm, total)
         return total
 
