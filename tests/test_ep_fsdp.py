@@ -40,8 +40,9 @@ reference sharded and expert-placed like the trainer) at ep 2 × dp_shard 2 (wor
 each slice on two ranks) against the same run at ep 1 without FSDP, a resume from its step-1 checkpoint at the same
 layout (bit for bit), and at ep 1 without FSDP and back (other layouts, fp64 summation order); measurement hooks and
 on_nonfinite=skip leave the trajectory bit for bit. The same at dp 1 × cp 2 with dp_shard 1 (FSDP and ep both over
-the cp pair). Refusals by name: FSDP of a MoE policy at ep 1
-(validate.check_moe_layout, apply_fsdp), ep × FSDP with tp (derive.check_parallel).
+the cp pair), and at dp_shard 2, ep 1 (the experts FSDP-sharded along the expert dim with their layers, gathered for
+the layer: no all-to-all). The step at ep 1 under FSDP (dp_shard 4, HSDP 2 × 2) likewise against the replicated
+step. Refusals by name: ep × FSDP with tp (derive.check_parallel).
 """
 import copy
 
@@ -70,7 +71,8 @@ def _ep_fsdp_policy(base, mesh, checkpointed=False):
     from specco.train.activation_checkpointing import apply_activation_checkpointing
 
     def prepare(m):
-        apply_ep(m, mesh.ep_group, mesh.ep_replica_group)
+        if mesh.ep > 1:  # at ep 1 FSDP shards the (E, ...) expert tensors with their layer
+            apply_ep(m, mesh.ep_group, mesh.ep_replica_group)
         if checkpointed:  # the backward recomputes each layer: its all-to-alls and FSDP's gathers, in order
             apply_activation_checkpointing(m)
     return sharded_copy(base, mesh.fsdp_mesh, prepare=prepare)
@@ -84,14 +86,19 @@ def _mismatches(rank, dp_shard, ep, mutation) -> list[str]:
     assert m_ref["policy/grad_norm"] > 2 * CFG.policy_grad_clip  # the clip is active
     policy = _ep_fsdp_policy(base, mesh, checkpointed=mutation == "checkpointed")
     local_of = {n: mod for n, mod in policy.named_modules() if isinstance(mod, EPExperts)}
-    assert len(local_of) == 2  # the sparse layers 0 and 2
+    assert len(local_of) == (2 if ep > 1 else 0)  # the sparse layers 0 and 2
     for n, p in policy.named_parameters():  # the dense parameters sharded, the slices plain (E/ep experts)
         slice_ = n.rsplit(".", 1)[0] in local_of
         assert isinstance(p, DTensor) != slice_ or mutation == "experts_to_fsdp", n
         if slice_:
             assert p.shape[0] == QWEN3_MOE["num_experts"] // ep, n
     sync = grad_syncs(policy, dist.group.WORLD)
-    assert isinstance(sync["policy"], EPSync) and isinstance(sync["policy"].dense, FSDPSync)
+    if ep == 1:  # the experts are FSDP's like the rest: its reduce-scatter sums them
+        assert isinstance(sync["policy"], FSDPSync)
+        assert isinstance(policy.layers["0"].mlp.experts.gate_up_proj, DTensor)
+        assert policy.layers["0"].mlp.experts.gate_up_proj.to_local().shape[0] == QWEN3_MOE["num_experts"] // dp_shard
+    else:
+        assert isinstance(sync["policy"], EPSync) and isinstance(sync["policy"].dense, FSDPSync)
     if mutation == "reduce_over_ep":
         sync["policy"].replica_group = mesh.ep_group
     return _compare(_step(policy, local, grad_group=dist.group.WORLD, grad_sync=sync), (m_ref, g_ref, p_ref),
@@ -109,6 +116,12 @@ def _step_worker(rank, world, layouts, mutation):
 
 def test_ep_fsdp_step_equals_ep1():
     spawn_local(_step_worker, WORLD, LAYOUTS, None)
+
+
+def test_fsdp_of_a_moe_at_ep1_equals_the_replicated_step():
+    """No expert parallelism: FSDP shards each (E, ...) expert tensor along the expert dim (dp_shard 4: 2 experts
+    per rank; HSDP 2 × 2: 4), gathers it for the layer and reduce-scatters its gradient like any other tensor."""
+    spawn_local(_step_worker, WORLD, ((4, 1), (2, 1)), None)
 
 
 def test_ep_fsdp_step_with_activation_checkpointing_equals_ep1():
@@ -212,10 +225,14 @@ def _rl_worker(rank, world, tmp, dp_shard=2, ep=2, cp=1):
     (rows1, pairs1, st1, cfg1, mesh1), (rows2, pairs2, st2, cfg2, mesh2) = out["ep1"], out["ep2"]
     assert cfg2.parallel.fsdp and cfg2.parallel.ep == ep and cfg2.parallel.shard == dp_shard
     experts = st2.policy.layers["0"].mlp.experts
-    assert isinstance(experts, EPExperts) and not isinstance(experts.gate_up_proj, DTensor)
-    assert experts.gate_up_proj.shape[0] == policy.cfg.num_experts // ep
+    if ep > 1:
+        assert isinstance(experts, EPExperts) and not isinstance(experts.gate_up_proj, DTensor)
+        assert experts.gate_up_proj.shape[0] == policy.cfg.num_experts // ep
+        assert isinstance(st2.ref.layers["0"].mlp.experts, EPExperts)  # the KL reference placed and sharded alike
+    else:  # FSDP shards the experts along the expert dim, the reference's too
+        assert isinstance(experts.gate_up_proj, DTensor) and isinstance(st2.ref.layers["0"].mlp.experts.down_proj,
+                                                                          DTensor)
     assert isinstance(st2.policy.layers["0"].self_attn.qkv_proj.weight, DTensor)  # the dense part sharded
-    assert isinstance(st2.ref.layers["0"].mlp.experts, EPExperts)  # the KL reference placed and sharded the same way
     assert isinstance(st2.ref.embed_tokens.weight, DTensor)
     assert pairs2 == pairs1
     for a, b in zip(rows2, rows1):
@@ -287,6 +304,11 @@ def test_rl_loop_ep2_over_cp2_with_fsdp_equals_ep1(tmp_path):
     spawn_local(_rl_worker, 2, str(tmp_path), 1, 2, 2)
 
 
+def test_rl_loop_fsdp_of_a_moe_at_ep1_equals_replicated_and_resumes(tmp_path):
+    """dp_shard 2 at ep 1: the experts FSDP-sharded with their layers (no all-to-all) against the replicated run."""
+    spawn_local(_rl_worker, 2, str(tmp_path), 2, 1)
+
+
 @pytest.mark.slow  # 4 processes
 def test_rl_loop_ep2_dp_shard4_equals_ep1_and_resumes(tmp_path):
     spawn_local(_rl_worker, 4, str(tmp_path), 4, 2)
@@ -305,20 +327,3 @@ def test_ep_fsdp_layouts_not_wired_are_refused_by_name(tmp_path, extra, world, m
     from specco.runner.derive import check_parallel
     with pytest.raises(ConfigError, match=match):
         check_parallel(_cfg(tmp_path, "parallel.ep=2", *extra), world, "train")
-
-
-def test_fsdp_of_a_moe_policy_needs_ep(tmp_path):
-    """validate.check_moe_layout (before out_dir): dp_shard at ep 1 is refused, naming parallel.ep as the fix; with
-    ep 2 it passes. apply_fsdp, the backstop, refuses a MoE policy whose experts are not placed."""
-    from test_rl_cp import _cfg
-    from specco.model.config import ConfigError, PolicyConfig
-    from specco.runner.validate import check_moe_layout
-    moe = PolicyConfig(**QWEN3_MOE)
-    check_moe_layout(_cfg(tmp_path, "parallel.dp_shard=2", "parallel.ep=2"), moe, "p/config.json")
-    check_moe_layout(_cfg(tmp_path, "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=4"), moe, "p")
-    with pytest.raises(ConfigError, match=r"parallel.dp_shard=2 at parallel.ep=1: .* place the experts with "
-                                          r"parallel.ep > 1"):
-        check_moe_layout(_cfg(tmp_path, "parallel.dp_shard=2"), moe, "p/config.json")
-    with pytest.raises(ValueError, match=r"FSDP .* mixture-of-experts policy \(qwen3_moe\) at parallel.ep = 1 is not "
-                                         r"implemented: .* parallel.ep > 1"):
-        fsdp_mod.apply_fsdp(_policy(), mesh=None)

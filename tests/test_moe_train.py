@@ -168,22 +168,19 @@ def test_activation_checkpointing_keeps_moe_gradients_and_aux_loss():
 
 
 def test_moe_layouts_not_implemented_are_refused_by_name(tmp_path):
-    """Before out_dir (validate.check_moe_layout) and at the backstops (apply_tp, apply_fsdp, the sharded load)."""
+    """Before out_dir (validate.check_moe_layout) and at the backstops (apply_tp, the sharded load)."""
     from specco.model.hf_io import load_policy_rows, save_policy
-    from specco.parallel.fsdp import apply_fsdp
     from specco.parallel.tp import apply_tp
     from specco.runner.validate import check_moe_layout
     pc = _policy(torch.float32).cfg
     for over, match in ((["parallel.tp=2"], "parallel.tp=2"),
-                        (["parallel.dp_shard=2"], "parallel.dp_shard=2 at parallel.ep=1"),
                         (["rollout.tp=2", "parallel.cp=2"], "rollout.tp=2: .* tensor-parallel engine over MoE")):
         with pytest.raises(ConfigError, match=match):
             check_moe_layout(load_config(overrides=over), pc, "dir/config.json")
     check_moe_layout(load_config(overrides=["parallel.pp=2", "policy.router_aux_loss_coef=0.01"]), pc, "x")  # the
     # balance loss under a pipe: tests/test_ep_pp.py
+    check_moe_layout(load_config(overrides=["parallel.dp_shard=2"]), pc, "x")  # FSDP at ep 1: tests/test_ep_fsdp.py
     policy = _policy(torch.float32)
-    with pytest.raises(ValueError, match="FSDP .* mixture-of-experts policy .* at parallel.ep = 1"):
-        apply_fsdp(policy, mesh=None)
 
     class _Mesh:
         def size(self):

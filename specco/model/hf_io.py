@@ -322,9 +322,10 @@ def load_policy_rows(path: str | os.PathLike, model: Policy, rows_of=whole_rows)
     embedding's storage, so it is filled with it; re-tie after `to_empty` (which unties) before calling."""
     src = HFTensors(path)
     if src.cfg.moe:
-        raise ConfigError(f"{path}: the sharded load (parallel.dp_shard > 1) of a mixture-of-experts policy "
-                          f"({src.cfg.model_type}) is not implemented yet (its expert layout needs expert "
-                          "parallelism, issue 38 item 2); train it with dp_shard = 1")
+        raise ConfigError(f"{path}: the row-wise sharded load of a mixture-of-experts policy ({src.cfg.model_type}) "
+                          "is not implemented (its per-expert tensors are stacked into (E, ...) parameters); load it "
+                          "whole (hf_io.load_policy) and shard it with parallel.load.sharded_copy, as `specco train` "
+                          "does")
     if src.cfg != model.cfg:
         raise ConfigError(f"{Path(path) / 'config.json'} describes another model than the one being filled "
                           f"({src.cfg} vs {model.cfg}); build the model from load_policy_config({path})")

@@ -51,8 +51,8 @@ torchtitan's alternative, FSDP of each slice over its replica ranks (`dp_shard_i
 memory by that factor too, is a later step. The KL reference is placed and sharded the same way; the refit gathers
 the shards (in buckets) and the experts (`full_expert_state`); sharded checkpoints hold both with global shapes, so
 a run resumes at ep × dp_shard or at ep 1 without FSDP (tested; other ep / dp_shard combinations go through the same
-DCP resharding, untested). A mixture-of-experts policy under FSDP at ep 1 is refused (apply_fsdp,
-validate.check_moe_layout): every rank would hold every expert whole.
+DCP resharding, untested). Under FSDP at ep 1 (no EPExperts) the experts are sharded with their layers instead
+(parallel/fsdp.py).
 
 Every rank of an ep group must run the same sparse-layer forwards and backwards (the all-to-alls are collectives):
 the same number of micro-batches per step, which the runner's even split of prompts over dp gives.

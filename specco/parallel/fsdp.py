@@ -44,8 +44,10 @@ Mixture of experts. A policy whose experts expert parallelism placed (parallel/e
 except for its expert slices, which `apply_fsdp` passes as `ignored_params`: they stay plain tensors of E/ep experts
 (not gathered, not reduce-scattered; train/grad_sync.EPSync sums their gradients over their replica group), the rest
 — attention, norms, routers, shared experts, embeddings, head — is sharded as for a dense policy. Under bf16 mixed
-precision the slices stay fp32 and the step's autocast casts them for the expert GEMMs. A MoE policy without ep
-is refused: every rank would hold every expert whole, FSDP sharding only the small rest.
+precision the slices stay fp32 and the step's autocast casts them for the expert GEMMs. Without ep (parallel.ep = 1)
+the experts are sharded with their layer like every other tensor: each (E, 2I, h) / (E, h, I) tensor cut along the
+expert dim over the fsdp ranks and all-gathered whole for the layer's forward and backward (torchtitan's layout at
+ep 1): no all-to-all, but every rank runs every expert's GEMMs on its own rows and gathers every expert's weights.
 """
 from __future__ import annotations
 
@@ -124,18 +126,10 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
 
 def _expert_slices(model: nn.Module) -> set[nn.Parameter] | None:
     """The parameters FSDP must leave alone (`fully_shard(ignored_params=)`): an expert-parallel policy's expert
-    slices (parallel/ep.py), already cut over the ep group; None for a dense policy. A mixture-of-experts policy
-    whose experts are not placed by ep is refused (a boundary: config checks refuse it first, by name)."""
-    from ..model.moe import Experts
+    slices (parallel/ep.py), already cut over the ep group; None otherwise (a dense policy, or a mixture of experts
+    at ep 1, whose (E, ...) expert tensors FSDP shards along the expert dim like any other tensor)."""
     from .ep import expert_parameters, is_ep
-    if is_ep(model):
-        return set(expert_parameters(model)[0])
-    if any(isinstance(m, Experts) for m in model.modules()):  # (a pipeline stage of dense layers only passes)
-        raise ValueError(f"FSDP (parallel.dp_shard > 1) of a mixture-of-experts policy ({model.cfg.model_type}) at "
-                         "parallel.ep = 1 is not implemented: every rank would hold every expert whole (most of the "
-                         "parameters), FSDP sharding only the rest; place the experts with parallel.ep > 1 (a divisor "
-                         "of num_experts and of parallel.dp × parallel.cp), or use parallel.dp_shard = 1")
-    return None
+    return set(expert_parameters(model)[0]) if is_ep(model) else None
 
 
 def shard_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:

@@ -78,8 +78,8 @@ def check_policy(cfg: RunConfig, out: Path):
 
 def check_moe_layout(cfg: RunConfig, pc, where) -> None:
     """What a mixture-of-experts policy cannot run under yet, refused by name before out_dir is touched: tensor
-    parallelism, and FSDP at ep 1 (its experts are placed by expert parallelism, parallel.ep, not cut by tp or
-    dp_shard; with ep > 1 FSDP shards the rest; apply_tp and apply_fsdp are the backstops); and parallel.ep
+    parallelism (its experts are placed by expert parallelism, parallel.ep, or sharded by FSDP, not cut by tp;
+    apply_tp is the backstop), a tensor-parallel engine; and parallel.ep
     on a dense policy or one whose num_experts it does not divide."""
     ep = cfg.parallel.ep
     if not pc.moe:
@@ -94,12 +94,6 @@ def check_moe_layout(cfg: RunConfig, pc, where) -> None:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp}: the policy ({where}) is a mixture of experts "
                           f"({pc.model_type}); tensor parallelism of MoE layers is not implemented (place the experts "
                           "with parallel.ep instead): use parallel.tp = 1")
-    if cfg.parallel.fsdp and ep == 1:  # (apply_fsdp is the backstop, with the same reason)
-        raise ConfigError(f"parallel.dp_shard={cfg.parallel.shard} at parallel.ep=1: the policy ({where}) is a mixture "
-                          f"of experts ({pc.model_type}), and FSDP of it without expert parallelism is not implemented "
-                          "(every rank would hold every expert whole, most of the parameters); place the experts with "
-                          "parallel.ep > 1 (a divisor of num_experts and of parallel.dp × parallel.cp), or use "
-                          "parallel.dp_shard = 1")
     if cfg.rollout.tp > 1:  # rollout/tp.tp_shard cuts dense MLP rows; the experts are not cut (the backstop refuses)
         raise ConfigError(f"rollout.tp={cfg.rollout.tp}: the policy ({where}) is a mixture of experts "
                           f"({pc.model_type}); a tensor-parallel engine over MoE layers is not implemented: use "
