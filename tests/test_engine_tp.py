@@ -192,3 +192,55 @@ def _control_worker(rank, world):
 
 def test_engine_tp2_speculation_control_chooses_alike_on_every_rank():
     spawn_local(_control_worker, 2)
+
+
+def _moe_worker(rank, world):
+    """A mixture-of-experts target on the tp 2 engine (rollout/tp.py: each expert's and the shared expert's SwiGLU
+    cut I/tp, router whole, the block's output all-reduced): Qwen3-MoE and Qwen2-MoE (shared expert, a dense
+    mlp_only layer), plain and EAGLE-3, every sampler, the tp 1 tokens; the refit of the trainer's whole per-expert
+    tensors keeps each rank's slices. Mutation: the MoE block's all-reduce dropped changes the tokens."""
+    from test_moe_rollout import moe_policy
+    from test_rollout_helpers import random_draft
+    import specco.rollout.forward as fwd
+    from specco.rollout.config import GenerateConfig
+    from specco.rollout.engine import RolloutEngine
+    from specco.rollout.tp import tp_shard
+    from specco.rollout.weights import InPlaceLoad
+    prompts = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 11, 12, 2]]
+
+    def tokens(model, draft, params, k=3):
+        cfg = GenerateConfig(max_new_tokens=12, sampling=params, num_draft_tokens=k)
+        with RolloutEngine(model, draft, cfg) as eng:
+            out = eng.generate(prompts, group_size=2, generator=torch.Generator().manual_seed(7))
+        return out.tokens, out.lengths
+
+    for family in ("qwen3_moe", "qwen2_moe"):
+        policy = moe_policy(family).double()
+        shard = tp_shard(policy, dist.group.WORLD)
+        experts = shard.layers["0"].mlp.experts
+        assert experts.gate_up_proj.shape == (6, 16, 32) and experts.down_proj.shape == (6, 32, 8)  # I 16 -> 8
+        for dname, draft in (("plain", None), ("eagle3", random_draft(policy).double())):
+            for cname, params in _cases().items():
+                a, b = tokens(policy, draft, params), tokens(shard, draft, params)
+                assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (family, dname, cname, a, b)
+        # mutation: the MoE block's partial sums not all-reduced (the attention's still are)
+        real = fwd.reduce_partial
+        fwd.reduce_partial = lambda x, group: x if x.dim() == 2 else real(x, group)  # the MoE block's rows are 2-D
+        try:
+            assert not torch.equal(tokens(policy, None, _cases()["greedy"])[0],
+                                   tokens(shard, None, _cases()["greedy"])[0]), family
+        finally:
+            fwd.reduce_partial = real
+        new = moe_policy(family, seed=5).double()  # refit: the trainer's whole tensors, each rank keeps its slices
+        ptrs = [p.data_ptr() for p in shard.parameters()]
+        load = InPlaceLoad(shard, "policy")
+        load.write(list(new.state_dict().items()))
+        load.finish()
+        assert ptrs == [p.data_ptr() for p in shard.parameters()]
+        want = tp_shard(new, dist.group.WORLD).state_dict()
+        assert all(torch.equal(v, want[k]) for k, v in shard.state_dict().items())
+        assert torch.equal(tokens(new, None, _cases()["greedy"])[0], tokens(shard, None, _cases()["greedy"])[0])
+
+
+def test_engine_tp2_with_a_moe_target_decodes_the_tp1_tokens_and_refits():
+    spawn_local(_moe_worker, 2)

@@ -173,13 +173,13 @@ def test_moe_layouts_not_implemented_are_refused_by_name(tmp_path):
     from specco.parallel.tp import apply_tp
     from specco.runner.validate import check_moe_layout
     pc = _policy(torch.float32).cfg
-    for over, match in ((["parallel.tp=2"], "parallel.tp=2"),
-                        (["rollout.tp=2", "parallel.cp=2"], "rollout.tp=2: .* tensor-parallel engine over MoE")):
+    for over, match in ((["parallel.tp=2"], "parallel.tp=2"),):
         with pytest.raises(ConfigError, match=match):
             check_moe_layout(load_config(overrides=over), pc, "dir/config.json")
     check_moe_layout(load_config(overrides=["parallel.pp=2", "policy.router_aux_loss_coef=0.01"]), pc, "x")  # the
     # balance loss under a pipe: tests/test_ep_pp.py
     check_moe_layout(load_config(overrides=["parallel.dp_shard=2"]), pc, "x")  # FSDP at ep 1: tests/test_ep_fsdp.py
+    check_moe_layout(load_config(overrides=["rollout.tp=2", "parallel.cp=2"]), pc, "x")  # tests/test_engine_tp.py
     policy = _policy(torch.float32)
 
     class _Mesh:

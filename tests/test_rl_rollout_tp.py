@@ -30,9 +30,10 @@ EXTRA = ("rollout.prompts_per_step=4", "train.ppo_epochs=2", "train.minibatches=
          "plain_baseline=[cotrained]", "rollout.sampler=coupled", "rollout.spec_control=on")
 
 
-def _models():
+def _models(moe=False):
     """test_rl_cp's tiny fp64 policy and draft, the vocabulary padded from the char tokenizer's 101 to 104 rows (ids
-    the tokenizer never makes: decode drops them) so that tp 2 and 4 split it."""
+    the tokenizer never makes: decode drops them) so that tp 2 and 4 split it. moe: the same as a Qwen3-MoE (4
+    experts of width 16, top 2, layer 1 dense, aux coefficient 0.01)."""
     from test_rl_cp import DEMO
     from specco.config_load import load_config
     from specco.data.tokenizer import build_char_tokenizer
@@ -44,20 +45,25 @@ def _models():
     p = cfg.policy
     pc = tiny_policy_config(tok, p.hidden_size, p.num_layers, p.num_heads, p.num_kv_heads, p.intermediate_size)
     torch.manual_seed(0)
-    policy = Policy(dataclasses.replace(pc, vocab_size=104)).double()
+    pc = dataclasses.replace(pc, vocab_size=104)
+    if moe:
+        pc = dataclasses.replace(pc, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=16, norm_topk_prob=True, decoder_sparse_step=1,
+                                 mlp_only_layers=(1,), router_aux_loss_coef=0.01)
+    policy = Policy(pc).double()
     torch.manual_seed(1)
     draft = new_draft(policy, torch.randint(0, tok.vocab_size, (4, 8))).double()
     return tok, policy, draft
 
 
-def _worker(rank, world, tmp, layout):
+def _worker(rank, world, tmp, layout, moe=False):
     from test_grpo import DigitTask
     from test_rl_cp import _cfg, _close
     from test_rl_fsdp import _flat
     from specco.runner.rl import full_models, needs_gather, run_arm
     from specco.runner.trainer import full_state
     tmp = Path(tmp)
-    tok, policy, draft = _models()
+    tok, policy, draft = _models(moe)
     kw = dict(layout)
     runs = {}
     for rtp in (2, 1):
@@ -71,6 +77,8 @@ def _worker(rank, world, tmp, layout):
     eng = s.engine.policy
     assert eng.tp_size == 2 and eng.cfg.num_kv_heads == policy.cfg.num_kv_heads // 2  # the engine holds its shard
     assert eng.lm_head.weight.shape[0] == 52
+    if moe:  # each expert's SwiGLU cut: [gate | up] rows 2 × 16 / 2
+        assert eng.layers["0"].mlp.experts.gate_up_proj.shape[1] == 16
     assert [ro.pairs for ro in rec] == [ro.pairs for ro in rec1]  # the same rollouts, step 2 from the refit shard
     for r, q in zip(rows, rows1):
         assert r["rollout/plain_rows_equal"] == 1.0  # the plain baseline decoded on the shard: the same tokens
@@ -99,6 +107,11 @@ def _worker(rank, world, tmp, layout):
     guard, _ = refit_arm(s, cfg, mesh, fingerprint=True)
     s.engine.check_fingerprints(guard["policy"], guard["draft"], step=3)
     dist.barrier()
+
+
+def test_rl_rollout_tp2_of_a_moe_policy_over_cp_ranks_equals_rollout_tp1(tmp_path):
+    """A mixture-of-experts policy: the engine's shard cuts every expert's width (rollout/tp.py)."""
+    spawn_local(_worker, 2, str(tmp_path), {"cp": 2}, True)
 
 
 def test_rl_rollout_tp2_with_trainer_tp2_equals_rollout_tp1(tmp_path):

@@ -84,8 +84,8 @@ def _attend(attn, x_normed, positions, cache_k, cache_v, rope: RopeTable, prefil
 
 
 def _mlp(mlp, x_normed, tp=None):
-    if isinstance(mlp, SparseMoE):  # rows (B·T, h); tp is refused for MoE (rollout/tp.tp_shard)
-        return mlp.mix(x_normed)[0]
+    if isinstance(mlp, SparseMoE):  # rows (B·T, h); under tp each expert's I/tp slice: partial sums (rollout/tp.py)
+        return reduce_partial(mlp.mix(x_normed)[0], tp)
     return reduce_partial(mlp.down_proj(silu_mul(mlp.gate_up_proj(x_normed))), tp)
 
 

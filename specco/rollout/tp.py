@@ -10,6 +10,11 @@ What a rank holds (Megatron's split, as the trainer's parallel/tp.py; the engine
                   stay whole: both counts are cut in tp contiguous blocks and G = H/Hkv is kept), biases alike
     o_proj        the input columns of those heads; its output is a partial sum, all-reduced over the group
     gate_up_proj  rows [gate_r | up_r]; down_proj the matching input columns, its output all-reduced
+    MoE layers    every expert's SwiGLU (HF's per-expert gate/up/down names) and Qwen2-MoE's shared expert cut the
+                  same way, I/tp of each; the router and the shared expert's sigmoid gate whole, so every rank routes
+                  every row alike and runs the same experts on its slices: the block's output (weighted sum of
+                  experts + gated shared expert, linear in each expert's down_proj output) is a partial sum,
+                  all-reduced once per layer as the dense MLP's is
     lm_head       V/tp rows of the vocabulary; the logits all-gathered along the vocabulary (`head_logits`)
     embedding, norms, q/k norms, the draft: whole on every rank
 
@@ -65,11 +70,12 @@ def tp_shard(policy: Policy, group) -> Policy:
     policy's device and in its dtype. `group`: the tp process group (its ranks all call this)."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     c = policy.cfg
-    if c.moe:  # the shard cuts dense SwiGLUs only
-        raise ValueError(f"engine tensor parallelism of a mixture-of-experts policy ({c.model_type}) is not "
-                         "implemented; use tp = 1")
-    for what, n in (("num_heads", c.num_heads), ("num_kv_heads", c.num_kv_heads),
-                    ("intermediate_size", c.intermediate_size), ("vocab_size", c.vocab_size)):
+    widths = [("intermediate_size", c.intermediate_size)]
+    if c.moe:  # every expert's SwiGLU (and Qwen2-MoE's shared expert) cut like the dense one
+        widths += [("moe_intermediate_size", c.moe_intermediate_size),
+                   ("shared_expert_intermediate_size", c.shared_expert_intermediate_size)]
+    for what, n in (("num_heads", c.num_heads), ("num_kv_heads", c.num_kv_heads), *widths,
+                    ("vocab_size", c.vocab_size)):
         if n % tp:
             raise ValueError(f"engine tensor parallelism over {tp} ranks: the policy's {what} = {n} is not divisible "
                              f"by {tp}; choose a rollout tp that divides the head counts, MLP width and vocabulary")
@@ -78,6 +84,9 @@ def tp_shard(policy: Policy, group) -> Policy:
     local = dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=c.num_kv_heads // tp,
                                 intermediate_size=c.intermediate_size // tp, head_dim=c.head_dim,
                                 tie_word_embeddings=False)
+    if c.moe:
+        local = dataclasses.replace(local, moe_intermediate_size=c.moe_intermediate_size // tp,
+                                    shared_expert_intermediate_size=c.shared_expert_intermediate_size // tp)
     p0 = next(policy.parameters())
     with torch.device("meta"):
         shard = Policy(local)

@@ -216,11 +216,13 @@ def _check_tp(cfg: RunConfig) -> None:
 def check_tp_sizes(sizes, tp: int, where: str, key_name: str = "parallel.tp") -> None:
     """A ConfigError unless tp divides the heads, kv heads and MLP width of `sizes` (a PolicySpec or PolicyConfig;
     `where` prefixes its keys): each tp rank holds 1/tp of each (parallel/tp.py; apply_tp's own check is the
-    backstop). `key_name` rollout.tp: the engine's shard (rollout/tp.py) also cuts the vocabulary."""
-    keys = ("num_heads", "num_kv_heads", "intermediate_size") + (("vocab_size",) if key_name == "rollout.tp" else ())
+    backstop). `key_name` rollout.tp: the engine's shard (rollout/tp.py) also cuts the vocabulary and a mixture of
+    experts' expert widths."""
+    keys = ("num_heads", "num_kv_heads", "intermediate_size") + (
+        ("vocab_size", "moe_intermediate_size", "shared_expert_intermediate_size") if key_name == "rollout.tp" else ())
     for key in keys:
         n = getattr(sizes, key, None)  # a PolicySpec has no vocab_size (the tiny policy's is its tokenizer's)
-        if n is not None and n % tp:
+        if n and n % tp:  # (0 / None: a dense policy's expert widths)
             raise ConfigError(f"{key_name}={tp}: {where}{key}={n} is not a multiple of it (each tp rank holds "
                               f"{key} / tp of every layer); pick a tp that divides it")
 

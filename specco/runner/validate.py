@@ -79,7 +79,7 @@ def check_policy(cfg: RunConfig, out: Path):
 def check_moe_layout(cfg: RunConfig, pc, where) -> None:
     """What a mixture-of-experts policy cannot run under yet, refused by name before out_dir is touched: tensor
     parallelism (its experts are placed by expert parallelism, parallel.ep, or sharded by FSDP, not cut by tp;
-    apply_tp is the backstop), a tensor-parallel engine; and parallel.ep
+    apply_tp is the backstop); and parallel.ep
     on a dense policy or one whose num_experts it does not divide."""
     ep = cfg.parallel.ep
     if not pc.moe:
@@ -94,10 +94,6 @@ def check_moe_layout(cfg: RunConfig, pc, where) -> None:
         raise ConfigError(f"parallel.tp={cfg.parallel.tp}: the policy ({where}) is a mixture of experts "
                           f"({pc.model_type}); tensor parallelism of MoE layers is not implemented (place the experts "
                           "with parallel.ep instead): use parallel.tp = 1")
-    if cfg.rollout.tp > 1:  # rollout/tp.tp_shard cuts dense MLP rows; the experts are not cut (the backstop refuses)
-        raise ConfigError(f"rollout.tp={cfg.rollout.tp}: the policy ({where}) is a mixture of experts "
-                          f"({pc.model_type}); a tensor-parallel engine over MoE layers is not implemented: use "
-                          "rollout.tp = 1")
 
 
 def check_aux_coef(cfg: RunConfig, pc, where) -> None:
