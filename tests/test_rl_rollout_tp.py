@@ -68,7 +68,8 @@ def _worker(rank, world, tmp, layout, moe=False):
     runs = {}
     for rtp in (2, 1):
         cfg = _cfg(tmp, *(f"parallel.{k}={v}" for k, v in kw.items()), f"rollout.tp={rtp}", *EXTRA)
-        mesh = Mesh.build(cfg.parallel.dp, cfg.parallel.cp, tp=cfg.parallel.tp, rollout_tp=rtp)
+        mesh = Mesh.build(cfg.parallel.dp, cfg.parallel.cp, tp=cfg.parallel.tp, rollout_tp=rtp, pp=cfg.parallel.pp,
+                          ep=cfg.parallel.ep)
         st, rec = {}, []
         rows = run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / f"r{rtp}", progress=False, mesh=mesh,
                        state_out=st, record=rec)
@@ -88,8 +89,9 @@ def _worker(rank, world, tmp, layout, moe=False):
     torch.testing.assert_close(_flat(s), _flat(s1), rtol=0, atol=1e-10)
     # what the run evaluates and saves: the trainer's whole policy (gathered where the trainer shards)
     pol, dr = full_models(s)
-    assert needs_gather(s) == (kw.get("tp", 1) > 1) and dr is s.draft
-    want = full_state(s1.policy)
+    parts = any(kw.get(k, 1) > 1 for k in ("tp", "ep"))  # the trainer holds part of the policy
+    assert needs_gather(s) == parts and dr is s.draft
+    want = full_state(full_models(s1)[0])  # rollout.tp 1: the trainer's (or its whole engine's) copy
     got = pol.state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     # the refit guard fingerprints this rank's slice; fingerprinting the whole tensor (mutation) is caught
@@ -112,6 +114,11 @@ def _worker(rank, world, tmp, layout, moe=False):
 def test_rl_rollout_tp2_of_a_moe_policy_over_cp_ranks_equals_rollout_tp1(tmp_path):
     """A mixture-of-experts policy: the engine's shard cuts every expert's width (rollout/tp.py)."""
     spawn_local(_worker, 2, str(tmp_path), {"cp": 2}, True)
+
+
+def test_rl_rollout_tp2_of_an_expert_parallel_moe_over_cp_ranks_equals_rollout_tp1(tmp_path):
+    """ep 2 over the same cp pair: the run's whole policy gathers the trainer's experts (rl.full_models)."""
+    spawn_local(_worker, 2, str(tmp_path), {"cp": 2, "ep": 2}, True)
 
 
 def test_rl_rollout_tp2_with_trainer_tp2_equals_rollout_tp1(tmp_path):

@@ -232,7 +232,8 @@ def _check_rollout_tp(cfg: RunConfig) -> None:
     The engine tp groups are cut from the ranks that train on one DP group's rollouts (its cp x tp ranks, which
     hold the same sampler), so the tokens are those of one rank decoding them whole."""
     p, n = cfg.parallel, cfg.rollout.tp
-    if p.pp > 1:  # each pipeline stage's engine is refit from the gathered stages; a sharded one is not wired
+    if p.pp > 1:  # the log-prob recompute under PP reads the engine's whole copy (trainer.run_updates); a shard
+        # would need the stages' forward-only pass
         raise ConfigError(f"rollout.tp={n} with parallel.pp={p.pp}: a tensor-parallel engine under pipeline "
                           "parallelism is not implemented; set rollout.tp=1")
     if (p.cp * p.tp) % n:

@@ -39,8 +39,10 @@ __all__ = ["run_arm", "full_models", "needs_gather"]
 
 def needs_gather(st: ArmState) -> bool:
     """Whether `full_models(st)` is a collective (every rank of the trainer's mesh must call it): the engine holds
-    a tensor-parallel shard (rollout.tp) and the trainer shards too (FSDP, parallel.tp)."""
-    return tp_group_of(st.engine.policy) is not None and (is_sharded(st.policy) or is_tensor_parallel(st.policy))
+    a tensor-parallel shard (rollout.tp) and the trainer holds part of the policy too (FSDP, parallel.tp, expert
+    parallelism)."""
+    return tp_group_of(st.engine.policy) is not None and (is_sharded(st.policy) or is_tensor_parallel(st.policy)
+                                                         or is_ep(st.policy))
 
 
 def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
@@ -50,7 +52,7 @@ def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
     (the trainer holds shards), tensor and expert parallelism the engine's too, refit from the gathered shards
     (config.py: the same dtype rule). A tensor-parallel engine (rollout.tp) holds a shard: then the trainer's policy, gathered
     into a new whole copy where it is sharded (`needs_gather`: a collective, every rank calls it; PP is refused
-    with rollout.tp). The draft is whole on every rank."""
+    with rollout.tp: its log-prob recompute reads the engine's whole copy). The draft is whole on every rank."""
     if tp_group_of(st.engine.policy) is not None:
         if not needs_gather(st):
             return st.policy, st.draft

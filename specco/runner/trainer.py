@@ -288,11 +288,13 @@ def settled(device) -> float:
 
 
 def full_state(module) -> dict:
-    """`module.state_dict()` with FSDP's DTensor shards gathered into whole tensors (the refit's and the refit
-    guard's view; a plain module's is its own). A collective under FSDP: every rank calls it. Layer by layer, one
-    tensor at a time, each whole on every rank: whole-tensor checkpoints and tests. The refit does not hold a whole
-    state dict: it streams bounded buckets straight into the engine's buffers (runner/refit.py)."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+    """`module.state_dict()` with FSDP's DTensor shards gathered into whole tensors and an expert-parallel policy's
+    experts gathered over its ep group (full_expert_state): the refit's and the refit guard's view; a plain module's
+    is its own. A collective under FSDP and ep: every rank calls it. Layer by layer, one tensor at a time, each whole
+    on every rank: whole-tensor checkpoints and tests. The refit does not hold a whole state dict: it streams
+    bounded buckets straight into the engine's buffers (runner/refit.py)."""
+    state = full_expert_state(module) if is_ep(module) else module.state_dict()
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
 
 
 def state_copy(module) -> dict:
