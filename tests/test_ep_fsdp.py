@@ -65,14 +65,15 @@ WORLD = 4
 LAYOUTS = ((2, 2), (4, 2), (4, 4), (2, 4))  # (dp_shard, ep) at dp 4
 
 
-def _ep_fsdp_policy(base, mesh, checkpointed=False):
+def _ep_fsdp_policy(base, mesh, checkpointed=False, replicas_are_ep=False):
     """The trainer's copy as make_arm cuts it: EP on the meta model, (activation checkpointing,) then FSDP of the
     rest, filled from `base`."""
     from specco.train.activation_checkpointing import apply_activation_checkpointing
 
     def prepare(m):
         if mesh.ep > 1:  # at ep 1 FSDP shards the (E, ...) expert tensors with their layer
-            apply_ep(m, mesh.ep_group, mesh.ep_replica_group)
+            # (the mutation: the slices' "replicas" taken to be the ep group, which holds other experts)
+            apply_ep(m, mesh.ep_group, mesh.ep_group if replicas_are_ep else mesh.ep_replica_group)
         if checkpointed:  # the backward recomputes each layer: its all-to-alls and FSDP's gathers, in order
             apply_activation_checkpointing(m)
     return sharded_copy(base, mesh.fsdp_mesh, prepare=prepare)
@@ -84,14 +85,20 @@ def _mismatches(rank, dp_shard, ep, mutation) -> list[str]:
     base = _policy()
     m_ref, g_ref, p_ref = _step(copy.deepcopy(base), local, grad_group=dist.group.WORLD)
     assert m_ref["policy/grad_norm"] > 2 * CFG.policy_grad_clip  # the clip is active
-    policy = _ep_fsdp_policy(base, mesh, checkpointed=mutation == "checkpointed")
+    policy = _ep_fsdp_policy(base, mesh, checkpointed=mutation == "checkpointed",
+                             replicas_are_ep=mutation == "reduce_over_ep")
     local_of = {n: mod for n, mod in policy.named_modules() if isinstance(mod, EPExperts)}
     assert len(local_of) == (2 if ep > 1 else 0)  # the sparse layers 0 and 2
-    for n, p in policy.named_parameters():  # the dense parameters sharded, the slices plain (E/ep experts)
+    replicas = WORLD // ep  # the ranks holding one slice: FSDP shards it over them (its own unit) when > 1
+    for n, p in policy.named_parameters():  # the dense parameters sharded, the slices E/ep experts each
         slice_ = n.rsplit(".", 1)[0] in local_of
-        assert isinstance(p, DTensor) != slice_ or mutation == "experts_to_fsdp", n
-        if slice_:
+        if slice_ and mutation != "experts_to_fsdp":
             assert p.shape[0] == QWEN3_MOE["num_experts"] // ep, n
+            assert isinstance(p, DTensor) == (replicas > 1), n
+            if replicas > 1:  # over the replica group only (not the fsdp mesh)
+                assert p.device_mesh.size() == replicas and p.to_local().shape[0] == p.shape[0] // replicas, n
+        else:
+            assert isinstance(p, DTensor), n
     sync = grad_syncs(policy, dist.group.WORLD)
     if ep == 1:  # the experts are FSDP's like the rest: its reduce-scatter sums them
         assert isinstance(sync["policy"], FSDPSync)
@@ -129,7 +136,8 @@ def test_ep_fsdp_step_with_activation_checkpointing_equals_ep1():
 
 
 def _experts_to_fsdp(rank, world, layouts):
-    fsdp_mod._expert_slices = lambda model: None  # the forked worker's copy only: FSDP shards the slices too
+    fsdp_mod._expert_slices = lambda model, dev: (None, [])  # the forked worker's copy only: the layers' units take
+    # the slices as their own, sharded over the fsdp mesh with the other ep ranks' different experts
     _step_worker(rank, world, layouts, "experts_to_fsdp")
 
 
@@ -226,7 +234,8 @@ def _rl_worker(rank, world, tmp, dp_shard=2, ep=2, cp=1):
     assert cfg2.parallel.fsdp and cfg2.parallel.ep == ep and cfg2.parallel.shard == dp_shard
     experts = st2.policy.layers["0"].mlp.experts
     if ep > 1:
-        assert isinstance(experts, EPExperts) and not isinstance(experts.gate_up_proj, DTensor)
+        # a slice held by several ranks (dp × cp / ep of them) is FSDP-sharded over them, else plain
+        assert isinstance(experts, EPExperts) and isinstance(experts.gate_up_proj, DTensor) == (dp * cp > ep)
         assert experts.gate_up_proj.shape[0] == policy.cfg.num_experts // ep
         assert isinstance(st2.ref.layers["0"].mlp.experts, EPExperts)  # the KL reference placed and sharded alike
     else:  # FSDP shards the experts along the expert dim, the reference's too

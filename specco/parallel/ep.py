@@ -39,19 +39,20 @@ the norm of the expert slices summed over the ep group. The router's aux loss re
 at ep 1: unchanged.
 
 **With FSDP** (parallel.dp_shard; tests/test_ep_fsdp.py). The recipe (trainer.make_arm, through
-parallel/load.sharded_copy): `apply_ep` on the meta model, activation checkpointing, then `apply_fsdp`, which
-passes the expert slices to `fully_shard(ignored_params=)`: the dense parameters (attention, norms, the router
-`gate`, Qwen2-MoE's shared expert, embeddings, head) become DTensor shards over mesh.fsdp_mesh and are
-reduce-scattered inside the backward as for a dense policy; the slices stay plain tensors of E/ep experts, never
-gathered or reduced by FSDP, and EPSync (over FSDPSync for the rest) sums them over the replica group as above. The
-clip's norm is the dense DTensors' norm plus the slices' squared norms summed over the ep group. ep and the fsdp mesh
-are both cut from the stage's dp × cp ranks and need not agree: ep 2 inside dp_shard 4, or ep 4 across two HSDP
-replicas, are the same code. A slice is thus held whole by every rank of its replica group (dp × cp / ep copies);
-torchtitan's alternative, FSDP of each slice over its replica ranks (`dp_shard_in_ep`), which would cut the experts'
-memory by that factor too, is a later step. The KL reference is placed and sharded the same way; the refit gathers
-the shards (in buckets) and the experts (`full_expert_state`); sharded checkpoints hold both with global shapes, so
-a run resumes at ep × dp_shard or at ep 1 without FSDP (tested; other ep / dp_shard combinations go through the same
-DCP resharding, untested). Under FSDP at ep 1 (no EPExperts) the experts are sharded with their layers instead
+parallel/load.sharded_copy): `apply_ep` on the meta model, activation checkpointing, then `apply_fsdp`: the dense
+parameters (attention, norms, the router `gate`, Qwen2-MoE's shared expert, embeddings, head) become DTensor shards
+over mesh.fsdp_mesh and are reduce-scattered inside the backward as for a dense policy. The slices are not the fsdp
+mesh's (its other ranks hold other experts): where a slice is held by several ranks (its replica group, dp × cp / ep
+of them), FSDP shards it over exactly those as a unit of its own inside its layer's (torchtitan's `dp_shard_in_ep`:
+the experts' memory / the replicas; gathered for the layer, its gradient reduce-scattered over the replicas); where
+each rank holds its slice alone (ep = dp × cp) it stays a plain tensor (`fully_shard(ignored_params=)`). EPSync (over
+FSDPSync for the rest) leaves FSDP's slices to it and sums plain ones over the replica group as above. The clip's
+norm is the dense DTensors' norm plus the slices' squared norms summed over the ep group. ep and the fsdp mesh are
+both cut from the stage's dp × cp ranks and need not agree: ep 2 inside dp_shard 4, or ep 4 across two HSDP
+replicas, are the same code. The KL reference is placed and sharded the same way; the refit gathers the shards (in
+buckets) and the experts (`full_expert_state`); sharded checkpoints hold both with global shapes (a replica-sharded
+slice as Shard(0) of the (ep, ep_replica) mesh: `expert_meshes`), so a run resumes at ep × dp_shard or at ep 1
+without FSDP (tested; other ep / dp_shard combinations go through the same DCP resharding, untested). Under FSDP at ep 1 (no EPExperts) the experts are sharded with their layers instead
 (parallel/fsdp.py).
 
 Every rank of an ep group must run the same sparse-layer forwards and backwards (the all-to-alls are collectives):
@@ -65,7 +66,7 @@ slice as its Shard(0) of the whole (E, ...) tensor (`expert_meshes`, `as_global`
 resumes at any ep, 1 included.
 
 Not here: grouped GEMMs (the loop over local experts reads the counts on the host, like the dispatch's split sizes:
-no CUDA graph, no compile), FSDP of the expert slices over their replica ranks (above), tp with ep (refused).
+no CUDA graph, no compile), tp with ep (refused).
 
 **Under pipeline parallelism** (tests/test_ep_pp.py) each stage is cut from the whole policy first, then its sparse
 layers' experts placed over that stage's own ep group (parallel/mesh.py cuts ep groups from every stage's dp × cp
@@ -189,9 +190,12 @@ class EPExperts(nn.Module):
                 outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))  # (n, h)
                 start += n
         # No rows at all: (0, h) still derived from xs, so the graph keeps both all-to-alls and this rank's
-        # backward joins its peers' (an output without a grad_fn would skip them: a hang). The slices then get
-        # no gradient; EPSync zero-fills it, so every rank of a replica group joins its all-reduce too.
-        return torch.cat(outs) if outs else xs * 0
+        # backward joins its peers' (an output without a grad_fn would skip them: a hang), and from both slices
+        # (times 0), so they get a zero gradient like their peers' and every rank joins the reduction over the
+        # replica group (FSDP's reduce-scatter of the slices, or EPSync's all-reduce)
+        if outs:
+            return torch.cat(outs)
+        return xs * 0 + (self.gate_up_proj.sum() + self.down_proj.sum()).to(xs.dtype) * 0
 
 
 def _unpermute(ys: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
@@ -201,7 +205,11 @@ def _unpermute(ys: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
 
 def _local_expert_names(mod, state, prefix, local_metadata):
     """state_dict post-hook of EPExperts: this rank's experts under their GLOBAL per-expert names (HF's, as
-    Experts reports them), views of the local slices. A partial state dict: `full_expert_state` gathers it."""
+    Experts reports them), views of the local slices. A partial state dict: `full_expert_state` gathers it.
+    Slices FSDP shards over their replica group (DTensors, parallel/fsdp.py) stay stacked under their own names: no
+    rank holds an expert's rows whole to view (state copies load them back as they are)."""
+    if isinstance(state[f"{prefix}gate_up_proj"], DTensor):
+        return
     gate_up, down = state.pop(f"{prefix}gate_up_proj"), state.pop(f"{prefix}down_proj")
     I = mod.inter
     for j in range(mod.local):
@@ -267,7 +275,8 @@ def check_same_micro_batches(policy: nn.Module, n: int) -> None:
 def full_expert_state(policy: nn.Module) -> dict[str, torch.Tensor]:
     """`policy.state_dict()` with every expert whole (the refit's and the checkpoint's view): each EPExperts'
     slices all-gathered along dim 0 over its ep group into (E, 2I, h) / (E, h, I), reported under the E per-expert
-    names. A collective: every rank of the ep group calls it, layers in the same (module) order."""
+    names. A collective: every rank of the ep group (and of the replica group, where FSDP shards the slices over it)
+    calls it, layers in the same (module) order."""
     state = policy.state_dict()
     for name, mod in policy.named_modules():
         if not isinstance(mod, EPExperts):
@@ -276,8 +285,10 @@ def full_expert_state(policy: nn.Module) -> dict[str, torch.Tensor]:
         I = mod.inter
         whole = []
         for p in (mod.gate_up_proj, mod.down_proj):
-            parts = [torch.empty_like(p) for _ in range(mod.ep)]  # (E/ep, ...) each, in ep-rank order
-            dist.all_gather(parts, p.detach().contiguous(), group=mod.group)
+            state.pop(f"{prefix}{'gate_up_proj' if p is mod.gate_up_proj else 'down_proj'}", None)  # (stacked: FSDP)
+            mine = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()  # (E/ep, ...) the whole slice
+            parts = [torch.empty_like(mine) for _ in range(mod.ep)]  # (E/ep, ...) each, in ep-rank order
+            dist.all_gather(parts, mine.contiguous(), group=mod.group)
             whole.append(torch.cat(parts))  # (E, ...): rank-major is expert order
         gate_up, down = whole
         for e in range(mod.num_experts):
@@ -296,16 +307,26 @@ def slice_offsets(model: nn.Module) -> dict[str, int]:
 
 
 def expert_meshes(model: nn.Module) -> dict[str, DeviceMesh]:
-    """{FQN of each expert slice parameter in `model`: the 1-D ep DeviceMesh its tensors are Shard(0) over}, for
-    the sharded checkpoint (train/sharded_checkpoint.py), which saves them as `as_global` DTensors: each slice
-    named with its place in the whole (E, ...) tensor, so the replicas of a slice are written once and any ep
-    (1 included) reads its own slice back. Empty without expert parallelism."""
+    """{FQN of each expert slice parameter in `model`: the DeviceMesh its tensors are Shard(0) over}, for the
+    sharded checkpoint (train/sharded_checkpoint.py), which saves them as `as_global` DTensors: each slice named
+    with its place in the whole (E, ...) tensor, so the replicas of a slice are written once and any ep (1
+    included) reads its own slice back. The 1-D ep mesh; where FSDP shards each slice over its replica group, the
+    2-D (ep, ep_replica) mesh: the experts cut over ep, then each slice over its replicas. Empty without expert
+    parallelism. Under FSDP a collective over the replica group (once per module, then cached)."""
     out = {}
     for name, mod in model.named_modules():
         if isinstance(mod, EPExperts):
-            if getattr(mod, "_mesh", None) is None:  # from_group is local (no collective): cached per module
+            if getattr(mod, "_mesh", None) is None:  # cached per module
                 dev = mod.gate_up_proj.device.type
-                mod._mesh = DeviceMesh.from_group(mod.group, dev, mesh_dim_names=("ep",))
+                if isinstance(mod.gate_up_proj, DTensor):  # FSDP over the replica group: the grid of ranks (ep, R)
+                    ep_ranks = torch.tensor(dist.get_process_group_ranks(mod.group))  # (ep,) my ep group's
+                    rows = [torch.empty_like(ep_ranks) for _ in range(dist.get_world_size(mod.replica_group))]
+                    dist.all_gather(rows, ep_ranks, group=mod.replica_group)  # (R,) × (ep,): every ep group's
+                    grid = torch.stack(rows).t()  # (ep, R): [j, r] = rank j of the r-th replica's ep group
+                    mod._mesh = DeviceMesh.from_group([mod.group, mod.replica_group], dev, mesh=grid,
+                                                      mesh_dim_names=("ep", "ep_replica"))
+                else:  # from_group is local (no collective)
+                    mod._mesh = DeviceMesh.from_group(mod.group, dev, mesh_dim_names=("ep",))
             for p in ("gate_up_proj", "down_proj"):
                 out[f"{name}.{p}"] = mod._mesh
     return out
@@ -313,5 +334,12 @@ def expert_meshes(model: nn.Module) -> dict[str, DeviceMesh]:
 
 def as_global(local: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """This rank's slice (E/ep, ...) seen as its Shard(0) of the whole (E, ...) tensor over `mesh` (no copy: the
-    DTensor's local tensor IS `local`, so a checkpoint load into it fills the live tensor)."""
+    DTensor's local tensor IS `local`, so a checkpoint load into it fills the live tensor). A slice FSDP shards over
+    its replica group (a DTensor) is its local shard under Shard(0) of the 2-D mesh (`expert_meshes`): dim 0 cut
+    over ep first, then each slice over the replicas, as FSDP cuts it (torch.chunk's rule, as DTensor's)."""
+    if isinstance(local, DTensor):  # the global shape given: FSDP's last chunks may be short (uneven)
+        shape = torch.Size((local.shape[0] * mesh.size(0), *local.shape[1:]))  # (E, ...)
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local.to_local(), mesh, [Shard(0), Shard(0)], run_check=False, shape=shape,
+                                  stride=stride)
     return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)

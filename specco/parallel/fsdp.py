@@ -41,10 +41,10 @@ weights all-gathered and computed in bf16, gradients reduced in fp32 into the fp
 AdamW updates. `mixed_precision(None)` (fp32 / fp64 runs, the tests) casts nothing.
 
 Mixture of experts. A policy whose experts expert parallelism placed (parallel/ep.py: `apply_ep` first) is sharded
-except for its expert slices, which `apply_fsdp` passes as `ignored_params`: they stay plain tensors of E/ep experts
-(not gathered, not reduce-scattered; train/grad_sync.EPSync sums their gradients over their replica group), the rest
-— attention, norms, routers, shared experts, embeddings, head — is sharded as for a dense policy. Under bf16 mixed
-precision the slices stay fp32 and the step's autocast casts them for the expert GEMMs. Without ep (parallel.ep = 1)
+as a dense policy — attention, norms, routers, shared experts, embeddings, head over the fsdp mesh — except for its
+expert slices: each is a unit of its own over the ranks that hold the same slice (its replica group; Shard(0) of
+the E/ep experts), or, where a rank holds its slice alone, left out (`ignored_params`: a plain tensor whose gradient
+train/grad_sync.EPSync handles; under bf16 mixed precision it stays fp32 and the step's autocast casts it). Without ep (parallel.ep = 1)
 the experts are sharded with their layer like every other tensor: each (E, 2I, h) / (E, h, I) tensor cut along the
 expert dim over the fsdp ranks and all-gathered whole for the layer's forward and backward (torchtitan's layout at
 ep 1): no all-to-all, but every rank runs every expert's GEMMs on its own rows and gathers every expert's weights.
@@ -84,7 +84,7 @@ def layer_reshards_after_forward(model: nn.Module, reshard_after_forward: bool) 
     """Each FSDP unit of `model` (its decoder layers, then the root) with whether it frees its gathered weights
     after its forward: `reshard_after_forward` for every layer but the last, whose backward comes right after;
     never the root (see apply_fsdp). The one home of that rule: apply_fsdp applies it, train.grad_sync.FSDPSync
-    restores it after a step that held the weights gathered."""
+    restores it after a step that held the weights gathered (and a layer's nested expert-slice units' True)."""
     layers = list(model.layers.values())  # ModuleDict keyed by global layer index: a stage holds a slice
     return [(layer, reshard_after_forward and i < len(layers) - 1) for i, layer in enumerate(layers)] + [(model, False)]
 
@@ -109,9 +109,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
     Call it after activation checkpointing / compile (torchtitan's order) and BEFORE building the optimizer:
     fully_shard replaces every parameter with a DTensor shard. Gradients are summed, never averaged (module
     docstring). Returns `model` (its class now also an FSDPModule)."""
-    ignored = _expert_slices(model)
+    ignored, experts = _expert_slices(model, mesh.device_type if mesh is not None else "cpu")
     mp_policy = mp_policy or MixedPrecisionPolicy()
     *layers, (root, _) = layer_reshards_after_forward(model, reshard_after_forward)
+    for mod, mesh_r in experts:  # each slice its own unit over its replica group, inside its layer's unit. Always
+        # resharded after its forward: a unit nested in a layer that is not (the last one) and left gathered by a
+        # no-grad forward (the log-prob recompute) trained on stale weights after the next optimizer step
+        # (tests/test_ep_fsdp.py's RL loop at dp_shard 4 × ep 2 caught it); the cost is one slice's re-gather
+        fully_shard(mod, mesh=mesh_r, mp_policy=mp_policy, reshard_after_forward=True)
     for layer, reshard in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard or forward_only,
                     ignored_params=ignored)
@@ -124,12 +129,22 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPoli
     return model
 
 
-def _expert_slices(model: nn.Module) -> set[nn.Parameter] | None:
-    """The parameters FSDP must leave alone (`fully_shard(ignored_params=)`): an expert-parallel policy's expert
-    slices (parallel/ep.py), already cut over the ep group; None otherwise (a dense policy, or a mixture of experts
-    at ep 1, whose (E, ...) expert tensors FSDP shards along the expert dim like any other tensor)."""
-    from .ep import expert_parameters, is_ep
-    return set(expert_parameters(model)[0]) if is_ep(model) else None
+def _expert_slices(model: nn.Module, device_type: str) -> tuple[set[nn.Parameter] | None,
+                                                                list[tuple[nn.Module, DeviceMesh]]]:
+    """(the parameters the layers' units must leave alone, the expert modules that are units of their own with
+    their mesh). An expert-parallel policy's slices (parallel/ep.py), already cut over the ep group: where a
+    slice is held by several ranks (its replica group), FSDP shards it over them as its own unit (torchtitan's
+    dp_shard_in_ep: the experts' memory / the replicas); where each rank holds its slice alone (ep = dp × cp),
+    they are ignored. Nothing apart otherwise (a dense policy, or a mixture of experts at ep 1, whose (E, ...)
+    expert tensors FSDP shards along the expert dim like any other tensor)."""
+    from .ep import EPExperts, expert_parameters, is_ep
+    if not is_ep(model):
+        return None, []
+    mods = [m for m in model.modules() if isinstance(m, EPExperts)]
+    if mods[0].replica_group is None:
+        return set(expert_parameters(model)[0]), []
+    mesh = DeviceMesh.from_group(mods[0].replica_group, device_type, mesh_dim_names=("ep_replica",))
+    return None, [(m, mesh) for m in mods]
 
 
 def shard_rows(param: torch.Tensor) -> tuple[torch.Tensor, int, int]:

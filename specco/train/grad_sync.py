@@ -126,9 +126,11 @@ class FSDPSync:
     the step's last micro-batch."""
 
     def __init__(self, module: nn.Module, hold_unsharded: bool = False, reshard_after_forward: bool = True):
-        from ..parallel.fsdp import layer_reshards_after_forward
+        from ..parallel.fsdp import fsdp_modules, layer_reshards_after_forward
         self.module, self.hold = module, hold_unsharded
         self.reshard = layer_reshards_after_forward(module, reshard_after_forward)  # [(unit, flag)]
+        # units inside a layer's (expert slices sharded over their replica group): always resharded (apply_fsdp)
+        self.reshard += [(u, True) for layer, _ in self.reshard[:-1] for u in fsdp_modules(layer) if u is not layer]
 
     def micro_batch(self, last: bool) -> None:
         if not self.hold:
@@ -175,7 +177,9 @@ class EPSync:
     def reduce(self, params) -> None:
         dense, experts = self._split(params)
         self.dense.reduce(dense)
-        for p in experts:  # a slice that saw no row on this rank has no gradient: its peers still all-reduce
+        if any(isinstance(p, DTensor) for p in experts):  # FSDP shards the slices over the replica group
+            return  # (parallel/fsdp.py): its reduce-scatter summed them inside the backward
+        for p in experts:  # (EPExperts gives every slice a gradient, zero without rows: kept as a backstop)
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         reduce_grads(experts, self.replica_group)

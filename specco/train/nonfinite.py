@@ -38,9 +38,13 @@ def first_nonfinite_weight(*modules) -> str | None:
     # an FSDP shard (DTensor): its own slice, then the verdict of every shard (a collective over the shards' ranks,
     # so every rank names the same weight); a DTensor's whole-tensor reduction would need a product placement
     ok = torch.stack([_local(p).detach().isfinite().all() for _, p in named])
-    sharded = [p for _, p in named if isinstance(p, DTensor)]
-    if sharded:
-        mesh, places = sharded[0].device_mesh, sharded[0].placements  # one mesh per model (parallel/fsdp.py)
+    # one mesh per model (parallel/fsdp.py), and a second for expert slices FSDP shards over their replica group:
+    # the verdict over each mesh's shard dims, in the same order on every rank (first appearance)
+    meshes = {}
+    for _, p in named:
+        if isinstance(p, DTensor):
+            meshes.setdefault(id(p.device_mesh), (p.device_mesh, p.placements))
+    for mesh, places in meshes.values():
         flags = ok.to(torch.int32)
         for d, pl in enumerate(places):
             if pl.is_shard():

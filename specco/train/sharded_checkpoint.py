@@ -413,7 +413,13 @@ def load(path: str | os.PathLike, state: dict) -> dict:
             for k in st:
                 if f"{name}.state.{fqn}.{k}" in flat:
                     v = flat[f"{name}.state.{fqn}.{k}"]
-                    st[k] = v.to_local() if fqn in ep_fqns and isinstance(v, DTensor) else v  # the slice back
+                    if fqn in ep_fqns and isinstance(v, DTensor):  # the slice back: as the template holds it, a
+                        # plain tensor, or FSDP's shard of it over the replica group (parallel/ep.as_global)
+                        like = st[k]
+                        v = v.to_local() if not isinstance(like, DTensor) else DTensor.from_local(
+                            v.to_local(), like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                            stride=like.stride())
+                    st[k] = v
         for fqn, st in scalars.items():
             osd.setdefault(fqn, {}).update(st)
         set_optimizer_state_dict(container, opt, {"state": osd, "param_groups": groups})
