@@ -261,14 +261,14 @@ def compute_copy_bytes(pc: PolicyConfig, layers: int, first: bool, last: bool, l
 
 def layer_activation_bytes(pc: PolicyConfig, c: int, r: int, tp: int = 1) -> int:
     """Bytes one decoder layer saves for its backward, per token: what autograd keeps of DecoderLayer.forward
-    (checked to the byte in fp32 and under bf16 autocast, tests/test_plan.py).
+    (checked to the byte in fp32, under bf16 autocast and over bf16 parameters, tests/test_plan.py).
 
     r = the residual stream's bytes (the parameters' compute dtype: 4 over fp32 weights, 2 under FSDP's bf16
     params), c = matmul outputs' (2 under bf16 autocast, else r). With q = H·D, kv = Hkv·D, I = intermediate:
-        2h·r            the layer's input and the mid-layer residual (each RMSNorm saves its x)
+        2h·4            each RMSNorm's x in fp32 (the normalisation runs in fp32): the layer's input and the
+                        mid-layer residual themselves when r = 4, else their fp32 copies (the r-byte x is not kept)
         2·norm(h)       each RMSNorm (ops/decode_kernels.rms_norm_reference): x/rms in r, the matmul's input in c
-                        (the weighted output itself, or autocast's copy of it), the fp32 1/rms, and an fp32 copy of
-                        x when r < 4 (the normalisation runs in fp32)
+                        (the weighted output itself, or autocast's copy of it) and the fp32 1/rms
         (q+2kv)·c       the fused qkv output (v is a view of it, saved by the attention)
         (q+kv)·c        q and k after RoPE as the attention saves them (autocast's copies when c < r)
         qk-norm (Qwen3) (q+kv)·c for q/rms, k/rms, + their fp32 copies when c < 4, + 4·(H+Hkv) for the 1/rms
@@ -279,10 +279,10 @@ def layer_activation_bytes(pc: PolicyConfig, c: int, r: int, tp: int = 1) -> int
     MLP rows, so every term past the residual stream and its norms (whole on every rank) divides by tp."""
     h, q, kv, I, H = pc.hidden_size, pc.num_heads * pc.head_dim, pc.num_kv_heads * pc.head_dim, \
         pc.intermediate_size, pc.num_heads
-    norm = h * (r + c + (4 if r < 4 else 0)) + 4
+    norm = h * (r + c) + 4
     qk = ((q + kv) * (c + (4 if c < 4 else 0)) + 4 * (H + pc.num_kv_heads)) if pc.qk_norm else 0
     split = (q + 2 * kv) * c + (q + kv) * c + qk + q * c + 4 * H + 4 * I * c
-    return 2 * h * r + 2 * norm + split // tp
+    return 2 * h * 4 + 2 * norm + split // tp
 
 
 def logits_bytes(pc: PolicyConfig, c: int, tp: int = 1) -> int:

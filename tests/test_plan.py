@@ -61,26 +61,39 @@ def _saved_storages(fn, exclude, skip_shapes=frozenset()):
     return sum(n for _, n in seen.values())
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("amp", [False, True])
-def test_layer_activation_formula_is_exact(qk_norm, amp):
-    """The per-layer formula equals the bytes a DecoderLayer saves for its backward, to the byte (fp32 weights and
-    residual; bf16 autocast makes the matmul outputs 2 bytes and adds the casts the formula lists)."""
-    pc = _pc(qk_norm)
-    layer = Policy(pc).layers["0"]
-    B, S = 2, 48
-    x = torch.randn(B, S, pc.hidden_size, requires_grad=True)
-    cos, sin = rope_cos_sin(torch.arange(S).expand(B, S), pc.head_dim, pc.rope_theta, x.dtype, scaling=None)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if amp else torch.autocast("cpu", enabled=False)
+# (c, r) of each precision: fp32; bf16 autocast over fp32 weights; bf16 weights and residual (FSDP's bf16 params)
+PRECISIONS = {"fp32": (4, 4), "amp": (2, 4), "bf16": (2, 2)}
+
+
+def run_layer(layer, pc, B, S, precision):
+    """(a function running `layer` forward on (B, S, h) random rows in `precision`, the tensors it reads that are
+    not activations: cos, sin). Under "bf16" the layer is cast to bf16 in place."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    layer.to(dtype)
+    x = torch.randn(B, S, pc.hidden_size, requires_grad=True, dtype=dtype)
+    cos, sin = rope_cos_sin(torch.arange(S).expand(B, S), pc.head_dim, pc.rope_theta, dtype, scaling=None)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
 
     def run():
         with ctx:
             layer(x, cos, sin)
+    return run, [cos, sin]
 
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_layer_activation_formula_is_exact(qk_norm, precision):
+    """The per-layer formula equals the bytes a DecoderLayer saves for its backward, to the byte (fp32 weights and
+    residual; bf16 autocast makes the matmul outputs 2 bytes and adds the casts the formula lists; bf16 weights
+    make the residual 2 bytes, which the norms keep in fp32 copies only)."""
+    pc = _pc(qk_norm)
+    layer = Policy(pc).layers["0"]
+    B, S = 2, 48
+    run, tables = run_layer(layer, pc, B, S, precision)
     # autocast's bf16 copies of the weights are the planner's "compute" column, not activations
     weights = {tuple(p.shape)[::o] for p in layer.parameters() for o in (1, -1)}  # matmuls save them transposed
-    measured = _saved_storages(run, [*layer.parameters(), cos, sin], skip_shapes=weights)
-    assert measured == B * S * layer_activation_bytes(pc, 2 if amp else 4, 4)
+    measured = _saved_storages(run, [*layer.parameters(), *tables], skip_shapes=weights)
+    assert measured == B * S * layer_activation_bytes(pc, *PRECISIONS[precision])
 
 
 def test_trainer_estimate_matches_measured_peak():
@@ -231,7 +244,7 @@ def test_tp_divides_the_split_parts_only():
     assert one == policy_params(pc) and embed < one - two < one / 2  # not quite half: embedding and norms whole
     assert logits_bytes(pc, 2, 2) * 2 == logits_bytes(pc, 2)
     h = pc.hidden_size
-    whole = 2 * h * 4 + 2 * (h * (4 + 2 + 0) + 4)
+    whole = 2 * h * 4 + 2 * (h * (4 + 2) + 4)
     assert layer_activation_bytes(pc, 2, 4, 2) - whole == (layer_activation_bytes(pc, 2, 4) - whole) // 2
     lay = Layout(1, 8, 1, 1, False, False)
     s = _shapes(pc, rows=64, seq=4096, c=2, draft=None)  # the policy's cache only
