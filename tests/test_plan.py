@@ -159,8 +159,8 @@ def test_sharding_and_stages_divide_exactly():
         assert abs(one[k] - 2 * two[k]) <= 2 * 8
     assert one["draft"] == two["draft"]  # the draft is replicated
     # pp = 2 halves the layers' activations (1F1B's first stage keeps 2 micro-batches in flight: the same bytes)
-    no_pp = activation_bytes(s, Layout(1, 1, 4, 1, True, False), 36, False, 1)
-    pp2 = activation_bytes(s, Layout(2, 1, 4, 1, True, False), 18, False, 1)
+    no_pp = activation_bytes(s, Layout(1, 1, 4, 1, True, False), range(36), False, 1)
+    pp2 = activation_bytes(s, Layout(2, 1, 4, 1, True, False), range(18), False, 1)
     assert abs(no_pp - 2 * pp2) <= 2 * 2 * 4096 * pc.hidden_size * 2
 
 
@@ -185,8 +185,8 @@ def test_checkpointing_keeps_layer_inputs():
     pc = PRESETS["qwen3-8b"]
     s = dataclasses.replace(_shapes(pc, rows=64, seq=4096, micro=2, c=2), draft_kind=None)
     lay = Layout(1, 1, 8, 1, True, False)
-    full = activation_bytes(s, lay, 36, False, 1)
-    ckpt = activation_bytes(dataclasses.replace(s), dataclasses.replace(lay, ac=True), 36, False, 1)
+    full = activation_bytes(s, lay, range(36), False, 1)
+    ckpt = activation_bytes(dataclasses.replace(s), dataclasses.replace(lay, ac=True), range(36), False, 1)
     tokens, h = 2 * 4096, pc.hidden_size
     assert ckpt == tokens * (36 * h * 2 + layer_activation_bytes(pc, 2, 2) + h * 2)
     assert full == tokens * (36 * layer_activation_bytes(pc, 2, 2) + h * 2)
@@ -223,7 +223,7 @@ def _tp_counts_worker(rank, world):
         s = _shapes(pc, rows=8, seq=64, draft=None)
         assert local(shard) * s.engine_bytes == engine_weight_bytes(s, 2)
         apply_tp(policy, mesh.tp_mesh)
-        assert local(policy) == rank_params(pc, pc.num_layers, True, True, 2)
+        assert local(policy) == rank_params(pc, range(pc.num_layers), True, True, 2)
     tied = _pc(tie_word_embeddings=True)  # the engine holds an untied copy of its head rows
     shard = tp_shard(Policy(tied), dist.group.WORLD)
     assert local(shard) * 2 == engine_weight_bytes(_shapes(tied, rows=8, seq=64, draft=None), 2)
@@ -239,7 +239,7 @@ def test_tp_divides_the_split_parts_only():
     residual stream stay whole; the engine's KV cache splits by its own tp."""
     from specco.plan import kv_cache_bytes, logits_bytes, rank_params
     pc = PRESETS["qwen3-8b"]
-    one, two = rank_params(pc, 36, True, True, 1), rank_params(pc, 36, True, True, 2)
+    one, two = rank_params(pc, range(36), True, True, 1), rank_params(pc, range(36), True, True, 2)
     embed = pc.vocab_size * pc.hidden_size
     assert one == policy_params(pc) and embed < one - two < one / 2  # not quite half: embedding and norms whole
     assert logits_bytes(pc, 2, 2) * 2 == logits_bytes(pc, 2)
