@@ -8,7 +8,9 @@ The experts are cut along E by expert parallelism: rank j of an ep group holds e
 FSDP leaves those slices whole (parallel/fsdp.py: `ignored_params`), so each of the dp × cp / ep ranks of a slice's
 replica group holds it in fp32 with its fp32 gradient and both fp32 AdamW moments (16 B/param), and the KL
 reference its own fp32 slices (`expert_params` / ep: plan.rank_memory, plan_params.reference_bytes). The rollout
-engine holds the whole policy, every expert, in its dtype. Layers that mlp_only_layers or decoder_sparse_step make dense
+engine holds the whole policy, every expert, in rollout.dtype, taken as given for every layout as for a dense policy
+(today config.py refuses a rollout.dtype other than the policy's under ep, as under FSDP, PP and TP: a run there
+holds the engine's copy in the policy's dtype). Layers that mlp_only_layers or decoder_sparse_step make dense
 (PolicyConfig.is_moe_layer) are counted as dense layers.
 
 **Activations** (`moe_activation_bytes`, in place of a dense layer's SwiGLU term; read off SparseMoE.mix,
@@ -153,8 +155,8 @@ def ep_degrees(pc: PolicyConfig, ranks: int) -> list[int]:
 
 def moe_layout_runs(pc: PolicyConfig, lay: Layout) -> bool:
     """Whether the trainer runs `lay` for a MoE policy (runner/validate.check_moe_layout): not FSDP at ep 1 (every
-    rank would hold every expert whole), not tensor parallelism of MoE layers. True for a dense policy (plan.layouts
-    gives it ep 1 only). ep with pp is allowed here (module docstring, **Layouts**)."""
+    rank would hold every expert whole), not tensor parallelism of MoE layers; a dense policy at ep 1 only (parallel.ep
+    > 1 is refused there). ep with pp is allowed here (module docstring, **Layouts**)."""
     if not pc.moe:
         return lay.ep == 1
     return lay.tp == 1 and not (lay.fsdp and lay.ep == 1)
