@@ -249,6 +249,9 @@ def test_expert_slices_are_held_whole_per_ep_rank():
         assert m["grads"] == m["params"] and m["adamw"] == 2 * m["params"] and m["ref"] == m["params"], lay
     one = rank_memory(s, Layout(1, 1, 8, 1, True, True, ep=8))
     assert one["engine_w"] > 2 * P  # the whole policy in bf16 (+ the draft and the verify logits)
+    # bf16 autocast's copies of the slices, one per sparse layer without checkpointing: 2 B per local expert param
+    ep4, ep8 = (rank_memory(s, Layout(1, 1, 8, 1, True, False, ep=ep))["compute"] for ep in (4, 8))
+    assert ep4 - ep8 == 2 * (X // 4 - X // 8)
 
 
 def test_activations_count_sparse_and_dense_layers():
