@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_overrides(p)
     p.set_defaults(fn=cmd_cotrain_cp)
 
-    p = sub.add_parser("plan", help="each rank's memory for every layout of a run (pp x dp_replicate x dp_shard x cp x tp)",
+    p = sub.add_parser("plan", help="each rank's memory for every layout of a run (pp x dp_replicate x dp_shard x cp x tp, "
+                       "and ep for a mixture-of-experts policy)",
                        description="Per-rank memory of every feasible layout (parameters, gradients, AdamW, activations "
                        "with and without checkpointing, the draft, the rollout engine's weights and KV cache), fitting "
                        "layouts first, most headroom first (specco/plan.py has the formulas).")
@@ -248,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpu-mem", type=float, required=True, metavar="GiB", help="memory per GPU (H200: 141)")
     p.add_argument("--model", default=None, help="a published shape instead of policy.source: qwen3-8b, qwen3-32b, "
-                   "dense-120b")
+                   "dense-120b, qwen3-30b-a3b (mixture of experts)")
     p.add_argument("--prompt-tokens", type=int, default=0, help="longest prompt (default data.max_prompt_tokens, "
                    "else 512)")
     p.add_argument("--reserve", type=float, default=4.0, metavar="GiB", help="kept free per GPU (CUDA context, NCCL, "

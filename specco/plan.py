@@ -4,14 +4,18 @@
     print(format_plan(plan, top=10))
 
 A layout is pp × dp_replicate × dp_shard × cp × tp = gpus (docs/DESIGN.md §9: the FSDP axis is dp_shard × cp; tp
-the trainer's tensor parallelism, innermost), with or without activation checkpointing; the rollout engine's own
-tensor parallelism (rollout.tp, `engine_tp`) splits its policy and KV cache among the cp × tp ranks of a DP group. Each component of a rank's memory is one function below (one home per
-formula, its math in its docstring); `rank_memory` adds them for one layout. Parameter counts are exact: the
+the trainer's tensor parallelism, innermost), with or without activation checkpointing, and for a mixture-of-experts
+policy an expert-parallel degree ep borrowed from the dp × cp ranks (plan_moe.py: the sparse layers' formulas); the
+rollout engine's own tensor parallelism (rollout.tp, `engine_tp`) splits its policy and KV cache among the cp × tp
+ranks of a DP group. Each component of a rank's memory is one function (one home per formula, its math in its
+docstring): here the activations, the engine and the layouts, in plan_params.py the parameters and the state kept of
+them, in plan_moe.py the sparse layers' own; `rank_memory` adds them for one layout. Parameter counts are exact: the
 policy and draft are built on the meta device (no memory) and their parameters counted. Activation bytes are
-counts of the tensors autograd saves for the backward, read off the code of model/layers.py and policy.py, in the
-dtype each is made in; tests/test_plan.py checks them against the saved tensors and the peak live bytes of a real
-co-training step. Everything is resident at once: the trainer's state, its activations at the step's peak (the
-start of the policy's backward) and the colocated rollout engine's weights and KV cache (no offload yet).
+counts of the tensors autograd saves for the backward, read off the code of model/layers.py, policy.py and moe.py,
+in the dtype each is made in; tests/test_plan.py and test_plan_moe.py check them against the saved tensors and the
+peak live bytes of a real co-training step. Everything is resident at once: the trainer's state, its activations at
+the step's peak (the start of the policy's backward) and the colocated rollout engine's weights and KV cache (no
+offload yet).
 
 Not modelled (why the fits column keeps `reserve_gib` free): the CUDA context and NCCL buffers (~1-2 GiB),
 the caching allocator's fragmentation, kernels' workspaces, compiled graphs' pools, a second kept decode runner
@@ -23,12 +27,15 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 
 from .config import BLOCK_KINDS, RunConfig
-from .model.config import ConfigError, DraftConfig, PolicyConfig
+from .model.config import ConfigError, PolicyConfig
+from .plan_moe import (active_params, ep_degrees, expert_params, moe_activation_bytes, moe_layout_runs,
+                       router_aux_bytes, sparse_layers)
+from .plan_params import (adamw_bytes, compute_copy_bytes, draft_params, grad_bytes, master_bytes, policy_params,
+                          rank_params, reference_bytes)
 
 GiB = 2**30
 CP_MIN_TOKENS = 1024  # CP only when every rank keeps >= this many tokens of a row: below, the ring's
@@ -46,6 +53,13 @@ PRESETS = {
     # Llama-style decoder: GQA 96/8 heads of 128, SwiGLU, untied 32,768-token head)
     "dense-120b": PolicyConfig(vocab_size=32768, hidden_size=12288, intermediate_size=28672, num_layers=88,
                                num_heads=96, num_kv_heads=8, head_dim=128, model_type="llama"),
+    # Qwen/Qwen3-30B-A3B config.json: 30.53 B parameters, 3.35 B active (48 sparse layers of 128 experts of width
+    # 768, top 8). Not transformers' Qwen3MoeConfig() defaults: those have 24 layers, head_dim hidden/heads = 64
+    # and norm_topk_prob false; intermediate_size 6144 is unused (no dense layer) but sizes the EAGLE-3 draft's MLP
+    "qwen3-30b-a3b": PolicyConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+                                  num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True, model_type="qwen3_moe",
+                                  num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                  norm_topk_prob=True, router_aux_loss_coef=0.001),
 }
 
 
@@ -58,6 +72,7 @@ class Layout:
     fsdp: bool  # the policy sharded over dp_shard × cp (else every dp × cp rank holds it whole)
     ac: bool  # activation checkpointing of the policy's layers
     tp: int = 1  # the trainer's tensor parallelism (parallel.tp): layer projections and head rows split tp ways
+    ep: int = 1  # expert parallelism (parallel.ep): each rank holds num_experts / ep experts of every sparse layer
 
     @property
     def dp(self) -> int:
@@ -70,7 +85,8 @@ class Layout:
 
     def name(self) -> str:
         return (f"pp{self.pp} rep{self.dp_replicate} shard{self.dp_shard} cp{self.cp}"
-                f"{f' tp{self.tp}' if self.tp > 1 else ''}{'' if self.fsdp else ' nofsdp'}{' ac' if self.ac else ''}")
+                f"{f' tp{self.tp}' if self.tp > 1 else ''}{f' ep{self.ep}' if self.ep > 1 else ''}"
+                f"{'' if self.fsdp else ' nofsdp'}{' ac' if self.ac else ''}")
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,7 @@ class Shapes:
     engine_bytes: int  # the rollout engine's copy (rollout.dtype)
     compact_below: float
     kl_reference: bool = False  # train.kl_coef > 0: the frozen starting policy is kept as the KL reference
+    moe_aux: bool = False  # a MoE policy's router aux loss weight > 0: its softmax is kept per sparse layer
 
 
 def _bytes(dtype: str) -> int:
@@ -119,9 +136,6 @@ def policy_config(cfg: RunConfig, model: str | None = None) -> PolicyConfig:
         except FileNotFoundError as e:
             raise ConfigError(f"policy.source={src!r}: no config.json to read the shape from ({e}); pass "
                               f"--model {'|'.join(PRESETS)} for a published shape") from None
-    if pc.moe:  # the per-layer parameter and activation model below is the dense layer's (policy_parts, ...)
-        raise ConfigError(f"policy.source={src!r} is a mixture-of-experts policy ({pc.model_type}): specco plan "
-                          "models dense layers only; its memory plan is not implemented yet")
     return pc
 
 
@@ -136,6 +150,7 @@ def shapes(cfg: RunConfig, pc: PolicyConfig, prompt_tokens: int, device: str = "
     vocab = pc.vocab_size if kind in BLOCK_KINDS else (
         min(d.draft_vocab_size, pc.vocab_size) if d.draft_vocab_size else (pc.vocab_size if pc.vocab_size <= 8192 else 4096))
     r, t = cfg.rollout, cfg.train
+    aux = pc.router_aux_loss_coef if cfg.policy.router_aux_loss_coef is None else cfg.policy.router_aux_loss_coef
     gamma = (r.block_k or r.k) if kind in BLOCK_KINDS else r.k
     return Shapes(policy=pc, draft_kind=kind, draft_vocab=vocab, draft_layers=d.block_layers or 1,
                   num_taps=len(d.aux_layer_ids) or len(set(_default_taps(pc.num_layers))),
@@ -144,7 +159,7 @@ def shapes(cfg: RunConfig, pc: PolicyConfig, prompt_tokens: int, device: str = "
                   ttt_passes=d.ttt_passes, gamma=gamma, num_anchors=d.num_anchors or 16, loss_chunk=t.loss_chunk,
                   compute_bytes=2 if t.amp == "bf16" else _bytes(cfg.policy.dtype),
                   engine_bytes=_bytes(cfg.rollout.dtype or cfg.policy.dtype), compact_below=r.compact_below,
-                  kl_reference=t.kl_coef > 0)
+                  kl_reference=t.kl_coef > 0, moe_aux=pc.moe and aux > 0)
 
 
 def _default_taps(num_layers: int):
@@ -152,123 +167,18 @@ def _default_taps(num_layers: int):
     return aux_layer_ids_default(num_layers)
 
 
-# -- parameter counts (exact: the models built on the meta device) ---------------------------------------------
-
-@lru_cache(maxsize=32)
-def policy_parts(pc: PolicyConfig) -> tuple[int, int, int]:
-    """(parameters of one decoder layer, of the embedding, of final norm + head) of the specco Policy."""
-    from .model.policy import Policy
-    with torch.device("meta"):
-        m = Policy(dataclasses.replace(pc, num_layers=1))
-    count = lambda mod: sum(p.numel() for p in mod.parameters()) if mod is not None else 0  # noqa: E731
-    head = count(m.norm) + (0 if pc.tie_word_embeddings else count(m.lm_head))
-    return count(m.layers["0"]), count(m.embed_tokens), head
-
-
-@lru_cache(maxsize=32)
-def draft_params(s: Shapes) -> int:
-    """Parameters of the co-trained draft, built on the meta device (0 without one)."""
-    if s.draft_kind is None:
-        return 0
-    from .model.dflash import BlockDraft, BlockDraftConfig
-    from .model.draft import Eagle3Draft
-    taps = tuple(range(s.num_taps))
-    with torch.device("meta"):
-        if s.draft_kind in BLOCK_KINDS:
-            m = BlockDraft(BlockDraftConfig.for_policy(s.policy, s.draft_kind, s.gamma, mask_id=0,
-                                                       num_layers=s.draft_layers, aux_layer_ids=taps))
-        else:
-            m = Eagle3Draft(DraftConfig.for_policy(s.policy, s.draft_vocab, taps))
-    return sum(p.numel() for p in m.parameters())
-
-
-@lru_cache(maxsize=32)
-def layer_norm_params(pc: PolicyConfig) -> int:
-    """Parameters of one decoder layer that tensor parallelism keeps whole on every rank: its two RMSNorms and
-    Qwen3's q/k norms (parallel/tp.py and rollout/tp.py split the projections only)."""
-    return 2 * pc.hidden_size + (2 * pc.head_dim if pc.qk_norm else 0)
-
-
-def rank_params(pc: PolicyConfig, layers: int, first: bool, last: bool, tp: int = 1) -> int:
-    """Parameters one tp rank holds of a stage (before FSDP): its layers' projections / tp beside their whole
-    norms, the embedding whole, the final norm whole and the head's vocabulary rows / tp (loss-parallel; a head
-    tied to the embedding counts once, whole). tp = 1: stage_params."""
-    layer, embed, head = policy_parts(pc)
-    norms = layer_norm_params(pc)
-    tied = pc.tie_word_embeddings
-    head_rows = 0 if tied else head - pc.hidden_size
-    return (layers * ((layer - norms) // tp + norms) + (embed if first else 0)
-            + ((pc.hidden_size + head_rows // tp) if last else 0))
-
-
-def policy_params(pc: PolicyConfig) -> int:
-    """The whole policy's parameters (= PolicyConfig.num_params: tests/test_plan.py checks both)."""
-    return stage_params(pc, pc.num_layers, True, True)
-
-
-def stage_params(pc: PolicyConfig, layers: int, first: bool, last: bool) -> int:
-    """Parameters a pipeline stage holds: its layers, the embedding on the first, final norm + head on the last."""
-    layer, embed, head = policy_parts(pc)
-    return layers * layer + (embed if first else 0) + (head if last else 0)
-
-
-# -- the trainer's state ---------------------------------------------------------------------------------------
-
-def master_bytes(params: int, lay: Layout) -> int:
-    """fp32 master weights: 4 B/param, sharded over dp_shard × cp under FSDP (MixedPrecisionPolicy keeps the
-    sharded parameters fp32), whole otherwise. `params`: what one tp rank holds (rank_params)."""
-    return 4 * math.ceil(params / lay.shard)
-
-
-def grad_bytes(params: int, lay: Layout) -> int:
-    """fp32 gradients, as the master weights (FSDP reduce-scatters them into the shards in reduce_dtype fp32)."""
-    return 4 * math.ceil(params / lay.shard)
-
-
-def adamw_bytes(params: int, lay: Layout) -> int:
-    """AdamW's two moments, exp_avg and exp_avg_sq, fp32 like the parameters: 8 B/param, sharded like them."""
-    return 8 * math.ceil(params / lay.shard)
-
-
-def reference_bytes(s: Shapes, lay: Layout) -> int:
-    """The KL reference (train.kl_coef > 0; 0 without): a frozen copy of the whole starting policy in the master
-    weights' fp32, 4 B/param, sharded over dp_shard × cp under FSDP like the trainer (trainer.make_arm cuts its
-    shards; under PP too it is the whole policy, not a stage: its log-probs need every layer), whole otherwise.
-    No gradients or AdamW state. Its forward's gathered layers are the no-grad log-prob recompute's (transient,
-    not at the train step's peak: module docstring)."""
-    pc = s.policy
-    whole = rank_params(pc, pc.num_layers, True, True, lay.tp)  # tensor-parallel like the trainer
-    return 4 * math.ceil(whole / lay.shard) if s.kl_reference else 0
-
-
-def compute_copy_bytes(pc: PolicyConfig, layers: int, first: bool, last: bool, lay: Layout, c: int) -> int:
-    """The weights in compute dtype beside the master copy. Under FSDP: the all-gathered units, in c bytes: the
-    root (embedding, final norm, head: never resharded, parallel/fsdp.py), two layers (the one computing and the
-    one prefetched) plus one layer's unsharded gradient before its reduce-scatter; under PP no layer reshards
-    after forward, so the stage's every layer. Without FSDP: bf16 autocast keeps a cast copy of every weight
-    a matmul used, saved for its backward (c = 2); none in fp32."""
-    layer, embed, head = policy_parts(pc)
-    layer = (layer - layer_norm_params(pc)) // lay.tp + layer_norm_params(pc)
-    head = pc.hidden_size + (head - pc.hidden_size) // lay.tp if not pc.tie_word_embeddings else head
-    if not lay.fsdp:
-        return 2 * rank_params(pc, layers, first, last, lay.tp) if c < 4 else 0
-    root = (embed if first else 0) + (head if last else 0)
-    gathered = layers if lay.pp > 1 else min(2, layers)
-    return c * (root + gathered * layer) + 4 * layer
-
-
 # -- activations -----------------------------------------------------------------------------------------------
 
-def layer_activation_bytes(pc: PolicyConfig, c: int, r: int, tp: int = 1) -> int:
+def layer_activation_bytes(pc: PolicyConfig, c: int, r: int, tp: int = 1, mlp: int | None = None) -> int:
     """Bytes one decoder layer saves for its backward, per token: what autograd keeps of DecoderLayer.forward
-    (checked to the byte in fp32 and under bf16 autocast, tests/test_plan.py).
+    (checked to the byte in fp32, under bf16 autocast and over bf16 parameters, tests/test_plan.py).
 
     r = the residual stream's bytes (the parameters' compute dtype: 4 over fp32 weights, 2 under FSDP's bf16
     params), c = matmul outputs' (2 under bf16 autocast, else r). With q = H·D, kv = Hkv·D, I = intermediate:
-        2h·r            the layer's input and the mid-layer residual (each RMSNorm saves its x)
+        2h·4            each RMSNorm's x in fp32 (the normalisation runs in fp32): the layer's input and the
+                        mid-layer residual themselves when r = 4, else their fp32 copies (the r-byte x is not kept)
         2·norm(h)       each RMSNorm (ops/decode_kernels.rms_norm_reference): x/rms in r, the matmul's input in c
-                        (the weighted output itself, or autocast's copy of it), the fp32 1/rms, and an fp32 copy of
-                        x when r < 4 (the normalisation runs in fp32)
+                        (the weighted output itself, or autocast's copy of it) and the fp32 1/rms
         (q+2kv)·c       the fused qkv output (v is a view of it, saved by the attention)
         (q+kv)·c        q and k after RoPE as the attention saves them (autocast's copies when c < r)
         qk-norm (Qwen3) (q+kv)·c for q/rms, k/rms, + their fp32 copies when c < 4, + 4·(H+Hkv) for the 1/rms
@@ -276,13 +186,14 @@ def layer_activation_bytes(pc: PolicyConfig, c: int, r: int, tp: int = 1) -> int
         4I·c            the fused gate|up output (2I; silu and the product read views of it), silu(gate), silu·up
     The (S, S) scores are never kept: SDPA's flash / memory-efficient kernels save only the log-sum-exp.
     Under tensor parallelism (tp, without sequence parallelism) a rank holds H/tp heads, Hkv/tp kv heads and I/tp
-    MLP rows, so every term past the residual stream and its norms (whole on every rank) divides by tp."""
+    MLP rows, so every term past the residual stream and its norms (whole on every rank) divides by tp.
+    mlp: a sparse layer's bytes per token in place of the SwiGLU's 4I·c (plan_moe.moe_activation_bytes; tp 1)."""
     h, q, kv, I, H = pc.hidden_size, pc.num_heads * pc.head_dim, pc.num_kv_heads * pc.head_dim, \
         pc.intermediate_size, pc.num_heads
-    norm = h * (r + c + (4 if r < 4 else 0)) + 4
+    norm = h * (r + c) + 4
     qk = ((q + kv) * (c + (4 if c < 4 else 0)) + 4 * (H + pc.num_kv_heads)) if pc.qk_norm else 0
-    split = (q + 2 * kv) * c + (q + kv) * c + qk + q * c + 4 * H + 4 * I * c
-    return 2 * h * r + 2 * norm + split // tp
+    split = (q + 2 * kv) * c + (q + kv) * c + qk + q * c + 4 * H + (4 * I * c if mlp is None else 0)
+    return 2 * h * 4 + 2 * norm + split // tp + (mlp or 0)
 
 
 def logits_bytes(pc: PolicyConfig, c: int, tp: int = 1) -> int:
@@ -320,17 +231,25 @@ def micro_rows(s: Shapes, lay: Layout) -> tuple[int, int]:
     return m, math.ceil(per_rank / m)
 
 
-def activation_bytes(s: Shapes, lay: Layout, layers: int, last: bool, in_flight: int) -> int:
+def activation_bytes(s: Shapes, lay: Layout, layers: range, last: bool, in_flight: int) -> int:
     """A stage's activations at the start of its backward: `in_flight` micro-batches of b rows × seq/cp tokens
     (1F1B keeps min(pp - stage, micro-batches) in flight). Without checkpointing every layer's saved tensors;
-    with it, each layer's input (h·r) and one layer's recomputed tensors. The last stage adds the embedding taps
+    with it, each layer's input (h·r) and one layer's recomputed tensors (the larger kind, dense or sparse). The
+    router's aux loss keeps its softmax per sparse layer either way. The last stage adds the embedding taps
     (k·h·r, the concat), the logits and the draft (on every stride-th row)."""
     pc, c = s.policy, s.compute_bytes
     r = 2 if (lay.fsdp and c == 2) else 4
     b, _ = micro_rows(s, lay)
     tokens = b * math.ceil(s.seq / lay.cp)
-    per_layer = layer_activation_bytes(pc, c, r, lay.tp)
-    body = (layers * pc.hidden_size * r + per_layer) if lay.ac else layers * per_layer
+    n_sparse = sparse_layers(pc, layers)
+    dense = layer_activation_bytes(pc, c, r, lay.tp)
+    sparse = layer_activation_bytes(pc, c, r, lay.tp, moe_activation_bytes(pc, c, r, lay.ep)) if n_sparse else 0
+    kept = n_sparse * router_aux_bytes(pc) if s.moe_aux else 0  # outside the layers: checkpointing keeps it
+    n_dense = len(layers) - n_sparse
+    if lay.ac:
+        body = len(layers) * pc.hidden_size * r + max(dense if n_dense else 0, sparse) + kept
+    else:
+        body = n_dense * dense + n_sparse * sparse + kept
     total = in_flight * tokens * (body + pc.hidden_size * r)  # + the final norm's / embedding's output
     if last:  # the draft is whole on every tp rank (replicated), its taps gathered whole
         total += tokens * logits_bytes(pc, c, lay.tp)
@@ -362,10 +281,10 @@ def kv_cache_bytes(s: Shapes, lay: Layout, engine_tp: int = 1) -> int:
 def engine_weight_bytes(s: Shapes, engine_tp: int = 1) -> int:
     """The engine's policy and draft in rollout dtype: with rollout.tp = engine_tp, its shard of the policy
     (rollout/tp.tp_shard: projections and head rows / tp, the embedding and norms whole; a tied head is held as
-    an untied copy of its rows) and the whole draft."""
+    an untied copy of its rows) and the whole draft; a MoE policy whole, every expert (the refit gathers them)."""
     pc = s.policy
     held = dataclasses.replace(pc, tie_word_embeddings=False) if engine_tp > 1 else pc
-    shard = rank_params(held, pc.num_layers, True, True, engine_tp)
+    shard = rank_params(held, range(pc.num_layers), True, True, engine_tp)  # a MoE policy: every expert (tp 1)
     return s.engine_bytes * (shard + draft_params(s))
 
 
@@ -394,12 +313,15 @@ def rank_memory(s: Shapes, lay: Layout, offload: bool = False, engine_tp: int = 
     best = None
     for stage, rng in enumerate(stage_layer_ranges(pc.num_layers, lay.pp)):
         first, last = stage == 0, stage == lay.pp - 1
-        P = rank_params(pc, len(rng), first, last, lay.tp)
+        in_flight = min(lay.pp - stage, n_micro)
+        experts = expert_params(pc, rng)  # every expert of the stage's sparse layers (0 for a dense policy)
+        P = rank_params(pc, rng, first, last, lay.tp) - experts  # what FSDP shards
+        X = experts // lay.ep  # the rank's expert slices: whole, FSDP leaves them (plan_moe.py)
         D = draft_params(s) if last else 0
         rows = engine_rows(s, lay)
-        m = {"params": master_bytes(P, lay), "compute": compute_copy_bytes(pc, len(rng), first, last, lay, c),
-             "grads": grad_bytes(P, lay), "adamw": adamw_bytes(P, lay),
-             "acts": activation_bytes(s, lay, len(rng), last, min(lay.pp - stage, n_micro)),
+        m = {"params": master_bytes(P, lay, X), "compute": compute_copy_bytes(pc, rng, first, last, lay, c, in_flight),
+             "grads": grad_bytes(P, lay, X), "adamw": adamw_bytes(P, lay, X),
+             "acts": activation_bytes(s, lay, rng, last, in_flight),
              # the draft is replicated (parallel/fsdp.py): fp32 weights, gradients, AdamW (16 B/param) + autocast copy
              "draft": D * (16 + (2 if c < 4 else 0)), "ref": reference_bytes(s, lay),
              "engine_w": engine_weight_bytes(s, engine_tp) + rows * (s.gamma + 1) * pc.vocab_size * 4,
@@ -419,7 +341,8 @@ def layouts(s: Shapes, gpus: int, ac: tuple[bool, ...] = (False, True), engine_t
     """Every pp × dp_replicate × dp_shard × cp × tp = gpus with pp | num_layers, cp only while each rank keeps
     >= CP_MIN_TOKENS of a row, tp dividing the policy's sizes, engine_tp dividing cp × tp (the ranks that share a DP
     group's rollouts), the step's prompts divisible into whole groups per data-parallel rank; FSDP on whenever
-    dp_shard × cp > 1 (plus the unsharded layout dp_shard = 1)."""
+    dp_shard × cp > 1 (plus the unsharded layout dp_shard = 1). A MoE policy's layouts add each ep of
+    plan_moe.ep_degrees and keep those the trainer runs (plan_moe.moe_layout_runs); a dense policy's have ep 1."""
     out = []
     divs = [d for d in range(1, gpus + 1) if gpus % d == 0]
     prompts = s.rows_per_step  # rows; a rank needs whole groups, checked through prompts below
@@ -439,7 +362,10 @@ def layouts(s: Shapes, gpus: int, ac: tuple[bool, ...] = (False, True), engine_t
                     for fsdp in ((False, True) if shard == 1 else (True,)):
                         if fsdp and shard * cp == 1:
                             continue
-                        out += [Layout(pp, dp // shard, shard, cp, fsdp, a, tp) for a in ac]
+                        for ep in ep_degrees(s.policy, dp * cp):
+                            lay = Layout(pp, dp // shard, shard, cp, fsdp, False, tp, ep)
+                            if moe_layout_runs(s.policy, lay):
+                                out += [dataclasses.replace(lay, ac=a) for a in ac]
     return out
 
 
@@ -458,8 +384,10 @@ class Plan:
 
     def to_json(self) -> dict:
         s = self.shapes
-        return {"gpus": self.gpus, "gpu_gib": self.gpu_gib, "reserve_gib": self.reserve_gib, "offload": self.offload, "engine_tp": self.engine_tp,
-                "policy_params": policy_params(s.policy), "draft_params": draft_params(s), "seq": s.seq,
+        total = policy_params(s.policy)
+        return {"gpus": self.gpus, "gpu_gib": self.gpu_gib, "reserve_gib": self.reserve_gib, "offload": self.offload,
+                "engine_tp": self.engine_tp, "policy_params": total,
+                "policy_active_params": active_params(s.policy, total), "draft_params": draft_params(s), "seq": s.seq,
                 "layouts": [{**dataclasses.asdict(lay), **{k: v / GiB for k, v in m.items()},
                              "headroom_gib": self.headroom(m), "fits": self.headroom(m) >= 0} for lay, m in self.rows]}
 
@@ -479,6 +407,9 @@ def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None 
     if engine_tp < 1 or not tp_divides(pc, engine_tp):
         raise ConfigError(f"--engine-tp {engine_tp} (rollout.tp): must divide the policy's {pc.num_heads} heads, "
                           f"{pc.num_kv_heads} kv heads, {pc.intermediate_size} MLP width and {pc.vocab_size} vocabulary")
+    if pc.moe and engine_tp > 1:  # as runner/validate.check_moe_layout: rollout/tp.tp_shard does not cut experts
+        raise ConfigError(f"--engine-tp {engine_tp} (rollout.tp): the policy is a mixture of experts "
+                          f"({pc.model_type}); a tensor-parallel engine over MoE layers is not implemented: use 1")
     plan = Plan(gpus, gpu_gib, reserve_gib, s, offload, engine_tp)
     lays = layouts(s, gpus, ac, engine_tp)
     if not lays:
@@ -492,15 +423,17 @@ def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None 
 def format_plan(plan: Plan, top: int = 0) -> str:
     """The table: one line per layout, GiB per component, total, headroom and fits."""
     s = plan.shapes
-    head = (f"policy {policy_params(s.policy) / 1e9:.2f} B params, draft {s.draft_kind or 'none'} "
+    total = policy_params(s.policy)
+    active = f" ({active_params(s.policy, total) / 1e9:.2f} B active)" if s.policy.moe else ""
+    head = (f"policy {total / 1e9:.2f} B params{active}, draft {s.draft_kind or 'none'} "
             f"{draft_params(s) / 1e9:.2f} B; seq {s.seq}, {s.rows_per_step} rows/step, micro-batch "
             f"{s.micro_batch_rows or 'whole'}; {plan.gpus} x {plan.gpu_gib:g} GiB, {plan.reserve_gib:g} GiB reserved"
             f"{'; engine offloaded while training' if plan.offload else ''}"
             f"{f'; engine tp {plan.engine_tp}' if plan.engine_tp > 1 else ''}")
-    cols = f"{'layout':<30}" + "".join(f"{c:>9}" for c in COLUMNS) + f"{'headroom':>9} fits"
+    cols = f"{'layout':<34}" + "".join(f"{c:>9}" for c in COLUMNS) + f"{'headroom':>9} fits"
     lines = [head, cols]
     for lay, m in plan.rows[:top or None]:
-        lines.append(f"{lay.name():<30}" + "".join(f"{m[c] / GiB:>9.1f}" for c in COLUMNS)
+        lines.append(f"{lay.name():<34}" + "".join(f"{m[c] / GiB:>9.1f}" for c in COLUMNS)
                      + f"{plan.headroom(m):>9.1f} {'yes' if plan.headroom(m) >= 0 else 'no'}")
     return "\n".join(lines)
 

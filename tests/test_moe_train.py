@@ -192,13 +192,15 @@ def test_moe_layouts_not_implemented_are_refused_by_name(tmp_path):
         load_policy_rows(tmp_path / "p", policy)
 
 
-def test_memory_plan_refuses_moe(tmp_path):
-    """specco plan's layer model is dense: a MoE policy is refused by name rather than planned wrong."""
+def test_memory_plan_reads_a_saved_moe_policy(tmp_path):
+    """specco plan reads a saved MoE policy's shape from its config.json and counts its parameters exactly
+    (tests/test_plan_moe.py checks the formulas)."""
     from specco.model.hf_io import save_policy
-    from specco.plan import policy_config
-    save_policy(_policy(torch.float32), tmp_path / "p")
-    with pytest.raises(ConfigError, match="mixture-of-experts policy"):
-        policy_config(load_config(overrides=[f"policy.source={tmp_path / 'p'}"]))
+    from specco.plan import policy_config, policy_params
+    policy = _policy(torch.float32)
+    save_policy(policy, tmp_path / "p")
+    pc = policy_config(load_config(overrides=[f"policy.source={tmp_path / 'p'}"]))
+    assert pc.moe and policy_params(pc) == sum(p.numel() for p in policy.parameters())
 
 
 def test_resume_checkpoint_round_trips_a_moe_policy(tmp_path):

@@ -61,26 +61,39 @@ def _saved_storages(fn, exclude, skip_shapes=frozenset()):
     return sum(n for _, n in seen.values())
 
 
-@pytest.mark.parametrize("qk_norm", [False, True])
-@pytest.mark.parametrize("amp", [False, True])
-def test_layer_activation_formula_is_exact(qk_norm, amp):
-    """The per-layer formula equals the bytes a DecoderLayer saves for its backward, to the byte (fp32 weights and
-    residual; bf16 autocast makes the matmul outputs 2 bytes and adds the casts the formula lists)."""
-    pc = _pc(qk_norm)
-    layer = Policy(pc).layers["0"]
-    B, S = 2, 48
-    x = torch.randn(B, S, pc.hidden_size, requires_grad=True)
-    cos, sin = rope_cos_sin(torch.arange(S).expand(B, S), pc.head_dim, pc.rope_theta, x.dtype, scaling=None)
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if amp else torch.autocast("cpu", enabled=False)
+# (c, r) of each precision: fp32; bf16 autocast over fp32 weights; bf16 weights and residual (FSDP's bf16 params)
+PRECISIONS = {"fp32": (4, 4), "amp": (2, 4), "bf16": (2, 2)}
+
+
+def run_layer(layer, pc, B, S, precision):
+    """(a function running `layer` forward on (B, S, h) random rows in `precision`, the tensors it reads that are
+    not activations: cos, sin). Under "bf16" the layer is cast to bf16 in place."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    layer.to(dtype)
+    x = torch.randn(B, S, pc.hidden_size, requires_grad=True, dtype=dtype)
+    cos, sin = rope_cos_sin(torch.arange(S).expand(B, S), pc.head_dim, pc.rope_theta, dtype, scaling=None)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
 
     def run():
         with ctx:
             layer(x, cos, sin)
+    return run, [cos, sin]
 
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_layer_activation_formula_is_exact(qk_norm, precision):
+    """The per-layer formula equals the bytes a DecoderLayer saves for its backward, to the byte (fp32 weights and
+    residual; bf16 autocast makes the matmul outputs 2 bytes and adds the casts the formula lists; bf16 weights
+    make the residual 2 bytes, which the norms keep in fp32 copies only)."""
+    pc = _pc(qk_norm)
+    layer = Policy(pc).layers["0"]
+    B, S = 2, 48
+    run, tables = run_layer(layer, pc, B, S, precision)
     # autocast's bf16 copies of the weights are the planner's "compute" column, not activations
     weights = {tuple(p.shape)[::o] for p in layer.parameters() for o in (1, -1)}  # matmuls save them transposed
-    measured = _saved_storages(run, [*layer.parameters(), cos, sin], skip_shapes=weights)
-    assert measured == B * S * layer_activation_bytes(pc, 2 if amp else 4, 4)
+    measured = _saved_storages(run, [*layer.parameters(), *tables], skip_shapes=weights)
+    assert measured == B * S * layer_activation_bytes(pc, *PRECISIONS[precision])
 
 
 def test_trainer_estimate_matches_measured_peak():
@@ -146,8 +159,8 @@ def test_sharding_and_stages_divide_exactly():
         assert abs(one[k] - 2 * two[k]) <= 2 * 8
     assert one["draft"] == two["draft"]  # the draft is replicated
     # pp = 2 halves the layers' activations (1F1B's first stage keeps 2 micro-batches in flight: the same bytes)
-    no_pp = activation_bytes(s, Layout(1, 1, 4, 1, True, False), 36, False, 1)
-    pp2 = activation_bytes(s, Layout(2, 1, 4, 1, True, False), 18, False, 1)
+    no_pp = activation_bytes(s, Layout(1, 1, 4, 1, True, False), range(36), False, 1)
+    pp2 = activation_bytes(s, Layout(2, 1, 4, 1, True, False), range(18), False, 1)
     assert abs(no_pp - 2 * pp2) <= 2 * 2 * 4096 * pc.hidden_size * 2
 
 
@@ -172,8 +185,8 @@ def test_checkpointing_keeps_layer_inputs():
     pc = PRESETS["qwen3-8b"]
     s = dataclasses.replace(_shapes(pc, rows=64, seq=4096, micro=2, c=2), draft_kind=None)
     lay = Layout(1, 1, 8, 1, True, False)
-    full = activation_bytes(s, lay, 36, False, 1)
-    ckpt = activation_bytes(dataclasses.replace(s), dataclasses.replace(lay, ac=True), 36, False, 1)
+    full = activation_bytes(s, lay, range(36), False, 1)
+    ckpt = activation_bytes(dataclasses.replace(s), dataclasses.replace(lay, ac=True), range(36), False, 1)
     tokens, h = 2 * 4096, pc.hidden_size
     assert ckpt == tokens * (36 * h * 2 + layer_activation_bytes(pc, 2, 2) + h * 2)
     assert full == tokens * (36 * layer_activation_bytes(pc, 2, 2) + h * 2)
@@ -210,7 +223,7 @@ def _tp_counts_worker(rank, world):
         s = _shapes(pc, rows=8, seq=64, draft=None)
         assert local(shard) * s.engine_bytes == engine_weight_bytes(s, 2)
         apply_tp(policy, mesh.tp_mesh)
-        assert local(policy) == rank_params(pc, pc.num_layers, True, True, 2)
+        assert local(policy) == rank_params(pc, range(pc.num_layers), True, True, 2)
     tied = _pc(tie_word_embeddings=True)  # the engine holds an untied copy of its head rows
     shard = tp_shard(Policy(tied), dist.group.WORLD)
     assert local(shard) * 2 == engine_weight_bytes(_shapes(tied, rows=8, seq=64, draft=None), 2)
@@ -226,12 +239,12 @@ def test_tp_divides_the_split_parts_only():
     residual stream stay whole; the engine's KV cache splits by its own tp."""
     from specco.plan import kv_cache_bytes, logits_bytes, rank_params
     pc = PRESETS["qwen3-8b"]
-    one, two = rank_params(pc, 36, True, True, 1), rank_params(pc, 36, True, True, 2)
+    one, two = rank_params(pc, range(36), True, True, 1), rank_params(pc, range(36), True, True, 2)
     embed = pc.vocab_size * pc.hidden_size
     assert one == policy_params(pc) and embed < one - two < one / 2  # not quite half: embedding and norms whole
     assert logits_bytes(pc, 2, 2) * 2 == logits_bytes(pc, 2)
     h = pc.hidden_size
-    whole = 2 * h * 4 + 2 * (h * (4 + 2 + 0) + 4)
+    whole = 2 * h * 4 + 2 * (h * (4 + 2) + 4)
     assert layer_activation_bytes(pc, 2, 4, 2) - whole == (layer_activation_bytes(pc, 2, 4) - whole) // 2
     lay = Layout(1, 8, 1, 1, False, False)
     s = _shapes(pc, rows=64, seq=4096, c=2, draft=None)  # the policy's cache only
