@@ -598,22 +598,12 @@ class RunConfig:
             seen[key] = arm
         # under PP the engine's whole-policy copy also gives the PPO's old log-probs (runner/trainer.train_on_rollouts), which must
         # be the trainer's precision
-        # under FSDP the engine's copy is also the whole policy the run evaluates and saves (runner/rl.full_models)
         _check(self.parallel.pp == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
                f"rollout.dtype={self.rollout.dtype!r} with parallel.pp={self.parallel.pp}: not supported (the "
                "pipeline path recomputes log-probs with the engine's copy); leave rollout.dtype unset")
         _check(self.parallel.pp == 1 or self.rollout.offload != "weights+cache",
                f"rollout.offload='weights+cache' with parallel.pp={self.parallel.pp}: not supported (the pipeline "
                "path recomputes log-probs with the engine's whole copy while the trainer runs); use 'cache'")
-        _check(not self.parallel.fsdp or self.rollout.dtype in ("", "auto", self.policy.dtype),
-               f"rollout.dtype={self.rollout.dtype!r} with parallel.dp_shard: not supported (the engine's copy is "
-               "the whole policy evaluated and saved); leave rollout.dtype unset")
-        _check(self.parallel.tp == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
-               f"rollout.dtype={self.rollout.dtype!r} with parallel.tp={self.parallel.tp}: not supported (the engine's "
-               "copy is the whole policy evaluated and saved); leave rollout.dtype unset")
-        _check(self.parallel.ep == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
-               f"rollout.dtype={self.rollout.dtype!r} with parallel.ep={self.parallel.ep}: not supported (the engine's "
-               "copy is the whole policy evaluated and saved); leave rollout.dtype unset")
         tiny_arch = [f"policy.{f}={getattr(self.policy, f)!r}" for f in ("family", "num_experts", "num_experts_per_tok",
                      "moe_intermediate_size") if getattr(self.policy, f) != getattr(PolicySpec, f)]
         _check(self.policy.source == "tiny" or not tiny_arch,

@@ -255,7 +255,8 @@ def _rl_worker(rank, world, tmp, dp_shard=2, ep=2, cp=1):
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-9, atol=1e-12, msg=k)
     eng = st2.engine.policy.state_dict()  # the engine: the whole policy refit from the gathered shards and experts
     assert all(torch.equal(v, w2[f"policy.{k}"]) for k, v in eng.items())
-    assert full_models(st2)[0] is st2.engine.policy  # evaluation and the saved policy read the engine's copy
+    whole = full_models(st2)[0].state_dict()  # evaluation and the saved policy: gathered from the trainer (collective)
+    assert all(torch.equal(v, w2[f"policy.{k}"]) for k, v in whole.items())
     saved = json.loads((latest_checkpoint(tmp / "ep2" / "ckpt") / "state.json").read_text())["tensors"]
     E = policy.cfg.num_experts  # global shapes: whole experts (and their moments), the whole embedding
     assert saved["model.policy.layers.0.mlp.experts.gate_up_proj"]["shape"][0] == E

@@ -148,13 +148,40 @@ def test_fsdp_layouts_not_wired_are_refused_by_name(tmp_path, extra, world, comm
         check_parallel(cfg, world, command)
 
 
-def test_fsdp_on_one_process_and_a_cast_engine_copy_are_refused(tmp_path):
+def test_fsdp_on_one_process_is_refused(tmp_path):
     from specco.model.config import ConfigError
     from specco.runner.derive import check_parallel
     with pytest.raises(ConfigError, match="on one process: nothing to shard"):
         check_parallel(_cfg(tmp_path, "parallel.dp_shard=1"), 1, "train")
-    with pytest.raises(ConfigError, match="rollout.dtype='bfloat16' with parallel.dp_shard"):
-        _cfg(tmp_path, "parallel.dp_shard=2", "rollout.dtype=bfloat16")
+
+
+def _cast_engine_worker(rank, world, tmp):
+    """rollout.dtype under FSDP: the engine a cast copy (float32 of the fp64 trainer here, as bf16 of fp32 masters on
+    a GPU); the whole policy the run evaluates and saves (rl.full_models, a collective) is gathered from the
+    trainer's masters, in their dtype, bit for bit, not the engine's rounded copy."""
+    from test_grpo import DigitTask
+    from specco.runner.rl import full_models, needs_gather, run_arm
+    tmp = Path(tmp)
+    tok, policy, draft = _models()
+    mesh = Mesh.build(2, 1, dp_shard=2)
+    cfg = _cfg(tmp, "parallel.dp_shard=2", *EXTRA, "rollout.dtype=float32")
+    st = {}
+    rows = run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / "cast", progress=False, mesh=mesh,
+                   state_out=st)
+    s = st["state"]
+    assert len(rows) == 2 and all(p.dtype == torch.float32 for p in s.engine.policy.parameters())
+    assert needs_gather(s)
+    whole, d = full_models(s)  # every rank takes part
+    assert d is s.draft and all(p.dtype == torch.float64 for p in whole.parameters())
+    flat = _flat(s)
+    got = torch.cat([v.detach().flatten() for v in whole.state_dict().values()])
+    assert torch.equal(got, flat[:got.numel()])  # the masters, not the engine's float32 copy
+    eng = torch.cat([v.flatten() for v in s.engine.policy.state_dict().values()])
+    assert torch.equal(eng, flat[:eng.numel()].float())  # the engine: the same weights, cast
+
+
+def test_rl_loop_dp_shard2_with_a_cast_engine_saves_the_masters(tmp_path):
+    spawn_local(_cast_engine_worker, 2, str(tmp_path))
 
 
 def _dflash_worker(rank, world, tmp):

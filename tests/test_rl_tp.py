@@ -56,7 +56,9 @@ def _rl_worker(rank, world, tmp, dp_shard, cp=1, sp=False):
     eng = torch.cat([v.flatten() for v in s.engine.policy.state_dict().values()])
     assert torch.equal(eng, flat[:eng.numel()])  # each rank's engine: the gathered whole policy
     from specco.runner.rl import full_models
-    assert full_models(s) == (s.engine.policy, s.engine.draft)  # evaluated and saved: the whole copies
+    whole, dr = full_models(s)  # evaluated and saved: gathered from the trainer's shards (a collective)
+    got = torch.cat([v.flatten() for v in whole.state_dict().values()])
+    assert dr is s.draft and torch.equal(got, flat[:got.numel()])
     # stopped after step 1 and resumed from its (sharded, TP) checkpoint: the same run, bit for bit
     run = lambda d, **kw: run_arm(cfg, "cotrained", policy, draft, DigitTask(), tok, tmp / d,  # noqa: E731
                                   progress=False, mesh=mesh, **kw)

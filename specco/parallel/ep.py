@@ -59,8 +59,8 @@ Every rank of an ep group must run the same sparse-layer forwards and backwards 
 the same number of micro-batches per step, which the runner's even split of prompts over dp gives.
 
 **The whole policy.** The engine holds every expert, so the refit gathers them (`full_expert_state`: an
-all-gather of each 3-D tensor along dim 0 over the ep group, a collective every rank calls); evaluation and the
-saved policy read the engine's copy (runner/rl.full_models). A rank's own `state_dict()` reports its experts under
+all-gather of each 3-D tensor along dim 0 over the ep group, a collective every rank calls), and so does the whole
+policy the run evaluates and saves (runner/rl.full_models: the trainer's masters, gathered). A rank's own `state_dict()` reports its experts under
 their global HF names (and loads back: the state copies of the measurement hooks). Sharded checkpoints save each
 slice as its Shard(0) of the whole (E, ...) tensor (`expert_meshes`, `as_global`; AdamW's moments too), so a run
 resumes at any ep, 1 included.

@@ -115,18 +115,17 @@ def on_device(cfg: RunConfig, device: torch.device) -> RunConfig:
     pretrained policy on a GPU, in every layout, pipeline stages included; rollout.dtype "auto" gives that policy
     an engine copy in bf16. Both are off elsewhere (the tiny demo model, CPUs, where bf16 matmuls are slow).
 
-    Under pipeline parallelism or FSDP the engine copy stays in the trainer's dtype: there it is more than the
-    sampler. It is the only whole policy a rank holds, so under PP it gives the PPO's old log-probs (a stage
-    cannot run the whole forward: trainer.train_on_rollouts), which must be the trainer's numerics or the ratio
-    is off by the rounding, not the update; and it is the whole policy the run evaluates and saves (rl.full_models),
-    which must not be a rounded copy. A bf16 engine there needs the recompute pipelined over the stages and the
-    saved policy taken from the masters (config.py refuses rollout.dtype=bfloat16 with a reason until then)."""
+    Under pipeline parallelism the engine copy stays in the trainer's dtype: there it is more than the sampler.
+    It is the only whole policy a rank holds, so it gives the PPO's old log-probs (a stage cannot run the whole
+    forward: trainer.train_on_rollouts), which must be the trainer's numerics or the ratio is off by the rounding,
+    not the update, and it is the policy the run evaluates and saves (rl.full_models). A bf16 engine there needs the
+    recompute pipelined over the stages (config.py refuses rollout.dtype=bfloat16 under pp with a reason until
+    then). Under FSDP, tensor and expert parallelism the saved policy is gathered from the trainer's masters, so
+    the engine is a bf16 copy as on one GPU."""
     pretrained_gpu = torch.device(device).type == "cuda" and cfg.policy.source != "tiny"
-    # the engine's copy has other duties (above); under tensor parallelism too (the trainer holds shards)
-    whole_elsewhere = cfg.parallel.pp > 1 or cfg.parallel.fsdp or cfg.parallel.tp > 1
     amp = cfg.train.amp if cfg.train.amp != "auto" else ("bf16" if pretrained_gpu else "none")
     dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else (
-        "bfloat16" if pretrained_gpu and not whole_elsewhere else "")
+        "bfloat16" if pretrained_gpu and cfg.parallel.pp == 1 else "")
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp),
                                rollout=dataclasses.replace(cfg.rollout, dtype=dtype))
 

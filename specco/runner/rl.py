@@ -24,7 +24,6 @@ from ..parallel.ep import is_ep
 from ..parallel.fsdp import is_sharded
 from ..parallel.tp import is_tensor_parallel
 from ..parallel.mesh import Mesh
-from ..rollout.tp import tp_group_of
 from ..train.checkpoint import remove_stale_temporaries
 from .arm_checkpoint import resume_arm, save_arm
 from .derive import arm_config, generate_config
@@ -38,35 +37,29 @@ __all__ = ["run_arm", "full_models", "needs_gather"]
 
 
 def needs_gather(st: ArmState) -> bool:
-    """Whether `full_models(st)` is a collective (every rank of the trainer's mesh must call it): the engine holds
-    a tensor-parallel shard (rollout.tp) and the trainer holds part of the policy too (FSDP, parallel.tp, expert
-    parallelism)."""
-    return tp_group_of(st.engine.policy) is not None and (is_sharded(st.policy) or is_tensor_parallel(st.policy)
-                                                         or is_ep(st.policy))
+    """Whether `full_models(st)` is a collective (every rank of the trainer's mesh must call it): the trainer holds
+    part of the policy (FSDP, parallel.tp, expert parallelism) outside a pipeline."""
+    return st.pipeline is None and (is_sharded(st.policy) or is_tensor_parallel(st.policy) or is_ep(st.policy))
 
 
 def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
-    """The arm's whole policy and draft as of its last refit, for evaluation and saving: the trainer's own
-    copies, or under pipeline parallelism (a rank trains one stage) the engine's, which the refit fills from
-    every stage in the trainer's dtype (config.py keeps rollout.dtype at the policy's under PP), and under FSDP
-    (the trainer holds shards), tensor and expert parallelism the engine's too, refit from the gathered shards
-    (config.py: the same dtype rule). A tensor-parallel engine (rollout.tp) holds a shard: then the trainer's policy, gathered
-    into a new whole copy where it is sharded (`needs_gather`: a collective, every rank calls it; PP is refused
-    with rollout.tp: its log-prob recompute reads the engine's whole copy). The draft is whole on every rank."""
-    if tp_group_of(st.engine.policy) is not None:
-        if not needs_gather(st):
-            return st.policy, st.draft
-        state = full_state(st.policy)
-        with torch.device("meta"):
-            whole = Policy(st.policy.cfg)
-        like = next(v for v in state.values() if v.is_floating_point())  # the trainer's device and dtype
-        whole = whole.to_empty(device=like.device).to(like.dtype)
-        whole.load_state_dict(state)
-        return whole.eval(), st.draft
-    if st.pipeline is not None or is_sharded(st.policy) or is_tensor_parallel(st.policy) or is_ep(st.policy):
-        # (expert parallelism: the trainer holds E / ep experts, the engine all of them)
+    """The arm's whole policy and draft in the trainer's precision (fp32 masters), for evaluation and saving: the
+    trainer's own copies; where the trainer holds part of the policy (FSDP shards, tensor-parallel shards, expert
+    slices: `needs_gather`, a collective, every rank calls it) a new whole copy gathered from them, so the engine's
+    copy is free to be a bf16 cast (rollout.dtype) or a tensor-parallel shard (rollout.tp). Under pipeline
+    parallelism the engine's copy, refit from every stage, which stays in the trainer's dtype there (it also gives
+    the PPO's old log-probs: derive.on_device). The draft is whole on every rank."""
+    if st.pipeline is not None:
         return st.engine.policy, st.engine.draft
-    return st.policy, st.draft
+    if not needs_gather(st):
+        return st.policy, st.draft
+    state = full_state(st.policy)
+    with torch.device("meta"):
+        whole = Policy(st.policy.cfg)
+    like = next(v for v in state.values() if v.is_floating_point())  # the trainer's device and dtype
+    whole = whole.to_empty(device=like.device).to(like.dtype)
+    whole.load_state_dict(state)
+    return whole.eval(), st.draft
 
 
 def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | BlockDraft | None, data, tokenizer,
