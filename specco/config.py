@@ -596,14 +596,10 @@ class RunConfig:
             _check(key not in seen, f"arms: {seen.get(key)!r} and {arm!r} are the same arm ({key[0]}"
                    + (f" with the {key[1]} draft" if key[1] else "") + "); list it once")
             seen[key] = arm
-        # under PP the engine's whole-policy copy also gives the PPO's old log-probs (runner/trainer.train_on_rollouts), which must
-        # be the trainer's precision
-        _check(self.parallel.pp == 1 or self.rollout.dtype in ("", "auto", self.policy.dtype),
-               f"rollout.dtype={self.rollout.dtype!r} with parallel.pp={self.parallel.pp}: not supported (the "
-               "pipeline path recomputes log-probs with the engine's copy); leave rollout.dtype unset")
         _check(self.parallel.pp == 1 or self.rollout.offload != "weights+cache",
-               f"rollout.offload='weights+cache' with parallel.pp={self.parallel.pp}: not supported (the pipeline "
-               "path recomputes log-probs with the engine's whole copy while the trainer runs); use 'cache'")
+               f"rollout.offload='weights+cache' with parallel.pp={self.parallel.pp}: not supported (under PP the "
+               "draft evaluations and frozen shadow read the engine's whole copy after the updates, which this "
+               "offload drops while the trainer runs); use 'cache'")
         tiny_arch = [f"policy.{f}={getattr(self.policy, f)!r}" for f in ("family", "num_experts", "num_experts_per_tok",
                      "moe_intermediate_size") if getattr(self.policy, f) != getattr(PolicySpec, f)]
         _check(self.policy.source == "tiny" or not tiny_arch,

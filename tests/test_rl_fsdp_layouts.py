@@ -231,8 +231,8 @@ def test_pp2_bf16_step_equals_unsplit_bf16_step():
 
 def test_layouts_accepted_and_precision_chosen_per_layout(tmp_path):
     """check_parallel accepts FSDP x CP, PP x FSDP (x CP) and bf16 under PP; on_device's "auto" picks bf16
-    autocast for a pretrained policy on a GPU in every layout, and a bf16 engine copy except under PP, where it stays
-    in the trainer's dtype (derive.on_device says why); compile with FSDP and a bf16 engine under PP stay refused."""
+    autocast and a bf16 engine copy for a pretrained policy on a GPU in every layout (derive.on_device says why);
+    compile with FSDP stays refused."""
     import dataclasses
     from specco.model.config import ConfigError
     from specco.runner.derive import check_parallel, on_device
@@ -242,9 +242,9 @@ def test_layouts_accepted_and_precision_chosen_per_layout(tmp_path):
         cfg = _cfg(tmp_path, *extra)
         assert check_parallel(cfg, world, "train") == (cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.cp)
     gpu = torch.device("cuda")  # only its type is read: no GPU needed
-    for extra, engine in (((), "bfloat16"), (("parallel.pp=2",), ""), (("parallel.dp_shard=2",), "bfloat16"),
+    for extra, engine in (((), "bfloat16"), (("parallel.pp=2",), "bfloat16"), (("parallel.dp_shard=2",), "bfloat16"),
                           (("parallel.dp_shard=2", "parallel.cp=2"), "bfloat16"), (("parallel.tp=2",), "bfloat16"),
-                          (("parallel.pp=2", "parallel.dp_shard=2"), "")):
+                          (("parallel.pp=2", "parallel.dp_shard=2"), "bfloat16")):
         cfg = _cfg(tmp_path, "train.amp=auto", "rollout.dtype=auto", *extra)
         cfg = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, source="Qwen/Qwen3-8B"))
         got = on_device(cfg, gpu)
@@ -252,5 +252,3 @@ def test_layouts_accepted_and_precision_chosen_per_layout(tmp_path):
         assert on_device(cfg, torch.device("cpu")).train.amp == "none"
     with pytest.raises(ConfigError, match=r"train.compile='aot_eager' with parallel.dp_shard=2"):
         check_parallel(_cfg(tmp_path, "parallel.dp_shard=2", "train.compile=aot_eager"), 2, "train")
-    with pytest.raises(ConfigError, match=r"rollout.dtype='bfloat16' with parallel.pp=2"):
-        _cfg(tmp_path, "parallel.pp=2", "rollout.dtype=bfloat16")

@@ -115,17 +115,12 @@ def on_device(cfg: RunConfig, device: torch.device) -> RunConfig:
     pretrained policy on a GPU, in every layout, pipeline stages included; rollout.dtype "auto" gives that policy
     an engine copy in bf16. Both are off elsewhere (the tiny demo model, CPUs, where bf16 matmuls are slow).
 
-    Under pipeline parallelism the engine copy stays in the trainer's dtype: there it is more than the sampler.
-    It is the only whole policy a rank holds, so it gives the PPO's old log-probs (a stage cannot run the whole
-    forward: trainer.train_on_rollouts), which must be the trainer's numerics or the ratio is off by the rounding,
-    not the update, and it is the policy the run evaluates and saves (rl.full_models). A bf16 engine there needs the
-    recompute pipelined over the stages (config.py refuses rollout.dtype=bfloat16 under pp with a reason until
-    then). Under FSDP, tensor and expert parallelism the saved policy is gathered from the trainer's masters, so
-    the engine is a bf16 copy as on one GPU."""
+    The engine's copy is only the sampler in every layout: the PPO's old log-probs come from the trainer (under
+    pipeline parallelism its stages in turn: rollouts.StagePipe) and the policy the run evaluates and saves is the
+    trainer's masters (gathered where it holds part of them: rl.full_models), so neither is a rounded copy."""
     pretrained_gpu = torch.device(device).type == "cuda" and cfg.policy.source != "tiny"
     amp = cfg.train.amp if cfg.train.amp != "auto" else ("bf16" if pretrained_gpu else "none")
-    dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else (
-        "bfloat16" if pretrained_gpu and cfg.parallel.pp == 1 else "")
+    dtype = cfg.rollout.dtype if cfg.rollout.dtype != "auto" else ("bfloat16" if pretrained_gpu else "")
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, amp=amp),
                                rollout=dataclasses.replace(cfg.rollout, dtype=dtype))
 
@@ -231,10 +226,6 @@ def _check_rollout_tp(cfg: RunConfig) -> None:
     The engine tp groups are cut from the ranks that train on one DP group's rollouts (its cp x tp ranks, which
     hold the same sampler), so the tokens are those of one rank decoding them whole."""
     p, n = cfg.parallel, cfg.rollout.tp
-    if p.pp > 1:  # the log-prob recompute under PP reads the engine's whole copy (trainer.run_updates); a shard
-        # would need the stages' forward-only pass
-        raise ConfigError(f"rollout.tp={n} with parallel.pp={p.pp}: a tensor-parallel engine under pipeline "
-                          "parallelism is not implemented; set rollout.tp=1")
     if (p.cp * p.tp) % n:
         raise ConfigError(f"rollout.tp={n}: the engine's ranks are those that share one DP group's rollouts, "
                           f"parallel.cp x parallel.tp = {p.cp} x {p.tp} = {p.cp * p.tp} of them, which rollout.tp must "

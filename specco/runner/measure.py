@@ -138,7 +138,8 @@ class _Where:
 class FrozenDraftEval(StepHooks):
     """A frozen arm's draft metrics (its draft is never trained, so the step has none): `draft_eval` of the
     draft on the step's rollouts after the updates, under the policy's weights then — the trainer's copy, or
-    under pipeline parallelism the engine's whole copy, still the sampling policy's until the refit. Keys
+    under pipeline parallelism the engine's whole copy (in rollout.dtype: bf16 for a pretrained policy on a GPU),
+    still the sampling policy's until the refit. Keys
     `draft/...` as a co-trained arm logs them; `time/draft_eval`."""
 
     def __init__(self, where: _Where):

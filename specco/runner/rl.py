@@ -10,6 +10,7 @@ out_dir/ckpt, and resumes from them at the same layout or another (every rank re
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from .arm_checkpoint import resume_arm, save_arm
 from .derive import arm_config, generate_config
 from .measure import hooks_for
 from .report import MetricsLog
+from .rl_pp import gather_for_refit
 from .rollouts import longest_prompt
 from .stages import seed_stage
 from .trainer import ArmState, full_state, make_arm, rl_step
@@ -38,28 +40,33 @@ __all__ = ["run_arm", "full_models", "needs_gather"]
 
 def needs_gather(st: ArmState) -> bool:
     """Whether `full_models(st)` is a collective (every rank of the trainer's mesh must call it): the trainer holds
-    part of the policy (FSDP, parallel.tp, expert parallelism) outside a pipeline."""
-    return st.pipeline is None and (is_sharded(st.policy) or is_tensor_parallel(st.policy) or is_ep(st.policy))
+    part of the policy (FSDP, parallel.tp, expert parallelism, a pipeline stage)."""
+    return (st.pipeline is not None or is_sharded(st.policy) or is_tensor_parallel(st.policy)
+            or is_ep(st.policy))
 
 
 def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
     """The arm's whole policy and draft in the trainer's precision (fp32 masters), for evaluation and saving: the
     trainer's own copies; where the trainer holds part of the policy (FSDP shards, tensor-parallel shards, expert
-    slices: `needs_gather`, a collective, every rank calls it) a new whole copy gathered from them, so the engine's
-    copy is free to be a bf16 cast (rollout.dtype) or a tensor-parallel shard (rollout.tp). Under pipeline
-    parallelism the engine's copy, refit from every stage, which stays in the trainer's dtype there (it also gives
-    the PPO's old log-probs: derive.on_device). The draft is whole on every rank."""
-    if st.pipeline is not None:
-        return st.engine.policy, st.engine.draft
+    slices, a pipeline stage: `needs_gather`, a collective, every rank calls it) a new whole copy gathered from
+    them (under PP the stages over the pipeline group and the co-trained draft from the last stage), so the
+    engine's copy is free to be a bf16 cast (rollout.dtype) or a tensor-parallel shard (rollout.tp)."""
     if not needs_gather(st):
         return st.policy, st.draft
-    state = full_state(st.policy)
+    if st.pipeline is not None:
+        state, draft_state = gather_for_refit(st, st.pipeline.mesh, dtype=next(st.policy.parameters()).dtype)
+    else:
+        state, draft_state = full_state(st.policy), None
     with torch.device("meta"):
         whole = Policy(st.policy.cfg)
     like = next(v for v in state.values() if v.is_floating_point())  # the trainer's device and dtype
     whole = whole.to_empty(device=like.device).to(like.dtype)
     whole.load_state_dict(state)
-    return whole.eval(), st.draft
+    draft = st.draft
+    if draft_state is not None:  # the co-trained draft lives on the last stage: a whole copy here
+        draft = copy.deepcopy(st.engine.draft).to(like.dtype)
+        draft.load_state_dict(draft_state)
+    return whole.eval(), draft
 
 
 def run_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | BlockDraft | None, data, tokenizer,

@@ -89,23 +89,26 @@ def pp_train_updates(st, train_draft, mbs, scfg, epochs: int, grad_group) -> lis
     return hist
 
 
-def _draft_state(st, mesh: Mesh) -> dict | None:
+def _draft_state(st, mesh: Mesh, dtype: torch.dtype | None = None) -> dict | None:
     """The co-trained draft's state from the last stage, on every stage (None for other arms): one broadcast
     per tensor over the pipeline group, no pickle. Every rank's engine holds a draft of the same architecture,
     so its state dict gives the names, shapes and dtypes the receivers allocate; the last stage sends its
-    trainer's tensors in those dtypes (what the refit would cast them to anyway)."""
+    trainer's tensors in those dtypes (what the refit would cast them to anyway), or its floating tensors in
+    `dtype` (the trainer's: the whole draft the run saves, rl.full_models)."""
     if st.mode != "cotrained":
         return None
     mine = st.draft.state_dict() if st.pipeline.last else None
     out = {}
     for k, like in st.engine.draft.state_dict().items():
-        buf = (mine[k].detach().to(like.dtype).contiguous() if mine is not None
-               else torch.empty(like.shape, dtype=like.dtype, device=like.device))
+        dt = dtype if dtype is not None and like.is_floating_point() else like.dtype
+        buf = (mine[k].detach().to(dt).contiguous() if mine is not None
+               else torch.empty(like.shape, dtype=dt, device=like.device))
         dist.broadcast(buf, group=mesh.pp_group, group_src=mesh.pp - 1)
         out[k] = buf
     return out
 
 
-def gather_for_refit(st, mesh: Mesh) -> tuple[dict, dict | None]:
-    """(whole policy state, draft state) on every rank: the stages gathered over the pipeline group."""
-    return gather_stages(st.policy, mesh.pp_group), _draft_state(st, mesh)
+def gather_for_refit(st, mesh: Mesh, dtype: torch.dtype | None = None) -> tuple[dict, dict | None]:
+    """(whole policy state, draft state) on every rank: the stages gathered over the pipeline group; the draft's in
+    the engine's dtypes, or in `dtype` (the trainer's)."""
+    return gather_stages(st.policy, mesh.pp_group), _draft_state(st, mesh, dtype)

@@ -257,13 +257,51 @@ def collect_rollouts(engine, gen, cfg, source, rewards, tokenizer, data_offset: 
 
 @torch.no_grad()
 def recompute_logprobs(policy: Policy, tokens: torch.Tensor, cfg: StepConfig, positions=None,
-                       layout=PADDED) -> torch.Tensor:
+                       layout=PADDED, pipe: StagePipe | None = None) -> torch.Tensor | None:
     """log p(token i+1) at position i by the training policy (indexed like the logits, batch.py). Under
     the train step's own precision (cfg.amp_dtype) and layout (parallel/layout.py: its shift and attention
-    core, the CP ones on a zigzag shard), so the PPO ratio of an unchanged policy is exactly 1."""
+    core, the CP ones on a zigzag shard), so the PPO ratio of an unchanged policy is exactly 1.
+    `pipe`: `policy` is a pipeline stage; the forward goes through the stages (StagePipe) and only the last
+    stage returns the log-probs (None elsewhere)."""
     with amp_context(cfg, tokens):
-        return token_logprobs(policy(tokens, positions, attn_core=layout.attn_core).logits, layout.shift(tokens, 1),
-                              cfg.temperature)
+        if pipe is None:
+            out = policy(tokens, positions, attn_core=layout.attn_core)
+        else:
+            out = pipe.forward(policy, tokens, positions, layout)
+            if out is None:
+                return None
+        return token_logprobs(out.logits, layout.shift(tokens, 1), cfg.temperature)
+
+
+class StagePipe:
+    """A forward-only pass of a pipeline stage, micro-batch after micro-batch (no overlap: the log-prob recompute
+    before the updates): receive the previous stage's activation, run this stage's layers, send it on (parallel's
+    PipeComm on the pipeline group); the last stage computes the logits. `wire`: the activations' dtype (the stage's
+    residual stream: pipeline.PipelineArm.act_dtype or the parameters')."""
+
+    def __init__(self, group, hidden_size: int, wire: torch.dtype):
+        from ..parallel.pipeline import PipeComm
+        self.comm, self.h, self.wire, self.m = PipeComm(group), hidden_size, wire, 0
+        self.first, self.last = self.comm.stage == 0, self.comm.stage == self.comm.pp - 1
+
+    def forward(self, stage: Policy, tokens: torch.Tensor, positions, layout):
+        x = None
+        if not self.first:
+            x = self.comm.recv_fwd((*tokens.shape[:2], self.h), self.wire, tokens.device, self.m)
+        out = stage(tokens if self.first else None, positions, hidden_in=x, compute_logits=self.last,
+                    attn_core=layout.attn_core)
+        if not self.last:
+            self.comm.send_fwd(out.hidden.to(self.wire), self.m)
+        self.m += 1
+        return out if self.last else None
+
+    def share(self, logp: torch.Tensor | None, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The last stage's (B, S) log-probs on every stage (one broadcast over the pipeline group): every stage
+        holds the same batches, so the minibatch keeps one set of fields everywhere."""
+        self.comm.wait_sends()
+        buf = logp.to(dtype).contiguous() if self.last else torch.empty(like.shape, dtype=dtype, device=like.device)
+        dist.broadcast(buf, group=self.comm.group, group_src=self.comm.pp - 1)
+        return buf
 
 
 @dataclass
@@ -274,22 +312,30 @@ class Minibatch:
     layout: PaddedRows | ZigzagPack
     rows: list[int]  # the Rollouts rows it holds, in order
 
-    def logprobs(self, policy: Policy, cfg: StepConfig) -> torch.Tensor:
+    def logprobs(self, policy: Policy, cfg: StepConfig, pipe: StagePipe | None = None) -> torch.Tensor:
         """(B, S) log-probs of the minibatch's tokens under `policy`. Padded rows go through the train step's
         own micro-batches (cotrain.micro_batch_cuts: longest rows first, each cut to its longest row), not
         one forward of every row at the minibatch's longest width: the long workload's rows average ~750 of
         up to 2,150 tokens, so that forward was mostly padding (and its attention quadratic in the width).
         Same shapes as the train step's forward, so an unchanged policy's PPO ratio is exactly 1. Positions
-        past a row's cut stay 0: nothing trained reads them."""
+        past a row's cut stay 0: nothing trained reads them. `pipe` (StagePipe): `policy` is this rank's pipeline
+        stage; the stages forward each micro-batch in turn and the last stage's log-probs reach every stage."""
         b = self.batch
         cuts = None if self.layout.packed else micro_batch_cuts(b, cfg.micro_batch_rows, cfg.width_multiple)
         if cuts is None:  # a CP shard (its own layout) or one micro-batch: one forward
-            return recompute_logprobs(policy, b.tokens, cfg, b.positions, self.layout)
+            lp = recompute_logprobs(policy, b.tokens, cfg, b.positions, self.layout, pipe)
+            if pipe is None:
+                return lp
+            # (token_logprobs keeps fp64 logits in fp64, else fp32: the stages' parameters say which)
+            wide = torch.float64 if next(policy.parameters()).dtype == torch.float64 else torch.float32
+            return pipe.share(lp, b.tokens, wide)
         out = torch.zeros(b.tokens.shape, dtype=torch.float32, device=b.tokens.device)
         for (_, width), rows in zip(cuts, device_indices([idx for idx, _ in cuts], b.tokens.device)):
             part = b.take(rows).trimmed(width)
-            out[rows, :width] = recompute_logprobs(policy, part.tokens, cfg, part.positions).float()
-        return out
+            lp = recompute_logprobs(policy, part.tokens, cfg, part.positions, pipe=pipe)
+            if lp is not None:
+                out[rows, :width] = lp.float()
+        return out if pipe is None else pipe.share(out, out, torch.float32)
 
 
 def _layout(batch: TrainBatch, lengths: list[int], rows_of: list[int], cfg: StepConfig, mesh: Mesh | None

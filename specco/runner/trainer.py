@@ -89,7 +89,7 @@ from ..train.nonfinite import NonFiniteError, check_finite
 from .derive import arm_config, engine_dtype, step_config, train_shapes
 from .rl_pp import PipelineArm, gather_for_refit, pp_train_updates
 from .report import TIME_PARTS
-from .rollouts import Minibatch, Rollouts, collect_rollouts, engine_logprob_gap, minibatches
+from .rollouts import Minibatch, Rollouts, StagePipe, collect_rollouts, engine_logprob_gap, minibatches
 
 __all__ = ["ArmState", "make_arm", "StepHooks", "Attached", "rl_step", "rl_step_config", "train_on_rollouts",
            "run_updates", "grad_group", "settled", "distributed", "full_state", "state_copy", "release_engine"]
@@ -363,14 +363,13 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     if _adaptive_stride(st, cfg):
         m["draft/row_stride"] = scfg.draft_row_stride
     t0 = time.perf_counter()
-    # the whole policy with the trainer's weights: under PP the engine's copy (refit after every step)
-    whole_policy = st.engine.policy if st.pipeline is not None else st.policy
     if updates > 1:  # the policy moves between updates: freeze the sampling policy's log-probs first
         # ... except for the first update's minibatch when it is trained once (ppo_epochs = 1): that update runs
         # on the sampling policy itself, so its own forward gives the old log-probs (logp_old None: ratio 1, the
-        # value a recompute gives, tests/test_grpo.py), and recomputing them would be a wasted forward
+        # value a recompute gives, tests/test_grpo.py), and recomputing them would be a wasted forward. Under PP
+        # the trainer's stages forward them in turn (rollouts.StagePipe), in the trainer's own precision
         for mb in mbs[1:] if t.ppo_epochs == 1 else mbs:
-            mb.batch.logp_old = mb.logprobs(whole_policy, scfg)
+            mb.batch.logp_old = mb.logprobs(st.policy, scfg, stage_pipe(st))
         if not mbs[0].layout.packed:  # padded rows: compare with the engine's log-probs
             m["logprob_gap_engine_vs_trainer"] = max(engine_logprob_gap(ro, mb) for mb in mbs
                                                      if mb.batch.logp_old is not None)
@@ -414,6 +413,14 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     m.update(hooks("after_update", st, ro, mbs, scfg))
     st.sched.step()  # the LR schedule counts RL steps, however many updates each has
     return m
+
+
+def stage_pipe(st: ArmState) -> StagePipe | None:
+    """The forward-only pass over the pipeline's stages of a pipelined arm's log-prob recompute; None without PP."""
+    pa = st.pipeline
+    if pa is None:
+        return None
+    return StagePipe(pa.mesh.pp_group, st.policy.cfg.hidden_size, pa.act_dtype or next(st.policy.parameters()).dtype)
 
 
 def refit_arm(st: ArmState, cfg: RunConfig, mesh: Mesh | None, fingerprint: bool = False) -> tuple[dict, float]:
