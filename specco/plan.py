@@ -395,8 +395,9 @@ class Plan:
 def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None = None, prompt_tokens: int = 0,
                 reserve_gib: float = 4.0, ac: tuple[bool, ...] = (False, True), offload: bool = False,
                 engine_tp: int | None = None) -> Plan:
-    """Every feasible layout of `cfg` on `gpus` GPUs of `gpu_gib` GiB, fitting ones first, most headroom first
-    (a fitting layout that needs less sharding comes later: fewer collectives are a choice left to the user).
+    """Every feasible layout of `cfg` on `gpus` GPUs of `gpu_gib` GiB, fitting ones first, most headroom first, then
+    the least memory over both phases (a fitting layout that needs less sharding comes later: fewer collectives are a
+    choice left to the user).
     prompt_tokens: the longest prompt (0: data.max_prompt_tokens, else 512). engine_tp: the engine's tensor
     parallelism (None: the config's rollout.tp)."""
     engine_tp = cfg.rollout.tp if engine_tp is None else engine_tp
@@ -415,7 +416,9 @@ def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None 
         raise ConfigError(f"no layout of {gpus} GPUs: rollout.prompts_per_step × group_size = {s.rows_per_step} rows "
                           f"split over no data-parallel degree dividing {gpus}"
                           + (f", with --engine-tp {engine_tp} dividing cp × tp" if engine_tp > 1 else ""))
-    plan.rows = sorted(((lay, rank_memory(s, lay, offload, engine_tp)) for lay in lays), key=lambda x: -plan.headroom(x[1]))
+    # ties (an offloaded peak is often the rollout phase, the same for many layouts): the smaller sum of all first
+    plan.rows = sorted(((lay, rank_memory(s, lay, offload, engine_tp)) for lay in lays),
+                       key=lambda x: (-plan.headroom(x[1]), sum(v for k, v in x[1].items() if k != "total")))
     return plan
 
 
