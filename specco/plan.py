@@ -110,7 +110,7 @@ class Shapes:
     engine_bytes: int  # the rollout engine's copy (rollout.dtype)
     compact_below: float
     kl_reference: bool = False  # train.kl_coef > 0: the frozen starting policy is kept as the KL reference
-    moe_aux: bool = False  # a MoE policy's router aux loss weight > 0: its softmax is kept per sparse layer
+    moe_aux: bool = False  # a MoE policy's router aux loss weight > 0: its softmax kept per sparse layer
 
 
 def _bytes(dtype: str) -> int:
@@ -340,8 +340,9 @@ def tp_divides(pc: PolicyConfig, tp: int, engine: bool = False) -> bool:
 def layouts(s: Shapes, gpus: int, ac: tuple[bool, ...] = (False, True), engine_tp: int = 1) -> list[Layout]:
     """Every pp × dp_replicate × dp_shard × cp × tp = gpus with pp | num_layers, cp only while each rank keeps
     >= CP_MIN_TOKENS of a row, tp dividing the policy's sizes, engine_tp dividing cp × tp (the ranks that share a DP
-    group's rollouts; pp 1 when engine_tp > 1, as runner/derive refuses rollout.tp under PP), the step's prompts divisible into whole groups per data-parallel rank; FSDP on whenever
-    dp_shard × cp > 1 (plus the unsharded layout dp_shard = 1). A MoE policy's layouts add each ep of
+    group's rollouts; pp 1 when engine_tp > 1, as runner/derive refuses rollout.tp under PP), the step's prompts
+    divisible into whole groups per data-parallel rank; FSDP on whenever dp_shard × cp > 1 (plus the unsharded
+    layout dp_shard = 1). A MoE policy's layouts add each ep of
     plan_moe.ep_degrees and keep those the trainer runs (plan_moe.moe_layout_runs); a dense policy's have ep 1."""
     out = []
     divs = [d for d in range(1, gpus + 1) if gpus % d == 0]
@@ -406,10 +407,11 @@ def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None 
     pc = policy_config(cfg, model)
     s = shapes(cfg, pc, prompt_tokens or cfg.data.max_prompt_tokens or 512)
     if engine_tp < 1 or not tp_divides(pc, engine_tp, engine=True):
-        moe = (f", {pc.moe_intermediate_size} expert width and {pc.shared_expert_intermediate_size} shared-expert width"
-               if pc.moe else "")
+        moe = (f", {pc.moe_intermediate_size} expert width" if pc.moe else "") + (
+            f", {pc.shared_expert_intermediate_size} shared-expert width" if pc.shared_expert_intermediate_size else "")
         raise ConfigError(f"--engine-tp {engine_tp} (rollout.tp): must divide the policy's {pc.num_heads} heads, "
-                          f"{pc.num_kv_heads} kv heads, {pc.intermediate_size} MLP width, {pc.vocab_size} vocabulary{moe}")
+                          f"{pc.num_kv_heads} kv heads, {pc.intermediate_size} MLP width, {pc.vocab_size} "
+                          f"vocabulary{moe}")
     plan = Plan(gpus, gpu_gib, reserve_gib, s, offload, engine_tp)
     lays = layouts(s, gpus, ac, engine_tp)
     if not lays:

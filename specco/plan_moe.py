@@ -22,8 +22,8 @@ as the trainer's policy under FSDP (forward-only), and without FSDP keeps a whol
 (plan_params.reference_bytes). The rollout engine holds the whole policy, every expert, in rollout.dtype (taken as
 given for every layout, as for a dense policy: config.py keeps the policy's dtype under ep, FSDP, PP and TP today);
 a tensor-parallel engine (rollout/tp.py) cuts every expert's SwiGLU and the shared expert I/tp, router whole
-(plan.engine_params). Layers that mlp_only_layers or decoder_sparse_step make dense (PolicyConfig.is_moe_layer) are
-counted as dense layers.
+(plan_params.engine_params). Layers that mlp_only_layers or decoder_sparse_step make dense
+(PolicyConfig.is_moe_layer) are counted as dense layers.
 
 **Activations** (`moe_activation_bytes`, in place of a dense layer's SwiGLU term; read off SparseMoE.mix,
 moe.route, Experts.forward / EPExperts.forward and checked to the byte against autograd's saved tensors,

@@ -4,7 +4,9 @@ Parameter counts against Qwen3-MoE / Qwen2-MoE policies built on the meta device
 mlp_only_layers and decoder_sparse_step, pipeline stages); a sparse layer's activation formula to the byte against
 the storages autograd saves (fp32, bf16 autocast, bf16 weights; the router's aux loss; under expert parallelism on
 two gloo ranks, where the uniform expectation is the ep group's mean); the trainer estimate against the peak of a
-real co-training step; the layouts' ep axis, the expert slices' placement, the Qwen3-30B-A3B preset and the CLI.
+real co-training step; the layouts' ep axis; each rank's parameter, gradient, AdamW and KL-reference bytes against
+a policy sharded the trainer's way on four gloo ranks (FSDP at ep 1, slices sharded over their replicas, one holder);
+the tensor-parallel engine's shard; the Qwen3-30B-A3B preset and the CLI.
 """
 import dataclasses
 import json
@@ -374,6 +376,8 @@ def test_preset_plans_with_a_tensor_parallel_engine():
     for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):
         odd = dataclasses.replace(a3b, **{field: 770})  # not a multiple of 4
         assert tp_divides(odd, 4) and not tp_divides(odd, 4, engine=True), field
+    with pytest.raises(ConfigError, match="768 expert width"):  # the refusal names the expert width
+        plan_memory(cfg, 8, 141, model="qwen3-30b-a3b", engine_tp=3)
 
 
 def test_cli_plans_the_moe_config(tmp_path, capsys):
