@@ -32,10 +32,10 @@ import torch
 
 from .config import BLOCK_KINDS, RunConfig
 from .model.config import ConfigError, PolicyConfig
-from .plan_moe import (active_params, ep_degrees, expert_params, moe_activation_bytes, moe_layout_runs,
-                       router_aux_bytes, sparse_layers)
-from .plan_params import (adamw_bytes, compute_copy_bytes, draft_params, grad_bytes, master_bytes, policy_params,
-                          rank_params, reference_bytes)
+from .plan_moe import (active_params, ep_degrees, expert_params, held_expert_params, moe_activation_bytes,
+                       moe_layout_runs, router_aux_bytes, router_aux_step_bytes, sparse_layers)
+from .plan_params import (adamw_bytes, compute_copy_bytes, draft_params, engine_params, grad_bytes, master_bytes,
+                          policy_params, rank_params, reference_bytes)
 
 GiB = 2**30
 CP_MIN_TOKENS = 1024  # CP only when every rank keeps >= this many tokens of a row: below, the ring's
@@ -72,7 +72,7 @@ class Layout:
     fsdp: bool  # the policy sharded over dp_shard × cp (else every dp × cp rank holds it whole)
     ac: bool  # activation checkpointing of the policy's layers
     tp: int = 1  # the trainer's tensor parallelism (parallel.tp): layer projections and head rows split tp ways
-    ep: int = 1  # expert parallelism (parallel.ep): each rank holds num_experts / ep experts of every sparse layer
+    ep: int = 1  # expert parallelism (parallel.ep): each sparse layer's experts cut ep ways (plan_moe.experts_held)
 
     @property
     def dp(self) -> int:
@@ -110,7 +110,7 @@ class Shapes:
     engine_bytes: int  # the rollout engine's copy (rollout.dtype)
     compact_below: float
     kl_reference: bool = False  # train.kl_coef > 0: the frozen starting policy is kept as the KL reference
-    moe_aux: bool = False  # a MoE policy's router aux loss weight > 0: its softmax is kept per sparse layer
+    moe_aux: bool = False  # a MoE policy's router aux loss weight > 0: its softmax kept per sparse layer
 
 
 def _bytes(dtype: str) -> int:
@@ -235,8 +235,8 @@ def activation_bytes(s: Shapes, lay: Layout, layers: range, last: bool, in_fligh
     """A stage's activations at the start of its backward: `in_flight` micro-batches of b rows × seq/cp tokens
     (1F1B keeps min(pp - stage, micro-batches) in flight). Without checkpointing every layer's saved tensors;
     with it, each layer's input (h·r) and one layer's recomputed tensors (the larger kind, dense or sparse). The
-    router's aux loss keeps its softmax per sparse layer either way. The last stage adds the embedding taps
-    (k·h·r, the concat), the logits and the draft (on every stride-th row)."""
+    router's aux loss keeps its softmax per sparse layer either way, and a few vectors per micro-batch. The last
+    stage adds the embedding taps (k·h·r, the concat), the logits and the draft (on every stride-th row)."""
     pc, c = s.policy, s.compute_bytes
     r = 2 if (lay.fsdp and c == 2) else 4
     b, _ = micro_rows(s, lay)
@@ -251,6 +251,8 @@ def activation_bytes(s: Shapes, lay: Layout, layers: range, last: bool, in_fligh
     else:
         body = n_dense * dense + n_sparse * sparse + kept
     total = in_flight * tokens * (body + pc.hidden_size * r)  # + the final norm's / embedding's output
+    if s.moe_aux and n_sparse:  # + the aux loss's once per micro-batch
+        total += in_flight * router_aux_step_bytes(pc, tokens)
     if last:  # the draft is whole on every tp rank (replicated), its taps gathered whole
         total += tokens * logits_bytes(pc, c, lay.tp)
         if s.draft_kind is not None:
@@ -280,12 +282,9 @@ def kv_cache_bytes(s: Shapes, lay: Layout, engine_tp: int = 1) -> int:
 
 def engine_weight_bytes(s: Shapes, engine_tp: int = 1) -> int:
     """The engine's policy and draft in rollout dtype: with rollout.tp = engine_tp, its shard of the policy
-    (rollout/tp.tp_shard: projections and head rows / tp, the embedding and norms whole; a tied head is held as
-    an untied copy of its rows) and the whole draft; a MoE policy whole, every expert (the refit gathers them)."""
-    pc = s.policy
-    held = dataclasses.replace(pc, tie_word_embeddings=False) if engine_tp > 1 else pc
-    shard = rank_params(held, range(pc.num_layers), True, True, engine_tp)  # a MoE policy: every expert (tp 1)
-    return s.engine_bytes * (shard + draft_params(s))
+    (plan_params.engine_params: projections, every expert's SwiGLU and head rows / tp, the embedding, norms and
+    routers whole) and the whole draft. A MoE engine holds every expert (the refit gathers them)."""
+    return s.engine_bytes * (engine_params(s.policy, engine_tp) + draft_params(s))
 
 
 # -- one layout, every layout ----------------------------------------------------------------------------------
@@ -314,9 +313,8 @@ def rank_memory(s: Shapes, lay: Layout, offload: bool = False, engine_tp: int = 
     for stage, rng in enumerate(stage_layer_ranges(pc.num_layers, lay.pp)):
         first, last = stage == 0, stage == lay.pp - 1
         in_flight = min(lay.pp - stage, n_micro)
-        experts = expert_params(pc, rng)  # every expert of the stage's sparse layers (0 for a dense policy)
-        P = rank_params(pc, rng, first, last, lay.tp) - experts  # what FSDP shards
-        X = experts // lay.ep  # the rank's expert slices: whole, FSDP leaves them (plan_moe.py)
+        P = rank_params(pc, rng, first, last, lay.tp) - expert_params(pc, rng)  # all but the experts: FSDP shards it
+        X = held_expert_params(pc, rng, lay)  # the experts whose state the rank keeps (plan_moe.experts_held)
         D = draft_params(s) if last else 0
         rows = engine_rows(s, lay)
         m = {"params": master_bytes(P, lay, X), "compute": compute_copy_bytes(pc, rng, first, last, lay, c, in_flight),
@@ -332,22 +330,25 @@ def rank_memory(s: Shapes, lay: Layout, offload: bool = False, engine_tp: int = 
     return best
 
 
-def tp_divides(pc: PolicyConfig, tp: int) -> bool:
-    """Whether tp splits the policy's heads, kv heads, MLP width and vocabulary (runner/derive.check_tp_sizes)."""
-    return all(n % tp == 0 for n in (pc.num_heads, pc.num_kv_heads, pc.intermediate_size, pc.vocab_size))
+def tp_divides(pc: PolicyConfig, tp: int, engine: bool = False) -> bool:
+    """Whether tp splits the policy's heads, kv heads, MLP width and vocabulary (runner/derive.check_tp_sizes);
+    the engine's (rollout.tp, `engine`) also a MoE's expert and shared-expert widths (rollout/tp.tp_shard)."""
+    widths = (pc.moe_intermediate_size, pc.shared_expert_intermediate_size) if engine and pc.moe else ()
+    return all(n % tp == 0 for n in (pc.num_heads, pc.num_kv_heads, pc.intermediate_size, pc.vocab_size, *widths))
 
 
 def layouts(s: Shapes, gpus: int, ac: tuple[bool, ...] = (False, True), engine_tp: int = 1) -> list[Layout]:
     """Every pp × dp_replicate × dp_shard × cp × tp = gpus with pp | num_layers, cp only while each rank keeps
     >= CP_MIN_TOKENS of a row, tp dividing the policy's sizes, engine_tp dividing cp × tp (the ranks that share a DP
-    group's rollouts), the step's prompts divisible into whole groups per data-parallel rank; FSDP on whenever
-    dp_shard × cp > 1 (plus the unsharded layout dp_shard = 1). A MoE policy's layouts add each ep of
+    group's rollouts; pp 1 when engine_tp > 1, as runner/derive refuses rollout.tp under PP), the step's prompts
+    divisible into whole groups per data-parallel rank; FSDP on whenever dp_shard × cp > 1 (plus the unsharded
+    layout dp_shard = 1). A MoE policy's layouts add each ep of
     plan_moe.ep_degrees and keep those the trainer runs (plan_moe.moe_layout_runs); a dense policy's have ep 1."""
     out = []
     divs = [d for d in range(1, gpus + 1) if gpus % d == 0]
     prompts = s.rows_per_step  # rows; a rank needs whole groups, checked through prompts below
     for pp in divs:
-        if s.policy.num_layers % pp:
+        if s.policy.num_layers % pp or (pp > 1 and engine_tp > 1):  # rollout.tp under PP: refused (derive.py)
             continue
         for tp in divs:
             if (gpus // pp) % tp or not tp_divides(s.policy, tp):
@@ -395,8 +396,9 @@ class Plan:
 def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None = None, prompt_tokens: int = 0,
                 reserve_gib: float = 4.0, ac: tuple[bool, ...] = (False, True), offload: bool = False,
                 engine_tp: int | None = None) -> Plan:
-    """Every feasible layout of `cfg` on `gpus` GPUs of `gpu_gib` GiB, fitting ones first, most headroom first
-    (a fitting layout that needs less sharding comes later: fewer collectives are a choice left to the user).
+    """Every feasible layout of `cfg` on `gpus` GPUs of `gpu_gib` GiB, fitting ones first, most headroom first, then
+    the least memory over both phases (a fitting layout that needs less sharding comes later: fewer collectives are a
+    choice left to the user).
     prompt_tokens: the longest prompt (0: data.max_prompt_tokens, else 512). engine_tp: the engine's tensor
     parallelism (None: the config's rollout.tp)."""
     engine_tp = cfg.rollout.tp if engine_tp is None else engine_tp
@@ -404,19 +406,21 @@ def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None 
         raise ConfigError(f"--gpus {gpus} --gpu-mem {gpu_gib}: need >= 1 GPU of > 0 GiB")
     pc = policy_config(cfg, model)
     s = shapes(cfg, pc, prompt_tokens or cfg.data.max_prompt_tokens or 512)
-    if engine_tp < 1 or not tp_divides(pc, engine_tp):
+    if engine_tp < 1 or not tp_divides(pc, engine_tp, engine=True):
+        moe = (f", {pc.moe_intermediate_size} expert width" if pc.moe else "") + (
+            f", {pc.shared_expert_intermediate_size} shared-expert width" if pc.shared_expert_intermediate_size else "")
         raise ConfigError(f"--engine-tp {engine_tp} (rollout.tp): must divide the policy's {pc.num_heads} heads, "
-                          f"{pc.num_kv_heads} kv heads, {pc.intermediate_size} MLP width and {pc.vocab_size} vocabulary")
-    if pc.moe and engine_tp > 1:  # as runner/validate.check_moe_layout: rollout/tp.tp_shard does not cut experts
-        raise ConfigError(f"--engine-tp {engine_tp} (rollout.tp): the policy is a mixture of experts "
-                          f"({pc.model_type}); a tensor-parallel engine over MoE layers is not implemented: use 1")
+                          f"{pc.num_kv_heads} kv heads, {pc.intermediate_size} MLP width, {pc.vocab_size} "
+                          f"vocabulary{moe}")
     plan = Plan(gpus, gpu_gib, reserve_gib, s, offload, engine_tp)
     lays = layouts(s, gpus, ac, engine_tp)
     if not lays:
         raise ConfigError(f"no layout of {gpus} GPUs: rollout.prompts_per_step × group_size = {s.rows_per_step} rows "
                           f"split over no data-parallel degree dividing {gpus}"
                           + (f", with --engine-tp {engine_tp} dividing cp × tp" if engine_tp > 1 else ""))
-    plan.rows = sorted(((lay, rank_memory(s, lay, offload, engine_tp)) for lay in lays), key=lambda x: -plan.headroom(x[1]))
+    # ties (an offloaded peak is often the rollout phase, the same for many layouts): the smaller sum of all first
+    plan.rows = sorted(((lay, rank_memory(s, lay, offload, engine_tp)) for lay in lays),
+                       key=lambda x: (-plan.headroom(x[1]), sum(v for k, v in x[1].items() if k != "total")))
     return plan
 
 

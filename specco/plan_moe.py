@@ -1,16 +1,28 @@
 """`specco plan` for mixture-of-experts policies (Qwen2-MoE / Qwen3-MoE, model/moe.py) under expert parallelism
 (parallel.ep, parallel/ep.py): the formulas plan.py adds for the sparse layers, one home each.
 
-**What a rank holds.** A sparse decoder layer is its *dense rest* — attention, norms, the router `gate` (E, h),
-Qwen2-MoE's shared expert and its sigmoid gate (1, h) — and its E experts, two 3-D tensors (E, 2I, h) and (E, h, I).
-The dense rest is held like a dense layer's parameters (FSDP shards it over dp_shard × cp, gathers it per layer).
-The experts are cut along E by expert parallelism: rank j of an ep group holds experts [j·E/ep, (j+1)·E/ep), and
-FSDP leaves those slices whole (parallel/fsdp.py: `ignored_params`), so each of the dp × cp / ep ranks of a slice's
-replica group holds it in fp32 with its fp32 gradient and both fp32 AdamW moments (16 B/param), and the KL
-reference its own fp32 slices (`expert_params` / ep: plan.rank_memory, plan_params.reference_bytes). The rollout
-engine holds the whole policy, every expert, in rollout.dtype, taken as given for every layout as for a dense policy
-(today config.py refuses a rollout.dtype other than the policy's under ep, as under FSDP, PP and TP: a run there
-holds the engine's copy in the policy's dtype). Layers that mlp_only_layers or decoder_sparse_step make dense
+**What a rank holds** (parallel/ep.py, parallel/fsdp.py, trainer.make_arm). A sparse decoder layer is its *dense
+rest* — attention, norms, the router `gate` (E, h), Qwen2-MoE's shared expert and its sigmoid gate (1, h) — and its
+E experts, two 3-D tensors (E, 2I, h) and (E, h, I). The dense rest is held like a dense layer's parameters (FSDP
+shards it over dp_shard × cp and gathers it per layer). Expert parallelism cuts the experts along E: rank j of an ep
+group holds experts [j·E/ep, (j+1)·E/ep), a slice the R = dp × cp / ep ranks of its replica group all hold. Each
+rank keeps its experts' fp32 weights, gradients and both AdamW moments (16 B/param) as (`experts_held`):
+
+    no FSDP                 the slice whole, E/ep experts (a plain fp32 tensor)
+    FSDP, ep 1              sharded with its layer along E over dp_shard × cp: ceil(E / (dp_shard·cp)) experts, and
+                            gathered whole with the layer's unit (in compute dtype, for its forward and backward)
+    FSDP, ep > 1, R > 1     the slice FSDP-sharded over its replica group, a unit of its own inside its layer's,
+                            always resharded after forward: ceil(E/ep / R) experts, the E/ep gathered per layer
+    FSDP, ep > 1, R = 1     the slice whole (`ignored_params`: one holder), plain fp32 as without FSDP
+
+The cut is torch.chunk's along E (parallel/fsdp.shard_rows: the fullest rank holds the ceiling). Plain fp32 slices
+under bf16 autocast are cast anew by every expert GEMM (`expert_copy_bytes`); FSDP's slices are gathered in its
+mixed precision's bf16 (`experts_gathered`, plan_params.compute_copy_bytes). The KL reference is placed and sharded
+as the trainer's policy under FSDP (forward-only), and without FSDP keeps a whole copy, every expert
+(plan_params.reference_bytes). The rollout engine holds the whole policy, every expert, in rollout.dtype (taken as
+given for every layout, as for a dense policy: config.py keeps the policy's dtype under ep, FSDP, PP and TP today);
+a tensor-parallel engine (rollout/tp.py) cuts every expert's SwiGLU and the shared expert I/tp, router whole
+(plan_params.engine_params). Layers that mlp_only_layers or decoder_sparse_step make dense
 (PolicyConfig.is_moe_layer) are counted as dense layers.
 
 **Activations** (`moe_activation_bytes`, in place of a dense layer's SwiGLU term; read off SparseMoE.mix,
@@ -29,14 +41,13 @@ rank's share (and its SwiGLU activations) larger in proportion: keep headroom fo
 the experts a batch touches).
 
 **Layouts** (`ep_degrees`, `moe_layout_runs`). ep borrows its ranks from a stage's dp × cp ranks, so it divides
-dp × cp and num_experts; the trainer refuses FSDP of a MoE policy at ep 1 and tensor parallelism of MoE layers
-(runner/validate.check_moe_layout), and ep > 1 on a dense policy. ep with pp, refused by the trainer today, is
-planned as allowed (it is being added; each stage's experts are then cut over that stage's dp × cp ranks, which the
-per-stage formulas already assume). So is pp with the router's aux loss, which the trainer also refuses today.
+dp × cp and num_experts (under pp each stage's experts are cut over that stage's dp × cp ranks: parallel/ep.py; the
+router's aux loss spans the stages through train/moe_loss.RouterBalance). FSDP runs at every ep, 1 included (the
+experts then sharded with their layers). The trainer refuses tensor parallelism of MoE layers
+(runner/validate.check_moe_layout) and ep > 1 on a dense policy; a tensor-parallel engine over MoE runs.
 
 Not modelled: routing imbalance (above); the backward's transients (each local expert's `gate_up_proj[e]`
-select-backward builds a zero-filled gradient of the whole slice before autograd adds it up); what the aux loss keeps
-once per micro-batch rather than per layer (its (N, 1) mask column, its (E,) assignment shares, two scalars).
+select-backward builds a zero-filled gradient of the whole slice before autograd adds it up).
 """
 from __future__ import annotations
 
@@ -125,20 +136,72 @@ def moe_activation_bytes(pc: PolicyConfig, c: int, r: int, ep: int = 1) -> int:
 
 def router_aux_bytes(pc: PolicyConfig) -> int:
     """Per token and sparse layer, what the router's load-balancing loss keeps for the backward when its weight is
-    > 0 (train/moe_loss.load_balancing_loss): its own fp32 softmax of the router logits, 4E. It lives outside the
-    layer, so activation checkpointing keeps it too."""
+    > 0 (train/moe_loss.router_sums): its softmax of the router logits (softmax saves its output), 4E in fp32 for
+    fp32 and bf16 logits (8E for fp64 ones, the tests'). It lives outside the layer, so activation checkpointing keeps
+    it too. What it keeps once per micro-batch: router_aux_step_bytes."""
     return 4 * pc.num_experts
 
 
-def expert_copy_bytes(pc: PolicyConfig, layers: range, lay: Layout, c: int, in_flight: int) -> int:
-    """bf16 autocast's copies of the rank's expert slices (c < 4), beside plan_params.compute_copy_bytes' dense ones.
-    Each expert GEMM reads `gate_up_proj[e]` / `down_proj[e]`, views, which autocast casts anew on every call (its
-    cache keeps leaf parameters only) and the GEMM saves for its backward: a bf16 copy of the rank's E/ep experts
-    per sparse layer and micro-batch in flight, until that layer's backward; under activation checkpointing only
-    the recomputed layer's. The same under FSDP: the slices stay fp32 (parallel/fsdp.py). Every local expert is
-    counted as touched: at N·k assignments one is missed with probability (1 - 1/E)^(N·k)."""
+def router_aux_step_bytes(pc: PolicyConfig, tokens: int) -> int:
+    """What the aux loss keeps once per micro-batch of `tokens` tokens on a stage with sparse layers, whatever their
+    number (train/moe_loss.router_sums, aux_from_sums, aux_share), fp32:
+        4·tokens        the (N, 1) mask column (`probs * w` saves it; the same tensor for every layer)
+        4(2E + 1)       the cat of [counts, prob sums, rows] (its row slice is saved by clamp_min: one storage)
+        4               the clamped rows
+        8E              the two (E,) quotients counts/R and P/R (their product saves both)
+        4               the micro-batch's share of the step's tokens (0-d)"""
+    return 4 * tokens + 16 * pc.num_experts + 12
+
+
+# -- where the experts live ------------------------------------------------------------------------------------
+
+def expert_replicas(lay: Layout) -> int:
+    """R: the ranks of a stage that hold the same expert slice (its replica group, parallel/ep.ep_groups): dp × cp
+    / ep."""
+    return lay.dp * lay.cp // lay.ep
+
+
+def experts_held(pc: PolicyConfig, lay: Layout) -> int:
+    """Experts of one sparse layer whose fp32 weights, gradients, AdamW moments (and KL reference, under FSDP) the
+    fullest rank keeps (module docstring, **What a rank holds**): E/ep whole without FSDP or with one holder (R = 1);
+    under FSDP the ceiling of torch.chunk's cut along E, of all E over dp_shard × cp at ep 1 (with the layer), of
+    the E/ep of the slice over its R replicas at ep > 1 (a unit of its own)."""
+    local = pc.num_experts // lay.ep
+    if not lay.fsdp:
+        return local
+    if lay.ep == 1:
+        return -(-local // lay.shard)
+    return -(-local // expert_replicas(lay))
+
+
+def experts_gathered(pc: PolicyConfig, lay: Layout) -> int:
+    """Experts of one sparse layer that FSDP all-gathers in compute dtype for the layer's forward and again for its
+    backward: every one at ep 1 (in the layer's unit), the E/ep of the slice when its replicas shard it (its own
+    unit, resharded after forward even where the layer's unit is not: under pp); 0 for plain fp32 slices (no FSDP,
+    or one holder: autocast's copies instead, expert_copy_bytes)."""
+    if not lay.fsdp or (lay.ep > 1 and expert_replicas(lay) == 1):
+        return 0
+    return pc.num_experts // lay.ep
+
+
+def held_expert_params(pc: PolicyConfig, layers: range, lay: Layout) -> int:
+    """Expert parameters of the sparse layers among `layers` whose fp32 state the fullest rank of `lay` keeps:
+    experts_held of each (0 for a dense policy)."""
     n = sparse_layers(pc, layers)
-    if c >= 4 or not n:
+    return n * sparse_layer_parts(pc)[1] // pc.num_experts * experts_held(pc, lay) if n else 0
+
+
+def expert_copy_bytes(pc: PolicyConfig, layers: range, lay: Layout, c: int, in_flight: int) -> int:
+    """bf16 autocast's copies of the rank's plain fp32 expert slices (c < 4; no FSDP, or FSDP with one holder:
+    experts_gathered 0), beside plan_params.compute_copy_bytes' dense ones. Each expert GEMM reads
+    `gate_up_proj[e]` / `down_proj[e]`, views, which autocast casts anew on every call (its cache keeps leaf
+    parameters only) and the GEMM saves for its backward: a bf16 copy of the rank's E/ep experts per sparse layer and
+    micro-batch in flight, until that layer's backward; under activation checkpointing only the recomputed layer's.
+    Every local expert is counted as touched: at N·k assignments one is missed with probability (1 - 1/E)^(N·k).
+    FSDP's gathered slices are bf16 already (its mixed precision): no copy; the GEMMs save views of the gathered
+    weights, which FSDP frees after the forward and gathers again for the backward."""
+    n = sparse_layers(pc, layers)
+    if c >= 4 or not n or experts_gathered(pc, lay):
         return 0
     return 2 * sparse_layer_parts(pc)[1] // lay.ep * (1 if lay.ac else n * in_flight)
 
@@ -154,9 +217,9 @@ def ep_degrees(pc: PolicyConfig, ranks: int) -> list[int]:
 
 
 def moe_layout_runs(pc: PolicyConfig, lay: Layout) -> bool:
-    """Whether the trainer runs `lay` for a MoE policy (runner/validate.check_moe_layout): not FSDP at ep 1 (every
-    rank would hold every expert whole), not tensor parallelism of MoE layers; a dense policy at ep 1 only (parallel.ep
-    > 1 is refused there). ep with pp is allowed here (module docstring, **Layouts**)."""
+    """Whether the trainer runs `lay` for a MoE policy (runner/validate.check_moe_layout): not with tensor
+    parallelism of MoE layers (FSDP at ep 1 and ep with pp run: module docstring, **Layouts**); a dense policy at
+    ep 1 only (parallel.ep > 1 is refused there)."""
     if not pc.moe:
         return lay.ep == 1
-    return lay.tp == 1 and not (lay.fsdp and lay.ep == 1)
+    return lay.tp == 1

@@ -12,7 +12,8 @@ import torch
 
 from .config import BLOCK_KINDS
 from .model.config import DraftConfig, PolicyConfig
-from .plan_moe import expert_copy_bytes, expert_params, sparse_layer_parts
+from .plan_moe import (expert_copy_bytes, expert_params, experts_gathered, held_expert_params, sparse_layer_parts,
+                       sparse_layers)
 
 if TYPE_CHECKING:
     from .plan import Layout, Shapes
@@ -62,8 +63,8 @@ def layer_params(pc: PolicyConfig, i: int) -> int:
 
 
 def dense_rest_params(pc: PolicyConfig, i: int) -> int:
-    """Parameters of layer i that FSDP shards and gathers as one unit: a dense layer's all, a sparse layer's all
-    but its experts (parallel/fsdp.py leaves the expert slices out: plan_moe.py)."""
+    """Parameters of layer i outside its experts: a dense layer's all, a sparse layer's all but its experts (which
+    plan_moe.experts_held / experts_gathered place)."""
     return sparse_layer_parts(pc)[0] if pc.is_moe_layer(i) else policy_parts(pc)[0]
 
 
@@ -92,18 +93,35 @@ def stage_params(pc: PolicyConfig, layers: range, first: bool, last: bool) -> in
     return sum(layer_params(pc, i) for i in layers) + (embed if first else 0) + (head if last else 0)
 
 
+def engine_params(pc: PolicyConfig, tp: int = 1) -> int:
+    """Parameters one rank of a tensor-parallel engine of tp ranks holds (rollout/tp.tp_shard; tp 1: the whole
+    policy): the policy of tp_shard's local shape — H/tp query and Hkv/tp kv heads, I/tp MLP rows, a MoE's
+    moe_intermediate_size / tp of every expert and shared_expert_intermediate_size / tp of the shared expert, the
+    router, norms and embedding whole — with an untied head of V/tp rows (a tied head held as an untied copy)."""
+    if tp == 1:
+        return policy_params(pc)
+    local = dataclasses.replace(pc, num_heads=pc.num_heads // tp, num_kv_heads=pc.num_kv_heads // tp,
+                                intermediate_size=pc.intermediate_size // tp, head_dim=pc.head_dim,
+                                tie_word_embeddings=False)
+    if pc.moe:
+        local = dataclasses.replace(local, moe_intermediate_size=pc.moe_intermediate_size // tp,
+                                    shared_expert_intermediate_size=pc.shared_expert_intermediate_size // tp)
+    return policy_params(local) - (pc.vocab_size - pc.vocab_size // tp) * pc.hidden_size
+
+
 # -- the trainer's state ---------------------------------------------------------------------------------------
 
 def master_bytes(params: int, lay: Layout, experts: int = 0) -> int:
     """fp32 master weights: 4 B/param, sharded over dp_shard × cp under FSDP (MixedPrecisionPolicy keeps the
-    sharded parameters fp32), whole otherwise. `params`: what one tp rank holds but its expert slices (rank_params
-    less plan_moe.expert_params); `experts`: its expert slices (1/ep of them), which FSDP leaves whole."""
+    sharded parameters fp32), whole otherwise. `params`: what one tp rank holds but its experts (rank_params less
+    plan_moe.expert_params); `experts`: the expert parameters it keeps (plan_moe.held_expert_params: whole slices,
+    or their FSDP shards)."""
     return 4 * (math.ceil(params / lay.shard) + experts)
 
 
 def grad_bytes(params: int, lay: Layout, experts: int = 0) -> int:
-    """fp32 gradients, as the master weights (FSDP reduce-scatters them into the shards in reduce_dtype fp32; the
-    expert slices' stay whole, summed over their replica group)."""
+    """fp32 gradients, as the master weights (FSDP reduce-scatters them into the shards in reduce_dtype fp32, an
+    FSDP'd expert slice's over its replica group; a plain slice's stay whole, summed over that group)."""
     return 4 * (math.ceil(params / lay.shard) + experts)
 
 
@@ -114,33 +132,45 @@ def adamw_bytes(params: int, lay: Layout, experts: int = 0) -> int:
 
 def reference_bytes(s: Shapes, lay: Layout) -> int:
     """The KL reference (train.kl_coef > 0; 0 without): a frozen copy of the whole starting policy in the master
-    weights' fp32, 4 B/param, sharded over dp_shard × cp under FSDP like the trainer (trainer.make_arm cuts its
-    shards; under PP too it is the whole policy, not a stage: its log-probs need every layer), whole otherwise.
-    No gradients or AdamW state. Its forward's gathered layers are the no-grad log-prob recompute's (transient,
-    not at the train step's peak: plan.py's docstring). A MoE reference holds the rank's expert slices (1/ep), whole."""
+    weights' fp32, 4 B/param (trainer.make_arm). Under FSDP sharded and expert-placed like the trainer's policy
+    (its dense rest over dp_shard × cp, its experts as plan_moe.held_expert_params; under PP too it is the whole
+    policy, not a stage: its log-probs need every layer); without FSDP a whole copy, every expert (expert
+    parallelism places the trainer's copy only). No gradients or AdamW state. Its forward's gathered layers are the
+    no-grad log-prob recompute's (transient, not at the train step's peak: plan.py's docstring)."""
+    if not s.kl_reference:
+        return 0
     pc, every = s.policy, range(s.policy.num_layers)
     whole = rank_params(pc, every, True, True, lay.tp)  # tensor-parallel like the trainer
-    experts = expert_params(pc, every)
-    return master_bytes(whole - experts, lay, experts // lay.ep) if s.kl_reference else 0
+    if not lay.fsdp:
+        return 4 * whole
+    return master_bytes(whole - expert_params(pc, every), lay, held_expert_params(pc, every, lay))
 
 
 def compute_copy_bytes(pc: PolicyConfig, layers: range, first: bool, last: bool, lay: Layout, c: int,
                        in_flight: int = 1) -> int:
     """The weights in compute dtype beside the master copy. Under FSDP: the all-gathered units, in c bytes: the
     root (embedding, final norm, head: never resharded, parallel/fsdp.py), two layers (the one computing and the
-    one prefetched; the stage's largest) plus one layer's unsharded gradient before its reduce-scatter; under PP no
-    layer reshards after forward, so the stage's every layer. Without FSDP: bf16 autocast keeps a cast copy of
-    every weight a matmul used, saved for its backward (c = 2); none in fp32. A sparse layer's unit is its dense
-    rest: the expert slices are not gathered, and autocast's copies of them are plan_moe.expert_copy_bytes (per
-    micro-batch in flight)."""
+    one prefetched; the stage's largest) plus one layer's unsharded gradient before its reduce-scatter (4 B/param);
+    under PP no layer reshards after forward, so the stage's every layer. A sparse layer's gathered experts
+    (plan_moe.experts_gathered): at ep 1 part of its layer's unit; at ep > 1 a unit of their own inside it, always
+    resharded after forward, so under PP only two layers' at once. Without FSDP: bf16 autocast keeps a cast copy of
+    every weight a matmul used, saved for its backward (c = 2); none in fp32. Plain fp32 expert slices are cast by
+    autocast per call: plan_moe.expert_copy_bytes (per micro-batch in flight)."""
     _, embed, head = policy_parts(pc)
     norms = layer_norm_params(pc)
-    units = [(dense_rest_params(pc, i) - norms) // lay.tp + norms for i in layers]
     head = pc.hidden_size + (head - pc.hidden_size) // lay.tp if not pc.tie_word_embeddings else head
     experts = expert_copy_bytes(pc, layers, lay, c, in_flight)
     if not lay.fsdp:
         dense = rank_params(pc, layers, first, last, lay.tp) - expert_params(pc, layers)
         return (2 * dense if c < 4 else 0) + experts
+    gathered = sparse_layer_parts(pc)[1] // pc.num_experts * experts_gathered(pc, lay) if pc.moe else 0
+    in_unit, nested = (gathered, 0) if lay.ep == 1 else (0, gathered)  # the layer's own unit / the slice's unit
+    units = [(dense_rest_params(pc, i) + (in_unit if pc.is_moe_layer(i) else 0) - norms) // lay.tp + norms
+             for i in layers]
+    with_slices = [u + (nested if pc.is_moe_layer(i) else 0) for u, i in zip(units, layers)]
     root = (embed if first else 0) + (head if last else 0)
-    gathered = sum(units) if lay.pp > 1 else min(2, len(units)) * max(units)
-    return c * (root + gathered) + 4 * max(units) + experts
+    if lay.pp > 1:
+        held = sum(units) + min(2, sparse_layers(pc, layers)) * nested
+    else:
+        held = min(2, len(units)) * max(with_slices)
+    return c * (root + held) + 4 * max(with_slices) + experts
