@@ -340,7 +340,7 @@ def tp_divides(pc: PolicyConfig, tp: int, engine: bool = False) -> bool:
 def layouts(s: Shapes, gpus: int, ac: tuple[bool, ...] = (False, True), engine_tp: int = 1) -> list[Layout]:
     """Every pp × dp_replicate × dp_shard × cp × tp = gpus with pp | num_layers, cp only while each rank keeps
     >= CP_MIN_TOKENS of a row, tp dividing the policy's sizes, engine_tp dividing cp × tp (the ranks that share a DP
-    group's rollouts; pp 1 when engine_tp > 1, as runner/derive refuses rollout.tp under PP), the step's prompts
+    group's rollouts: under PP each stage's engine is such a shard), the step's prompts
     divisible into whole groups per data-parallel rank; FSDP on whenever dp_shard × cp > 1 (plus the unsharded
     layout dp_shard = 1). A MoE policy's layouts add each ep of
     plan_moe.ep_degrees and keep those the trainer runs (plan_moe.moe_layout_runs); a dense policy's have ep 1."""
@@ -348,7 +348,7 @@ def layouts(s: Shapes, gpus: int, ac: tuple[bool, ...] = (False, True), engine_t
     divs = [d for d in range(1, gpus + 1) if gpus % d == 0]
     prompts = s.rows_per_step  # rows; a rank needs whole groups, checked through prompts below
     for pp in divs:
-        if s.policy.num_layers % pp or (pp > 1 and engine_tp > 1):  # rollout.tp under PP: refused (derive.py)
+        if s.policy.num_layers % pp:
             continue
         for tp in divs:
             if (gpus // pp) % tp or not tp_divides(s.policy, tp):

@@ -51,9 +51,9 @@ engine is tensor-parallel on its own (rollout/tp.py): each rank's engine holds i
 (mesh.rollout_tp_group, cut from the cp x tp ranks that share a DP group's rollouts); the first group generates
 them together, and the refit keeps each rank's slice of the whole tensors it streams.
 With parallel.ep (parallel/ep.py) the trainer's experts of a mixture-of-experts policy are cut over the ep ranks
-(borrowed from dp × cp); under FSDP as well, the rest sharded and the slices left out of FSDP's units (the KL
-reference placed and sharded the same way; without FSDP it stays whole); the engine keeps every expert, refit from
-the gathered slices (full_expert_state).
+(borrowed from each stage's dp × cp); under FSDP as well, the rest sharded and each slice sharded over the ranks
+holding it (the KL reference placed and sharded the same way; without FSDP it stays whole); the engine keeps every
+expert, refit from the gathered slices (full_expert_state).
 Metrics: losses summed over all ranks (each holds its share), tokens/s summed and the engine-vs-trainer
 log-prob gap maxed over DP ranks, everything else the mean over DP ranks.
 """
