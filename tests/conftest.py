@@ -144,9 +144,13 @@ def smollm2_dir(tmp_path_factory):
     from specco.data.smollm2 import prepare_smollm2
     try:
         with _made_once(tmp_path_factory, "smollm2") as (root, _):
-            return prepare_smollm2(root / "policy")  # itself skips a finished conversion
+            path = prepare_smollm2(root / "policy")  # itself skips a finished conversion
     except (ModuleNotFoundError, FileNotFoundError) as e:
         pytest.skip(str(e))
+    import gc
+    gc.collect()  # transformers' GGUF and model modules came in just now: out of the test's collections
+    gc.freeze()  # (_freeze_survivors' reason)
+    return path
 
 
 @pytest.fixture(scope="session")
