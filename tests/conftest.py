@@ -6,7 +6,7 @@ Tiers (README "Tests"). Every test is in exactly one:
   dist  multi-process equivalences on gloo (DP, CP, PP, FSDP layouts against one process)
   e2e   whole runs: the pipeline, the CLI, resume after a crash, bench scripts' smoke runs
 A module (`pytestmark = pytest.mark.e2e`) or a test marks its tier. The suite runs the tiers in that order (unit first, so a broken piece fails in the first minute),
-each tier's tests in their file order (under xdist the heaviest files go first instead: `_heaviest_files_first`); `slow` (orthogonal) marks the multi-minute ones the fast lane
+each tier's tests in their file order; `slow` (orthogonal) marks the multi-minute ones the fast lane
 `-m "not slow"` skips.
 
 Without CUDA, run specco's Triton kernels (the fused branch and merge kernels) under Triton's CPU
@@ -47,33 +47,6 @@ def pytest_collection_modifyitems(config, items):
         if t == "unit":
             item.add_marker(pytest.mark.unit)
     items.sort(key=lambda item: TIERS.index(tiers[item.nodeid]))
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        _heaviest_files_first(items, tiers)
-
-
-def _heaviest_files_first(items, tiers):
-    """Under xdist, files in the order the workers should take them (`--dist loadfile` keeps this order,
-    pytest_configure below): files holding a `slow` test first, then whole-run (e2e) files, then multi-process
-    (dist) ones, then unit files, more tests first within each. Left to itself xdist hands out the files with
-    the most tests first, so the one-test whole runs (test_multinode, test_moe_job, the pipeline_* files, 20-45 s
-    each) came last, one worker still running them while the other had nothing left to take. Heaviest first,
-    the last files handed out are unit files of a few fast tests. A file's tests keep their order."""
-    by_file = {}
-    for item in items:
-        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
-
-    def weight(f):
-        group = by_file[f]
-        slow = any(item.get_closest_marker("slow") for item in group)
-        tier = max(TIERS.index(tiers[item.nodeid]) for item in group)
-        return (not slow, -tier, -len(group))
-    items[:] = [item for f in sorted(by_file, key=weight) for item in by_file[f]]
-
-
-def pytest_configure(config):
-    """The xdist controller schedules files in the workers' collection order (above), not most tests first."""
-    if not os.environ.get("PYTEST_XDIST_WORKER") and hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
 
 
 def pytest_collection_finish(session):
