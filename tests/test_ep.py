@@ -448,3 +448,31 @@ def _nonfinite_worker(rank, world):
 
 def test_nonfinite_expert_slice_is_named_on_every_rank_of_the_ep_group():
     spawn_local(_nonfinite_worker, 2)
+
+
+def _stream_worker(rank, world):
+    """`expert_stream` (the refit's view) yields full_expert_state's entries, the same tensors in the same order,
+    and gathers a sparse layer's experts only when the walk reaches them: none while the dense entries pass, two
+    all-gathers (gate_up, down) per sparse layer, the earlier layers' whole tensors free to go."""
+    from specco.parallel.ep import expert_stream
+    mesh = Mesh.build(dp=world, backend="gloo", ep=world)
+    policy = apply_ep(_policy(), mesh.ep_group, mesh.ep_replica_group)
+    want = full_expert_state(policy)
+    calls = []
+    real = dist.all_gather
+    ep_mod.dist.all_gather = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        seen, gathers_at = [], []
+        for k, v in expert_stream(policy):
+            seen.append((k, v))
+            gathers_at.append(len(calls))
+    finally:
+        ep_mod.dist.all_gather = real
+    assert [k for k, _ in seen] == list(want) and all(torch.equal(v, want[k]) for k, v in seen)
+    first_expert = next(i for i, (k, _) in enumerate(seen) if ".experts." in k)
+    assert gathers_at[first_expert - 1] == 0 and gathers_at[first_expert] == 2  # lazily, a layer at a time
+    assert len(calls) == 2 * 2  # the two sparse layers (layer 1 is dense)
+
+
+def test_expert_stream_gathers_a_layer_at_a_time():
+    spawn_local(_stream_worker, 2)

@@ -85,7 +85,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..model.moe import Experts, SparseMoE
 
-__all__ = ["apply_ep", "EPExperts", "is_ep", "expert_parameters", "full_expert_state", "ep_groups",
+__all__ = ["apply_ep", "EPExperts", "is_ep", "expert_parameters", "full_expert_state", "expert_stream", "ep_groups",
            "expert_meshes", "as_global", "check_same_micro_batches", "slice_offsets"]
 
 
@@ -273,29 +273,40 @@ def check_same_micro_batches(policy: nn.Module, n: int) -> None:
 
 @torch.no_grad()
 def full_expert_state(policy: nn.Module) -> dict[str, torch.Tensor]:
-    """`policy.state_dict()` with every expert whole (the refit's and the checkpoint's view): each EPExperts'
-    slices all-gathered along dim 0 over its ep group into (E, 2I, h) / (E, h, I), reported under the E per-expert
-    names. A collective: every rank of the ep group (and of the replica group, where FSDP shards the slices over it)
-    calls it, layers in the same (module) order."""
+    """`policy.state_dict()` with every expert whole (the checkpoint's and the saved policy's view): each
+    EPExperts' slices all-gathered along dim 0 over its ep group into (E, 2I, h) / (E, h, I), reported under the E
+    per-expert names. A collective: every rank of the ep group (and of the replica group, where FSDP shards the
+    slices over it) calls it, layers in the same (module) order. Every expert of every layer is held at once: the
+    refit streams them a layer at a time instead (`expert_stream`)."""
+    return dict(expert_stream(policy))
+
+
+@torch.no_grad()
+def expert_stream(policy: nn.Module):
+    """(name, tensor) of `policy.state_dict()` with every expert whole, as `full_expert_state` orders them (the
+    dense entries, then each sparse layer's E experts), each layer's experts gathered only when the walk reaches
+    them: a consumer that drops what it has passed (the refit's buckets) holds one layer's experts at a time, not
+    every expert of the policy (most of a MoE's parameters). The same collectives in the same order on every rank."""
     state = policy.state_dict()
-    for name, mod in policy.named_modules():
-        if not isinstance(mod, EPExperts):
-            continue
-        prefix = f"{name}."
+    mods = [(f"{name}.", mod) for name, mod in policy.named_modules() if isinstance(mod, EPExperts)]
+    local = tuple(prefix for prefix, _ in mods)
+    for k, v in state.items():  # the dense entries (the local experts' views and stacked names left out)
+        if not k.startswith(local):
+            yield k, v
+    for prefix, mod in mods:
         I = mod.inter
         whole = []
         for p in (mod.gate_up_proj, mod.down_proj):
-            state.pop(f"{prefix}{'gate_up_proj' if p is mod.gate_up_proj else 'down_proj'}", None)  # (stacked: FSDP)
             mine = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()  # (E/ep, ...) the whole slice
             parts = [torch.empty_like(mine) for _ in range(mod.ep)]  # (E/ep, ...) each, in ep-rank order
             dist.all_gather(parts, mine.contiguous(), group=mod.group)
             whole.append(torch.cat(parts))  # (E, ...): rank-major is expert order
         gate_up, down = whole
+        del whole
         for e in range(mod.num_experts):
-            state[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :I]
-            state[f"{prefix}{e}.up_proj.weight"] = gate_up[e, I:]
-            state[f"{prefix}{e}.down_proj.weight"] = down[e]
-    return state
+            yield f"{prefix}{e}.gate_proj.weight", gate_up[e, :I]
+            yield f"{prefix}{e}.up_proj.weight", gate_up[e, I:]
+            yield f"{prefix}{e}.down_proj.weight", down[e]
 
 
 def slice_offsets(model: nn.Module) -> dict[str, int]:

@@ -21,7 +21,7 @@ fingerprints the trainer's whole (replicated) draft directly.
 """
 from __future__ import annotations
 
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -46,13 +46,15 @@ def _whole(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.full_tensor()
 
 
-def state_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int,
+def state_buckets(state: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
                   dtypes: Mapping[str, torch.dtype] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets of (name, whole tensor) covering `state` once, in its order (module docstring). dtypes: the
-    engine's dtype per name (RolloutEngine.dtypes), for the cast before the gather and for the byte count."""
+    """Buckets of (name, whole tensor) covering `state` once, in its order (module docstring). `state`: a state
+    dict, or its (name, tensor) pairs as a stream (parallel/ep.expert_stream: an expert-parallel policy's experts
+    gathered a layer at a time as the walk reaches them). dtypes: the engine's dtype per name
+    (RolloutEngine.dtypes), for the cast before the gather and for the byte count."""
     pending: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, t in state.items():
+    for name, t in (state.items() if isinstance(state, Mapping) else state):
         dtype = dtypes.get(name) if dtypes is not None else None
         nbytes = t.numel() * (dtype or t.dtype).itemsize  # a DTensor's numel is the whole tensor's
         if pending and size + nbytes > bucket_bytes:
@@ -74,7 +76,7 @@ def _fingerprinted(stream, rows: dict, dtypes: Mapping[str, torch.dtype] | None,
         yield bucket
 
 
-def refit_engine(engine: RolloutEngine, policy: Mapping[str, torch.Tensor] | None,
+def refit_engine(engine: RolloutEngine, policy: Mapping[str, torch.Tensor] | Iterable | None,
                  draft: Mapping[str, torch.Tensor] | None, bucket_bytes: int, guard: bool,
                  guard_draft: Mapping[str, torch.Tensor] | None = None) -> dict:
     """Stream `policy` and `draft` (state dicts of the trainer's modules: DTensor shards or whole tensors; None

@@ -75,7 +75,7 @@ from ..model.policy import Policy
 from ..parallel.fsdp import apply_fsdp, mixed_precision
 from ..parallel.load import sharded_copy
 from ..parallel.mesh import Mesh
-from ..parallel.ep import apply_ep, full_expert_state, is_ep
+from ..parallel.ep import apply_ep, expert_stream, full_expert_state, is_ep
 from ..parallel.tp import apply_tp, tp_copy
 from ..rollout.engine import RolloutEngine
 from ..rollout.tp import tp_shard
@@ -436,8 +436,9 @@ def refit_arm(st: ArmState, cfg: RunConfig, mesh: Mesh | None, fingerprint: bool
     if st.pipeline is not None:
         policy_sd, draft_sd = gather_for_refit(st, mesh)
         gather = time.perf_counter() - t0
-    else:  # expert parallelism: the engine holds every expert, gathered over the ep group (a collective)
-        policy_sd = full_expert_state(st.policy) if is_ep(st.policy) else st.policy.state_dict()
+    else:  # expert parallelism: the engine holds every expert, gathered over the ep group (a collective) a layer
+        # at a time as the buckets stream (parallel/ep.expert_stream)
+        policy_sd = expert_stream(st.policy) if is_ep(st.policy) else st.policy.state_dict()
         draft_sd = st.draft.state_dict() if st.mode == "cotrained" else None
     st.engine.restore()  # rollout.offload: the released storages allocated again, for the refit to fill
     guard = refit_engine(st.engine, policy_sd, draft_sd, cfg.rollout.refit_bucket_mb * MB, fingerprint, frozen_draft)
