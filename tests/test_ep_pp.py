@@ -258,3 +258,31 @@ def test_ep_with_pp_passes_the_layout_checks_and_tp_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"parallel.ep=2 with parallel.tp=2: expert parallelism under tensor"):
         check_parallel(_cfg(tmp_path, "parallel.pp=2", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2", *moe), 8,
                        "train")
+
+
+def _stream_worker(rank, world):
+    """pipeline.stream_stages (the PP refit's view) at pp 2 × dp 2 × ep 2 with FSDP over each stage's pair: in small
+    buckets (more broadcasts than stages, each at most the bound or one larger tensor) it yields exactly the whole
+    policy's state dict — every name once, each tensor equal to the unsplit policy's."""
+    import specco.parallel.pipeline as P
+    from specco.parallel.fsdp import apply_fsdp
+    mesh = Mesh.build(dp=2, pp=2, backend="gloo", ep=2, dp_shard=2)
+    policy, _ = _models()
+    stage = split_stage(policy, 2, mesh.pp_rank)
+    apply_ep(stage, mesh.ep_group, mesh.ep_replica_group, strict=False)
+    apply_fsdp(stage, mesh.fsdp_mesh, reshard_after_forward=False)
+    sizes, real = [], dist.broadcast
+    P.dist.broadcast = lambda t, **kw: (sizes.append(t.numel() * t.element_size()), real(t, **kw))[1]
+    try:
+        got = list(P.stream_stages(stage, mesh.pp_group, bucket_bytes=4096))
+    finally:
+        P.dist.broadcast = real
+    want = policy.state_dict()
+    assert [k for k, _ in got] and len({k for k, _ in got}) == len(got) and {k for k, _ in got} == set(want)
+    assert all(torch.equal(v, want[k]) for k, v in got)
+    biggest = max(v.numel() * v.element_size() for v in want.values())
+    assert len(sizes) > 2 and max(sizes) <= max(4096, biggest)
+
+
+def test_stream_stages_yields_the_whole_policy_in_bounded_buckets():
+    spawn_local(_stream_worker, 4)

@@ -71,7 +71,7 @@ no CUDA graph, no compile), tp with ep (refused).
 **Under pipeline parallelism** (tests/test_ep_pp.py) each stage is cut from the whole policy first, then its sparse
 layers' experts placed over that stage's own ep group (parallel/mesh.py cuts ep groups from every stage's dp × cp
 ranks); a stage of dense layers only keeps what it has (`apply_ep(strict=False)`). The refit gathers each stage's
-experts (full_expert_state) before the stages are broadcast (pipeline.gather_stages); the clip sums each stage's
+experts a layer at a time as the stages are streamed (pipeline.stream_stages, ep.expert_stream); the clip sums each stage's
 dense and whole-expert squares over the pipeline group (EPSync.clip).
 """
 from __future__ import annotations
@@ -282,11 +282,13 @@ def full_expert_state(policy: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def expert_stream(policy: nn.Module):
+def expert_stream(policy: nn.Module, gather: bool = True):
     """(name, tensor) of `policy.state_dict()` with every expert whole, as `full_expert_state` orders them (the
     dense entries, then each sparse layer's E experts), each layer's experts gathered only when the walk reaches
     them: a consumer that drops what it has passed (the refit's buckets) holds one layer's experts at a time, not
-    every expert of the policy (most of a MoE's parameters). The same collectives in the same order on every rank."""
+    every expert of the policy (most of a MoE's parameters). The same collectives in the same order on every rank.
+    gather=False: no collective, each whole expert tensor a meta-device placeholder of its shape and dtype (what a
+    receiver allocates: pipeline.stream_stages)."""
     state = policy.state_dict()
     mods = [(f"{name}.", mod) for name, mod in policy.named_modules() if isinstance(mod, EPExperts)]
     local = tuple(prefix for prefix, _ in mods)
@@ -295,6 +297,12 @@ def expert_stream(policy: nn.Module):
             yield k, v
     for prefix, mod in mods:
         I = mod.inter
+        if not gather:
+            h, E, dt = mod.gate_up_proj.shape[-1], mod.num_experts, mod.gate_up_proj.dtype
+            for e in range(E):
+                for part, shape in (("gate_proj", (I, h)), ("up_proj", (I, h)), ("down_proj", (h, I))):
+                    yield f"{prefix}{e}.{part}.weight", torch.empty(shape, dtype=dt, device="meta")
+            continue
         whole = []
         for p in (mod.gate_up_proj, mod.down_proj):
             mine = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()  # (E/ep, ...) the whole slice

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..model.policy import Policy
-from .ep import full_expert_state, is_ep
+from .ep import expert_stream, is_ep
 
-__all__ = ["stage_layer_ranges", "split_stage", "PipeComm", "NoPipe", "one_f_one_b", "gather_stages"]
+__all__ = ["stage_layer_ranges", "split_stage", "PipeComm", "NoPipe", "one_f_one_b", "gather_stages", "stream_stages"]
 
 
 def stage_layer_ranges(num_layers: int, pp: int) -> list[range]:
@@ -65,32 +65,65 @@ def split_stage(policy: Policy, pp: int, stage: int) -> Policy:
 
 @torch.no_grad()
 def gather_stages(stage: Policy, pp_group) -> dict[str, torch.Tensor]:
-    """The full policy's state dict on every stage of `pp_group` (the rollout engine needs all of it).
+    """The full policy's state dict on every stage of `pp_group`, whole (`stream_stages` collected: the saved policy,
+    tests). Names are the unsplit model's (layers keyed by global index), so it loads into an unsplit Policy with
+    strict=True. A collective: every rank of every stage calls it."""
+    return dict(stream_stages(stage, pp_group))
 
-    One broadcast per stage of all its tensors flattened into one buffer (the stages' dtypes agree);
-    names are the unsplit model's (layers keyed by global index), so the result loads into an unsplit
-    Policy with strict=True. A stage sharded by FSDP (parallel/fsdp.py) is gathered whole first, tensor by
-    tensor over its own ranks, and its expert-parallel experts over its ep group (collectives there: every rank of
-    every stage calls this)."""
+
+def _whole_items(stage: Policy, gather: bool):
+    """(name, whole tensor) of this stage in state-dict order: an FSDP shard gathered (`full_tensor()`, a collective
+    of the stage's ranks), an expert-parallel layer's experts gathered over the ep group when the walk reaches them
+    (ep.expert_stream). gather=False: the same names, shapes and dtypes without a collective (meta placeholders for
+    the experts; a DTensor's shape is the whole tensor's)."""
+    items = expert_stream(stage, gather) if is_ep(stage) else stage.state_dict().items()
+    for k, v in items:
+        yield k, (v.full_tensor() if gather and isinstance(v, DTensor) else v)
+
+
+@torch.no_grad()
+def stream_stages(stage: Policy, pp_group, bucket_bytes: int = 256 * 2**20):
+    """(name, whole tensor) of the full policy on every stage of `pp_group`, stage after stage, in buckets of at most
+    `bucket_bytes` (or one tensor larger than that): the refit's stream (runner/refit.state_buckets), so no rank
+    holds the whole policy — one bucket, and under expert parallelism one layer's experts, at a time. Each bucket
+    is one broadcast over the pipeline group of its tensors flattened (the stages' dtypes agree); which names, shapes
+    and dtypes each stage holds is one small object exchange up front, so every rank cuts the same buckets. A
+    collective: every rank of every stage walks the whole stream, in order (the stage's own FSDP / ep gathers happen
+    as its turn comes)."""
     pp, me = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-    # Which names each stage holds: a small object exchange, then the tensors by broadcast. Expert-parallel
-    # experts gathered whole over the stage's ep group first (full_expert_state: a collective of that group)
-    state = full_expert_state(stage) if is_ep(stage) else stage.state_dict()
-    mine = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
     names = [None] * pp
-    dist.all_gather_object(names, [(k, tuple(v.shape), str(v.dtype)) for k, v in mine.items()], group=pp_group)
-    out = {}
+    dist.all_gather_object(names, [(k, tuple(v.shape), str(v.dtype)) for k, v in _whole_items(stage, False)],
+                           group=pp_group)
+    dev = next(stage.parameters()).device
     for s in range(pp):
         if not names[s]:
             continue
-        like = next(iter(mine.values()))
-        sizes = [int(torch.Size(shape).numel()) for _, shape, _ in names[s]]
-        flat = (torch.cat([mine[k].reshape(-1).to(like.dtype) for k, _, _ in names[s]]) if s == me
-                else torch.empty(sum(sizes), dtype=like.dtype, device=like.device))
-        dist.broadcast(flat, group=pp_group, group_src=s)
-        for (k, shape, dt), piece in zip(names[s], flat.split(sizes)):
-            out[k] = piece.reshape(shape).to(getattr(torch, dt.removeprefix("torch.")))
-    return out
+        dtype = getattr(torch, names[s][0][2].removeprefix("torch."))  # the flat buffer's: the first tensor's
+        buckets, size = [[]], 0
+        for entry in names[s]:  # the same cut on every rank
+            n = int(torch.Size(entry[1]).numel()) * dtype.itemsize
+            if buckets[-1] and size + n > bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(entry)
+            size += n
+        mine = _whole_items(stage, True) if s == me else None
+        for bucket in buckets:
+            sizes = [int(torch.Size(shape).numel()) for _, shape, _ in bucket]
+            if mine is not None:
+                parts = []
+                for k, _, _ in bucket:
+                    name, t = next(mine)
+                    assert name == k, (name, k)
+                    parts.append(t.reshape(-1).to(dtype))
+                flat = torch.cat(parts)
+                del parts
+            else:
+                flat = torch.empty(sum(sizes), dtype=dtype, device=dev)
+            dist.broadcast(flat, group=pp_group, group_src=s)
+            for (k, shape, dt), piece in zip(bucket, flat.split(sizes)):
+                yield k, piece.reshape(shape).to(getattr(torch, dt.removeprefix("torch.")))
+            del flat
 
 
 _TAGS = {"fwd": 0, "bwd": 1, "sums_fwd": 2, "sums_bwd": 3}  # a message's kind -> its p2p tag

@@ -9,9 +9,9 @@ What each rank holds (rank = (pp_rank · dp + dp_rank) · cp + cp_rank, parallel
     are generated once per DP rank (pipeline stage 0, CP rank 0) and shared with the other stages and CP
     ranks (rollouts.collect_rollouts).
 
-Per PPO update: `cotrain_step` over the stage (1F1B, the TapChannel feeding the draft). Refit: `gather_stages` (one
-broadcast per stage over the pipeline group) plus the draft's state from the last stage — timed as
-`time/gather` in the metrics. Checkpoints are sharded (arm_checkpoint.py): each stage writes its layers and
+Per PPO update: `cotrain_step` over the stage (1F1B, the TapChannel feeding the draft). Refit: `stream_stages` (one
+broadcast per bucket over the pipeline group, stage after stage: no rank holds the whole policy) plus the draft's
+state from the last stage — the streamed refit timed as `time/gather` in the metrics. Checkpoints are sharded (arm_checkpoint.py): each stage writes its layers and
 their AdamW moments, so a run resumes at another parallel.pp (or on one process).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..parallel.mesh import Mesh
-from ..parallel.pipeline import PipeComm, gather_stages, split_stage, stage_layer_ranges
+from ..parallel.pipeline import PipeComm, gather_stages, split_stage, stage_layer_ranges, stream_stages
 from ..parallel.taps import TapChannel, TapSpec
 from ..train.cotrain import micro_batches
 from ..train.cotrain import cotrain_step
@@ -108,7 +108,12 @@ def _draft_state(st, mesh: Mesh, dtype: torch.dtype | None = None) -> dict | Non
     return out
 
 
-def gather_for_refit(st, mesh: Mesh, dtype: torch.dtype | None = None) -> tuple[dict, dict | None]:
+def gather_for_refit(st, mesh: Mesh, dtype: torch.dtype | None = None, bucket_bytes: int | None = None) -> tuple:
     """(whole policy state, draft state) on every rank: the stages gathered over the pipeline group; the draft's in
-    the engine's dtypes, or in `dtype` (the trainer's)."""
-    return gather_stages(st.policy, mesh.pp_group), _draft_state(st, mesh, dtype)
+    the engine's dtypes, or in `dtype` (the trainer's). bucket_bytes: the policy as a stream of (name, tensor) in
+    buckets of that size (pipeline.stream_stages: the refit's, which writes each bucket into the engine and drops
+    it), None: a whole state dict. The draft's broadcasts run here, before the stream's: the same order on every
+    rank."""
+    policy = (stream_stages(st.policy, mesh.pp_group, bucket_bytes) if bucket_bytes is not None
+              else gather_stages(st.policy, mesh.pp_group))
+    return policy, _draft_state(st, mesh, dtype)

@@ -425,24 +425,23 @@ def stage_pipe(st: ArmState) -> StagePipe | None:
 
 def refit_arm(st: ArmState, cfg: RunConfig, mesh: Mesh | None, fingerprint: bool = False) -> tuple[dict, float]:
     """The engine refilled from the trainer's weights, the one home of that (every RL step; arm_checkpoint after a
-    resume): under PP the stages gathered over the pipeline group (and the last stage's draft), otherwise the
-    policy's state dict (under FSDP DTensor shards, gathered bucket by bucket as they stream: a collective, every
-    rank), in rollout.refit_bucket_mb buckets. A released engine (rollout.offload) is restored first. Returns
-    (the guard's fingerprints, refit_engine's; the seconds the PP gather took, 0 without PP). A draft that is
-    not refit (frozen) is still fingerprinted for the guard's comparison with the engine's."""
+    resume): under PP the stages streamed over the pipeline group bucket by bucket (and the last stage's draft),
+    otherwise the policy's state dict (under FSDP DTensor shards, gathered bucket by bucket as they stream: a
+    collective, every rank), in rollout.refit_bucket_mb buckets. A released engine (rollout.offload) is restored
+    first. Returns (the guard's fingerprints, refit_engine's; under PP the seconds of the whole streamed gather and
+    write, 0 without PP). A draft that is not refit (frozen) is still fingerprinted for the guard's comparison with
+    the engine's."""
     t0 = time.perf_counter()
     frozen_draft = st.draft.state_dict() if st.draft is not None and st.mode != "cotrained" else None
-    gather = 0.0
     if st.pipeline is not None:
-        policy_sd, draft_sd = gather_for_refit(st, mesh)
-        gather = time.perf_counter() - t0
+        policy_sd, draft_sd = gather_for_refit(st, mesh, bucket_bytes=cfg.rollout.refit_bucket_mb * MB)
     else:  # expert parallelism: the engine holds every expert, gathered over the ep group (a collective) a layer
         # at a time as the buckets stream (parallel/ep.expert_stream)
         policy_sd = expert_stream(st.policy) if is_ep(st.policy) else st.policy.state_dict()
         draft_sd = st.draft.state_dict() if st.mode == "cotrained" else None
     st.engine.restore()  # rollout.offload: the released storages allocated again, for the refit to fill
     guard = refit_engine(st.engine, policy_sd, draft_sd, cfg.rollout.refit_bucket_mb * MB, fingerprint, frozen_draft)
-    return guard, gather
+    return guard, time.perf_counter() - t0 if st.pipeline is not None else 0.0
 
 
 def release_engine(st: ArmState, cfg: RunConfig, device) -> dict:
