@@ -178,6 +178,14 @@ def _cast_engine_worker(rank, world, tmp):
     assert torch.equal(got, flat[:got.numel()])  # the masters, not the engine's float32 copy
     eng = torch.cat([v.flatten() for v in s.engine.policy.state_dict().values()])
     assert torch.equal(eng, flat[:eng.numel()].float())  # the engine: the same weights, cast
+    # what the job saves: gathered to rank 0's host only (the other rank takes part, holds nothing)
+    host, d0 = full_models(s, keep=rank == 0, device="cpu")
+    if rank == 0:
+        assert next(host.parameters()).device.type == "cpu" and d0 is s.draft
+        got = torch.cat([v.detach().flatten() for v in host.state_dict().values()])
+        assert torch.equal(got, flat[:got.numel()])
+    else:
+        assert (host, d0) == (None, None)
 
 
 def test_rl_loop_dp_shard2_with_a_cast_engine_saves_the_masters(tmp_path):

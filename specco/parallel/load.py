@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ..model.config import PolicyConfig
 from ..model.hf_io import load_policy_config, load_policy_rows
 from ..model.policy import Policy
-from .ep import slice_offsets
+from .ep import expert_stream, is_ep, slice_offsets
 from .fsdp import MixedPrecisionPolicy, apply_fsdp, shard_rows
 
-__all__ = ["sharded_policy", "load_sharded_policy", "sharded_copy"]
+__all__ = ["sharded_policy", "load_sharded_policy", "sharded_copy", "whole_items"]
 
 
 def sharded_policy(cfg: PolicyConfig, mesh: DeviceMesh, device, fill, dtype: torch.dtype = torch.float32,
@@ -87,3 +88,16 @@ def sharded_copy(policy: Policy, mesh: DeviceMesh, **kw) -> Policy:
             o = first.get(name, 0)
             local.copy_(whole[name][o + start:o + stop])
     return sharded_policy(policy.cfg, mesh, next(iter(whole.values())).device, fill, dtypes.pop(), **kw)
+
+
+@torch.no_grad()
+def whole_items(model: torch.nn.Module, gather: bool = True):
+    """(name, whole tensor) of `model.state_dict()`, one tensor at a time: an FSDP shard gathered (`full_tensor()`, a
+    collective of its mesh), an expert-parallel layer's experts gathered over the ep group when the walk reaches
+    them (ep.expert_stream). The way a sharded model's weights leave it whole (the PP refit's stream, the saved
+    policy): a consumer that drops what it has passed holds one tensor (or one layer's experts) at a time. Every
+    rank walks it in the same order. gather=False: the same names, shapes and dtypes without a collective (meta
+    placeholders for the experts; a DTensor's shape is the whole tensor's)."""
+    items = expert_stream(model, gather) if is_ep(model) else model.state_dict().items()
+    for k, v in items:
+        yield k, (v.full_tensor() if gather and isinstance(v, DTensor) else v)

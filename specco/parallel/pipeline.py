@@ -27,10 +27,9 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ..model.policy import Policy
-from .ep import expert_stream, is_ep
+from .load import whole_items
 
 __all__ = ["stage_layer_ranges", "split_stage", "PipeComm", "NoPipe", "one_f_one_b", "gather_stages", "stream_stages"]
 
@@ -71,16 +70,6 @@ def gather_stages(stage: Policy, pp_group) -> dict[str, torch.Tensor]:
     return dict(stream_stages(stage, pp_group))
 
 
-def _whole_items(stage: Policy, gather: bool):
-    """(name, whole tensor) of this stage in state-dict order: an FSDP shard gathered (`full_tensor()`, a collective
-    of the stage's ranks), an expert-parallel layer's experts gathered over the ep group when the walk reaches them
-    (ep.expert_stream). gather=False: the same names, shapes and dtypes without a collective (meta placeholders for
-    the experts; a DTensor's shape is the whole tensor's)."""
-    items = expert_stream(stage, gather) if is_ep(stage) else stage.state_dict().items()
-    for k, v in items:
-        yield k, (v.full_tensor() if gather and isinstance(v, DTensor) else v)
-
-
 @torch.no_grad()
 def stream_stages(stage: Policy, pp_group, bucket_bytes: int = 256 * 2**20):
     """(name, whole tensor) of the full policy on every stage of `pp_group`, stage after stage, in buckets of at most
@@ -92,7 +81,7 @@ def stream_stages(stage: Policy, pp_group, bucket_bytes: int = 256 * 2**20):
     as its turn comes)."""
     pp, me = dist.get_world_size(pp_group), dist.get_rank(pp_group)
     names = [None] * pp
-    dist.all_gather_object(names, [(k, tuple(v.shape), str(v.dtype)) for k, v in _whole_items(stage, False)],
+    dist.all_gather_object(names, [(k, tuple(v.shape), str(v.dtype)) for k, v in whole_items(stage, False)],
                            group=pp_group)
     dev = next(stage.parameters()).device
     for s in range(pp):
@@ -107,7 +96,7 @@ def stream_stages(stage: Policy, pp_group, bucket_bytes: int = 256 * 2**20):
                 size = 0
             buckets[-1].append(entry)
             size += n
-        mine = _whole_items(stage, True) if s == me else None
+        mine = whole_items(stage, True) if s == me else None
         for bucket in buckets:
             sizes = [int(torch.Size(shape).numel()) for _, shape, _ in bucket]
             if mine is not None:

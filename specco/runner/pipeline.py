@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..config import RunConfig, split_arm
 from ..faults import point
 from ..model.hf_io import save_policy
+from ..rollout.tp import tp_group_of
 from .derive import arm_config, on_device
 from .prepare import copy_tokenizer_files, evaluate, prepare_drafts, prepare_policy, say, source_dir
 from .report import MetricsLog, plot_arms, read_jsonl
@@ -160,22 +161,30 @@ class Outputs:
 
     def __call__(self, st, m: dict | None) -> None:
         """`m`: the step's metrics, None before the first step (the starting policy's evaluation). Called on every
-        rank: rank 0 decides and writes; where the whole models are gathered from the trainer's shards
-        (rl.needs_gather: a tensor-parallel engine) the other ranks take part in that gather and nothing else."""
+        rank: rank 0 decides and writes; where the whole models are gathered from the trainer's parts
+        (rl.needs_gather) the other ranks take part in that gather and hold nothing. Where the trainer holds part
+        of the policy, rank 0 evaluates on its engine's copy when that is whole (the policy as sampled: a bf16 cast
+        under rollout.dtype; no gather), else on a gathered copy; it saves the trainer's masters gathered to the
+        host, one tensor at a time on the device (never a second whole policy on a GPU)."""
         todo = self.todo(st, m) if self.rank == 0 else (False, False)
-        if needs_gather(st):
+        gathered = needs_gather(st)
+        if gathered:
             box = [todo]
             dist.broadcast_object_list(box, group=dist.group.WORLD, group_src=0)
             todo = box[0]
-        if not any(todo):
-            return
-        models = full_models(st)
-        if self.rank != 0:
-            return
+        keep = self.rank == 0
         if todo[0]:
-            self.evaluate(st, *models)
+            whole_engine = tp_group_of(st.engine.policy) is None
+            if gathered and whole_engine:
+                models = (st.engine.policy, st.engine.draft) if keep else None
+            else:
+                models = full_models(st, keep=keep)
+            if keep:
+                self.evaluate(st, *models)
         if todo[1]:
-            self.save(st, *models)
+            models = full_models(st, keep=keep, device="cpu" if gathered else None)
+            if keep:
+                self.save(st, *models)
 
     def todo(self, st, m: dict | None) -> tuple[bool, bool]:
         """(evaluate, save) at this point of the run (rank 0: it reads out_dir)."""

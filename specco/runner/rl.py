@@ -23,6 +23,7 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..parallel.ep import is_ep
 from ..parallel.fsdp import is_sharded
+from ..parallel.load import whole_items
 from ..parallel.tp import is_tensor_parallel
 from ..parallel.mesh import Mesh
 from ..train.checkpoint import remove_stale_temporaries
@@ -33,7 +34,7 @@ from .report import MetricsLog
 from .rl_pp import gather_for_refit
 from .rollouts import longest_prompt
 from .stages import seed_stage
-from .trainer import ArmState, full_state, make_arm, rl_step
+from .trainer import ArmState, make_arm, rl_step
 
 __all__ = ["run_arm", "full_models", "needs_gather"]
 
@@ -45,26 +46,36 @@ def needs_gather(st: ArmState) -> bool:
             or is_ep(st.policy))
 
 
-def full_models(st: ArmState) -> tuple[Policy, Eagle3Draft | BlockDraft | None]:
-    """The arm's whole policy and draft in the trainer's precision (fp32 masters), for evaluation and saving: the
+def full_models(st: ArmState, keep: bool = True, device=None) -> tuple[Policy | None, Eagle3Draft | BlockDraft | None]:
+    """The arm's whole policy and draft in the trainer's precision (fp32 masters), for saving (and evaluation): the
     trainer's own copies; where the trainer holds part of the policy (FSDP shards, tensor-parallel shards, expert
-    slices, a pipeline stage: `needs_gather`, a collective, every rank calls it) a new whole copy gathered from
-    them (under PP the stages over the pipeline group and the co-trained draft from the last stage), so the
-    engine's copy is free to be a bf16 cast (rollout.dtype) or a tensor-parallel shard (rollout.tp)."""
+    slices, a pipeline stage: `needs_gather`, a collective, every rank calls it) a new whole copy gathered from them
+    one tensor (or one layer's experts) at a time (under PP the stages streamed over the pipeline group and the
+    co-trained draft from the last stage), so the engine's copy is free to be a bf16 cast (rollout.dtype) or a
+    tensor-parallel shard (rollout.tp). keep=False: take part in the gather only, hold nothing, return (None,
+    None) (the ranks that neither save nor evaluate). device: where the gathered copy is built, each tensor moved
+    there as it arrives ("cpu" for saving: never the whole policy on a GPU); None: the trainer's device."""
     if not needs_gather(st):
         return st.policy, st.draft
+    dtype = next(st.policy.parameters()).dtype
     if st.pipeline is not None:
-        state, draft_state = gather_for_refit(st, st.pipeline.mesh, dtype=next(st.policy.parameters()).dtype)
+        stream, draft_state = gather_for_refit(st, st.pipeline.mesh, dtype=dtype,
+                                               bucket_bytes=256 * 2**20)
     else:
-        state, draft_state = full_state(st.policy), None
+        stream, draft_state = whole_items(st.policy), None
+    if not keep:
+        for _ in stream:  # every rank walks the same collectives
+            pass
+        return None, None
+    dev = torch.device(device) if device is not None else next(st.policy.parameters()).device
+    state = {k: v.to(dev) for k, v in stream}
     with torch.device("meta"):
         whole = Policy(st.policy.cfg)
-    like = next(v for v in state.values() if v.is_floating_point())  # the trainer's device and dtype
-    whole = whole.to_empty(device=like.device).to(like.dtype)
+    whole = whole.to_empty(device=dev).to(dtype)
     whole.load_state_dict(state)
     draft = st.draft
     if draft_state is not None:  # the co-trained draft lives on the last stage: a whole copy here
-        draft = copy.deepcopy(st.engine.draft).to(like.dtype)
+        draft = copy.deepcopy(st.engine.draft).to(dtype)
         draft.load_state_dict(draft_state)
     return whole.eval(), draft
 

@@ -65,7 +65,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ..config import RunConfig
 from ..faults import point
@@ -73,9 +72,9 @@ from ..model.dflash import BlockDraft
 from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..parallel.fsdp import apply_fsdp, mixed_precision
-from ..parallel.load import sharded_copy
+from ..parallel.load import sharded_copy, whole_items
 from ..parallel.mesh import Mesh
-from ..parallel.ep import apply_ep, expert_stream, full_expert_state, is_ep
+from ..parallel.ep import apply_ep, expert_stream, is_ep
 from ..parallel.tp import apply_tp, tp_copy
 from ..rollout.engine import RolloutEngine
 from ..rollout.tp import tp_shard
@@ -293,8 +292,7 @@ def full_state(module) -> dict:
     is its own. A collective under FSDP and ep: every rank calls it. Layer by layer, one tensor at a time, each whole
     on every rank: whole-tensor checkpoints and tests. The refit does not hold a whole state dict: it streams
     bounded buckets straight into the engine's buffers (runner/refit.py)."""
-    state = full_expert_state(module) if is_ep(module) else module.state_dict()
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+    return dict(whole_items(module))
 
 
 def state_copy(module) -> dict:
