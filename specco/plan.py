@@ -321,7 +321,7 @@ def rank_memory(s: Shapes, lay: Layout, offload: bool = False, engine_tp: int = 
              "grads": grad_bytes(P, lay, X), "adamw": adamw_bytes(P, lay, X),
              "acts": activation_bytes(s, lay, rng, last, in_flight),
              # the draft is replicated (parallel/fsdp.py): fp32 weights, gradients, AdamW (16 B/param) + autocast copy
-             "draft": D * (16 + (2 if c < 4 else 0)), "ref": reference_bytes(s, lay),
+             "draft": D * (16 + (2 if c < 4 else 0)), "ref": reference_bytes(s, lay, rng, first, last),
              "engine_w": engine_weight_bytes(s, engine_tp) + rows * (s.gamma + 1) * pc.vocab_size * 4,
              "kv_cache": kv_cache_bytes(s, lay, engine_tp)}
         m["total"] = peak_bytes(m, offload)

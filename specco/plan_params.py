@@ -130,16 +130,22 @@ def adamw_bytes(params: int, lay: Layout, experts: int = 0) -> int:
     return 8 * (math.ceil(params / lay.shard) + experts)
 
 
-def reference_bytes(s: Shapes, lay: Layout) -> int:
-    """The KL reference (train.kl_coef > 0; 0 without): a frozen copy of the whole starting policy in the master
+def reference_bytes(s: Shapes, lay: Layout, layers: range | None = None, first: bool = True,
+                    last: bool = True) -> int:
+    """The KL reference (train.kl_coef > 0; 0 without): a frozen copy of the starting policy in the master
     weights' fp32, 4 B/param (trainer.make_arm). Under FSDP sharded and expert-placed like the trainer's policy
-    (its dense rest over dp_shard × cp, its experts as plan_moe.held_expert_params; under PP too it is the whole
-    policy, not a stage: its log-probs need every layer); without FSDP a whole copy, every expert (expert
-    parallelism places the trainer's copy only). No gradients or AdamW state. Its forward's gathered layers are the
-    no-grad log-prob recompute's (transient, not at the train step's peak: plan.py's docstring)."""
+    (its dense rest over dp_shard × cp, its experts as plan_moe.held_expert_params); without FSDP a whole copy, every
+    expert (expert parallelism places the trainer's copy only). Under PP without tp it is this rank's stage
+    (`layers`, `first`, `last`: its log-probs pipelined like the old ones, rollouts.StagePipe), placed and sharded
+    as the trainer's stage. No gradients or AdamW state. Its forward's gathered layers are the no-grad log-prob
+    recompute's (transient, not at the train step's peak: plan.py's docstring)."""
     if not s.kl_reference:
         return 0
-    pc, every = s.policy, range(s.policy.num_layers)
+    pc = s.policy
+    if lay.pp > 1 and lay.tp == 1 and layers is not None:
+        params = rank_params(pc, layers, first, last, 1)
+        return master_bytes(params - expert_params(pc, layers), lay, held_expert_params(pc, layers, lay))
+    every = range(pc.num_layers)
     whole = rank_params(pc, every, True, True, lay.tp)  # tensor-parallel like the trainer
     if not lay.fsdp:
         return 4 * whole

@@ -214,6 +214,8 @@ def _rl_worker(rank, world, tmp):
     (rows1, pairs1, st1, cfg1, mesh1), (rows2, pairs2, st2, cfg2, mesh2) = out[1], out[2]
     stage = st2.policy
     assert is_ep(stage)  # every stage of the 4-layer policy holds a sparse layer (layer 1 is dense)
+    # the KL reference is this rank's stage too, its experts placed like the trainer's (its log-probs pipelined)
+    assert list(st2.ref.layers) == list(stage.layers) and is_ep(st2.ref)
     sparse = [m for m in stage.modules() if isinstance(m, EPExperts)]
     assert sparse and all(m.gate_up_proj.shape[0] == 8 // 2 for m in sparse)
     assert pairs2 == pairs1

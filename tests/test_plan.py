@@ -23,7 +23,7 @@ from specco.model.draft import Eagle3Draft
 from specco.model.layers import rope_cos_sin
 from specco.model.policy import Policy
 from specco.plan import (PRESETS, Layout, Shapes, activation_bytes, layer_activation_bytes, layouts, plan_memory,
-                         policy_params, rank_memory)
+                         policy_params, rank_memory, rank_params)
 from specco.train.cotrain import StepConfig, build_optimizer, cotrain_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -166,14 +166,19 @@ def test_sharding_and_stages_divide_exactly():
 
 def test_kl_reference_is_sharded_like_the_trainer():
     """train.kl_coef > 0: the whole starting policy in fp32 on every rank without FSDP, 1/(dp_shard × cp) of it
-    under FSDP (trainer.make_arm shards it), the whole policy's shard under PP too; counted in both phases."""
+    under FSDP (trainer.make_arm shards it); under PP the rank's stage of it (the fullest stage's, sharded alike);
+    counted in both phases."""
     pc = PRESETS["qwen3-8b"]
     s = dataclasses.replace(_shapes(pc, rows=64, seq=4096, micro=2, c=2), kl_reference=True)
     whole = 4 * policy_params(pc)
     assert rank_memory(dataclasses.replace(s, kl_reference=False), Layout(1, 1, 8, 1, True, False))["ref"] == 0
     assert rank_memory(s, Layout(1, 8, 1, 1, False, False))["ref"] == whole
-    for lay in (Layout(1, 1, 8, 1, True, False), Layout(1, 2, 4, 2, True, False), Layout(2, 1, 8, 1, True, False)):
+    for lay in (Layout(1, 1, 8, 1, True, False), Layout(1, 2, 4, 2, True, False)):
         assert rank_memory(s, lay)["ref"] == 4 * math.ceil(policy_params(pc) / 8), lay
+    from specco.parallel.pipeline import stage_layer_ranges
+    pp2 = Layout(2, 1, 8, 1, True, False)  # the fullest rank's stage: the larger of the two stages' shares
+    stages = [4 * math.ceil(rank_params(pc, r, i == 0, i == 1) / 8) for i, r in enumerate(stage_layer_ranges(36, 2))]
+    assert rank_memory(s, pp2)["ref"] in stages and max(stages) < 4 * math.ceil(policy_params(pc) / 8)
     lay = Layout(1, 1, 8, 1, True, False)
     for offload in (False, True):  # the reference stays resident through the rollout and the train step
         with_ref, without = (rank_memory(dataclasses.replace(s, kl_reference=k), lay, offload)["total"]

@@ -50,6 +50,8 @@ rank, each rank's engine holds the whole policy, refit from the gathered shards 
 engine is tensor-parallel on its own (rollout/tp.py): each rank's engine holds its shard for its engine tp group
 (mesh.rollout_tp_group, cut from the cp x tp ranks that share a DP group's rollouts); the first group generates
 them together, and the refit keeps each rank's slice of the whole tensors it streams.
+Under PP (without tp) the KL reference is the rank's stage of the starting policy too, and both the old and the
+reference log-probs are forwarded through the stages (rollouts.StagePipe).
 With parallel.ep (parallel/ep.py) the trainer's experts of a mixture-of-experts policy are cut over the ep ranks
 (borrowed from each stage's dp × cp); under FSDP as well, the rest sharded and each slice sharded over the ranks
 holding it (the KL reference placed and sharded the same way; without FSDP it stays whole); the engine keeps every
@@ -87,6 +89,7 @@ from ..train.grad_sync import grad_syncs
 from ..train.nonfinite import NonFiniteError, check_finite
 from .derive import arm_config, engine_dtype, step_config, train_shapes
 from .rl_pp import PipelineArm, gather_for_refit, pp_train_updates
+from ..parallel.pipeline import split_stage
 from .report import TIME_PARTS
 from .rollouts import Minibatch, Rollouts, StagePipe, collect_rollouts, engine_logprob_gap, minibatches
 
@@ -141,7 +144,14 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
     if cfg.train.kl_coef > 0:  # forward-only; under FSDP its shards, gathered unit by unit in its forwards (on
         # every rank: the log-prob recompute runs the same micro-batches everywhere) and freed after each
         freeze = lambda m: m.requires_grad_(False)  # noqa: E731  (before fully_shard: frozen shards, no grads)
-        if tp:  # tensor-parallel like the trainer, so its log-probs are computed as the trainer's are
+        if mesh is not None and mesh.pp > 1 and not tp:  # this rank's stage of it: its log-probs pipelined like
+            # the old ones (rollouts.StagePipe), a stage's share of the memory (placed and sharded as the trainer's)
+            ref = freeze(split_stage(policy, mesh.pp, mesh.pp_rank))
+            if ep:
+                apply_ep(ref, mesh.ep_group, mesh.ep_replica_group, strict=False)
+            if sharded:
+                apply_fsdp(ref, mesh.fsdp_mesh, mp, forward_only=True)
+        elif tp:  # tensor-parallel like the trainer, so its log-probs are computed as the trainer's are
             ref = tp_copy(policy, mesh.tp_mesh, mesh.fsdp_mesh if sharded else None, prepare=freeze, mp_policy=mp,
                           forward_only=True, sequence_parallel=cfg.parallel.tp_sequence_parallel)
         elif sharded:  # under ep its experts placed too (its forwards dispatch like the trainer's)
@@ -371,9 +381,10 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
         if not mbs[0].layout.packed:  # padded rows: compare with the engine's log-probs
             m["logprob_gap_engine_vs_trainer"] = max(engine_logprob_gap(ro, mb) for mb in mbs
                                                      if mb.batch.logp_old is not None)
-    if st.ref is not None:
+    if st.ref is not None:  # under PP (without tp) the reference is a stage too: its log-probs pipelined
+        staged = st.pipeline is not None and len(st.ref.layers) < st.ref.cfg.num_layers
         for mb in mbs:
-            mb.batch.logp_ref = mb.logprobs(st.ref, scfg)
+            mb.batch.logp_ref = mb.logprobs(st.ref, scfg, stage_pipe(st) if staged else None)
     m["time/logprob"] = settled(device) - t0
     train_draft = st.draft if st.mode == "cotrained" else None
     group = grad_group(mesh)
