@@ -23,7 +23,7 @@ its gradients all-reduced: tests/test_ep.py and test_dp.py tie that step to one 
   replica all-reduce's against one all-reduce over 4 ranks; an expert's rows in all-to-all arrival order), ~1e-15
   relative, so 1e-9 leaves room while a gradient reduced over the wrong ranks (off by whole rows, or doubled) cannot
   pass. Seen: at most 1.0e-15 absolute over every gradient and parameter of the four layouts.
-* bf16 at ep 2 × dp_shard 2 (world 2): FSDP's MixedPrecisionPolicy(bf16, fp32 reduce) under the step's autocast
+* bf16 at ep 2 × dp_shard 2 (world 2), and at ep 2 × dp_shard 4 (world 4: replica-sharded slices, gathered in bf16): FSDP's MixedPrecisionPolicy(bf16, fp32 reduce) under the step's autocast
   against the ep 1 autocast step (fp32 master weights in both; the expert slices stay fp32 under FSDP and autocast
   casts them, as it does the reference's). The runs round different tensors to bf16 (FSDP casts every dense weight:
   norms and head run on bf16 weights), so as tests/test_fsdp.py derives: losses, aux loss and grad norm within
@@ -149,12 +149,14 @@ def test_ep_fsdp_mutation_expert_grads_reduced_over_ep_group_fails():
     spawn_local(_step_worker, WORLD, ((4, 2),), "reduce_over_ep")
 
 
-def _bf16_worker(rank, world):
-    """bf16 (module docstring): ep 2 × dp_shard 2 under FSDP's mixed precision and the step's autocast against the
-    ep 1 autocast step without FSDP, fp32 master weights in both."""
+def _bf16_worker(rank, world, ep=None):
+    """bf16 (module docstring): ep × dp_shard = world under FSDP's mixed precision and the step's autocast against the
+    ep 1 autocast step without FSDP, fp32 master weights in both. ep < world: each slice has holders and FSDP
+    shards it over them, gathering it in bf16 (its own mixed precision) where ep = world leaves it fp32 for autocast."""
     import dataclasses
     from specco.parallel.fsdp import mixed_precision
-    mesh = Mesh.build(dp=world, backend="gloo", dp_shard=world, ep=world)
+    ep = ep or world
+    mesh = Mesh.build(dp=world, backend="gloo", dp_shard=world, ep=ep)
     full, h = _batch(), B // world
     local = TrainBatch(tokens=full.tokens[rank * h:(rank + 1) * h],
                        **{k: getattr(full, k)[rank * h:(rank + 1) * h].float()
@@ -184,6 +186,10 @@ def _bf16_worker(rank, world):
 
 def test_ep_fsdp_step_under_bf16_mixed_precision_tracks_ep1_autocast():
     spawn_local(_bf16_worker, 2)
+
+
+def test_ep_fsdp_step_with_replica_sharded_slices_under_bf16_tracks_ep1_autocast():
+    spawn_local(_bf16_worker, 4, 2)
 
 
 # -- the RL loop ---------------------------------------------------------------------------------------------------
