@@ -23,9 +23,10 @@ its gradients all-reduced: tests/test_ep.py and test_dp.py tie that step to one 
   replica all-reduce's against one all-reduce over 4 ranks; an expert's rows in all-to-all arrival order), ~1e-15
   relative, so 1e-9 leaves room while a gradient reduced over the wrong ranks (off by whole rows, or doubled) cannot
   pass. Seen: at most 1.0e-15 absolute over every gradient and parameter of the four layouts.
-* bf16 at ep 2 × dp_shard 2 (world 2), and at ep 2 × dp_shard 4 (world 4: replica-sharded slices, gathered in bf16): FSDP's MixedPrecisionPolicy(bf16, fp32 reduce) under the step's autocast
-  against the ep 1 autocast step (fp32 master weights in both; the expert slices stay fp32 under FSDP and autocast
-  casts them, as it does the reference's). The runs round different tensors to bf16 (FSDP casts every dense weight:
+* bf16 at ep 2 × dp_shard 2 (world 2), and at ep 2 × dp_shard 4 (world 4: replica-sharded slices, gathered in
+  bf16): FSDP's MixedPrecisionPolicy(bf16, fp32 reduce) under the step's autocast against the ep 1 autocast step
+  (fp32 master weights in both; slices with one holder stay fp32 under FSDP and autocast casts them, as it does the
+  reference's). The runs round different tensors to bf16 (FSDP casts every dense weight:
   norms and head run on bf16 weights), so as tests/test_fsdp.py derives: losses, aux loss and grad norm within
   rtol 2e-2; after the one AdamW step every weight moved by lr·g/(|g| + eps) = ±lr in both runs, so a component
   whose gradient sign the rounding flips is off by at most 2·lr (a hard bound), and the mean stays below 0.05·lr.

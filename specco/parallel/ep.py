@@ -52,18 +52,19 @@ both cut from the stage's dp × cp ranks and need not agree: ep 2 inside dp_shar
 replicas, are the same code. The KL reference is placed and sharded the same way; the refit gathers the shards (in
 buckets) and the experts (`full_expert_state`); sharded checkpoints hold both with global shapes (a replica-sharded
 slice as Shard(0) of the (ep, ep_replica) mesh: `expert_meshes`), so a run resumes at ep × dp_shard or at ep 1
-without FSDP (tested; other ep / dp_shard combinations go through the same DCP resharding, untested). Under FSDP at ep 1 (no EPExperts) the experts are sharded with their layers instead
-(parallel/fsdp.py).
+without FSDP (tested; other ep / dp_shard combinations go through the same DCP resharding, untested). Under FSDP
+at ep 1 (no EPExperts) the experts are sharded with their layers instead (parallel/fsdp.py).
 
 Every rank of an ep group must run the same sparse-layer forwards and backwards (the all-to-alls are collectives):
 the same number of micro-batches per step, which the runner's even split of prompts over dp gives.
 
-**The whole policy.** The engine holds every expert, so the refit gathers them (`full_expert_state`: an
-all-gather of each 3-D tensor along dim 0 over the ep group, a collective every rank calls), and so does the whole
-policy the run evaluates and saves (runner/rl.full_models: the trainer's masters, gathered). A rank's own `state_dict()` reports its experts under
-their global HF names (and loads back: the state copies of the measurement hooks). Sharded checkpoints save each
-slice as its Shard(0) of the whole (E, ...) tensor (`expert_meshes`, `as_global`; AdamW's moments too), so a run
-resumes at any ep, 1 included.
+**The whole policy.** The engine holds every expert, so the refit gathers them a layer at a time (`expert_stream`:
+an all-gather of each 3-D tensor along dim 0 over the ep group, a collective every rank calls), and so does the
+whole policy the run
+evaluates and saves (runner/rl.full_models: the trainer's masters, gathered). A rank's own `state_dict()` reports its
+experts under their global HF names (and loads back: the state copies of the measurement hooks). Sharded checkpoints
+save each slice as its Shard(0) of the whole (E, ...) tensor (`expert_meshes`, `as_global`; AdamW's moments too), so a
+run resumes at any ep, 1 included.
 
 Not here: grouped GEMMs (the loop over local experts reads the counts on the host, like the dispatch's split sizes:
 no CUDA graph, no compile), tp with ep (refused).
@@ -71,8 +72,8 @@ no CUDA graph, no compile), tp with ep (refused).
 **Under pipeline parallelism** (tests/test_ep_pp.py) each stage is cut from the whole policy first, then its sparse
 layers' experts placed over that stage's own ep group (parallel/mesh.py cuts ep groups from every stage's dp × cp
 ranks); a stage of dense layers only keeps what it has (`apply_ep(strict=False)`). The refit gathers each stage's
-experts a layer at a time as the stages are streamed (pipeline.stream_stages, ep.expert_stream); the clip sums each stage's
-dense and whole-expert squares over the pipeline group (EPSync.clip).
+experts a layer at a time as the stages are streamed (pipeline.stream_stages, ep.expert_stream); the clip sums each
+stage's dense and whole-expert squares over the pipeline group (EPSync.clip).
 """
 from __future__ import annotations
 

@@ -40,14 +40,15 @@ Mixed precision. `mixed_precision(torch.bfloat16)` = MixedPrecisionPolicy(param_
 weights all-gathered and computed in bf16, gradients reduced in fp32 into the fp32 sharded master weights that
 AdamW updates. `mixed_precision(None)` (fp32 / fp64 runs, the tests) casts nothing.
 
-Mixture of experts. A policy whose experts expert parallelism placed (parallel/ep.py: `apply_ep` first) is sharded
-as a dense policy — attention, norms, routers, shared experts, embeddings, head over the fsdp mesh — except for its
-expert slices: each is a unit of its own over the ranks that hold the same slice (its replica group; Shard(0) of
-the E/ep experts), or, where a rank holds its slice alone, left out (`ignored_params`: a plain tensor whose gradient
-train/grad_sync.EPSync handles; under bf16 mixed precision it stays fp32 and the step's autocast casts it). Without ep (parallel.ep = 1)
-the experts are sharded with their layer like every other tensor: each (E, 2I, h) / (E, h, I) tensor cut along the
-expert dim over the fsdp ranks and all-gathered whole for the layer's forward and backward (torchtitan's layout at
-ep 1): no all-to-all, but every rank runs every expert's GEMMs on its own rows and gathers every expert's weights.
+Mixture of experts. A policy whose experts expert parallelism placed (parallel/ep.py: `apply_ep` first) is sharded as
+a dense policy — attention, norms, routers, shared experts, embeddings, head over the fsdp mesh — except for its
+expert slices: each is a unit of its own over the ranks that hold the same slice (its replica group; Shard(0) of the
+E/ep experts), or, where a rank holds its slice alone, left out (`ignored_params`: a plain tensor whose gradient
+train/grad_sync.EPSync handles; under bf16 mixed precision it stays fp32 and the step's autocast casts it). Without ep
+(parallel.ep = 1) the experts are sharded with their layer like every other tensor: each (E, 2I, h) / (E, h, I) tensor
+cut along the expert dim over the fsdp ranks and all-gathered whole for the layer's forward and backward (torchtitan's
+layout at ep 1): no all-to-all, but every rank runs every expert's GEMMs on its own rows and gathers every expert's
+weights.
 """
 from __future__ import annotations
 
