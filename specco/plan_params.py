@@ -100,13 +100,8 @@ def engine_params(pc: PolicyConfig, tp: int = 1) -> int:
     router, norms and embedding whole — with an untied head of V/tp rows (a tied head held as an untied copy)."""
     if tp == 1:
         return policy_params(pc)
-    local = dataclasses.replace(pc, num_heads=pc.num_heads // tp, num_kv_heads=pc.num_kv_heads // tp,
-                                intermediate_size=pc.intermediate_size // tp, head_dim=pc.head_dim,
-                                tie_word_embeddings=False)
-    if pc.moe:
-        local = dataclasses.replace(local, moe_intermediate_size=pc.moe_intermediate_size // tp,
-                                    shared_expert_intermediate_size=pc.shared_expert_intermediate_size // tp)
-    return policy_params(local) - (pc.vocab_size - pc.vocab_size // tp) * pc.hidden_size
+    from .rollout.tp import local_config
+    return policy_params(local_config(pc, tp)) - (pc.vocab_size - pc.vocab_size // tp) * pc.hidden_size
 
 
 # -- the trainer's state ---------------------------------------------------------------------------------------

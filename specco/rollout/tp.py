@@ -65,6 +65,19 @@ def shard_of(t: torch.Tensor, dim: int, rank: int, tp: int) -> torch.Tensor:
     return t.narrow(dim, rank * n, n)
 
 
+def local_config(c, tp: int):
+    """The PolicyConfig of one engine tp rank's shard (module docstring): H/tp and Hkv/tp heads, I/tp MLP rows (every
+    expert's and the shared expert's too), the head untied (its V/tp rows are sized by tp_shard). The one home of
+    that shape: tp_shard builds it, plan_params.engine_params counts it."""
+    local = dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=c.num_kv_heads // tp,
+                                intermediate_size=c.intermediate_size // tp, head_dim=c.head_dim,
+                                tie_word_embeddings=False)
+    if c.moe:
+        local = dataclasses.replace(local, moe_intermediate_size=c.moe_intermediate_size // tp,
+                                    shared_expert_intermediate_size=c.shared_expert_intermediate_size // tp)
+    return local
+
+
 def tp_shard(policy: Policy, group) -> Policy:
     """This rank's tensor-parallel copy of `policy` for the engine (module docstring), its tensors on the
     policy's device and in its dtype. `group`: the tp process group (its ranks all call this)."""
@@ -81,12 +94,7 @@ def tp_shard(policy: Policy, group) -> Policy:
                              f"by {tp}; choose a rollout tp that divides the head counts, MLP width and vocabulary")
     if policy.embed_tokens is None or policy.lm_head is None or len(policy.layers) != c.num_layers:
         raise ValueError("engine tensor parallelism needs a whole policy (embedding, every layer, head)")
-    local = dataclasses.replace(c, num_heads=c.num_heads // tp, num_kv_heads=c.num_kv_heads // tp,
-                                intermediate_size=c.intermediate_size // tp, head_dim=c.head_dim,
-                                tie_word_embeddings=False)
-    if c.moe:
-        local = dataclasses.replace(local, moe_intermediate_size=c.moe_intermediate_size // tp,
-                                    shared_expert_intermediate_size=c.shared_expert_intermediate_size // tp)
+    local = local_config(c, tp)
     p0 = next(policy.parameters())
     with torch.device("meta"):
         shard = Policy(local)
