@@ -8,8 +8,10 @@ What is compared, with which tolerance:
 * sampling: chi-square of the first 3 emitted tokens (10^5 draws) against the MoE target's exact joint,
   enumerated from full forwards (the pattern of tests/test_speculative.py, whose wrong-verifier test shows the
   machinery can fail), p > 1e-3;
-* CUDA graphs over the loop path are refused by name; on a Hopper GPU (skipped elsewhere) the captured bf16
-  decode, plain and speculative, emits the eager decode's tokens;
+* the engine's capturable path for weights the grouped GEMM does not take (`Experts.every`: every expert on every
+  row, the unchosen weighted by zero) equals the loop, fp64, atol 1e-12 (the same products, summed with exact
+  zeros; only the GEMMs' blocking differs); on a Hopper GPU (skipped elsewhere) the captured decode, plain and
+  speculative, emits the eager decode's tokens, bf16 (grouped GEMM) and fp32 (`every`);
 * the refit writes the 3-D expert parameters in place through the per-expert views (bit-equal, fingerprints).
 """
 import pytest
@@ -17,7 +19,6 @@ import torch
 
 from specco.model.config import PolicyConfig
 from specco.model.policy import Policy
-from specco.rollout.forward import check_graph_safe
 from specco.rollout.generate import GenerateConfig, generate
 from specco.rollout.sampling import SamplingParams
 from test_rollout_helpers import one_thread, random_draft  # noqa: F401
@@ -84,11 +85,19 @@ def test_speculative_sampling_is_lossless_on_moe_target(family):
     assert pvalue > 1e-3, pvalue
 
 
-def test_graphs_over_the_expert_loop_are_refused():
-    policy = moe_policy()
-    check_graph_safe(policy, use_graphs=False)  # eager: fine
-    with pytest.raises(ValueError, match="loop path"):
-        check_graph_safe(policy, use_graphs=True)
+@pytest.mark.parametrize("family,top_k", [("qwen3_moe", 2), ("qwen2_moe", 2), ("qwen3_moe", 3)])
+def test_every_expert_path_equals_the_loop(family, top_k):
+    """`SparseMoE.mix(every=True)` (the engine's CUDA-graph path where the grouped GEMM does not apply) against the
+    loop: the same block output and router logits on random rows (shared expert included for Qwen2-MoE). A wrong
+    weight placement (scatter by the wrong index, or a missing zero) moves outputs by O(1)."""
+    policy = moe_policy(family).double()
+    block = policy.layers["0"].mlp
+    block.top_k = top_k
+    rows = torch.randn(37, 32, dtype=torch.float64)
+    (ref, ref_logits), (out, logits) = block.mix(rows), block.mix(rows, every=True)
+    assert torch.equal(logits, ref_logits)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    assert (out - block.mix(rows[torch.randperm(37)], every=True)[0]).abs().max() > 1e-3  # rows matter
 
 
 def test_refit_writes_the_expert_parameters_in_place():
@@ -109,13 +118,16 @@ def test_refit_writes_the_expert_parameters_in_place():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="the captured MoE decode needs the grouped GEMM (a Hopper GPU)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_cuda_graph_decode_equals_eager(family):
-    """bf16 on a Hopper GPU: the experts take the grouped GEMM, the decode and verify steps are captured, and the
-    captured greedy decode (plain and speculative) emits the eager decode's tokens (the same shapes: no bucketing)."""
-    policy = moe_policy(family, V=64, h=64).cuda().to(torch.bfloat16)
-    assert all(layer.mlp.graph_safe() for layer in policy.layers.values() if hasattr(layer.mlp, "graph_safe"))
-    draft = random_draft(policy, draft_vocab=48).cuda().to(torch.bfloat16)
+def test_cuda_graph_decode_equals_eager(family, dtype):
+    """On a Hopper GPU the decode and verify steps are captured, the experts taking the grouped GEMM (bf16) or
+    `Experts.every` (fp32), and the captured greedy decode (plain and speculative) emits the eager decode's tokens
+    (the same shapes: no bucketing)."""
+    policy = moe_policy(family, V=64, h=64).cuda().to(dtype)
+    assert all(layer.mlp.graph_safe() == (dtype == torch.bfloat16)
+               for layer in policy.layers.values() if hasattr(layer.mlp, "graph_safe"))
+    draft = random_draft(policy, draft_vocab=48).cuda().to(dtype)
     outs = {}
     for graphs in (False, True):
         for d in (None, draft):

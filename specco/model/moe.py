@@ -75,6 +75,20 @@ class Experts(nn.Module):
         y = y * weights.reshape(-1)[order, None].to(y.dtype)  # (N·k, h)
         return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
 
+    def every(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """`forward`'s function with every expert run on every row and the experts a row did not choose weighted
+        by zero: no host read and no ragged shape, so a CUDA graph can capture it in any dtype, at E/k times the
+        chosen experts' FLOPs and every expert's weights read. The rollout engine's path on a GPU where the
+        grouped GEMM does not apply (fp32 engine copies: the from-scratch policies' samplers); `forward` keeps
+        the loop for training, where the FLOPs count. Adding exact zeros changes no sum, so for k = 2 a row's
+        output is the loop's a + b."""
+        w = torch.zeros(idx.shape[0], self.num_experts, dtype=weights.dtype, device=x.device).scatter_(
+            1, idx, weights)  # (N, E) the router's weights, zero off the chosen experts
+        gate, up = torch.matmul(x, self.gate_up_proj.transpose(1, 2)).split(self.inter, dim=-1)  # (E, N, I) each
+        y = torch.matmul(F.silu(gate) * up, self.down_proj.transpose(1, 2))  # (E, N, h)
+        y = y * w.t()[:, :, None].to(y.dtype)  # (E, N, h)
+        return y.sum(0).to(x.dtype)  # (N, h)
+
     def _loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The reference path (any device, dtype): one (gate_up, down) GEMM pair per touched expert. Reads the
         counts on the host (one sync), so it is not CUDA-graph capturable; `_grouped` is."""
@@ -167,12 +181,12 @@ class SparseMoE(nn.Module):
         # stages; Policy.forward clears it after reading, so no graph outlives its step.
         self.router_logits: torch.Tensor | None = None
 
-    def mix(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mix(self, rows: torch.Tensor, every: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """rows (N, h) -> (output (N, h), router logits (N, E)): the block's function, stateless (the rollout
-        engine's decode calls it directly, rollout/forward.py)."""
+        engine's decode calls it directly, rollout/forward.py). every: each expert on each row (`Experts.every`)."""
         logits = self.gate(rows)  # (N, E)
         weights, idx = route(logits, self.top_k, self.norm_topk_prob)
-        out = self.experts(rows, idx, weights)  # (N, h)
+        out = (self.experts.every if every else self.experts)(rows, idx, weights)  # (N, h)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(rows)) * self.shared_expert(rows)
         return out, logits
@@ -183,8 +197,9 @@ class SparseMoE(nn.Module):
         return out.view(x.shape)
 
     def graph_safe(self) -> bool:
-        """Whether a forward in the weights' dtype, on their device, can be captured in a CUDA graph: only the
-        grouped-GEMM path keeps the expert counts on the device (the loop reads them on the host)."""
+        """Whether `forward` in the weights' dtype, on their device, can be captured in a CUDA graph: only the
+        grouped-GEMM path keeps the expert counts on the device (the loop reads them on the host; the engine
+        then takes `Experts.every`)."""
         e = self.experts
         w = e.gate_up_proj  # (E, 2I, h)
         return grouped_mm_applies(w.new_empty(0, w.shape[-1]), w, e.down_proj)

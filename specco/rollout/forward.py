@@ -17,7 +17,9 @@ an in-place refit is seen at once, also by captured CUDA graphs) and built from 
 A mixture-of-experts layer (model/moe.py) replaces the last line by the block's own function on the B·T rows
 (`SparseMoE.mix`: route, one GEMM pair per expert the rows touch, the shared expert): a verify of k+1 tokens per
 row routes every one of them, so it touches up to B·(k+1)·top_k experts where a plain step touches B·top_k.
-Under CUDA graphs only its grouped-GEMM path can be captured (`check_graph_safe`).
+On a GPU where the grouped GEMM does not apply (fp32 copies) the loop would read expert counts on the host, which
+a CUDA graph cannot capture: there the engine runs every expert on every row, the unchosen weighted by zero
+(`Experts.every`: the same outputs, E/k times the FLOPs).
 
 The residual add is deferred into the next layer's norm, so a layer is 10 kernel launches. Tests
 compare every output with the training forward (`tests/test_decode_path.py`).
@@ -85,22 +87,9 @@ def _attend(attn, x_normed, positions, cache_k, cache_v, rope: RopeTable, prefil
 
 def _mlp(mlp, x_normed, tp=None):
     if isinstance(mlp, SparseMoE):  # rows (B·T, h); under tp each expert's I/tp slice: partial sums (rollout/tp.py)
-        return reduce_partial(mlp.mix(x_normed)[0], tp)
+        every = x_normed.is_cuda and not mlp.graph_safe()  # capturable (module docstring)
+        return reduce_partial(mlp.mix(x_normed, every=every)[0], tp)
     return reduce_partial(mlp.down_proj(silu_mul(mlp.gate_up_proj(x_normed))), tp)
-
-
-def check_graph_safe(policy: Policy, use_graphs: bool) -> None:
-    """Refuse, by name, CUDA graphs over MoE layers whose experts would take the host-synchronising loop."""
-    if not use_graphs:
-        return
-    for key, layer in policy.layers.items():
-        if isinstance(layer.mlp, SparseMoE) and not layer.mlp.graph_safe():
-            w = layer.mlp.experts.gate_up_proj
-            raise ValueError(f"CUDA graphs over the mixture-of-experts policy's layer {key}: its experts ({w.dtype}, "
-                             f"{tuple(w.shape)}) take the loop path, which reads expert counts on the host and cannot "
-                             "be captured; the captured path is the grouped GEMM (bf16 engine weights, a Hopper GPU, "
-                             "hidden and expert widths multiples of 8): set rollout.dtype=bfloat16, or decode eagerly "
-                             "(GenerateConfig.use_graphs=False)")
 
 
 def _rows(x):  # (B, T, n) -> (B*T, n) for the row-wise kernels

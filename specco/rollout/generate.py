@@ -46,7 +46,7 @@ from .compaction import LevelStack
 from .config import GenerateConfig  # noqa: F401 (its home; re-exported)
 from .control import LevelK, SpecController
 from .drafters import engine_kind
-from .forward import RopeTable, check_graph_safe, policy_forward
+from .forward import RopeTable, policy_forward
 from .tp import head_logits, pick_one, tp_group_of, vocab_parallel
 from .graphs import StepGraphs
 from .levels import Level, PlainSteps, new_state
@@ -109,7 +109,6 @@ class DecodeRunner:
         self.device = next(policy.parameters()).device
         self.generator = generator
         self.use_graphs, _ = execution_modes(cfg, self.device)  # (bucketing: runner_shape)
-        check_graph_safe(policy, self.use_graphs)
         self.k = cfg.num_draft_tokens if draft is not None else 0  # k_max
         stops = cfg.eos_token_id if isinstance(cfg.eos_token_id, tuple) else (cfg.eos_token_id,)
         # (n_stop,) int64 on the device, read by the steps (and their graphs) to end rows; None: no stop token
