@@ -196,6 +196,41 @@ def test_grouped_gemm_equals_loop(device, dtype):
         torch.testing.assert_close(g.float(), r.float(), **tol)
 
 
+def test_autocast_takes_the_grouped_gemm_over_fp32_masters(monkeypatch):
+    """Under bf16 autocast over fp32 master weights (train.amp=bf16), `Experts.forward` casts the rows and the
+    expert weights to bf16 and takes the grouped GEMM, as autocast does for a linear; its output and the fp32
+    masters' gradients match the loop under the same autocast (rtol 2e-2 / atol 2e-3: bf16 operands, products
+    summed in different blockings). On CPU the public forward takes the grouped path only on CUDA, so the test
+    lets it run on torch's CPU kernel (skipped where there is none) and checks the path was taken."""
+    if not _grouped_kernel_runs("cpu"):
+        pytest.skip("no grouped-GEMM kernel on cpu")
+    from specco.model import moe
+    torch.manual_seed(0)
+    ex = moe.Experts(8, 64, 32)
+    with torch.no_grad():
+        ex.gate_up_proj.normal_(0, 0.1)
+        ex.down_proj.normal_(0, 0.1)
+    x = torch.randn(150, 64)
+    idx = torch.randint(0, 7, (150, 2))  # expert 7 untouched: an empty group
+    w = torch.rand(150, 2)
+    taken, real = [], moe.grouped_mm_applies
+    monkeypatch.setattr(moe, "grouped_mm_applies", lambda a, *ws: taken.append(a.dtype) or (
+        a.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in ws)))
+    runs = []
+    for grouped in (True, False):
+        if not grouped:
+            monkeypatch.setattr(moe, "grouped_mm_applies", real)  # CPU: the loop
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = ex(x, idx, w)
+        runs.append((y.float(), torch.autograd.grad(y.float().square().sum(), [ex.gate_up_proj, ex.down_proj])))
+    assert taken == [torch.bfloat16]  # the grouped path saw the cast rows
+    (y_g, g_g), (y_l, g_l) = runs
+    assert all(g.dtype == torch.float32 for g in g_g)  # through the casts to the masters
+    torch.testing.assert_close(y_g, y_l, rtol=2e-2, atol=2e-3)
+    for a, b in zip(g_g, g_l):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
 # -- config.json boundary --------------------------------------------------------------------------------------
 
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,

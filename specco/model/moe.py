@@ -68,8 +68,9 @@ class Experts(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
             0, flat, torch.ones_like(flat))
         xs = x[rows]  # (N·k, h) each row once per expert it visits, grouped by expert
-        if grouped_mm_applies(xs, self.gate_up_proj, self.down_proj):
-            y = self._grouped(xs, counts)
+        xs_c, w1, w2 = _autocast_operands(xs, self.gate_up_proj, self.down_proj)
+        if grouped_mm_applies(xs_c, w1, w2):
+            y = self._grouped(xs_c, counts, w1, w2)
         else:
             y = self._loop(xs, counts)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)  # (N·k, h)
@@ -101,13 +102,30 @@ class Experts(nn.Module):
                 start += n
         return torch.cat(outs) if outs else xs.new_zeros(xs.shape)
 
-    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor | None = None,
+                 down_proj: torch.Tensor | None = None) -> torch.Tensor:
         """The same as `_loop` with two grouped GEMMs over all experts (ops/grouped_mm.py; CUDA, bf16): segment
-        ends are cumulative counts on the device, so nothing is read on the host."""
+        ends are cumulative counts on the device, so nothing is read on the host. The weights default to the
+        parameters (`forward` passes their autocast casts)."""
+        w1 = self.gate_up_proj if gate_up_proj is None else gate_up_proj  # (E, 2I, h)
+        w2 = self.down_proj if down_proj is None else down_proj  # (E, h, I)
         ends = counts.cumsum(0).to(torch.int32)  # (E,) one past each expert's last row
-        gate_up = grouped_mm(xs, self.gate_up_proj.transpose(1, 2), ends)  # (N·k, 2I)
+        gate_up = grouped_mm(xs, w1.transpose(1, 2), ends)  # (N·k, 2I)
         gate, up = gate_up.split(self.inter, dim=-1)
-        return grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), ends)  # (N·k, h)
+        return grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), ends)  # (N·k, h)
+
+
+def _autocast_operands(xs: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(xs, *weights) cast to the autocast dtype where autocast is on for xs's device, else as they are: what
+    autocast does to a linear's operands. The grouped GEMM is on none of autocast's cast lists, so without this a
+    bf16-autocast train step over fp32 master weights (train.amp=bf16) took the loop: a host read of the counts
+    and one GEMM pair per expert, and under torch.compile a recompile per pattern of empty experts (the H200 MoE
+    run hit dynamo's recompile limit). The casts are differentiable: the gradients reach the fp32 masters."""
+    kind = xs.device.type
+    if not torch.is_autocast_enabled(kind):
+        return (xs, *weights)
+    dt = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dt) for t in (xs, *weights))
 
 
 def _split_experts(mod, state, prefix, local_metadata):
