@@ -83,23 +83,31 @@ def _batch(pc: PolicyConfig, rows: int, seq: int, completion: int, dev, seed: in
 
 
 def _planned(pc: PolicyConfig, dcfg: DraftConfig, scfg: StepConfig, rows: int, seq: int, fsdp: bool,
-             shard: int = 1) -> dict:
+             shard: int = 1, ep: int = 1) -> dict:
     """The planner's trainer memory of one rank; `rows` the step's rows over all `shard` ranks (plan.Shapes)."""
     s = Shapes(policy=pc, draft_kind="eagle3", draft_vocab=dcfg.draft_vocab_size, draft_layers=1,
                num_taps=len(dcfg.aux_layer_ids), seq=seq, rows_per_step=rows, minibatches=1,
                micro_batch_rows=scfg.micro_batch_rows, draft_row_stride=scfg.draft_row_stride,
                ttt_passes=scfg.ttt_passes, gamma=4, num_anchors=16, loss_chunk=scfg.loss_chunk, compute_bytes=2,
                engine_bytes=2, compact_below=0.0)
-    m = rank_memory(s, Layout(1, 1, shard, 1, fsdp=fsdp, ac=False))
+    m = rank_memory(s, Layout(1, 1, shard, 1, fsdp=fsdp, ac=False, ep=ep))
     m["trainer"] = sum(m[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft"))
     return m
 
 
-def _variant(name: str, base: Policy, draft: Eagle3Draft, batch: TrainBatch, scfg: StepConfig, args, mesh) -> dict:
+def _variant(name: str, base: Policy, draft: Eagle3Draft, batch: TrainBatch, scfg: StepConfig, args, mesh,
+             shard=None) -> dict:
+    """One variant's timed steps and peak. `shard(base) -> policy`: the caller's own sharded trainer copy
+    (bench/ep_step.py: experts placed, then FSDP); otherwise a copy of `base`, FSDP-applied for the fsdp* ones."""
     dev = batch.tokens.device
-    policy, d = copy.deepcopy(base).to(dev).train(), copy.deepcopy(draft).to(dev).train()  # base stays on the host
+    d = copy.deepcopy(draft).to(dev).train()
     sync = None
-    if name.startswith("fsdp"):  # fsdp1, or fsdpN under torchrun: the mesh's ranks
+    if shard is not None:
+        policy = shard(base).train()
+        sync = grad_syncs(policy, None)
+    else:
+        policy = copy.deepcopy(base).to(dev).train()  # base stays on the host
+    if shard is None and name.startswith("fsdp"):  # fsdp1, or fsdpN under torchrun: the mesh's ranks
         apply_fsdp(policy, mesh, mixed_precision(torch.bfloat16))
         sync = grad_syncs(policy, None)
     opt = build_optimizer(policy, d, 1e-5, 1e-5)
