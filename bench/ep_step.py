@@ -2,10 +2,11 @@
 
 One bf16 co-training step (policy + EAGLE-3 draft, random weights) of a Qwen3-MoE policy, built and timed by
 bench/fsdp_step.py's pieces (`_batch`, `_variant`: warm-up, CUDA-event medians, max_memory_allocated over the
-timed steps), the trainer's copy cut by the production recipe (trainer.make_arm): parallel/load.sharded_copy with
-expert parallelism (`apply_ep` over mesh.ep_group, slices summed over mesh.ep_replica_group) applied on the meta
-model before FSDP shards the rest over mesh.fsdp_mesh, bf16 gathers and fp32 reductions; the grad syncs of
-train/grad_sync.py (EPSync over FSDPSync).
+timed steps), the trainer's copy cut by the production recipe (trainer.make_arm): parallel/load.sharded_policy
+with expert parallelism (`apply_ep` over mesh.ep_group, slices summed over mesh.ep_replica_group) applied on the
+meta model before FSDP shards the rest over mesh.fsdp_mesh, bf16 gathers and fp32 reductions, random weights drawn
+straight into each rank's shards (fsdp_step.random_sharded: no whole copy anywhere, so the 30 B shape fits); the
+grad syncs of train/grad_sync.py (EPSync over FSDPSync).
 
     world 1 (no torchrun)      plain: fp32 masters whole, bf16 autocast (a one-GPU MoE run)
     torchrun, --ep 1           dp_shard N, ep 1: FSDP shards each (E, ...) expert tensor along E with its layer and
@@ -40,7 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
-from fsdp_step import GiB, _batch, _planned, _variant  # noqa: E402
+from fsdp_step import GiB, _batch, _planned, _variant, random_sharded  # noqa: E402
 from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
@@ -60,18 +61,16 @@ SIZES = {
 }
 
 
-def ep_copy(mesh: Mesh, ep: int, dev):
-    """The trainer's copy as trainer.make_arm cuts it: `apply_ep` on the meta model (at ep > 1), then FSDP of the
-    rest with bf16 gathers; each rank copies only its rows and expert slices out of the whole policy."""
+def prepare_ep(mesh: Mesh, ep: int):
+    """What trainer.make_arm applies to the meta model before FSDP (at ep > 1): each sparse layer's experts cut to
+    this rank's slice over mesh.ep_group, their gradients summed over mesh.ep_replica_group; FSDP then leaves the
+    slices out of its units."""
     from specco.parallel.ep import apply_ep
-    from specco.parallel.fsdp import mixed_precision
-    from specco.parallel.load import sharded_copy
 
-    def prepare(m):  # before FSDP: the slices are then left out of its units
+    def prepare(m):
         if ep > 1:
             apply_ep(m, mesh.ep_group, mesh.ep_replica_group)
-    return lambda base: sharded_copy(base.to(dev), mesh.fsdp_mesh, mp_policy=mixed_precision(torch.bfloat16),
-                                     prepare=prepare)
+    return prepare
 
 
 def main():
@@ -104,11 +103,17 @@ def main():
     pc = SIZES[args.size]
     dcfg = DraftConfig.for_policy(pc, draft_vocab_size=min(args.draft_vocab, pc.vocab_size))
     scfg = StepConfig(amp_dtype=torch.bfloat16, micro_batch_rows=args.micro_rows, draft_row_stride=8, ttt_passes=3)
-    torch.manual_seed(0)  # the same starting weights on every rank
-    base, draft = Policy(pc), Eagle3Draft(dcfg)  # on the host: the trainer's copy is cut from it
+    torch.manual_seed(0)  # the same draft on every rank
+    if world > 1:  # the policy drawn straight into its shards and slices (fsdp_step.random_sharded)
+        base, draft = None, Eagle3Draft(dcfg)
+    else:
+        with torch.device(dev):
+            base, draft = Policy(pc), Eagle3Draft(dcfg)
+        base, draft = base.cpu(), draft.cpu()  # the host keeps the base copies: the variant's peak is its own
     batch = _batch(pc, args.rows // world, args.seq, min(args.completion, args.seq - 1), dev, seed=mesh.rank)
     name = "plain" if world == 1 else f"fsdp{world}_ep{ep}"
-    v = _variant(name, base, draft, batch, scfg, args, None, shard=ep_copy(mesh, ep, dev) if world > 1 else None)
+    shard = random_sharded(pc, mesh.fsdp_mesh, dev, prepare_ep(mesh, ep)) if world > 1 else None
+    v = _variant(name, base, draft, batch, scfg, args, None, shard=shard)
     plan = _planned(pc, dcfg, scfg, args.rows, args.seq, fsdp=world > 1, shard=world, ep=ep)
     v.update(rank=mesh.rank, planned_trainer_bytes=plan["trainer"])
     ranks = [None] * world

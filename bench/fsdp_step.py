@@ -19,12 +19,14 @@ The planner (specco/plan.py rank_memory, trainer components: params, compute cop
 draft) is printed beside each measured peak, for the layout the variant is (fsdp False / True at shard 1).
 
 Under torchrun at world N (issue 39) each rank runs one variant, fsdpN: the policy FSDP-sharded over the N ranks
-(dp_shard N, the same apply_fsdp and grad syncs), the step's --rows split over them (rows / N each, every rank its
-own rows: a global batch of --rows, so the N-rank step is comparable with the world-1 ones above), with the
-collectives' transfer time now inside the step. Reported per rank (a step ends on the slowest rank: the max of the
-ranks' medians is the step time) with the planner at Layout(dp_shard N, fsdp) beside the largest peak. One size
-per launch (a fresh CUDA context per size, as the variants above); the 7b shape needs N >= 2 (16 B a parameter of
-fp32 masters, grads and AdamW: 122 GB before activations).
+(dp_shard N, FSDP2 with the same mixed precision and grad syncs; built as make_arm builds a sharded copy,
+parallel/load.sharded_policy, random weights drawn straight into each rank's shards: no whole copy on any GPU or
+host), the step's --rows split over them (rows / N each, every rank its own rows: a global batch of --rows, so the
+N-rank step is comparable with the world-1 ones above), the collectives' transfer time now inside the step.
+Reported per rank (a step ends on the slowest rank: the max of the ranks' medians is the step time) with the
+planner at Layout(dp_shard N, fsdp) beside the largest peak. One size per launch (a fresh CUDA context per size,
+as the variants above); the 7b shape needs N >= 2 (16 B a parameter of fp32 masters, grads and AdamW: 122 GB
+before activations).
 
     python bench/fsdp_step.py --device cuda --sizes 1.5b,3b          # the H200 run (BENCHMARKS.md)
     python bench/fsdp_step.py --device cpu --sizes tiny --reps 2     # a smoke on CPU
@@ -93,6 +95,30 @@ def _planned(pc: PolicyConfig, dcfg: DraftConfig, scfg: StepConfig, rows: int, s
     m = rank_memory(s, Layout(1, 1, shard, 1, fsdp=fsdp, ac=False, ep=ep))
     m["trainer"] = sum(m[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft"))
     return m
+
+
+def random_sharded(pc: PolicyConfig, mesh, dev, prepare=None):
+    """A `shard(base)` for `_variant`: the trainer's FSDP copy (bf16 gathers, fp32 reductions) of a random policy of
+    `pc` built straight into each rank's shards (parallel/load.sharded_policy, as make_arm builds a sharded copy;
+    `prepare` on the meta model first: ep_step's apply_ep). No whole copy exists on any rank or host, so a 7-30 B
+    policy costs each rank only its shards; the weights differ from `base`'s (a timing bench: any N(0, 0.02)
+    values do, norms at 1 as at init) and from rank to rank's fill (each rank draws its own rows)."""
+    from specco.parallel.load import sharded_policy
+
+    @torch.no_grad()
+    def fill(model, rows_of):
+        for name, p in model.named_parameters():
+            local = rows_of(p)[0]
+            if local.numel() == 0:
+                continue
+            if name.endswith("norm.weight"):
+                local.fill_(1.0)
+            elif name.endswith(".bias"):
+                local.zero_()
+            else:
+                local.normal_(0.0, 0.02)
+    return lambda base: sharded_policy(pc, mesh, dev, fill, torch.float32, mp_policy=mixed_precision(torch.bfloat16),
+                                       prepare=prepare)
 
 
 def _variant(name: str, base: Policy, draft: Eagle3Draft, batch: TrainBatch, scfg: StepConfig, args, mesh,
@@ -167,9 +193,9 @@ def _one(args) -> dict:
     scfg = StepConfig(amp_dtype=torch.bfloat16, micro_batch_rows=args.micro_rows, draft_row_stride=8, ttt_passes=3)
     pc = SIZES[args.size]
     dcfg = DraftConfig.for_policy(pc, draft_vocab_size=min(args.draft_vocab, pc.vocab_size))
-    torch.manual_seed(0)  # the same starting weights on every rank (FSDP shards a replicated module)
-    if world > 1:  # built on the host: N ranks' whole fp32 copies at once need not fit one GPU each
-        base, draft = Policy(pc), Eagle3Draft(dcfg)
+    torch.manual_seed(0)
+    if world > 1:  # the draft whole (every rank the same), the policy straight into its shards (random_sharded)
+        base, draft = None, Eagle3Draft(dcfg)
     else:
         with torch.device(dev):
             base, draft = Policy(pc), Eagle3Draft(dcfg)
@@ -177,9 +203,10 @@ def _one(args) -> dict:
     if args.rows % world:
         raise SystemExit(f"--rows {args.rows} is not a multiple of the world size {world}")
     batch = _batch(pc, args.rows // world, args.seq, min(args.completion, args.seq - 1), dev, seed=rank)
-    v = _variant(args.variant, base, draft, batch, scfg, args, mesh)
+    v = _variant(args.variant, base, draft, batch, scfg, args, mesh,
+                 shard=random_sharded(pc, mesh, dev) if world > 1 else None)
     plan = _planned(pc, dcfg, scfg, args.rows, args.seq, fsdp=args.variant.startswith("fsdp"), shard=world)
-    v.update(rank=rank, world=world, params=sum(p.numel() for p in base.parameters()),
+    v.update(rank=rank, world=world, params=pc.num_params,
              draft_params=sum(p.numel() for p in draft.parameters()), planned_trainer_bytes=plan["trainer"],
              planned={k: plan[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft")},
              planned_over_measured=plan["trainer"] / v["peak_bytes"] if v["peak_bytes"] else None)
