@@ -14,10 +14,16 @@ completion: graded, so the advantages are not zero):
 Every DP rank samples its own stream (trainer.make_arm), so a world-N run's rollouts are not a world-1 run's. The
 reference is therefore what tests/test_rl_fsdp.py replays: every rank records its rollouts, rank 0 trains the union
 of them with `train_on_rollouts` on a world-1 arm of the same config (the layout's keys removed), step by step, and
-compares each step's metrics; the world-1 parameters after both steps are broadcast and every rank compares its own
-view of the world-N run's (the FSDP shards / expert slices gathered; a whole copy as it is), so a wrong rank is
-caught wherever it sits. For rollout_tp the same layout also runs at rollout.tp=1 in the same processes: its
-rollouts (tokens) and rewards are compared with the tp-N engine's.
+compares each step's metrics; the reference parameters after both steps are broadcast and every rank compares its
+own view of the world-N run's (the FSDP shards / expert slices gathered; a whole copy as it is), so a wrong rank is
+caught wherever it sits. Compared by name (an expert-parallel policy's gathered state lists its keys in another
+order). Two layouts also run a twin in the same processes, the piece under test off:
+  * rollout_tp at rollout.tp=1: the tp-N engine's rollouts (tokens) and rewards against the whole engine's;
+  * ep at parallel.ep=1 (plain DP over the same ranks). For the MoE the twin, not the world-1 replay, is the
+    reference of the metrics and weights, as tests/test_ep.py: the router's aux loss is a statistic of each
+    rank's micro-batch (token fractions x mean router probabilities), not of the union, so dp N and one process
+    train differently by design (seen: aux loss 4e-4 relative, parameters 1e0 apart after two steps); dp N at
+    ep 1 against one process is the dense layouts' replay and tests/test_dp.py.
 
 Tolerances (the bounds, and why):
   * CPU (gloo, fp64 models): only summation orders differ (reduce-scatter vs one process's sums, the engine's
