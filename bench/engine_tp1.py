@@ -10,7 +10,8 @@ greedy tokens.
 
 Under torchrun at world N (issue 39) the tp group is the N ranks: the engine's shard `tpN` (each rank 1/N of the
 heads, MLP width and vocabulary; two all-reduces per layer and the vocabulary-parallel pick inside the graphs)
-against the whole engine each rank also holds (`--no-whole`: a policy one GPU cannot hold, the shard alone). Per run
+against the whole engine each rank also holds (`--no-whole`: the shard alone, its whole copy dropped once cut; it
+is still built whole first, so a policy that never fits one GPU needs a meta-device build, not written yet). Per run
 also the verify of k+1 tokens per row alone (rollout.py's `isolated`: the captured verify step) and the speculative
 speedup over the same engine's plain step, τ·t_step / t_round (tokens per second, speculative over plain). Every rank
 times its own engine in lock-step with the others; rank 0 writes its figures (the ranks' steps end together: the
@@ -106,7 +107,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="interleaved A/B repetitions")
     ap.add_argument("--max-new", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    ap.add_argument("--no-whole", action="store_true", help="the shard alone (a policy one GPU cannot hold)")
+    ap.add_argument("--no-whole", action="store_true", help="time the shard alone (the whole copy dropped once cut)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = args.device
