@@ -11,9 +11,9 @@
 # ranks and CUDA-graph capture included). A kind's steps together exceed one 10-minute call, so make two calls
 # per kind, part A then part B:
 #
-#   N=2  A: check fsdp3b fsdp7b refit (~1.5 + 1 + 2 + 1.5 = 6 min)   B: engine ep1 epN moe (~2 + 1 + 1 + 1 = 5 min)
-#   N=4  A: check fsdp3b fsdp7b refit (~1.5 + 1 + 1.5 + 1.5 = 5.5)   B: engine ep1 epN moe (~2 + 1 + 1 + 1 = 5 min)
-#   N=8  A: fsdp3b fsdp7b refit (~1 + 1.5 + 2 = 4.5 min)             B: engine ep1 epN moe a3b (~2 + 1 + 1 + 1 + 3)
+#   N=2  A: check fsdp3b fsdp7b refit (~1.5 + 1 + 2 + 1.5 = 6 min)   B: engine e72b ep1 epN moe (~2 + 3 + 1 + 1 + 1)
+#   N=4  A: check fsdp3b fsdp7b refit (~1.5 + 1 + 1.5 + 1.5 = 5.5)   B: engine e72b ep1 epN moe (~2 + 3 + 1 + 1 + 1)
+#   N=8  A: fsdp3b fsdp7b refit a3b (~1 + 1.5 + 2 + 3 = 7.5 min)     B: engine e72b ep1 epN moe (~2 + 3 + 1 + 1 + 1)
 #
 # The steps (torchrun --nproc-per-node N unless said):
 #   check    bench/multi_gpu_check.py at world 2 (always 2 ranks: the dp_shard 2, rollout.tp 2, ep 2 against
@@ -27,6 +27,8 @@
 #            bf16 engine (buckets whole/64/512 MB, guard on/off) and the offload cycle. est. 1.5 min
 #   engine   bench/engine_tp1.py --model 8b at rollout tp N against the whole engine on every rank: plain step,
 #            verify, speculative round and speedup, B 1 / 32, KV 1,024. est. 2 min
+#   e72b     the same for Qwen2.5-72B's shape (145 GB in bf16: no GPU holds it whole), the shard alone (--no-whole:
+#            built without a whole copy), 72 / 36 / 18 GB a rank at tp 2 / 4 / 8. est. 3 min
 #   ep1/epN  bench/ep_step.py --size 1b (configs/moe.toml's MoE) at dp_shard N, ep 1 and ep N. est. 1 min each
 #   moe      bench/moe_verify.py at rollout tp N (its default 16-expert model; kv heads 8 at N = 8). est. 1 min
 #   a3b      bench/ep_step.py --size a3b at ep N (Qwen3-30B-A3B's shape: N = 8 only). est. 3 min
@@ -65,6 +67,8 @@ for step in $STEPS; do
               --out "$OUT/refit_w${N}.json" ;;
     engine) run engine 300 $TR "$N" bench/engine_tp1.py --device cuda --model 8b --batch-sizes 1,32 \
               --prompt-lens 1024 --out "$OUT/engine_tp${N}_8b.json" ;;
+    e72b)   run e72b 400 $TR "$N" bench/engine_tp1.py --device cuda --model 72b --no-whole --batch-sizes 1,32 \
+              --prompt-lens 1024 --out "$OUT/engine_tp${N}_72b.json" ;;
     ep1)    run ep1 240 $TR "$N" bench/ep_step.py --device cuda --size 1b --ep 1 --reps 4 \
               --out "$OUT/ep_step_w${N}_ep1.json" ;;
     epN)    run epN 240 $TR "$N" bench/ep_step.py --device cuda --size 1b --ep "$N" --reps 4 \
@@ -74,7 +78,7 @@ for step in $STEPS; do
               --out "$OUT/moe_verify_tp${N}.json" ;;
     a3b)    run a3b 400 $TR "$N" bench/ep_step.py --device cuda --size a3b --ep "$N" --rows 16 --reps 3 \
               --out "$OUT/ep_step_w${N}_a3b.json" ;;
-    *) echo "unknown step $step (check fsdp3b fsdp7b refit engine ep1 epN moe a3b)"; exit 2 ;;
+    *) echo "unknown step $step (check fsdp3b fsdp7b refit engine e72b ep1 epN moe a3b)"; exit 2 ;;
   esac
 done
 ls -la "$OUT"

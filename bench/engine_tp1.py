@@ -10,8 +10,8 @@ greedy tokens.
 
 Under torchrun at world N (issue 39) the tp group is the N ranks: the engine's shard `tpN` (each rank 1/N of the
 heads, MLP width and vocabulary; two all-reduces per layer and the vocabulary-parallel pick inside the graphs)
-against the whole engine each rank also holds (`--no-whole`: the shard alone, its whole copy dropped once cut; it
-is still built whole first, so a policy that never fits one GPU needs a meta-device build, not written yet). Per run
+against the whole engine each rank also holds (`--no-whole`: the shard alone, built without a whole copy anywhere by
+`build_shard`, so a policy no GPU holds runs, e.g. the 72b shape at tp 2-8). Per run
 also the verify of k+1 tokens per row alone (rollout.py's `isolated`: the captured verify step) and the speculative
 speedup over the same engine's plain step, τ·t_step / t_round (tokens per second, speculative over plain). Every rank
 times its own engine in lock-step with the others; rank 0 writes its figures (the ranks' steps end together: the
@@ -37,7 +37,57 @@ from _results import write_results  # noqa: E402
 from rollout import MODELS, _release, build, isolated, prompts_for, timed  # noqa: E402
 from specco.rollout.generate import DecodeRunner, GenerateConfig  # noqa: E402
 from specco.rollout.sampling import SamplingParams  # noqa: E402
+from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
+from specco.model.draft import Eagle3Draft  # noqa: E402
+from specco.model.policy import Policy  # noqa: E402
 from specco.rollout.tp import tp_shard  # noqa: E402
+
+
+@torch.no_grad()
+def build_shard(args, device, dtype, group):
+    """This rank's engine shard of a `--draft self` pair (bench/rollout.py's `build`: its module docstring) and the
+    whole draft, without the whole policy anywhere: tp_shard cuts a meta-device policy (shapes only), the shard is
+    then allocated on the device and filled here. The pair's recipe on the shard: every layer an identity on the
+    residual (o_proj and down_proj at 0: their partial sums all-reduce to 0), the embedding (whole on every rank:
+    drawn from the same seed, so every rank's is the same) scaled so the tied head's self-logit is ~20, the head's
+    V/tp rows that embedding's block; the draft proposes "repeat" from the last aux tap with the head's rows of its
+    vocabulary (the embedding's rows: whole here). The cut weights (q/k/v, gate/up) are random per rank: the layer
+    is an identity whatever they are, and the timing is of their shapes."""
+    pc = PolicyConfig(**MODELS[args.model])
+    if not pc.tie_word_embeddings:
+        raise SystemExit(f"--no-whole builds the `--draft self` pair of a tied policy; {args.model} is untied")
+    with torch.device("meta"):  # in the engine's dtype already: a 72b shard in fp32 would not fit at tp 2
+        shard = tp_shard(Policy(pc).to(dtype), group)  # shapes only: this rank's local config, tp attributes set
+    shard = shard.to_empty(device=device)
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(0)  # the whole tensors first, in the same order on every rank: the same values everywhere
+    emb = shard.embed_tokens.weight
+    emb.normal_(0.0, 0.02).mul_(20.0 / (0.02 * pc.hidden_size))
+    rows = pc.vocab_size // tp
+    shard.lm_head.weight.copy_(emb[rank * rows:(rank + 1) * rows])  # the tied head's block (tp.py: an untied copy)
+    for name, t in shard.named_parameters():
+        if name.startswith(("embed_tokens", "lm_head")):
+            continue
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t.zero_()  # policy_layer_scale 0: the layer adds nothing to the residual (it still runs every matmul)
+        elif "norm" in name:
+            t.fill_(1.0)
+        elif name.endswith(".bias"):
+            t.zero_()
+        else:
+            t.normal_(0.0, 0.02)
+    dc = DraftConfig.for_policy(pc, draft_vocab_size=args.draft_vocab)
+    with torch.device(device):
+        draft = Eagle3Draft(dc)
+    h, n_aux = pc.hidden_size, len(dc.aux_layer_ids)
+    draft.fc.weight.zero_()
+    draft.fc.weight[:, (n_aux - 1) * h:].copy_(torch.eye(h))  # select the last aux tap (= the embedding)
+    draft.midlayer.self_attn.o_proj.weight.zero_()
+    draft.midlayer.mlp.down_proj.weight.zero_()
+    draft.norm.weight.fill_(1.0)  # the policy's final norm (ones)
+    draft.init_head_from_policy(emb)  # the tied head is the embedding
+    draft.lm_head.weight.mul_(args.draft_scale)
+    return shard.to(dtype).eval(), draft.to(dtype).eval()
 
 
 def _runner(policy, draft, args, batch, prompts, device):
@@ -107,7 +157,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="interleaved A/B repetitions")
     ap.add_argument("--max-new", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    ap.add_argument("--no-whole", action="store_true", help="time the shard alone (the whole copy dropped once cut)")
+    ap.add_argument("--no-whole", action="store_true", help="the shard alone, no whole copy built (build_shard): a policy one GPU cannot hold")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = args.device
@@ -126,12 +176,11 @@ def main():
     rows = []
     for plen in (int(x) for x in args.prompt_lens.split(",")):
         args.prompt_len = plen
-        whole, draft = build(args, device, dtype)  # seeded: the same weights on every rank
-        shard = tp_shard(whole, dist.group.WORLD)
-        if args.no_whole:
-            del whole
-            whole = None
-            _release(device)
+        if args.no_whole:  # the shard alone, never a whole copy
+            whole, (shard, draft) = None, build_shard(args, device, dtype, dist.group.WORLD)
+        else:
+            whole, draft = build(args, device, dtype)  # seeded: the same weights on every rank
+            shard = tp_shard(whole, dist.group.WORLD)
         for b in (int(x) for x in args.batch_sizes.split(",")):
             r = bench_point(whole, shard, draft, args, b, device)
             if dist.get_rank() == 0:

@@ -8,7 +8,8 @@ is asserted (CPU timings of tiny models mean nothing; the figures come from benc
   on each rank) on that rank alone;
 * fsdp_step / ep_step: the world-2 step on each rank, the planner at dp_shard 2 (half the world-1 plan's sharded
   parts: params, grads, AdamW), and fsdp_step's world-1 path unchanged;
-* engine_tp1 at tp 2: the shard decodes the whole engine's greedy tokens, per-engine verify and speedup fields;
+* engine_tp1 at tp 2: the shard decodes the whole engine's greedy tokens, per-engine verify and speedup fields; the
+  shard built without a whole policy (--no-whole) still accepts every draft token of the agreeing pair;
 * moe_verify at tp 2: one rank's shard (heads and expert widths halved), experts touched within their bounds;
 * refit at dp_shard 2; device_multi_gpu.sh parses and names only scripts that exist."""
 import json
@@ -113,6 +114,14 @@ def test_engine_tp2(tmp_path):
             assert row[f"{k}_{n}_ms"] > 0
         assert row[f"tau_{n}"] > 1 and row[f"speedup_{n}"] > 0 and row[f"verify_over_step_{n}"] > 0
     assert row["plain_tp2_over_whole"] > 0 and "plain_tp1_ms" not in row
+    # --no-whole: the shard built without a whole policy (build_shard) still makes the agreeing pair: the draft's
+    # k = 4 tokens all accepted, as the whole-cut shard's
+    out = tmp_path / "tp2_shard_only.json"
+    _torchrun("engine_tp1.py", "--device", "cpu", "--model", "tiny", "--batch-sizes", "2", "--prompt-lens", "32",
+              "--iters", "1", "--reps", "1", "--no-whole", "--out", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "plain_whole_ms" not in row and "greedy_tokens_equal" not in row
+    assert row["tau_tp2"] == pytest.approx(5.0) and row["plain_tp2_ms"] > 0 and row["verify_tp2_ms"] > 0
 
 
 def test_ep_step_at_ep_1_and_2(tmp_path):
@@ -162,7 +171,7 @@ def test_device_driver_parses_and_names_existing_scripts():
     assert "export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1" in text
     # every step is a case writing one JSON under $OUT; the default list (one call) brings back at most 8 files
     steps = re.findall(r"^    (\w+)\)", text, re.M)
-    assert set(steps) == {"check", "fsdp3b", "fsdp7b", "refit", "engine", "ep1", "epN", "moe", "a3b"}
+    assert set(steps) == {"check", "fsdp3b", "fsdp7b", "refit", "engine", "e72b", "ep1", "epN", "moe", "a3b"}
     assert len(re.findall(r'--out "\$OUT/', text)) == len(steps)
     default = re.search(r"STEPS=\$\{\*:-([^}]*)\}", text).group(1).split()
     assert set(default) <= set(steps) and len(default) <= 8
