@@ -27,13 +27,14 @@
 #            bf16 engine (buckets whole/64/512 MB, guard on/off) and the offload cycle. est. 1.5 min
 #   engine   bench/engine_tp1.py --model 8b at rollout tp N against the whole engine on every rank: plain step,
 #            verify, speculative round and speedup, B 1 / 32, KV 1,024. est. 2 min
-#   e72b     the same for Qwen2.5-72B's shape (145 GB in bf16: no GPU holds it whole), the shard alone (--no-whole:
-#            built without a whole copy), 72 / 36 / 18 GB a rank at tp 2 / 4 / 8. est. 3 min
+#   e72b     the same for Qwen2.5-72B's shape (143 GB in bf16: no GPU holds it whole), the shard alone (--no-whole:
+#            built without a whole copy), 71 / 36 / 18 GB a rank at tp 2 / 4 / 8. est. 3 min
 #   ep1/epN  bench/ep_step.py --size 1b (configs/moe.toml's MoE) at dp_shard N, ep 1 and ep N. est. 1 min each
 #   moe      bench/moe_verify.py at rollout tp N (its default 16-expert model; kv heads 8 at N = 8). est. 1 min
 #   a3b      bench/ep_step.py --size a3b at ep N (Qwen3-30B-A3B's shape: N = 8 only). est. 3 min
-# The world-1 figures they stand beside are BENCHMARKS.md's (one H200): fsdp_step plain / fsdp1, refit at
-# world 1, engine_tp1 at tp 1, moe_verify at tp 1.
+# The world-1 figures they stand beside are BENCHMARKS.md's (one H200): fsdp_step plain / fsdp1 (1.5b, 3b), refit
+# at world 1, engine_tp1 at tp 1 (0.5b; the 8b's tp 1 is the `whole` engine of the engine step itself), moe_verify
+# at tp 1. Not yet run on one H200: `python3 bench/ep_step.py --device cuda --size 1b` (the MoE step at world 1).
 set -u
 N=${1:?usage: bash bench/device_multi_gpu.sh N [STEP ...]}
 shift
