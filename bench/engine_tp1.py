@@ -157,7 +157,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="interleaved A/B repetitions")
     ap.add_argument("--max-new", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    ap.add_argument("--no-whole", action="store_true", help="the shard alone, no whole copy built (build_shard): a policy one GPU cannot hold")
+    ap.add_argument("--no-whole", action="store_true",
+                    help="the shard alone, no whole copy built (build_shard): a policy one GPU cannot hold")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = args.device

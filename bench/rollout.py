@@ -94,8 +94,8 @@ MODELS = {
     "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
                num_kv_heads=8, tie_word_embeddings=True, model_type="qwen3", qk_norm=True, rope_theta=1000000.0,
                max_position_embeddings=40960),
-    # Qwen2.5-72B shapes, tied for the `--draft self` pair: 143 GB in bf16, more than one H200 holds; bench/engine_tp1.py
-    # --no-whole builds only each rank's shard of it (36 GB at tp 4)
+    # Qwen2.5-72B shapes, tied for the `--draft self` pair: 143 GB in bf16, more than one H200 holds;
+    # bench/engine_tp1.py --no-whole builds only each rank's shard of it (36 GB at tp 4)
     "72b": dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_layers=80, num_heads=64,
                 num_kv_heads=8, tie_word_embeddings=True, attention_bias=True, model_type="qwen2",
                 rope_theta=1000000.0, max_position_embeddings=32768),
