@@ -19,9 +19,10 @@ global batch. A step ends on the slowest rank: the max of the ranks' medians is 
 the planner's trainer memory (specco/plan.py rank_memory at Layout(dp_shard N, fsdp, ep), plan_moe's expert terms)
 beside the largest peak. One layout per launch: a fresh CUDA context each (bench/fsdp_step.py says why).
 
-Shapes: `1b`, configs/moe.toml's policy (28 layers of hidden 1024, 8 experts of 1,408, top 2: ~1.0 B, 316 M
-active); `a3b`, Qwen3-30B-A3B's (48 layers, 128 experts of 768, top 8: 30.5 B; 16 B a parameter of fp32 masters,
-grads and AdamW, so N = 8 only: 61 GB a rank before activations); `tiny` for the CPU smoke.
+Shapes: `1b`, configs/moe.toml's layers (28 of hidden 1024, 8 experts of 1,408, top 2) with a 32,768-token
+vocabulary in place of its 101 characters (1.11 B); `a3b`, Qwen3-30B-A3B's (48 layers, 128 experts of 768, top 8,
+head_dim 128: 30.5 B; 16 B a parameter of fp32 masters, grads and AdamW, so N = 8 only: 61 GB a rank before
+activations); `tiny` for the CPU smoke.
 
     python bench/ep_step.py --device cuda --size 1b --out $OUT/ep_step_w1.json
     torchrun --nproc-per-node 4 bench/ep_step.py --device cuda --size 1b --ep 4 --out $OUT/ep_step_w4_ep4.json
@@ -54,7 +55,8 @@ SIZES = {
                        num_experts_per_tok=2, moe_intermediate_size=1408, router_aux_loss_coef=0.001),
     "a3b": PolicyConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
                         num_kv_heads=4, model_type="qwen3_moe", qk_norm=True, norm_topk_prob=True, num_experts=128,
-                        num_experts_per_tok=8, moe_intermediate_size=768, router_aux_loss_coef=0.001),
+                        num_experts_per_tok=8, moe_intermediate_size=768, router_aux_loss_coef=0.001,
+                        head_dim=128, tie_word_embeddings=False),
     "tiny": PolicyConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, model_type="qwen3_moe", qk_norm=True, norm_topk_prob=True, num_experts=4,
                          num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.01),
