@@ -110,7 +110,7 @@ def sweep(args, old, bw):
             print(f"KV {kv:6d} B {B:3d} T {T}: floor {floor:6.3f}  old {row['old_ms'] or 0:6.3f}  default "
                   f"{row['default_ms']:6.3f}  best {best[0]:6.3f} ({best_name})  max|err| {row['max_err']:.2e}",
                   flush=True)
-        del k_cache, v_cache
+        k_cache = v_cache = None  # freed (not `del`: the lambdas above read them; pyflakes flags a del)
         torch.cuda.empty_cache()
     return rows
 
@@ -162,7 +162,7 @@ def profile(args, old):
                 print(f"forward KV {kv} B {B} T {T} [{name}]: {ms:.3f} ms graphed; device sum "
                       f"{sum(by.values()):.3f}: " + "; ".join(f"{k[:40]} {v:.3f}" for k, v in top[:5]), flush=True)
         fwd.decode_attention = da.decode_attention
-        del cache
+        cache = None  # freed (not `del`: fn above reads it; pyflakes flags a del)
         torch.cuda.empty_cache()
     return out
 

@@ -49,7 +49,14 @@ Reported per measurement:
 Writes `moe_verify_cuda.json` (or `_cpu`) under bench/results (bench/_results.py; `--out` to change) and prints a
 markdown table.
 
+Under torchrun at world N (issue 39: the MoE engine's verify cost at rollout tp N) both models are replaced by this
+rank's engine shard over the N ranks (rollout/tp.tp_shard: heads, every expert's SwiGLU width, the dense twin's MLP
+and the vocabulary cut N ways; the all-reduces inside the captured graphs), so every figure is one rank's: its
+parameter counts and read floor are its shard's (1/N of each expert's bytes, the router whole), the experts touched
+the same as at tp 1 (the router is not cut). Rank 0 writes the JSON (`tp` in it); the ranks time in lock-step.
+
     python bench/moe_verify.py --device cuda
+    torchrun --nproc-per-node 2 bench/moe_verify.py --device cuda --out $OUT/moe_verify_tp2.json
     python bench/moe_verify.py --device cpu --hidden 64 --layers 2 --experts 8 --moe-inter 32 --heads 4 \
         --kv-heads 2 --vocab 256 --batches 1,4 --kv 16 --ks 1,3 --rounds 1 --iters 2
 """
@@ -58,6 +65,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import statistics
 import sys
 import time
@@ -307,6 +315,12 @@ def main():
     if device == "cpu":
         torch.set_num_threads(a.threads)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the captured MoE path needs bf16
+    tp = int(os.environ.get("WORLD_SIZE", 1))
+    if tp > 1:  # torchrun: the engine's tp group is every rank (module docstring)
+        import torch.distributed as dist
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
     t0 = time.perf_counter()
     models = {}
     for mname, cfg in zip(("moe", "dense"), configs(a)):
@@ -315,6 +329,9 @@ def main():
             models[mname] = Policy(cfg).to(dtype).eval()
         with torch.no_grad():  # tokens distinct enough to route near uniformly (module docstring)
             models[mname].embed_tokens.weight.normal_(0, a.embed_std)
+        if tp > 1:  # seeded above: every rank cuts the same whole model
+            from specco.rollout.tp import tp_shard
+            models[mname] = tp_shard(models[mname], dist.group.WORLD).eval()
         if device == "cuda" and not all(m.graph_safe() for m in models[mname].modules() if isinstance(m, SparseMoE)):
             raise SystemExit("the experts do not take the grouped GEMM here (bf16 on a Hopper GPU, widths multiples "
                              "of 8): this bench measures that path")
@@ -327,8 +344,10 @@ def main():
         r = rows[-1]
         print(f"B={b}: verify/step moe {r['moe']['verify_over_step']} dense {r['dense']['verify_over_step']}",
               flush=True)
+    if tp > 1 and dist.get_rank() != 0:
+        return dist.destroy_process_group()
     print(table(rows, a.ks))
-    fields = {"dtype": str(dtype), "graphs": device == "cuda", "copy_bandwidth_TBps": bw / 1e12,
+    fields = {"tp": tp, "dtype": str(dtype), "graphs": device == "cuda", "copy_bandwidth_TBps": bw / 1e12,
               "peak_flops": PEAK_FLOPS if device == "cuda" else None, "kv_position": a.kv, "ks": a.ks,
               "rounds": a.rounds, "iters": a.iters,
               "config": {m: dataclasses.asdict(p.cfg) for m, p in models.items()},
@@ -342,7 +361,9 @@ def main():
                               "experts_touched_uniform = E*(1-(1-top_k/E)^n); a trained router may touch fewer. "
                               "At std 0.02 a row's tokens route alike and touch far fewer (docstring)",
               "seconds": time.perf_counter() - t0, "rows": rows}
-    write_results(fields, "moe_verify", torch.device(device), a.out)
+    write_results(fields, "moe_verify" if tp == 1 else f"moe_verify_tp{tp}", torch.device(device), a.out)
+    if tp > 1:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -89,6 +89,16 @@ MODELS = {
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
                  num_heads=14, num_kv_heads=2, tie_word_embeddings=True, attention_bias=True,
                  model_type="qwen2", rope_theta=1000000.0, max_position_embeddings=32768),
+    # Qwen3-8B shapes (random weights), tied for the `--draft self` pair: heads 32 / 8 and the vocabulary split 2, 4
+    # and 8 ways, so bench/engine_tp1.py runs it at rollout tp 1-8 (a policy that fits one GPU: 16 GB in bf16)
+    "8b": dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+               num_kv_heads=8, tie_word_embeddings=True, model_type="qwen3", qk_norm=True, rope_theta=1000000.0,
+               max_position_embeddings=40960),
+    # Qwen2.5-72B shapes, tied for the `--draft self` pair: 143 GB in bf16, more than one H200 holds;
+    # bench/engine_tp1.py --no-whole builds only each rank's shard of it (36 GB at tp 4)
+    "72b": dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_layers=80, num_heads=64,
+                num_kv_heads=8, tie_word_embeddings=True, attention_bias=True, model_type="qwen2",
+                rope_theta=1000000.0, max_position_embeddings=32768),
     # configs/gpu.toml's from-scratch policy (char vocabulary), tied for the `--draft self` pair.
     "rl113m": dict(vocab_size=101, hidden_size=1024, intermediate_size=2816, num_layers=10,
                    num_heads=16, num_kv_heads=4, tie_word_embeddings=True, model_type="llama",
