@@ -231,6 +231,31 @@ def test_autocast_takes_the_grouped_gemm_over_fp32_masters(monkeypatch):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
 
 
+def test_compiled_loop_does_not_recompile_per_routing_pattern():
+    """Under torch.compile the expert loop (host-read counts, Python branches on them) is left out of the graph, so
+    batches that leave different experts empty reuse the compiled frames; before, dynamo guarded on every count
+    and recompiled per pattern until its recompile limit (the H200 MoE run). Counted with dynamo's CompileCounter
+    backend (no inductor)."""
+    from torch._dynamo.testing import CompileCounter
+    from specco.model import moe
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ex = moe.Experts(8, 16, 8)
+    with torch.no_grad():
+        ex.gate_up_proj.normal_(0, 0.1)
+        ex.down_proj.normal_(0, 0.1)
+    counter = CompileCounter()
+    fn = torch.compile(ex, backend=counter)
+    x, w = torch.randn(12, 16), torch.rand(12, 2)
+    for used in (8, 3, 5, 2, 7, 4):  # each call routes to the first `used` experts only: other empty groups
+        idx = torch.stack([torch.arange(12) % used, (torch.arange(12) + 1) % used], 1)
+        torch.testing.assert_close(fn(x, idx, w), ex(x, idx, w))
+        if used == 8:
+            frames = counter.frame_count
+    assert counter.frame_count == frames, (frames, counter.frame_count)
+    torch._dynamo.reset()
+
+
 # -- config.json boundary --------------------------------------------------------------------------------------
 
 BASE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,

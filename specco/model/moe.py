@@ -90,9 +90,12 @@ class Experts(nn.Module):
         y = y * w.t()[:, :, None].to(y.dtype)  # (E, N, h)
         return y.sum(0).to(x.dtype)  # (N, h)
 
+    @torch.compiler.disable
     def _loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The reference path (any device, dtype): one (gate_up, down) GEMM pair per touched expert. Reads the
-        counts on the host (one sync), so it is not CUDA-graph capturable; `_grouped` is."""
+        counts on the host (one sync), so it is not CUDA-graph capturable; `_grouped` is. Left out of
+        torch.compile: its Python branches on the counts made dynamo recompile per pattern of empty experts until
+        its recompile limit (the H200 MoE run's log), for nothing to fuse."""
         outs, start = [], 0
         for e, n in enumerate(counts.tolist()):
             if n:
