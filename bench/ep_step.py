@@ -42,7 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
-from fsdp_step import GiB, _batch, _planned, _variant, random_sharded  # noqa: E402
+from fsdp_step import GiB, _batch, _planned, _variant, add_step_args, random_sharded  # noqa: E402
 from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
@@ -80,14 +80,7 @@ def main():
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     ap.add_argument("--size", choices=sorted(SIZES), default="1b")
     ap.add_argument("--ep", type=int, default=0, help="expert parallelism under torchrun: 1 or the world (default)")
-    ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--completion", type=int, default=1536)
-    ap.add_argument("--micro-rows", type=int, default=4)
-    ap.add_argument("--draft-vocab", type=int, default=32000)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=None)
+    add_step_args(ap)
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     ep = args.ep or world

@@ -244,10 +244,8 @@ def _sharded(args) -> None:
                   args.out)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--sizes", default="1.5b,3b")
+def add_step_args(ap: argparse.ArgumentParser) -> None:
+    """The co-training step's shape, timing and output flags (shared with bench/ep_step.py)."""
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--completion", type=int, default=1536)
@@ -256,6 +254,13 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--sizes", default="1.5b,3b")
+    add_step_args(ap)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # internal: one variant, one size
     ap.add_argument("--size", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help=argparse.SUPPRESS)
