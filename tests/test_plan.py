@@ -106,8 +106,21 @@ def test_trainer_estimate_matches_measured_peak():
     activations (the measured peak frees early layers' activations as their gradients appear). At these shapes the
     two roughly cancel; the per-component checks above and below are exact."""
     torch.manual_seed(0)
-    pc = _pc(num_layers=6)
-    B, S = 8, 128
+    m = measured_trainer_step(_pc(num_layers=6))
+    # exact parts: the planner's parameter and AdamW bytes are the models' own
+    assert m["est"]["params"] + m["est"]["draft"] * 4 // 16 == m["params"]
+    assert m["est"]["adamw"] + m["est"]["draft"] * 8 // 16 == m["moments"]
+    ratio = m["trainer"] / m["measured"]
+    print(f"planner {m['trainer'] / 1e6:.2f} MB vs measured peak {m['measured'] / 1e6:.2f} MB: {ratio:.3f} "
+          f"(activations {m['est']['acts'] / 1e6:.2f} MB)")
+    assert 0.85 <= ratio <= 1.15, ratio
+
+
+def measured_trainer_step(pc: PolicyConfig, moe_aux: bool = False, B: int = 8, S: int = 128) -> dict:
+    """One fp32 co-training step of `pc` with an EAGLE-3 draft on CPU, after a first step (so AdamW's moments
+    exist), beside the planner's estimate of the same step (also used by test_plan_moe): the step's metrics, the
+    models' parameter and AdamW bytes, the measured peak (those + the peak of live tensors during the step), the
+    planner's per-component estimate and its trainer total."""
     policy = Policy(pc)
     draft = Eagle3Draft(DraftConfig.for_policy(pc, aux_layer_ids=(1, 2, 4)))
     g = torch.Generator().manual_seed(1)
@@ -120,21 +133,13 @@ def test_trainer_estimate_matches_measured_peak():
     cotrain_step(policy, draft, batch, opt, None, cfg)  # the first step creates AdamW's moments
     mem = LiveTensorBytes()
     with mem:
-        cotrain_step(policy, draft, batch, opt, None, cfg)
+        metrics = cotrain_step(policy, draft, batch, opt, None, cfg)
     params = sum(p.numel() * 4 for m in (policy, draft) for p in m.parameters())
     moments = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim())
-    measured = params + moments + mem.peak
-
-    s = _shapes(pc, B, S, stride=2)
+    s = dataclasses.replace(_shapes(pc, B, S, stride=2), moe_aux=moe_aux)
     est = rank_memory(s, Layout(1, 1, 1, 1, fsdp=False, ac=False))
-    # exact parts: the planner's parameter and AdamW bytes are the models' own
-    assert est["params"] + est["draft"] * 4 // 16 == params
-    assert est["adamw"] + est["draft"] * 8 // 16 == moments
-    trainer = sum(est[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft"))
-    ratio = trainer / measured
-    print(f"planner {trainer / 1e6:.2f} MB vs measured peak {measured / 1e6:.2f} MB: {ratio:.3f} "
-          f"(activations {est['acts'] / 1e6:.2f} MB)")
-    assert 0.85 <= ratio <= 1.15, ratio
+    return dict(metrics=metrics, params=params, moments=moments, measured=params + moments + mem.peak, est=est,
+                trainer=sum(est[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft")))
 
 
 def test_parameter_counts_are_the_models():

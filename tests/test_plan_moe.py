@@ -15,11 +15,9 @@ import math
 import pytest
 import torch
 
-from specco.batch import TrainBatch
 from specco.cli import main
 from specco.config import RunConfig
-from specco.model.config import ConfigError, DraftConfig, PolicyConfig
-from specco.model.draft import Eagle3Draft
+from specco.model.config import ConfigError, PolicyConfig
 from specco.model.policy import Policy
 from specco.plan import (PRESETS, Layout, format_plan, layer_activation_bytes, layouts, plan_memory, policy_params,
                          rank_memory)
@@ -27,10 +25,8 @@ from specco.plan_moe import (active_params, dispatched_row_bytes, expert_copy_by
                              held_expert_params, moe_activation_bytes, router_aux_bytes, router_aux_step_bytes,
                              routed_token_bytes)
 from specco.plan_params import master_bytes, rank_params, reference_bytes, stage_params
-from specco.train.cotrain import StepConfig, build_optimizer, cotrain_step
 from specco.train.moe_loss import aux_share
-from test_plan import PRECISIONS, _saved_storages, _shapes, run_layer
-from cp_memory import LiveTensorBytes  # bench/, on sys.path through test_plan
+from test_plan import PRECISIONS, _saved_storages, _shapes, measured_trainer_step, run_layer
 
 pytestmark = pytest.mark.e2e  # the measured step, the two-rank run and the CLI take ~15 s on two cores
 
@@ -190,32 +186,12 @@ def test_moe_trainer_estimate_matches_measured_peak():
     peak (test_plan.test_trainer_estimate_matches_measured_peak says what each side leaves out)."""
     torch.manual_seed(0)
     pc = _moe_pc("qwen3_moe", num_layers=6, mlp_only_layers=(2,), router_aux_loss_coef=0.01, hidden_size=64)
-    B, S = 8, 128
-    policy = Policy(pc)
-    draft = Eagle3Draft(DraftConfig.for_policy(pc, aux_layer_ids=(1, 2, 4)))
-    g = torch.Generator().manual_seed(1)
-    mask = torch.zeros(B, S)
-    mask[:, 16:] = 1
-    batch = TrainBatch(tokens=torch.randint(0, V, (B, S), generator=g), target_mask=mask,
-                       advantages=torch.randn(B, generator=g), logp_old=-torch.rand(B, S, generator=g) * 4 - 2)
-    cfg = StepConfig(ttt_passes=3, draft_row_stride=2, loss_chunk=64)
-    opt = build_optimizer(policy, draft, 1e-4, 1e-4)
-    cotrain_step(policy, draft, batch, opt, None, cfg)  # the first step creates AdamW's moments
-    mem = LiveTensorBytes()
-    with mem:
-        metrics = cotrain_step(policy, draft, batch, opt, None, cfg)
-    assert metrics["policy/aux_loss"] > 0
-    params = sum(p.numel() * 4 for m in (policy, draft) for p in m.parameters())
-    moments = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim())
-    measured = params + moments + mem.peak
-
-    s = dataclasses.replace(_shapes(pc, B, S, stride=2), moe_aux=True)
-    est = rank_memory(s, Layout(1, 1, 1, 1, fsdp=False, ac=False))
-    assert est["params"] + est["draft"] * 4 // 16 == params
-    assert est["adamw"] + est["draft"] * 8 // 16 == moments
-    trainer = sum(est[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft"))
-    ratio = trainer / measured
-    print(f"planner {trainer / 1e6:.2f} MB vs measured peak {measured / 1e6:.2f} MB: {ratio:.3f}")
+    m = measured_trainer_step(pc, moe_aux=True)
+    assert m["metrics"]["policy/aux_loss"] > 0
+    assert m["est"]["params"] + m["est"]["draft"] * 4 // 16 == m["params"]
+    assert m["est"]["adamw"] + m["est"]["draft"] * 8 // 16 == m["moments"]
+    ratio = m["trainer"] / m["measured"]
+    print(f"planner {m['trainer'] / 1e6:.2f} MB vs measured peak {m['measured'] / 1e6:.2f} MB: {ratio:.3f}")
     assert 0.85 <= ratio <= 1.15, ratio
 
 
