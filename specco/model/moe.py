@@ -105,13 +105,10 @@ class Experts(nn.Module):
                 start += n
         return torch.cat(outs) if outs else xs.new_zeros(xs.shape)
 
-    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor | None = None,
-                 down_proj: torch.Tensor | None = None) -> torch.Tensor:
+    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """The same as `_loop` with two grouped GEMMs over all experts (ops/grouped_mm.py; CUDA, bf16): segment
-        ends are cumulative counts on the device, so nothing is read on the host. The weights default to the
-        parameters (`forward` passes their autocast casts)."""
-        w1 = self.gate_up_proj if gate_up_proj is None else gate_up_proj  # (E, 2I, h)
-        w2 = self.down_proj if down_proj is None else down_proj  # (E, h, I)
+        ends are cumulative counts on the device, so nothing is read on the host. w1 (E, 2I, h), w2 (E, h, I): the
+        expert parameters, or their autocast casts (`forward`)."""
         ends = counts.cumsum(0).to(torch.int32)  # (E,) one past each expert's last row
         gate_up = grouped_mm(xs, w1.transpose(1, 2), ends)  # (N·k, 2I)
         gate, up = gate_up.split(self.inter, dim=-1)
