@@ -47,16 +47,14 @@ from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.parallel.mesh import Mesh  # noqa: E402
+from specco.plan import PRESETS  # noqa: E402
 from specco.train.cotrain import StepConfig  # noqa: E402
 
 SIZES = {
     "1b": PolicyConfig(vocab_size=32768, hidden_size=1024, intermediate_size=2816, num_layers=28, num_heads=16,
                        num_kv_heads=4, model_type="qwen3_moe", qk_norm=True, norm_topk_prob=True, num_experts=8,
                        num_experts_per_tok=2, moe_intermediate_size=1408, router_aux_loss_coef=0.001),
-    "a3b": PolicyConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48, num_heads=32,
-                        num_kv_heads=4, model_type="qwen3_moe", qk_norm=True, norm_topk_prob=True, num_experts=128,
-                        num_experts_per_tok=8, moe_intermediate_size=768, router_aux_loss_coef=0.001,
-                        head_dim=128, tie_word_embeddings=False),
+    "a3b": PRESETS["qwen3-30b-a3b"],  # `specco plan`'s Qwen3-30B-A3B (its config.json)
     "tiny": PolicyConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                          num_kv_heads=2, model_type="qwen3_moe", qk_norm=True, norm_topk_prob=True, num_experts=4,
                          num_experts_per_tok=2, moe_intermediate_size=32, router_aux_loss_coef=0.01),
