@@ -10,7 +10,8 @@ tok/s, both graphed on CUDA — never against an eager loop, docs/DESIGN.md §6)
     naive masked verify of k+1 tokens;
   * the read floor: (weight + live KV bytes) / the copy bandwidth measured in the run, and for the
     verify also FLOPs / 700 TFLOP/s;
-  * speculation control: the k the engine picks after one teaching call, predicted vs measured;
+  * speculation control: the k the engine picks after one teaching call, predicted vs measured, and
+    what a tracked plain round costs over a plain step (rollout/control.py, rule for levels);
   * diagnostic only: the engine's decode forward alone, captured bare (no sampling/bookkeeping).
 
 Before timing, on CUDA, checks that the graphed path emits exactly the eager path's greedy tokens
@@ -332,6 +333,9 @@ def bench_batch(policy, draft, args, batch, device, bw):
             ch = run.level.choice
             res.update(control_k=ch.k, control_predicted_speedup=ch.predicted_speedup,
                        control_speedup=tps / res["plain_tok_s"], control_costs_ms=ch.costs_ms)
+            if run.level.track_cost is not None:  # the tracked plain round (rollout/control.py, rule for levels)
+                res.update(control_track_ms=run.level.track_cost * 1e3,
+                           track_over_step=run.level.track_cost / run.level.costs[0])
             del run
             _release(device)
     return res
@@ -449,6 +453,8 @@ def main():
             if "control_k" in r:
                 line += (f"  | control k={r['control_k']} predicted {r['control_predicted_speedup']:.2f} "
                          f"measured {r['control_speedup']:.2f}")
+            if "track_over_step" in r:
+                line += f"  tracked plain round / plain step {r['track_over_step']:.3f}"
             print(line, flush=True)
         result["results"] = rows
         name = f"rollout_{device}.json"

@@ -65,7 +65,8 @@ def test_coupled_plain_decoding_samples_the_exact_joint(broken, monkeypatch):
     noise that ignores the position (every token of a row reuses one draw), which is not a sample of p."""
     if broken:
         real = sampling.keyed_gumbel
-        for name in ("specco.rollout.generate", "specco.rollout.levels"):  # the prefill's and the plain step's
+        # the prefill's, and the plain step's (speculative.next_token)
+        for name in ("specco.rollout.generate", "specco.rollout.speculative"):
             monkeypatch.setattr(importlib.import_module(name), "keyed_gumbel", lambda key, pos, V: real(key, torch.zeros_like(pos), V))
     policy, T = _peaked_policy(), 3
     prompt = torch.tensor([1, 5, 2])

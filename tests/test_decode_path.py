@@ -255,7 +255,9 @@ def test_fused_sampling_matches_twin(temperature):
 @torch.no_grad()
 def test_speculation_control_is_lossless_and_plain_stays_plain():
     """With control on (forced on CPU), greedy outputs equal plain greedy whatever k each level picks;
-    choices are recorded per level; a level that decodes plainly makes every smaller level plain."""
+    choices are recorded per level. A root that decodes plainly runs the tracked plain round while the draft
+    promises tokens, so the smaller levels may speculate (here they do: speculation is made cheap there); a
+    root left plain untracked (a draft never accepted: E[τ] = 1) makes every smaller level plain."""
     from test_rollout_helpers import structured_pair
     from specco.rollout.generate import DecodeRunner, GenerateConfig, generate
     from specco.rollout.sampling import SamplingParams
@@ -269,13 +271,16 @@ def test_speculation_control_is_lossless_and_plain_stays_plain():
     counts = torch.bincount(first[:, 1:8].flatten(), minlength=policy.cfg.vocab_size)
     base = GenerateConfig(**{**base.__dict__, "eos_token_id": int(counts.argmax()), "pad_token_id": -1})
     plain = generate(policy, prompts, base, group_size=4)
-    for forced in (None, 0, 2):
+    for forced in (None, 0, "hopeless", 2):
         ctl = SpecController(3)
         runner = DecodeRunner(policy, GenerateConfig(**{**base.__dict__, "spec_control": True}), draft,
                               controller=ctl)
-        if forced is not None:  # pin the costs: the rule must pick `forced` at the root (16 rows); on
-            # smaller levels speculation is made very cheap, so only "plain stays plain" keeps k = 0
+        if forced == "hopeless":  # every position tried often and never accepted
+            ctl.update(torch.zeros(3), torch.full((3,), 1e4))
+        if forced is not None:  # pin the costs: the rule must pick `forced` at the root (16 rows; "hopeless":
+            # 0); on smaller levels speculation is made very cheap, so only the rule for levels keeps k = 0
             def pick(costs, rows, allow=True, live=None, pooled=True, _orig=ctl.choose, _k=forced):
+                _k = 0 if _k == "hopeless" else _k
                 if rows < 16:
                     return _orig({k: (1.0 if k == 0 else 0.01) for k in costs}, rows, allow, live, pooled)
                 return _orig({k: (1.0 if k == 0 else 0.5 if k == _k else 9.0) for k in costs}, rows,
@@ -287,8 +292,11 @@ def test_speculation_control_is_lossless_and_plain_stays_plain():
         assert torch.equal(out.tokens, plain.tokens), forced
         assert out.choices and out.choices[0].rows == 16 and set(out.choices[0].costs_ms) == {0, 1, 2, 3}
         assert len(out.choices) > 1, "no compaction happened: the level rule went untested"
-        if forced == 0:
-            assert all(c.k == 0 for c in out.choices) and out.tau == 1.0
+        if forced == 0:  # the root tracks; the cheap smaller levels speculate
+            root, below = out.choices[0], out.choices[1:]
+            assert root.k == 0 and root.tracked and all(c.k > 0 for c in below) and out.tau > 1.0
+        if forced == "hopeless":
+            assert all(c.k == 0 and not c.tracked for c in out.choices) and out.tau == 1.0
         if forced == 2:  # speculating levels may keep speculating (here: the cheap k on smaller levels)
             assert out.choices[0].k == 2 and out.tau > 1.0 and all(c.k > 0 for c in out.choices)
 

@@ -100,9 +100,10 @@ def test_level_stack_composes_root_rows_and_unwinds_outputs():
 def test_level_k_enters_and_rechecks():
     """A plain parent makes the level plain; the re-check runs at multiples of recheck_rounds only, and a change
     of k is recorded. Costs are pinned (CPU timings are noise)."""
-    class FakeLevel:  # what LevelK reads: costs, rows, st's counts, k, choice
+    class FakeLevel:  # what LevelK reads: costs, rows, st's counts, k, choice, the tracked round (none here)
         def __init__(self, accepted):
             self.costs, self.rows, self.k, self.choice = {0: 1.0, 1: 1.1, 2: 1.2}, 16, 2, None
+            self.tracked, self.tracking = None, False
             self.st = type("S", (), {"n_accepted": torch.zeros(2, dtype=torch.long),
                                      "n_tried": torch.zeros(2, dtype=torch.long)})()
             self.accepted = accepted

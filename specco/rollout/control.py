@@ -42,10 +42,17 @@ first failure, then 2, 4, 8, ... (a probe that holds resets this), so a level wh
 really are poor spends ever fewer windows probing; between probes the untried positions count as
 never accepted. Probing changes which k runs, never what is emitted (the paragraph below).
 
-Rule for levels: a generation that decodes plainly at some batch size has no draft state for its
-newest tokens (the draft's cache and its pass-1 output are kept up to date only by speculative
-rounds), so once a level chooses k = 0 every smaller level of the same call stays plain. Speculative
-levels may lower k or switch to plain freely.
+Rule for levels: a plain step leaves the draft without state for its tokens (the draft's cache and
+EAGLE-3's pass-1 output are kept up to date by the rounds' catch-ups), so a level that decodes plainly
+decides for every smaller level of the call too. A level that chooses k = 0 while the draft still
+promises tokens (E[τ_k_max] above the margin with the acceptance known then) and a smaller level may
+follow runs the *tracked* plain round instead (speculative.py: the plain step's token, plus the
+catch-up of its taps), and the levels after it choose their k afresh: in RL the root's batch is often
+too large for a verify to pay while the tail's few long rows gain most (H200, the dense twin of
+configs/moe.toml, 2026-12-05: its DFlash arm chose plain at 256 rows, and the untracked rule kept the
+64-, 16- and 8-row levels plain for the whole run). The tracking costs the draft's catch-up of one token
+per round (measured: Level.track_cost). A level left plain untracked (a hopeless draft, or the last
+level) keeps every smaller level plain. Speculative levels may lower k or switch to plain freely.
 """
 from __future__ import annotations
 
@@ -66,6 +73,11 @@ class Choice:
     k: int
     predicted_speedup: float  # E[τ_k] · t_step / t_round(k) with the acceptance known at the time
     costs_ms: dict[int, float]  # measured t_round(k) per candidate k, ms
+    tracked: bool = False  # k = 0 run as the tracked plain round (module docstring, rule for levels)
+
+    def __str__(self) -> str:
+        """rows:k, as rollout/k_path logs it: e.g. 256:k0t (tracked plain) 64:k7."""
+        return f"{self.rows}:k{self.k}{'t' if self.tracked else ''}"
 
 
 @dataclass
@@ -192,27 +204,39 @@ class LevelK:
 
     def enter(self, level, allow_speculation: bool) -> None:
         """Choose `level`'s k from its measured costs (measured on first use) and the pooled plus this call's
-        acceptance. allow_speculation False: plain (a plain call, or below a level that chose plain: the rule
-        for levels in the module docstring)."""
+        acceptance, and whether a k = 0 runs tracked. allow_speculation False: plain, untracked (a plain call,
+        or below a level left plain untracked: the rule for levels in the module docstring)."""
+        level.tracking = False
         if self.ctl is not None:
             if not level.costs:
                 level.measure()
             live = (level.st.n_accepted, level.st.n_tried)  # this call's counts so far (compaction copies them)
             level.choice = self.ctl.choose(level.costs, level.rows, allow_speculation, live)
             level.k = level.choice.k
+            self._track(level, allow_speculation, live)
             self.choices.append(level.choice)
             self._recheck = LevelRecheck(self.ctl, live)
         if not allow_speculation:
             level.k = 0
 
+    def _track(self, level, allow_speculation: bool, live: tuple) -> None:
+        """A level at k = 0 runs the tracked plain round if it has one (a smaller level may follow), the call
+        speculates, and the draft still promises tokens (E[τ_k_max] > margin; the optimistic prior counts, so
+        an untried draft is tracked)."""
+        level.tracking = (level.k == 0 and allow_speculation and level.tracked is not None
+                          and self.ctl.expected_tokens(self.ctl.k_max, live) > self.ctl.margin)
+        level.choice.tracked = level.tracking
+
     def recheck(self, level, rounds: int) -> None:
         """After `rounds` rounds at this level: every `recheck_rounds`-th, re-choose a speculating level's k from
-        the acceptance of its latest rounds alone (LevelRecheck). Once plain, a level stays plain (its draft
-        state is no longer kept up to date)."""
+        the acceptance of its latest rounds alone (LevelRecheck). Once plain, a level stays plain (tracked if it
+        may be, so the levels below may speculate again: `_track`)."""
         ctl = self.ctl
         if ctl is None or level.k == 0 or rounds == 0 or ctl.recheck_rounds <= 0 or rounds % ctl.recheck_rounds:
             return
         choice = self._recheck(level.costs, level.rows, level.k, (level.st.n_accepted, level.st.n_tried))
         if choice is not None and choice.k != level.k:
             level.k, level.choice = choice.k, choice
+            if choice.k == 0:
+                self._track(level, True, (level.st.n_accepted, level.st.n_tried))
             self.choices.append(choice)

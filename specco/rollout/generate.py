@@ -245,8 +245,8 @@ class DecodeRunner:
             self.prefill_graph.capture(self.stack.root.st.small_tensors(), ["prefill"], freeze, pool=self.pool)
 
     def _new_level(self, rows: int, root_rows: torch.Tensor | None) -> Level:
-        """A level of `rows` rows: zeroed state, step sets for k = 0..k_max, graphs captured on GPU
-        (every row finished while capturing, so the warm-up steps advance nothing)."""
+        """A level of `rows` rows: zeroed state, step sets for k = 0..k_max (and the tracked plain round), graphs
+        captured on GPU (every row finished while capturing, so the warm-up steps advance nothing)."""
         cfg, (rope, d_rope) = self.cfg, self.ropes
         st = new_state(self.policy, self.draft, cfg.sampling, cfg.max_new_tokens, self.k, rows,
                        self.shape.cache_len, self.device)
@@ -255,7 +255,11 @@ class DecodeRunner:
         steps = {k: PlainSteps(self.policy, st, cfg.sampling, cfg.max_new_tokens, self.stop_ids, rope)
                  if k == 0 else self.kind.steps(self.policy, self.draft, st, cfg.sampling, k, cfg.max_new_tokens,
                                                 self.stop_ids, rope, d_rope) for k in ks}
-        level = Level(st, steps, self.use_graphs, root_rows)
+        # the tracked plain round (control.py, rule for levels) where a smaller level may follow this one
+        below = cfg.compact_below > 0 and rows // 2 >= max(1, cfg.compact_min_rows)
+        tracked = self.kind.steps(self.policy, self.draft, st, cfg.sampling, 0, cfg.max_new_tokens, self.stop_ids,
+                                  rope, d_rope) if self.controller is not None and below else None
+        level = Level(st, steps, self.use_graphs, root_rows, tracked)
         if self.use_graphs:
             level.capture(lambda: st.finished.fill_(True), self.pool)
         return level
@@ -346,9 +350,9 @@ class DecodeRunner:
 
     def _compact(self, size: int):
         """Move the live rows into a `size`-row level (compaction.LevelStack) and choose its k there: a level
-        entered from a plain one stays plain (control.py)."""
-        speculating = self.level.k > 0
-        self.k_choice.enter(self.stack.enter(size), allow_speculation=speculating)
+        entered from an untracked plain one stays plain (control.py, rule for levels)."""
+        draft_current = self.level.k > 0 or self.level.tracking
+        self.k_choice.enter(self.stack.enter(size), allow_speculation=draft_current)
 
     def result(self) -> GenerateOutput:
         self.stack.unwind()

@@ -20,9 +20,9 @@ from .control import Choice
 from .drafters import engine_kind
 from .forward import RopeTable, policy_forward
 from .graphs import StepGraphs
-from .sampling import SamplingParams, keyed_gumbel, pick_tokens_logp
-from .tp import pick_one, tp_group_of, vocab_parallel
-from .speculative import SpeculativeSteps
+from .sampling import SamplingParams
+from .tp import tp_group_of, vocab_parallel
+from .speculative import SpeculativeSteps, next_token
 from .state import DecodeState, commit
 
 
@@ -38,21 +38,9 @@ class PlainSteps:
 
     def decode(self):
         st = self.st
-        vp = vocab_parallel(self.policy, self.params)  # a tp shard choosing from its vocabulary block
         logits, _, _ = policy_forward(self.policy, st.last_tok[:, None], st.n[:, None], st.t_cache, self.rope,
-                                      whole_logits=not vp)
-        if vp:  # the token at position n+1
-            self._commit(*pick_one(logits[:, 0], self.params, tp_group_of(self.policy), st.key, st.n + 1,
-                                   None if st.u is None else st.u[:, 0]))
-            return
-        if st.key is not None:  # coupled: the keyed noise of the token's position n+1
-            noise = keyed_gumbel(st.key, (st.n + 1)[:, None], logits.shape[-1])[:, 0]
-        else:
-            noise = st.u[:, 0] if st.u is not None else None
-        self._commit(*pick_tokens_logp(logits[:, 0], self.params, noise))
-
-    def _commit(self, tok, logp):
-        st = self.st
+                                      whole_logits=not vocab_parallel(self.policy, self.params))
+        tok, logp = next_token(self.policy, st, self.params, logits[:, 0])  # the token at position n+1
         commit(st, tok[:, None], torch.ones_like(tok), logp[:, None], self.max_new_tokens, self.stop_ids)
         live = ~st.finished
         st.n.add_(live.long())
@@ -95,16 +83,24 @@ class Level:
     """One decode state with its step sets (k = 0 plain; k = 1..k_max speculative), graphs and costs.
 
     root_rows: (rows,) which root row each row holds (None for the root). `k` is the step set the
-    next round runs; `choice` says why (control.py), None until chosen.
+    next round runs; `choice` says why (control.py), None until chosen. tracked: the tracked plain round
+    (speculative.py, k = 0 of the draft's kind), built where a smaller level may follow; `tracking` says
+    whether a k = 0 round runs it instead of the plain step (control.LevelK decides).
     """
 
     def __init__(self, st: DecodeState, steps: dict[int, PlainSteps | SpeculativeSteps], use_graphs: bool,
-                 root_rows: torch.Tensor | None):
-        self.st, self.steps, self.root_rows = st, steps, root_rows
-        self.graphs = {k: StepGraphs(s.fns, use_graphs) for k, s in steps.items()}
+                 root_rows: torch.Tensor | None, tracked: SpeculativeSteps | None = None):
+        self.st, self.steps, self.root_rows, self.tracked = st, steps, root_rows, tracked
+        self.graphs = {k: StepGraphs(s.fns, use_graphs) for k, s in self._sets()}
         self.k = max(steps)
+        self.tracking = False
         self.costs: dict[int, float] = {}  # k -> seconds per round, measured on the graphs
+        self.track_cost: float | None = None  # seconds per tracked plain round
         self.choice: Choice | None = None
+
+    def _sets(self):
+        """(key, step set) of every step set: k = 0..k_max, and "tracked" if built."""
+        return [*self.steps.items(), *([("tracked", self.tracked)] if self.tracked is not None else [])]
 
     @property
     def rows(self) -> int:
@@ -113,12 +109,14 @@ class Level:
     def capture(self, freeze: Callable[[], None], pool) -> None:
         """Capture every step set's round as CUDA graphs sharing `pool` (they never run at once and
         exchange data only through the state's static buffers, so their temporaries may overlap)."""
-        for k, steps in self.steps.items():
+        for k, steps in self._sets():
             self.graphs[k].capture(self.st.small_tensors(), steps.order, freeze, pool=pool)
 
     def round(self) -> None:
-        for name in self.steps[self.k].order:
-            self.graphs[self.k].run(name)
+        key = "tracked" if self.k == 0 and self.tracking else self.k
+        steps = self.tracked if key == "tracked" else self.steps[key]
+        for name in steps.order:
+            self.graphs[key].run(name)
 
     @torch.no_grad()
     def measure(self, iters: int | None = None) -> dict[int, float]:
@@ -131,7 +129,8 @@ class Level:
         self.st.finished.fill_(True)
         cuda = self.st.n.is_cuda
         iters = iters or (5 if cuda else 2)
-        for k, steps in self.steps.items():
+        costs = {}
+        for k, steps in self._sets():
             run = lambda: [self.graphs[k].run(name) for name in steps.order]  # noqa: E731
             run()
             if cuda:
@@ -143,9 +142,11 @@ class Level:
             if cuda:
                 end.record()
                 end.synchronize()
-                self.costs[k] = start.elapsed_time(end) / 1e3 / iters
+                costs[k] = start.elapsed_time(end) / 1e3 / iters
             else:
-                self.costs[k] = (time.perf_counter() - t0) / iters
+                costs[k] = (time.perf_counter() - t0) / iters
+        self.track_cost = costs.pop("tracked", None)
+        self.costs = costs
         for t, s in zip(self.st.small_tensors(), saved):
             t.copy_(s)
         group = tp_group_of(next(iter(self.steps.values())).policy)

@@ -20,6 +20,11 @@ One round (docs/DESIGN.md §2 table, §6):
             chained passes and catch-up overwrite before any query can read them. The output at
             anchor n+a becomes the next d_logits0 / d_hidden0. Then n += a+1.
 Rejection is a length change: nothing is copied in either cache.
+
+A tracked plain round (k = 0, `track`): a plain step — one target forward at position n, the plain
+sampler's token, so exactly the tokens PlainSteps emits — that also keeps the invariant: its taps at n
+go through the catch-up (one anchor), so a level that decodes plainly because speculation does not pay
+at its batch size leaves the draft ready for the smaller levels after it (control.py, rule for levels).
 """
 from __future__ import annotations
 
@@ -30,10 +35,24 @@ from ..model.layers import KVCache
 from ..model.policy import Policy
 from . import acceptance
 from .forward import RopeTable, draft_step, policy_forward
-from .tp import pick_vocab_parallel, tp_group_of, verify_sampling_vocab_parallel, vocab_parallel
-from .sampling import (SamplingParams, keyed_draw, keyed_gumbel, processed_logprobs, processed_probs,
-                       sample_from_probs)
+from .tp import pick_one, pick_vocab_parallel, tp_group_of, verify_sampling_vocab_parallel, vocab_parallel
+from .sampling import (SamplingParams, keyed_draw, keyed_gumbel, pick_tokens_logp, processed_logprobs,
+                       processed_probs, sample_from_probs)
 from .state import DecodeState, commit, fill_groups, group_leaders
+
+
+def next_token(policy: Policy, st: DecodeState, params: SamplingParams,
+               logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plain sampler's token for position n+1 from the target's logits (B, V) (B, V/tp under engine tp) at
+    position n, and its log-prob: (B,), (B,). One home for plain decoding and the tracked round, so both emit
+    the same token from the same draw (st.u[:, 0], or the row key at n+1)."""
+    if vocab_parallel(policy, params):  # a tp shard choosing from its vocabulary block
+        return pick_one(logits, params, tp_group_of(policy), st.key, st.n + 1, None if st.u is None else st.u[:, 0])
+    if st.key is not None:  # coupled: the keyed noise of the token's position n+1
+        noise = keyed_gumbel(st.key, (st.n + 1)[:, None], logits.shape[-1])[:, 0]
+    else:
+        noise = st.u[:, 0] if st.u is not None else None
+    return pick_tokens_logp(logits, params, noise)
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -60,8 +79,9 @@ class SpeculativeSteps:
         self.rope, self.draft_rope = rope, draft_rope
         self.offsets = torch.arange(k + 1, device=st.n.device)  # (k+1,) positions n..n+k
         self.aux = tuple(draft.cfg.aux_layer_ids)
-        self.order = ["propose", "verify", "catch_up"]
-        self.fns = {"propose": self.propose, "verify": self.verify, "catch_up": self.catch_up}
+        # k = 0: the tracked plain round (module docstring)
+        self.order = ["propose", "verify", "catch_up"] if k > 0 else ["track", "catch_up"]
+        self.fns = {"propose": self.propose, "verify": self.verify, "track": self.track, "catch_up": self.catch_up}
 
     @staticmethod
     def num_uniforms(k: int) -> int:
@@ -132,6 +152,18 @@ class SpeculativeSteps:
         st.num_accepted.copy_(a)
         st.block[:, : k + 1].copy_(verdict.tokens)
         st.taps[:, : k + 1].copy_(taps.aux)
+
+    def track(self):
+        """A plain step that keeps the draft's invariant: the target forward at n with taps, the plain sampler's
+        token (next_token), committed as a round with none accepted; the catch-up then takes the one anchor n."""
+        st = self.st
+        logits, _, taps = policy_forward(self.policy, st.last_tok[:, None], st.n[:, None], st.t_cache, self.rope,
+                                         tap_layers=self.aux, whole_logits=not vocab_parallel(self.policy, self.params))
+        tok, logp = next_token(self.policy, st, self.params, logits[:, 0])
+        commit(st, tok[:, None], torch.ones_like(tok), logp[:, None], self.max_new_tokens, self.stop_ids)
+        st.num_accepted.zero_()
+        st.block[:, 0].copy_(tok)
+        st.taps[:, :1].copy_(taps.aux)
 
     def catch_up(self):
         st, k = self.st, self.k

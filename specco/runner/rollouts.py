@@ -243,7 +243,7 @@ def collect_rollouts(engine, gen, cfg, source, rewards, tokenizer, data_offset: 
                 m["rollout/measured_speedup"] = speedup
             # every choice of the call: per level entered and per re-choice within one (rows:k), e.g. a tail
             # that turned plain on its own rows' acceptance
-            m["rollout/k_path"] = " ".join(f"{c.rows}:k{c.k}" for c in out.choices)
+            m["rollout/k_path"] = " ".join(map(str, out.choices))  # e.g. 256:k0t 64:k7 (t: tracked plain)
         logprobs = out.logprobs.float().cpu()
         ts = cfg.train  # train.overlong_buffer: the advantages see the length penalty, `reward` stays the score
         shaped = scored.rewards + overlong_penalty(out.lengths.cpu(), r.max_new_tokens, ts.overlong_buffer,
