@@ -169,11 +169,20 @@ def _worker(rank, world, ep, mutation):
         assert bad, f"mutation {mutation!r} at ep={ep} went unnoticed"
 
 
-def _bf16_worker(rank, world):
+def _bf16_worker(rank, world, grouped=False):
     """bf16 autocast (fp32 weights): the dispatch and combine carry bf16 rows (gloo here, NCCL on GPU). The
     forward is row-wise, so the loss and aux loss equal ep 1's to fp32 rounding (rel 1e-6); the gradients are
     bf16 GEMMs whose reductions run over other row groupings (an expert's rows from both ranks at once), so the
-    grad norm is compared at rel 1e-3 (measured 6e-8) and each gradient at bf16's resolution (rtol 2e-2)."""
+    grad norm is compared at rel 1e-3 (measured 6e-8) and each gradient at bf16's resolution (rtol 2e-2).
+    grouped: the experts take the grouped GEMM (on torch's CPU kernel; on a Hopper GPU it is what bf16 takes),
+    and the EP run must have taken it too (model/moe.expert_ffn, shared by Experts and EPExperts)."""
+    from specco.model import moe
+    taken = []
+    if grouped:
+        real = moe.expert_ffn_grouped
+        moe.grouped_mm_applies = lambda a, *ws: a.dtype == torch.bfloat16 and all(
+            w.dtype == torch.bfloat16 for w in ws)
+        moe.expert_ffn_grouped = lambda *a: taken.append(a[0].shape[0]) or real(*a)
     mesh = Mesh.build(dp=world, backend="gloo", ep=world)
     full, h = _batch(), B // world
     local = TrainBatch(tokens=full.tokens[rank * h:(rank + 1) * h],
@@ -184,8 +193,10 @@ def _bf16_worker(rank, world):
     runs = []
     for ep in (False, True):
         policy = apply_ep(copy.deepcopy(base), mesh.ep_group, mesh.ep_replica_group) if ep else copy.deepcopy(base)
+        before = len(taken)
         m = cotrain_step(policy, None, local, build_optimizer(policy, None, 0.0, 0.0), None, cfg,
                          grad_group=dist.group.WORLD)
+        assert (len(taken) > before) == grouped, (ep, grouped, taken)
         runs.append((m, policy))
     (m1, p1), (m2, p2) = runs
     for key, rel in (("policy/loss", 1e-6), ("policy/aux_loss", 1e-6), ("policy/grad_norm", 1e-3)):
@@ -198,8 +209,13 @@ def _bf16_worker(rank, world):
         torch.testing.assert_close(q.grad, want, rtol=2e-2, atol=1e-5, msg=n)
 
 
-def test_ep_step_under_bf16_autocast_matches_ep1():
-    spawn_local(_bf16_worker, 2)
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped_gemm"])
+def test_ep_step_under_bf16_autocast_matches_ep1(grouped):
+    if grouped:
+        from test_moe import _grouped_kernel_runs
+        if not _grouped_kernel_runs("cpu"):
+            pytest.skip("no grouped-GEMM kernel on cpu")
+    spawn_local(_bf16_worker, 2, grouped)
 
 
 def _groups_worker(rank, world):

@@ -12,7 +12,6 @@ What is compared, with which tolerance:
 * the grouped-GEMM expert path vs the loop, outputs and gradients: fp32 on CPU through torch's CPU kernel (rtol
   1e-5), bf16 on a Hopper GPU (rtol 2e-2; skipped without one).
 """
-import functools
 import json
 
 import pytest
@@ -177,7 +176,7 @@ def test_grouped_gemm_equals_loop(device, dtype):
     The public forward takes the grouped path only on CUDA bf16 (grouped_mm_applies); here both are called."""
     if not _grouped_kernel_runs(device):
         pytest.skip(f"no grouped-GEMM kernel on {device}")
-    from specco.model.moe import Experts
+    from specco.model.moe import Experts, expert_ffn_grouped, expert_ffn_loop
     torch.manual_seed(0)
     ex = Experts(8, 64, 32).to(device, dtype)
     with torch.no_grad():
@@ -188,8 +187,8 @@ def test_grouped_gemm_equals_loop(device, dtype):
     counts = torch.zeros(8, dtype=torch.long, device=device).index_add_(0, idx, torch.ones_like(idx))
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
     outs, grads = [], []
-    for path in (functools.partial(ex._grouped, w1=ex.gate_up_proj, w2=ex.down_proj), ex._loop):
-        y = path(xs, counts)
+    for path in (expert_ffn_grouped, expert_ffn_loop):
+        y = path(xs, counts, ex.gate_up_proj, ex.down_proj)
         outs.append(y.float())
         grads.append(torch.autograd.grad(y.float().square().sum(), [xs, ex.gate_up_proj, ex.down_proj]))
     torch.testing.assert_close(outs[0], outs[1], **tol)

@@ -161,8 +161,8 @@ def _ep_activation_worker(rank, world):
             torch.manual_seed(1 + rank)  # different tokens per rank, so the routes differ
             run, tables = run_layer(layer, pc, 2, 24, precision)
             experts, received = layer.mlp.experts, []
-            loop = experts._loop
-            experts._loop = lambda xs, counts: (received.append(sum(counts)), loop(xs, counts))[1]  # noqa: E731
+            ffn = experts._experts
+            experts._experts = lambda xs, counts: (received.append(int(counts.sum())), ffn(xs, counts))[1]  # noqa: E731
             weights = {tuple(p.shape)[::o] for p in layer.parameters() for o in (1, -1)}
             weights |= {tuple(p.shape[1:])[::o] for p in experts.parameters() for o in (1, -1)}
             measured = _saved_storages(run, [*layer.parameters(), *tables], skip_shapes=weights)

@@ -67,12 +67,7 @@ class Experts(nn.Module):
         # (E,) rows per expert; not torch.bincount, which reads the largest id on the host (no CUDA graph then)
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
             0, flat, torch.ones_like(flat))
-        xs = x[rows]  # (N·k, h) each row once per expert it visits, grouped by expert
-        xs_c, w1, w2 = _autocast_operands(xs, self.gate_up_proj, self.down_proj)
-        if grouped_mm_applies(xs_c, w1, w2):
-            y = self._grouped(xs_c, counts, w1, w2)
-        else:
-            y = self._loop(xs, counts)
+        y = expert_ffn(x[rows], counts, self.gate_up_proj, self.down_proj)  # (N·k, h): rows grouped by expert
         y = y * weights.reshape(-1)[order, None].to(y.dtype)  # (N·k, h)
         return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
 
@@ -90,29 +85,45 @@ class Experts(nn.Module):
         y = y * w.t()[:, :, None].to(y.dtype)  # (E, N, h)
         return y.sum(0).to(x.dtype)  # (N, h)
 
-    @torch.compiler.disable
-    def _loop(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The reference path (any device, dtype): one (gate_up, down) GEMM pair per touched expert. Reads the
-        counts on the host (one sync), so it is not CUDA-graph capturable; `_grouped` is. Left out of
-        torch.compile: its Python branches on the counts made dynamo recompile per pattern of empty experts until
-        its recompile limit (the H200 MoE run's log), for nothing to fuse."""
-        outs, start = [], 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                seg = xs[start:start + n]  # (n, h) the rows routed to expert e
-                gate, up = F.linear(seg, self.gate_up_proj[e]).split(self.inter, dim=-1)  # (n, I) each
-                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))  # (n, h)
-                start += n
-        return torch.cat(outs) if outs else xs.new_zeros(xs.shape)
 
-    def _grouped(self, xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """The same as `_loop` with two grouped GEMMs over all experts (ops/grouped_mm.py; CUDA, bf16): segment
-        ends are cumulative counts on the device, so nothing is read on the host. w1 (E, 2I, h), w2 (E, h, I): the
-        expert parameters, or their autocast casts (`forward`)."""
-        ends = counts.cumsum(0).to(torch.int32)  # (E,) one past each expert's last row
-        gate_up = grouped_mm(xs, w1.transpose(1, 2), ends)  # (N·k, 2I)
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), ends)  # (N·k, h)
+def expert_ffn(xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The experts' SwiGLU over rows grouped by expert, the one home of its math (Experts, and this rank's slice
+    of them under expert parallelism: parallel/ep.EPExperts): xs (M, h) rows sorted by expert, counts (G,) int64
+    on xs's device (rows per expert, in order), gate_up (G, 2I, h) [gate | up], down (G, h, I) -> (M, h),
+    down_g(silu(gate_g x) * up_g x) for each row x of expert g's segment. Under autocast the operands are cast as
+    a linear's would be (`_autocast_operands`); the grouped GEMM where it applies (ops/grouped_mm.py: Hopper, bf16),
+    else the loop."""
+    xs_c, w1, w2 = _autocast_operands(xs, gate_up, down)
+    if grouped_mm_applies(xs_c, w1, w2):
+        return expert_ffn_grouped(xs_c, counts, w1, w2)
+    return expert_ffn_loop(xs, counts, gate_up, down)
+
+
+@torch.compiler.disable
+def expert_ffn_loop(xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """`expert_ffn` as one (gate_up, down) GEMM pair per expert with rows: the reference path (any device, dtype).
+    Reads the counts on the host (one sync), so it is not CUDA-graph capturable; the grouped path is. Left out of
+    torch.compile: its Python branches on the counts made dynamo recompile per pattern of empty experts until its
+    recompile limit (the H200 MoE run's log), for nothing to fuse."""
+    inter = down.shape[-1]
+    outs, start = [], 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            seg = xs[start:start + n]  # (n, h) the rows routed to expert e
+            gate, up = F.linear(seg, gate_up[e]).split(inter, dim=-1)  # (n, I) each
+            outs.append(F.linear(F.silu(gate) * up, down[e]))  # (n, h)
+            start += n
+    return torch.cat(outs) if outs else xs.new_zeros(xs.shape)
+
+
+def expert_ffn_grouped(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """`expert_ffn` as two grouped GEMMs over all experts (ops/grouped_mm.py; CUDA, bf16): segment ends are
+    cumulative counts on the device, so nothing is read on the host. w1 (G, 2I, h), w2 (G, h, I): the expert
+    parameters, or their autocast casts."""
+    ends = counts.cumsum(0).to(torch.int32)  # (G,) one past each expert's last row
+    gate_up = grouped_mm(xs, w1.transpose(1, 2), ends)  # (M, 2I)
+    gate, up = gate_up.split(w2.shape[-1], dim=-1)
+    return grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), ends)  # (M, h)
 
 
 def _autocast_operands(xs: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:

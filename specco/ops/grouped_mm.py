@@ -5,7 +5,7 @@ that the private `torch._grouped_mm`, STYLE §8).
 
 a (M, K) rows grouped contiguously; b (G, K, N) one matrix per group; ends (G,) int32, one past each group's
 last row (cumulative counts; an empty group has the previous end). Its pure-torch twin is a loop over the groups
-(`grouped_mm_reference`; model/moe.Experts._loop is the same loop fused with SwiGLU), and
+(`grouped_mm_reference`; model/moe.expert_ffn_loop is the same loop fused with SwiGLU), and
 tests/test_moe.py checks the two agree, outputs and gradients, where the kernel runs: on CPU in fp32 (torch >= 2.9
 has a CPU kernel, which specco uses only in that test) and on a Hopper GPU in bf16.
 

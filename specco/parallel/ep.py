@@ -66,8 +66,9 @@ experts under their global HF names (and loads back: the state copies of the mea
 save each slice as its Shard(0) of the whole (E, ...) tensor (`expert_meshes`, `as_global`; AdamW's moments too), so a
 run resumes at any ep, 1 included.
 
-Not here: grouped GEMMs (the loop over local experts reads the counts on the host, like the dispatch's split sizes:
-no CUDA graph, no compile), tp with ep (refused).
+A rank's experts run model/moe.expert_ffn, Experts' own: the grouped GEMM where it applies (Hopper, bf16 or bf16
+autocast over fp32 masters), else the loop. The dispatch reads its split sizes on the host, so an ep layer is never
+CUDA-graphed (the engine holds every expert: it never is one). Not here: tp with ep (refused).
 
 **Under pipeline parallelism** (tests/test_ep_pp.py) each stage is cut from the whole policy first, then its sparse
 layers' experts placed over that stage's own ep group (parallel/mesh.py cuts ep groups from every stage's dp × cp
@@ -79,12 +80,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..model.moe import Experts, SparseMoE
+from ..model.moe import Experts, SparseMoE, expert_ffn
 
 __all__ = ["apply_ep", "EPExperts", "is_ep", "expert_parameters", "full_expert_state", "expert_stream", "ep_groups",
            "expert_meshes", "as_global", "check_same_micro_batches", "slice_offsets"]
@@ -174,28 +174,22 @@ class EPExperts(nn.Module):
         local_ids = torch.arange(El, device=x.device).repeat(ep)  # (ep·E/ep,) matches recv_counts.flatten()
         le = torch.repeat_interleave(local_ids, recv_counts.flatten())  # (R,)
         perm = le.argsort(stable=True)  # (R,)
-        ys = self._loop(xr[perm], recv_counts.sum(0).tolist())  # (R, h) in local-expert order
+        ys = self._experts(xr[perm], recv_counts.sum(0))  # (R, h) in local-expert order
         yr = _unpermute(ys, perm)  # (R, h) back in arrival order
         # 5. combine: the reverse all-to-all -> (N·k, h) in this rank's sorted order, then Experts.forward's tail
         y = _AllToAll.apply(yr, recv, send, self.group)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)  # (N·k, h)
         return torch.zeros_like(x).index_add_(0, rows, y.to(x.dtype))
 
-    def _loop(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """One GEMM pair per local expert over its contiguous rows (Experts._loop's math)."""
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            if n:
-                seg = xs[start:start + n]  # (n, h)
-                gate, up = F.linear(seg, self.gate_up_proj[e]).split(self.inter, dim=-1)  # (n, I) each
-                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))  # (n, h)
-                start += n
+    def _experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts over the rows they received, xs (R, h) in local-expert order, counts (E/ep,) on the
+        device: model/moe.expert_ffn (the grouped GEMM where it applies, autocast's casts, else the loop)."""
+        if xs.shape[0]:
+            return expert_ffn(xs, counts, self.gate_up_proj, self.down_proj)
         # No rows at all: (0, h) still derived from xs, so the graph keeps both all-to-alls and this rank's
         # backward joins its peers' (an output without a grad_fn would skip them: a hang), and from both slices
         # (times 0), so they get a zero gradient like their peers' and every rank joins the reduction over the
         # replica group (FSDP's reduce-scatter of the slices, or EPSync's all-reduce)
-        if outs:
-            return torch.cat(outs)
         return xs * 0 + (self.gate_up_proj.sum() + self.down_proj.sum()).to(xs.dtype) * 0
 
 
