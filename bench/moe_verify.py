@@ -27,6 +27,10 @@ The verify's first token per row is the plain step's token (the last accepted to
 so the verify's routed set contains the step's. The measurements of one B are interleaved over `--rounds`
 rounds (A B A B ..., each `--iters` back-to-back calls; the median round reported).
 
+On CUDA each plain step is also timed against bench/anchor.py's independent plain-PyTorch decoder of the same
+config (`--anchor`): the MoE's experts there in each of three ways a user might write them (grouped GEMM, every
+expert, per-token gathered experts), the best the baseline; `step_over_anchor` is the engine's step over it.
+
 Reported per measurement:
   * t_ms, and verify / step for the MoE and for the dense twin (the number issue 38 asks to explain);
   * experts touched: the mean over MoE layers of the distinct experts the n = B·T routed tokens chose, read from
@@ -55,7 +59,7 @@ and the vocabulary cut N ways; the all-reduces inside the captured graphs), so e
 parameter counts and read floor are its shard's (1/N of each expert's bytes, the router whole), the experts touched
 the same as at tp 1 (the router is not cut). Rank 0 writes the JSON (`tp` in it); the ranks time in lock-step.
 
-    python bench/moe_verify.py --device cuda
+    python bench/moe_verify.py --device cuda [--anchor compiled]
     torchrun --nproc-per-node 2 bench/moe_verify.py --device cuda --out $OUT/moe_verify_tp2.json
     python bench/moe_verify.py --device cpu --hidden 64 --layers 2 --experts 8 --moe-inter 32 --heads 4 \
         --kv-heads 2 --vocab 256 --batches 1,4 --kv 16 --ks 1,3 --rounds 1 --iters 2
@@ -261,6 +265,8 @@ def bench_batch(models: dict, counts: dict, a, batch: int, device: str, bw: floa
     for mname in models:
         r = res[mname]
         r["verify_over_step"] = {str(k): r[f"verify_k{k}"]["t_ms"] / r["step"]["t_ms"] for k in a.ks}
+    if device == "cuda" and a.anchor != "none":
+        anchor_steps(models, res, a, batch)
     del runs, keep
     gc.collect()
     if device == "cuda":
@@ -268,10 +274,36 @@ def bench_batch(models: dict, counts: dict, a, batch: int, device: str, bw: floa
     return res
 
 
+def anchor_steps(models: dict, res: dict, a, batch: int) -> None:
+    """The plain step of each model against bench/anchor.py's plain-PyTorch decoder of the same config at the same
+    KV position (CUDA-graphed, and compiled with `--anchor compiled`): the MoE in each of `--anchor-modes`, the
+    best of them the baseline (`anchor_best_ms`, `step_over_anchor`); a mode that fails (a kernel or compile
+    error) is reported with its error and left out. The anchor draws its own random weights (routing close to
+    uniform, as the policy's here: embeddings N(0, 1))."""
+    from _timing import timeit
+    from anchor import anchor_step_time
+    for mname, policy in models.items():
+        modes = a.anchor_modes if policy.cfg.moe else ["dense"]  # the dense twin: its one MLP (mode unused)
+        per = {}
+        for mode in modes:
+            try:
+                per[mode] = anchor_step_time(policy.cfg, batch, a.kv, 1, policy.lm_head.weight.dtype, 1.0,
+                                             a.anchor == "compiled", timeit, moe_mode=mode) * 1e3
+            except Exception as e:  # noqa: BLE001 (a baseline variant that cannot run is reported, not fatal)
+                per[mode] = f"failed: {type(e).__name__}: {str(e)[:300]}"
+            torch.cuda.empty_cache()
+        step = res[mname]["step"]
+        step["anchor_ms"] = per
+        ok = [t for t in per.values() if isinstance(t, float)]
+        if ok:
+            step["anchor_best_ms"] = min(ok)
+            step["step_over_anchor"] = step["t_ms"] / min(ok)
+
+
 def table(rows: list[dict], ks: list[int]) -> str:
     """The markdown table of the results: one line per (B, model, measurement)."""
     lines = ["| B | model | tokens/row | t (ms) | verify/step | experts touched (uniform) | weights MB | KV MB "
-             "| read floor (ms) | t/floor | FLOP floor (ms) |", "|---" * 11 + "|"]
+             "| read floor (ms) | t/floor | FLOP floor (ms) | step / anchor |", "|---" * 12 + "|"]
     for r in rows:
         for mname in ("moe", "dense"):
             for k in [0] + ks:  # 0: the plain step
@@ -280,9 +312,10 @@ def table(rows: list[dict], ks: list[int]) -> str:
                 touched = (f"{m['experts_touched']:.1f} ({m['experts_touched_uniform']:.1f})"
                            if "experts_touched" in m else "")
                 flops = f"{m['flops_floor_ms']:.3f}" if "flops_floor_ms" in m else ""
+                anchor = f"{m['step_over_anchor']:.2f}" if "step_over_anchor" in m else ""
                 lines.append(f"| {r['batch']} | {mname} | {m['tokens_per_row']} | {m['t_ms']:.3f} | {ratio} | "
                              f"{touched} | {m['weight_bytes'] / 1e6:.1f} | {m['kv_bytes'] / 1e6:.1f} | "
-                             f"{m['floor_ms']:.3f} | {m['t_over_floor']:.2f} | {flops} |")
+                             f"{m['floor_ms']:.3f} | {m['t_over_floor']:.2f} | {flops} | {anchor} |")
     return "\n".join(lines)
 
 
@@ -306,9 +339,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds per batch size (median reported)")
     ap.add_argument("--iters", type=int, default=20, help="back-to-back calls per round")
     ap.add_argument("--threads", type=int, default=1, help="CPU intra-op threads")
+    ap.add_argument("--anchor", choices=["graphed", "compiled", "none"], default="graphed",
+                    help="CUDA: time each plain step against bench/anchor.py's decoder, CUDA-graphed eager or also "
+                         "torch.compile'd (inductor: ~1 min per model, mode and batch)")
+    ap.add_argument("--anchor-modes", default="grouped,dense,gather", help="the MoE anchor's expert paths")
     ap.add_argument("--out", default=None, help="default moe_verify_<device type>.json under bench/results")
     a = ap.parse_args()
     a.ks = [int(k) for k in a.ks.split(",")]
+    a.anchor_modes = a.anchor_modes.split(",")
     device = a.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available")
@@ -316,7 +354,8 @@ def main():
         torch.set_num_threads(a.threads)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the captured MoE path needs bf16
     tp = int(os.environ.get("WORLD_SIZE", 1))
-    if tp > 1:  # torchrun: the engine's tp group is every rank (module docstring)
+    if tp > 1:  # torchrun: the engine's tp group is every rank (module docstring); the anchor is one GPU's
+        a.anchor = "none"
         import torch.distributed as dist
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -348,6 +387,7 @@ def main():
         return dist.destroy_process_group()
     print(table(rows, a.ks))
     fields = {"tp": tp, "dtype": str(dtype), "graphs": device == "cuda", "copy_bandwidth_TBps": bw / 1e12,
+              "anchor": a.anchor if device == "cuda" else "none", "anchor_modes": a.anchor_modes,
               "peak_flops": PEAK_FLOPS if device == "cuda" else None, "kv_position": a.kv, "ks": a.ks,
               "rounds": a.rounds, "iters": a.iters,
               "config": {m: dataclasses.asdict(p.cfg) for m, p in models.items()},
