@@ -55,7 +55,7 @@ def test_anchor_computes_the_policys_logits(case):
 
 
 def test_moe_verify_times_each_anchor_mode_and_keeps_the_best(monkeypatch):
-    """bench/moe_verify.anchor_steps' bookkeeping (its timings need CUDA): every MoE mode is timed, a failing one is
+    """moe_verify.py's anchor_steps bookkeeping (its timings need CUDA): every MoE mode is timed, a failing one is
     reported with its error and left out of the best, the dense twin is timed once, step_over_anchor = t / best."""
     import types
     import anchor
