@@ -183,3 +183,27 @@ def test_a_hopeless_draft_is_not_tracked():
     lk.enter(plain_call, allow_speculation=False)
     assert not plain_call.tracking
     assert isinstance(plain_call.choice, Choice)
+
+
+@torch.no_grad()
+def test_no_tracking_once_no_smaller_level_pays(monkeypatch):
+    """A level tracks for the levels below it. Where speculation costs 20 plain steps a round at every size, the
+    first call tracks at the root (its smaller levels not measured yet), measures them, and the second call's
+    root, knowing that no smaller level pays, runs the untracked plain step."""
+    def measure(self, iters=None):
+        self.costs = {k: 1.0 + 20.0 * (k > 0) for k in self.steps}
+        self.track_cost = 1.05 if self.tracked is not None else None
+        return self.costs
+    monkeypatch.setattr(levels.Level, "measure", measure)
+    policy, draft = structured_pair()
+    prompts, eos = _structured_prompts(policy.cfg.vocab_size)
+    runner = _tracking_runner(policy, draft, COUPLED, T=64, eos_token_id=eos, compact_below=0.6,
+                              compact_min_rows=8)
+    roots = []
+    for _ in range(2):
+        runner.prefill(prompts, 4, generator=torch.Generator().manual_seed(5))
+        runner.run()
+        out = runner.result()
+        assert all(c.k == 0 for c in out.choices) and len(out.choices) > 1
+        roots.append(out.choices[0])
+    assert roots[0].tracked and not roots[1].tracked

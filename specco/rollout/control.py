@@ -51,8 +51,10 @@ catch-up of its taps), and the levels after it choose their k afresh: in RL the 
 too large for a verify to pay while the tail's few long rows gain most (H200, the dense twin of
 configs/moe.toml, 2026-12-05: its DFlash arm chose plain at 256 rows, and the untracked rule kept the
 64-, 16- and 8-row levels plain for the whole run). The tracking costs the draft's catch-up of one token
-per round (measured: Level.track_cost). A level left plain untracked (a hopeless draft, or the last
-level) keeps every smaller level plain. Speculative levels may lower k or switch to plain freely.
+per round (measured: Level.track_cost), so a level tracks only while some smaller level may speculate: one
+not yet measured, or one whose measured costs make a k pay at the acceptance known then (LevelK._track). A
+level left plain untracked (a hopeless draft, no smaller level that pays, or the last level) keeps every
+smaller level plain. Speculative levels may lower k or switch to plain freely.
 """
 from __future__ import annotations
 
@@ -190,11 +192,13 @@ class LevelK:
     Without a controller (speculation control off) every level runs the k it was built with (k_max, or 0
     without a draft) and nothing is recorded.
 
-    `level`: a levels.Level (not imported: levels.py imports Choice from here). Its `k` is the one thing this
-    writes: Level.round runs `level.k`'s step set."""
+    `level`: a levels.Level (not imported: levels.py imports Choice from here). Its `k` (and `tracking`) is what
+    this writes: Level.round runs `level.k`'s step set. below(level): the sizes a level compacted from `level` may
+    take, each as (rows, its measured costs), or None for one not measured yet (the runner's LevelStack knows);
+    None: every smaller level counts as unknown."""
 
-    def __init__(self, ctl: SpecController | None):
-        self.ctl = ctl
+    def __init__(self, ctl: SpecController | None, below=None):
+        self.ctl, self.below = ctl, below
         self.choices: list[Choice] = []  # one per level entered, and one per change of k within a level
         self._recheck: LevelRecheck | None = None  # the current level's re-check
 
@@ -221,10 +225,15 @@ class LevelK:
 
     def _track(self, level, allow_speculation: bool, live: tuple) -> None:
         """A level at k = 0 runs the tracked plain round if it has one (a smaller level may follow), the call
-        speculates, and the draft still promises tokens (E[τ_k_max] > margin; the optimistic prior counts, so
-        an untried draft is tracked)."""
+        speculates, the draft still promises tokens (E[τ_k_max] > margin; the optimistic prior counts, so an
+        untried draft is tracked), and some smaller level may speculate: one not measured yet, or one whose
+        measured costs make some k pay with the acceptance known now. So a weak draft on a batch where no level
+        pays is not tracked (its catch-up would be a cost for nothing) once the levels' costs are known."""
+        ctl = self.ctl
         level.tracking = (level.k == 0 and allow_speculation and level.tracked is not None
-                          and self.ctl.expected_tokens(self.ctl.k_max, live) > self.ctl.margin)
+                          and ctl.expected_tokens(ctl.k_max, live) > ctl.margin
+                          and any(c is None or ctl.choose(c[1], c[0], True, live).k > 0
+                                  for c in (self.below(level) if self.below is not None else [None])))
         level.choice.tracked = level.tracking
 
     def recheck(self, level, rounds: int) -> None:

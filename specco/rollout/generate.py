@@ -115,7 +115,7 @@ class DecodeRunner:
         self.stop_ids = None if cfg.eos_token_id is None else torch.tensor(stops, dtype=torch.long, device=self.device)
         control = speculation_control(cfg, self.device)
         self.controller = (controller or SpecController(self.k)) if control and draft is not None else None
-        self.k_choice = LevelK(self.controller)
+        self.k_choice = LevelK(self.controller, self._levels_below)
         self.shape: RunnerShape | None = None
         self.io: PromptBuffers | None = None
         self.stack: LevelStack | None = None  # the root level and the compacted ones (_allocate)
@@ -263,6 +263,16 @@ class DecodeRunner:
         if self.use_graphs:
             level.capture(lambda: st.finished.fill_(True), self.pool)
         return level
+
+    def _levels_below(self, level: Level) -> list[tuple[int, dict] | None]:
+        """The sizes a level compacted from `level` may take (compaction.compact_size: powers of two from
+        compact_min_rows to half its rows), each as (rows, measured costs), None where not measured yet."""
+        out, rows = [], max(1, self.cfg.compact_min_rows)
+        while self.cfg.compact_below > 0 and rows <= level.rows // 2:
+            lv = self.stack.levels.get(rows)
+            out.append((rows, lv.costs) if lv is not None and lv.costs else None)
+            rows *= 2
+        return out
 
     def _prefill_step(self):
         """Target prefill over the prompts (once per prompt: the G samples of a group share its
