@@ -194,6 +194,43 @@ def test_engine_tp2_speculation_control_chooses_alike_on_every_rank():
     spawn_local(_control_worker, 2)
 
 
+def _tracked_worker(rank, world):
+    """The tracked plain round (rollout/speculative.py `track`) on the tp 2 engine: its vocabulary-parallel token
+    choice and its taps feed the draft as at tp 1, so tracked rounds between speculative ones give tp 1's tokens
+    and, the draft state being the same, tp 1's acceptance counts (fp64), for EAGLE-3 and DFlash, every sampler."""
+    from test_block_rollout import _block_draft
+    from test_rollout_helpers import structured_pair, tiny_policy
+    from specco.rollout.generate import DecodeRunner, GenerateConfig
+    from specco.rollout.tp import tp_shard
+    prompts = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 11, 12, 2]]
+    pairs = {"eagle3": tuple(m.double() for m in structured_pair(V=32)),
+             "dflash": (tiny_policy(V=16, h=32, layers=3, seed=5).double(), None)}
+    pairs["dflash"] = (pairs["dflash"][0], _block_draft(pairs["dflash"][0], "dflash", gamma=3, scale=3.0).double())
+    for kind, (policy, draft) in pairs.items():
+        shard = tp_shard(policy, dist.group.WORLD)
+        for cname, params in _cases().items():
+            runs = []
+            for model in (policy, shard):
+                cfg = GenerateConfig(max_new_tokens=24, sampling=params, num_draft_tokens=3, spec_control=True,
+                                     compact_min_rows=1)
+                runner = DecodeRunner(model, cfg, draft)
+                runner.prefill([[t % 15 for t in p] for p in prompts], 2, generator=torch.Generator().manual_seed(3))
+                level = runner.level
+                assert level.tracked is not None
+                for k in ["t", "t", 3, "t", 2, "t", 3]:
+                    level.k, level.tracking = (0, True) if k == "t" else (k, False)
+                    runner.round()
+                st = runner.st
+                runs.append((st.out_tokens.clone(), st.out_len.clone(), st.n_accepted.clone(), st.n_tried.clone()))
+            for a, b in zip(*runs):
+                assert torch.equal(a, b), (kind, cname)
+            assert int(runs[0][2].sum()) > 0, (kind, cname)  # some draft tokens accepted: the counts compare
+
+
+def test_engine_tp2_tracked_plain_rounds_equal_tp1():
+    spawn_local(_tracked_worker, 2)
+
+
 def _moe_worker(rank, world):
     """A mixture-of-experts target on the tp 2 engine (rollout/tp.py: each expert's and the shared expert's SwiGLU
     cut I/tp, router whole, the block's output all-reduced): Qwen3-MoE and Qwen2-MoE (shared expert, a dense
