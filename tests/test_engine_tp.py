@@ -28,24 +28,44 @@ def _cases():
             "rejection": SamplingParams(temperature=1.0)}
 
 
+PROMPTS = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 11, 12, 2]]
+
+
+def tokens(model, draft, params, k=3, prompts=PROMPTS):
+    """(tokens, lengths) of one engine call: 12 new tokens, 2 samples per prompt, a fixed generator."""
+    from specco.rollout.config import GenerateConfig
+    from specco.rollout.engine import RolloutEngine
+    cfg = GenerateConfig(max_new_tokens=12, sampling=params, num_draft_tokens=k)
+    with RolloutEngine(model, draft, cfg) as eng:
+        out = eng.generate(prompts, group_size=2, generator=torch.Generator().manual_seed(7))
+    return out.tokens, out.lengths
+
+
+def assert_refit_keeps_slices(shard, new):
+    """The trainer's whole tensors of `new` refit into the tp shard in place (InPlaceLoad): the same storage, each
+    rank's slices of `new`, and the tp 1 tokens of `new`."""
+    from specco.rollout.tp import tp_shard
+    from specco.rollout.weights import InPlaceLoad
+    ptrs = [p.data_ptr() for p in shard.parameters()]
+    load = InPlaceLoad(shard, "policy")
+    load.write(list(new.state_dict().items()))
+    load.finish()
+    assert ptrs == [p.data_ptr() for p in shard.parameters()]
+    want = tp_shard(new, dist.group.WORLD).state_dict()
+    for k, v in shard.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert torch.equal(tokens(new, None, _cases()["greedy"])[0], tokens(shard, None, _cases()["greedy"])[0])
+
+
 def _worker(rank, world):
     from test_block_rollout import _block_draft
     from test_rollout_helpers import random_draft, tiny_policy
     import specco.rollout.forward as fwd
-    from specco.rollout.config import GenerateConfig
-    from specco.rollout.engine import RolloutEngine
     from specco.rollout.tp import tp_shard
     from specco.rollout.weights import InPlaceLoad
     policy = tiny_policy(V=32, h=32, layers=4, kv=2).double()
     shard = tp_shard(policy, dist.group.WORLD)
     assert shard.cfg.num_heads == 2 and shard.cfg.num_kv_heads == 1 and shard.lm_head.weight.shape == (16, 32)
-    prompts = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 11, 12, 2]]
-
-    def tokens(model, draft, params, k=3):
-        cfg = GenerateConfig(max_new_tokens=12, sampling=params, num_draft_tokens=k)
-        with RolloutEngine(model, draft, cfg) as eng:
-            out = eng.generate(prompts, group_size=2, generator=torch.Generator().manual_seed(7))
-        return out.tokens, out.lengths
 
     drafts = {"plain": None, "eagle3": random_draft(policy).double(), "dflash": _block_draft(policy, "dflash")}
     for dname, draft in drafts.items():
@@ -61,16 +81,7 @@ def _worker(rank, world):
         fwd.reduce_partial = reduce
     # refit: the trainer's whole tensors, each rank keeps its slice, in place
     torch.manual_seed(5)
-    new = tiny_policy(V=32, h=32, layers=4, kv=2, seed=5).double()
-    ptrs = [p.data_ptr() for p in shard.parameters()]
-    load = InPlaceLoad(shard, "policy")
-    load.write(list(new.state_dict().items()))
-    load.finish()
-    assert ptrs == [p.data_ptr() for p in shard.parameters()]
-    want = tp_shard(new, dist.group.WORLD).state_dict()
-    for k, v in shard.state_dict().items():
-        assert torch.equal(v, want[k]), k
-    assert torch.equal(tokens(new, None, _cases()["greedy"])[0], tokens(shard, None, _cases()["greedy"])[0])
+    assert_refit_keeps_slices(shard, tiny_policy(V=32, h=32, layers=4, kv=2, seed=5).double())
     bad = InPlaceLoad(shard, "policy")  # a tensor of the wrong whole size is named, not sliced
     bad.write([("layers.0.self_attn.q_proj.weight", torch.zeros(16, 32, dtype=torch.float64))])
     assert bad.bad_shape and bad.bad_shape[0][0] == "layers.0.self_attn.q_proj.weight"
@@ -202,7 +213,6 @@ def _tracked_worker(rank, world):
     from test_rollout_helpers import structured_pair, tiny_policy
     from specco.rollout.generate import DecodeRunner, GenerateConfig
     from specco.rollout.tp import tp_shard
-    prompts = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 11, 12, 2]]
     pairs = {"eagle3": tuple(m.double() for m in structured_pair(V=32)),
              "dflash": (tiny_policy(V=16, h=32, layers=3, seed=5).double(), None)}
     pairs["dflash"] = (pairs["dflash"][0], _block_draft(pairs["dflash"][0], "dflash", gamma=3, scale=3.0).double())
@@ -214,7 +224,7 @@ def _tracked_worker(rank, world):
                 cfg = GenerateConfig(max_new_tokens=24, sampling=params, num_draft_tokens=3, spec_control=True,
                                      compact_min_rows=1)
                 runner = DecodeRunner(model, cfg, draft)
-                runner.prefill([[t % 15 for t in p] for p in prompts], 2, generator=torch.Generator().manual_seed(3))
+                runner.prefill([[t % 15 for t in p] for p in PROMPTS], 2, generator=torch.Generator().manual_seed(3))
                 level = runner.level
                 assert level.tracked is not None
                 for k in ["t", "t", 3, "t", 2, "t", 3]:
@@ -239,17 +249,7 @@ def _moe_worker(rank, world):
     from test_moe_rollout import moe_policy
     from test_rollout_helpers import random_draft
     import specco.rollout.forward as fwd
-    from specco.rollout.config import GenerateConfig
-    from specco.rollout.engine import RolloutEngine
     from specco.rollout.tp import tp_shard
-    from specco.rollout.weights import InPlaceLoad
-    prompts = [[1, 5, 6, 7], [1, 9], [1, 3, 4, 11, 12, 2]]
-
-    def tokens(model, draft, params, k=3):
-        cfg = GenerateConfig(max_new_tokens=12, sampling=params, num_draft_tokens=k)
-        with RolloutEngine(model, draft, cfg) as eng:
-            out = eng.generate(prompts, group_size=2, generator=torch.Generator().manual_seed(7))
-        return out.tokens, out.lengths
 
     for family in ("qwen3_moe", "qwen2_moe"):
         policy = moe_policy(family).double()
@@ -268,15 +268,7 @@ def _moe_worker(rank, world):
                                    tokens(shard, None, _cases()["greedy"])[0]), family
         finally:
             fwd.reduce_partial = real
-        new = moe_policy(family, seed=5).double()  # refit: the trainer's whole tensors, each rank keeps its slices
-        ptrs = [p.data_ptr() for p in shard.parameters()]
-        load = InPlaceLoad(shard, "policy")
-        load.write(list(new.state_dict().items()))
-        load.finish()
-        assert ptrs == [p.data_ptr() for p in shard.parameters()]
-        want = tp_shard(new, dist.group.WORLD).state_dict()
-        assert all(torch.equal(v, want[k]) for k, v in shard.state_dict().items())
-        assert torch.equal(tokens(new, None, _cases()["greedy"])[0], tokens(shard, None, _cases()["greedy"])[0])
+        assert_refit_keeps_slices(shard, moe_policy(family, seed=5).double())  # refit: each rank keeps its slices
 
 
 def test_engine_tp2_with_a_moe_target_decodes_the_tp1_tokens_and_refits():
