@@ -38,8 +38,9 @@ from specco.parallel.ep import EPExperts, apply_ep, is_ep
 from specco.parallel.mesh import Mesh, spawn_local
 from specco.parallel.pipeline import PipeComm, split_stage, stage_layer_ranges
 from specco.parallel.taps import TapChannel, TapSpec
-from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
+from specco.train.cotrain import StepConfig, build_optimizer, cotrain_step
 from specco.train.grad_sync import grad_syncs
+from test_pp_cotrain import _batch, _snap
 
 pytestmark = pytest.mark.dist
 
@@ -64,21 +65,6 @@ def _models():
     draft = Eagle3Draft(DraftConfig.for_policy(pc, 37, aux_layer_ids=(0, 2, 4)))
     draft.set_vocab_maps(*build_vocab_maps(torch.rand(V), 37))
     return policy.double(), draft.double()
-
-
-def _batch():
-    g = torch.Generator().manual_seed(3)
-    mask = torch.zeros(B, S, dtype=torch.float64)
-    for b in range(B):
-        mask[b, 2:S - b % 3] = 1
-    return TrainBatch(tokens=torch.randint(0, V, (B, S), generator=g), target_mask=mask,
-                      advantages=torch.randn(B, generator=g, dtype=torch.float64),
-                      logp_old=-torch.rand(B, S, generator=g, dtype=torch.float64) * 3)
-
-
-def _snap(tag, mod):
-    return ({f"{tag}.{n}": p.grad.clone() for n, p in mod.named_parameters() if p.grad is not None},
-            {f"{tag}.{n}": p.detach().clone() for n, p in mod.named_parameters()})
 
 
 class _StageLocalBalance:
@@ -109,7 +95,7 @@ def _step_worker(rank, world, pp, dp, ep, dp_shard, mutate=False):
     mesh = Mesh.build(dp=dp, pp=pp, backend="gloo", ep=ep, dp_shard=dp_shard)
     s, last = mesh.pp_rank, mesh.pp_rank == pp - 1
     policy, draft = _models()
-    batch = _batch()
+    batch = _batch(B)
     ref_p, ref_d = copy.deepcopy(policy), copy.deepcopy(draft)
     ref_m = cotrain_step(ref_p, ref_d, batch, build_optimizer(ref_p, ref_d, 1e-2, 1e-2), None, CFG)
     assert ref_m["policy/grad_norm"] > 2 * CFG.policy_grad_clip and ref_m["policy/aux_loss"] > 0  # clip active

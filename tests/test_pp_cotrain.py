@@ -43,17 +43,19 @@ def _models():
     return policy, draft.double()
 
 
-def _batch():
+def _batch(rows: int = B) -> TrainBatch:
+    """A fixed fp64 GRPO batch of `rows` rows x S tokens over V ids, ragged target masks (also tests/test_ep_pp.py's)."""
     g = torch.Generator().manual_seed(3)
-    mask = torch.zeros(B, S, dtype=torch.float64)
-    for b in range(B):
+    mask = torch.zeros(rows, S, dtype=torch.float64)
+    for b in range(rows):
         mask[b, 2:S - b % 3] = 1
-    return TrainBatch(tokens=torch.randint(0, V, (B, S), generator=g), target_mask=mask,
-                      advantages=torch.randn(B, generator=g, dtype=torch.float64),
-                      logp_old=-torch.rand(B, S, generator=g, dtype=torch.float64) * 3)
+    return TrainBatch(tokens=torch.randint(0, V, (rows, S), generator=g), target_mask=mask,
+                      advantages=torch.randn(rows, generator=g, dtype=torch.float64),
+                      logp_old=-torch.rand(rows, S, generator=g, dtype=torch.float64) * 3)
 
 
 def _snap(tag, mod):
+    """(gradients, weights) of `mod` by `tag`-prefixed name (also tests/test_ep_pp.py's)."""
     return ({f"{tag}.{n}": p.grad.clone() for n, p in mod.named_parameters() if p.grad is not None},
             {f"{tag}.{n}": p.detach().clone() for n, p in mod.named_parameters()})
 
