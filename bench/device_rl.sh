@@ -20,6 +20,10 @@
 # Those live on the machine only: a machine left idle past its release time (30 s in this workplace) is handed
 # back with them, and the next call starts the run over, SFT included (the fourteenth run lost its first call's
 # 9 minutes so). Keep a call's SECONDS under its timeout by a margin and make the next call at once.
+# Two runs in one call, the second started once the first is done (each its own archive; the MoE run and its twin,
+# 2026-12-05):
+#   mkdir -p $OUT/a $OUT/b; OUT=$OUT/a bash bench/device_rl.sh A.toml 520; [ -f <A's out_dir>/summary.json ] &&
+#   [ $SECONDS -lt 480 ] && OUT=$OUT/b bash bench/device_rl.sh B.toml $((560-SECONDS))
 set -u
 CONFIG=$1; WAIT=${2:-540}
 export PYTHONPATH=/tmp/site:$PWD/.whl/stubs:$PWD PYTHONUNBUFFERED=1
