@@ -256,7 +256,7 @@ class Mesh:
 def _spawn_entry(rank, world, store_path, fn, args):
     # A worker killed by a signal leaves no Python traceback (torch.multiprocessing reports only the signal): the
     # fault handler prints every thread's stack to stderr first (a CI run, 2026-12-05: a SIGSEGV in one rank of
-    # tests/test_ep_fsdp.py's RL loop, not reproduced in 12 reruns)
+    # tests/test_ep_fsdp.py's RL loop, not reproduced in 6 reruns)
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)  # N processes on a few cores: avoid oversubscription
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
