@@ -147,6 +147,17 @@ def test_compact_size_and_pick_rows():
         compaction.pick_rows(finished, 1)
 
 
+def test_smaller_sizes_are_what_compact_size_returns():
+    """compaction.smaller_sizes (the levels a tracked plain round is kept for) lists exactly the sizes compact_size
+    can return from a state of `current` rows, for every live count."""
+    for current in (1, 2, 5, 8, 16, 48, 64, 256):
+        for min_rows in (1, 8):
+            for below in (0.0, 0.6, 0.999):
+                reach = {compaction.compact_size(live, current, below, min_rows) for live in range(1, current + 1)}
+                sizes = compaction.smaller_sizes(current, below, min_rows)
+                assert sizes == sorted(reach - {None}), (current, min_rows, below)
+
+
 def test_compact_size_down_to_min_rows():
     # rollout.compact_min_rows = 1: a lone tail row gets a level of its own
     assert compaction.compact_size(1, 8, 0.25, min_rows=1) == 1

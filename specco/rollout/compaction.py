@@ -52,6 +52,16 @@ def compact_size(live: int, current: int, below: float, min_rows: int) -> int | 
     return size if size <= current // 2 else None
 
 
+def smaller_sizes(current: int, below: float, min_rows: int) -> list[int]:
+    """Every size `compact_size` may move a `current`-row state into, smallest first: the powers of two from
+    min_rows (a power of two, GenerateConfig checks) to current // 2; none when compaction is off."""
+    sizes, size = [], max(1, min_rows)
+    while below > 0 and size <= current // 2:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
 def pick_rows(finished: torch.Tensor, size: int) -> torch.Tensor:
     """(size,) int64 rows of the current state for the smaller one: every live row, then distinct
     finished rows as padding (they stay finished, so they never emit; distinct so that writing the

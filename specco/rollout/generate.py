@@ -256,7 +256,7 @@ class DecodeRunner:
                  if k == 0 else self.kind.steps(self.policy, self.draft, st, cfg.sampling, k, cfg.max_new_tokens,
                                                 self.stop_ids, rope, d_rope) for k in ks}
         # the tracked plain round (control.py, rule for levels) where a smaller level may follow this one
-        below = cfg.compact_below > 0 and rows // 2 >= max(1, cfg.compact_min_rows)
+        below = compaction.smaller_sizes(rows, cfg.compact_below, cfg.compact_min_rows)
         tracked = self.kind.steps(self.policy, self.draft, st, cfg.sampling, 0, cfg.max_new_tokens, self.stop_ids,
                                   rope, d_rope) if self.controller is not None and below else None
         level = Level(st, steps, self.use_graphs, root_rows, tracked)
@@ -265,13 +265,12 @@ class DecodeRunner:
         return level
 
     def _levels_below(self, level: Level) -> list[tuple[int, dict] | None]:
-        """The sizes a level compacted from `level` may take (compaction.compact_size: powers of two from
-        compact_min_rows to half its rows), each as (rows, measured costs), None where not measured yet."""
-        out, rows = [], max(1, self.cfg.compact_min_rows)
-        while self.cfg.compact_below > 0 and rows <= level.rows // 2:
+        """The sizes a level compacted from `level` may take (compaction.smaller_sizes), each as (rows, measured
+        costs), None where not measured yet."""
+        out = []
+        for rows in compaction.smaller_sizes(level.rows, self.cfg.compact_below, self.cfg.compact_min_rows):
             lv = self.stack.levels.get(rows)
             out.append((rows, lv.costs) if lv is not None and lv.costs else None)
-            rows *= 2
         return out
 
     def _prefill_step(self):
