@@ -5,7 +5,16 @@ against a bf16 engine copy, split into prefill and per-step cost, and one SFT st
     python bench/long_context_probe.py [--rows 64] [--context 32000] [--new 8,136] [--out FILE]
 
 Random weights never emit <eos>, so every row decodes `new` tokens: (t(new2) - t(new1)) / (new2 - new1) is the
-decode step, t(new1) mostly the prefill."""
+decode step, t(new1) mostly the prefill.
+
+`--train-steps N` (> 0) also times the RL train step at the run's shapes: `--train-rows` rows of the workload's
+prompts with random completions of `--completion` tokens, the config's step (bf16 autocast, activation
+checkpointing, micro-batches, draft row stride), each variant on the same batch, the order rotating per step:
+`policy` (no draft), `eagle3` (EAGLE-3 TTT from the first trained column on: train/drafters.first_anchor),
+`eagle3_whole` (the TTT passes at every anchor, as before 2026-12-05: first_anchor forced to 0) and `dflash`.
+The draft's overhead is each variant's step minus `policy`'s. `--decode 0` skips the decode part.
+
+    python bench/long_context_probe.py --decode 0 --train-steps 4"""
 from __future__ import annotations
 
 import argparse
@@ -21,14 +30,24 @@ from specco.data.tokenizer import build_char_tokenizer
 from specco.model.policy import Policy
 from specco.rollout.engine import RolloutEngine
 from specco.runner.derive import generate_config
+from specco.runner.derive import step_config
+from specco.runner.warmstart import new_block_draft, new_draft
+from specco.train import drafters
+from specco.train.activation_checkpointing import apply_activation_checkpointing
+from specco.train.cotrain import TrainBatch, build_optimizer, cotrain_step
 from specco.train.sft import sft_batch, sft_loss, tiny_policy_config
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(fn) -> float:
-    torch.cuda.synchronize()
+    _sync()
     t = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - t
 
 
@@ -39,12 +58,19 @@ def main():
     ap.add_argument("--context", type=int, default=32000)
     ap.add_argument("--new", default="8,136")
     ap.add_argument("--sft-rows", type=int, default=4)
+    ap.add_argument("--decode", type=int, default=1, help="0: skip the decode and SFT timings")
+    ap.add_argument("--train-steps", type=int, default=0, help="timed RL train steps per variant (0: none)")
+    ap.add_argument("--train-rows", type=int, default=0, help="rows per train step (0: the config's step)")
+    ap.add_argument("--completion", default="470,1540", help="completion lengths lo,hi (the workload's range)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--set", nargs="*", default=[], help="config overrides (key=value), e.g. a small policy on CPU")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_float32_matmul_precision("high")
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
     new1, new2 = (int(x) for x in a.new.split(","))
-    cfg = load_config(a.config, [f"data.context_tokens=[{a.context},{a.context}]", f"rollout.max_new_tokens={new2}"])
+    cfg = load_config(a.config, [f"data.context_tokens=[{a.context},{a.context}]", f"rollout.max_new_tokens={new2}",
+                                 *a.set])
     tok = build_char_tokenizer()
     train, _, _ = load_data(cfg.data, tok)
     pc = cfg.policy
@@ -52,6 +78,76 @@ def main():
                                        pc.intermediate_size, pc.max_positions, pc.rope_theta)).to(dev)
     prompts = [e.prompt_ids for e in train.examples(a.rows // 4, seed=0)]
     res = {"rows": a.rows, "context": a.context, "shape": vars(pc)}
+    if a.train_steps:  # the config's own prompt lengths (data.context_tokens), not --context
+        tcfg = load_config(a.config, a.set)
+        res["train"] = train_step_times(tcfg, policy, load_data(tcfg.data, tok)[0], a, dev)
+    if a.decode:
+        decode_and_sft(a, cfg, tok, train, policy, prompts, res, dev, new1, new2)
+    write_results(res, "long_context_probe", dev, a.out)
+
+
+def train_batch(cfg, train, rows: int, completion: tuple[int, int], vocab: int, dev, seed: int = 0) -> TrainBatch:
+    """`rows` right-padded rows: the workload's prompts (group_size rows per prompt) then random completion tokens
+    of uniform lengths in `completion`, trained on the completions only (as runner/rollouts.build_batch marks)."""
+    g = torch.Generator().manual_seed(seed)
+    group = cfg.rollout.group_size
+    prompts = [e.prompt_ids for e in train.examples(-(-rows // group), seed=seed) for _ in range(group)][:rows]
+    comp = torch.randint(completion[0], completion[1] + 1, (rows,), generator=g).tolist()
+    S = max(len(p) + c for p, c in zip(prompts, comp))
+    S = -(-S // 128) * 128  # the RL loop pads every batch's width to a multiple of 128 (configs' width_multiple)
+    tokens = torch.zeros(rows, S, dtype=torch.long)
+    mask = torch.zeros(rows, S)
+    for r, (p, c) in enumerate(zip(prompts, comp)):
+        tokens[r, :len(p)] = torch.tensor(p)
+        tokens[r, len(p):len(p) + c] = torch.randint(1, vocab, (c,), generator=g)
+        mask[r, len(p):len(p) + c] = 1
+    return TrainBatch(tokens=tokens.to(dev), target_mask=mask.to(dev),
+                      advantages=torch.randn(rows, generator=g).to(dev),
+                      logp_old=(-torch.rand(rows, S, generator=g) * 3).to(dev))
+
+
+def train_step_times(cfg, policy, train, a, dev) -> dict:
+    """Seconds per RL train step of each variant (module docstring), on the same batches."""
+    rows = a.train_rows or cfg.rollout.prompts_per_step * cfg.rollout.group_size
+    lo, hi = (int(x) for x in a.completion.split(","))
+    apply_activation_checkpointing(policy)
+    warm = train_batch(cfg, train, 4, (lo, hi), policy.cfg.vocab_size, dev, seed=99).tokens
+    eagle = new_draft(policy, warm, cfg.draft.draft_vocab_size, cfg.draft.aux_layer_ids)
+    dflash = new_block_draft(policy, warm, "dflash", cfg.rollout.block_k, cfg.draft.aux_layer_ids, None,
+                             cfg.draft.block_layers, cfg.draft.num_anchors)
+    whole_anchor = lambda batch, passes, layout: 0  # noqa: E731  (TTT at every anchor)
+    variants = {"policy": (None, drafters.first_anchor), "eagle3": (eagle, drafters.first_anchor),
+                "eagle3_whole": (eagle, whole_anchor), "dflash": (dflash, drafters.first_anchor)}
+    scfg = step_config(cfg, "cotrained")
+    opts = {n: build_optimizer(policy, d, 0.0, 0.0) for n, (d, _) in variants.items()}  # lr 0: weights stay put
+    times: dict[str, list[float]] = {n: [] for n in variants}
+    losses: dict[str, list[float]] = {n: [] for n in variants if variants[n][0] is not None}
+    names = list(variants)
+    real = drafters.first_anchor
+    try:
+        for step in range(a.train_steps + 1):  # step 0 warms every variant (allocator, kernels), untimed
+            batch = train_batch(cfg, train, rows, (lo, hi), policy.cfg.vocab_size, dev, seed=step)
+            for name in names[step % len(names):] + names[:step % len(names)]:
+                draft, anchor = variants[name]
+                drafters.first_anchor = anchor
+                m = {}
+                t = _timed(lambda: m.update(cotrain_step(policy, draft, batch, opts[name], None, scfg)))
+                if step:
+                    times[name].append(t)
+                    if draft is not None:  # eagle3 and eagle3_whole train the very same loss (a check, not a timing)
+                        losses[name].append(m["draft/loss"])
+                print(f"step {step} {name}: {t:.3f} s", flush=True)
+    finally:
+        drafters.first_anchor = real
+    out = {"rows": rows, "width": int(batch.tokens.shape[1]), "completion": [lo, hi],
+           "step_s": {n: sum(v) / len(v) for n, v in times.items()}, "steps_s": times, "draft_loss": losses}
+    out["draft_overhead_s"] = {n: out["step_s"][n] - out["step_s"]["policy"] for n in names[1:]}
+    print(out["step_s"], out["draft_overhead_s"], flush=True)
+    return out
+
+
+def decode_and_sft(a, cfg, tok, train, policy, prompts, res, dev, new1, new2):
+    """The decode-step and SFT timings (module docstring) into `res`."""
     for name, model in (("fp32", policy), ("bf16", None)):
         if model is None:
             model = Policy(policy.cfg).to(dev, torch.bfloat16)
@@ -76,7 +172,6 @@ def main():
     res["sft_micro_batch_s"] = min(_timed(step) for _ in range(3))
     res["sft_micro_batch_tokens"] = int(ids.numel())
     print(f"SFT forward+backward, {a.sft_rows} rows x {ids.shape[1]}: {res['sft_micro_batch_s']:.3f} s", flush=True)
-    write_results(res, "long_context_probe", dev, a.out)
 
 
 if __name__ == "__main__":

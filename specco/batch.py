@@ -35,7 +35,11 @@ class TrainBatch:
     positions (B, S): RoPE positions (None: 0..S-1; packed and CP batches pass per-sequence positions);
     draft_mask (B, S): the draft's target mask if it differs from target_mask (a packed batch marks
     there which sequences the draft trains on, see train.cotrain.draft_rows); None: target_mask;
-    cu_seqlens: sequence borders of a packed row (None: one sequence per row).
+    cu_seqlens: sequence borders of a packed row (None: one sequence per row);
+    trained_from: a host-side bound, no row trains (target or draft mask) a token before this column (0: none
+    known). Right-padded rows only; a subset of rows or of the masks keeps it valid. Set by the train step's
+    micro-batches (train/cotrain.py), where the mask is read on the host anyway; EAGLE-3's TTT then skips the
+    anchors before it (model/ttt.py): a long prompt's anchors predict nothing.
     """
     tokens: torch.Tensor
     target_mask: torch.Tensor
@@ -45,6 +49,7 @@ class TrainBatch:
     positions: torch.Tensor | None = None
     draft_mask: torch.Tensor | None = None
     cu_seqlens: tuple[int, ...] | None = None
+    trained_from: int = 0
 
     @property
     def packed(self) -> bool:
@@ -67,9 +72,17 @@ class TrainBatch:
     def trained_lengths(self) -> torch.Tensor:
         """(B,) on the host: one past each row's last trained token (target or draft mask), 0 for a row
         with none. One host sync."""
+        return self.trained_spans()[1]
+
+    def trained_spans(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """((B,) first, (B,) one past the last) column of each row's trained tokens (target or draft mask), on
+        the host in one sync; a row with none: (S, 0)."""
         mask = self.target_mask if self.draft_mask is None else self.target_mask + self.draft_mask
-        cols = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-        return ((mask != 0) * cols).amax(1).cpu()
+        S = mask.shape[1]
+        cols = torch.arange(1, S + 1, device=mask.device)
+        on = mask != 0
+        span = torch.stack([torch.where(on, cols - 1, S).amin(1), (on * cols).amax(1)]).cpu()  # (2, B)
+        return span[0], span[1]
 
     def trimmed(self, width: int | None = None) -> "TrainBatch":
         """Right-padded rows without their trailing columns past the last trained token of any row

@@ -194,6 +194,50 @@ def test_ttt_matches_dense_reference(impl, dtype, heads, P, S):
             _check(x.grad, r.grad, dtype, name)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("P", [0, 2])
+@pytest.mark.parametrize("q_start", [1, 9, 32])
+def test_ttt_from_an_anchor_equals_the_whole_rows(impl, dtype, heads, P, q_start):
+    """Queries from anchor q_start on (model/ttt.py skips the anchors that train nothing) over the whole trunk:
+    the output rows and every gradient equal the dense reference of all 33 anchors with the earlier anchors' output
+    unused (dout 0 there): dk/dv of the trunk keys before q_start come only from the later queries. Same
+    tolerances as the whole rows (the prefix block and the causal square merge exactly, in fp32)."""
+    H, Hkv = HEADS[heads]
+    S = 33
+    master = _ttt_inputs(S, P, H, Hkv, dtype, seed=7 * P + q_start)
+    ref_in = _leaf(master, torch.float64)
+    cut = [master[0][:, :, q_start:], master[1], master[2]] + [None if x is None else x[:, :, q_start:]
+                                                               for x in master[3:]]
+    ours_in = _leaf(cut)
+    dout = _randn(B, H, S, D, seed=11, dtype=dtype)
+    dout[:, :, :q_start] = 0
+    out = ttt_attention(*ours_in, impl=impl, q_start=q_start)
+    out.backward(dout[:, :, q_start:])
+    ref_out, _ = dense_ttt_reference(*ref_in)
+    ref_out.backward(dout.double())
+    assert out.dtype == dtype and out.shape == (B, H, S - q_start, D)
+    _check(out.detach(), ref_out.detach()[:, :, q_start:], dtype, "out")
+    refs = [ref_in[0].grad[:, :, q_start:], ref_in[1].grad, ref_in[2].grad] + [
+        None if x is None else x.grad[:, :, q_start:] for x in ref_in[3:]]
+    for name, x, r in zip(["dq", "dk_trunk", "dv_trunk", "dk_branch", "dv_branch"], ours_in, refs):
+        if x is not None:
+            assert x.grad.dtype == dtype and x.grad.shape == x.shape
+            _check(x.grad, r, dtype, name)
+
+
+def test_ttt_from_an_anchor_refuses_a_trunk_of_the_wrong_length():
+    H, Hkv = HEADS["gqa"]
+    q, kt, vt, _, _ = _ttt_inputs(9, 0, H, Hkv, torch.float32)
+    with pytest.raises(ValueError, match="need the 9 trunk keys"):
+        ttt_attention(q[:, :, 4:], kt[:, :, :8], vt[:, :, :8], q_start=4)
+    # and the prefix block matters: without the keys before q_start the rows differ far beyond tolerance
+    ref, _ = dense_ttt_reference(q.double(), kt.double(), vt.double(), None, None)
+    alone = ttt_attention(q[:, :, 4:].contiguous(), kt[:, :, 4:].contiguous(), vt[:, :, 4:].contiguous())
+    assert _rel_err(alone, ref[:, :, 4:]) > 50 * BF16_REL
+
+
 def test_reference_is_sensitive():
     """The comparison above can fail: an off-by-one-anchor branch or a dropped branch is far outside tol."""
     H, Hkv = HEADS["gqa"]

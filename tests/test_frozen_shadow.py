@@ -126,7 +126,7 @@ def test_output_windows_score_the_tokens_at_those_positions(tmp_path, kind):
     completion is the whole batch, bit for bit. In a run (3 steps) the keys are logged every step, the
     trajectory is unchanged (the first test's TRAINED keys), and the report's table reads them."""
     from specco.runner.derive import arm_config
-    from specco.runner.measure import draft_evals
+    from specco.runner.measure import draft_evals, output_windows
     tok, policy = _setup()
     warm = _warm(kind, policy, tok)
     arm = "cotrained" if kind == "eagle3" else f"cotrained-{kind}"
@@ -144,6 +144,8 @@ def test_output_windows_score_the_tokens_at_those_positions(tmp_path, kind):
     whole = minibatches(record[0], 1, scfg, tok.pad_id, "cpu", None)[0].batch
     longest = int(whole.target_mask.sum(-1).max())
     got = draft_evals(policy, {"w": warm}, whole, scfg, window=3)["w"]
+    windows = output_windows(whole, 3)
+    assert [w for w, _ in windows] == list(range(0, longest, 3))
     for start in range(0, longest, 3):
         cut = whole.target_mask.clone()
         for r in range(cut.shape[0]):  # the row's completion tokens, counted from its first
@@ -152,6 +154,8 @@ def test_output_windows_score_the_tokens_at_those_positions(tmp_path, kind):
                 if not start <= j < start + 3:
                     cut[r, col] = 0
         ref = draft_eval(policy, warm, dataclasses.replace(whole, target_mask=cut), scfg)
+        # the window's first trained column, where EAGLE-3's passes start (TrainBatch.trained_from)
+        assert windows[start // 3][1].trained_from == int(cut.nonzero()[:, 1].min()) > 0
         assert got[f"draft/sim_accept_len@{start}"] == pytest.approx(ref["draft/sim_accept_len"], rel=1e-6), start
         assert got[f"draft/tokens@{start}"] == ref["draft/tokens"]
     if kind == "eagle3":  # pass-1 targets: each completion token (but the first two of a row) in one window

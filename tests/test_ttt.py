@@ -4,6 +4,7 @@ the full masked attention over all passes; chunked == unchunked; the draft never
 Tolerances: fp64 runs compare at 1e-10 relative (same math, different association order);
 fp32 at 2e-4 relative (reduction order of fused vs. dense softmax over <= 4*S keys).
 """
+import dataclasses
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from specco.model.draft import Eagle3Draft, build_vocab_maps
 from specco.model.layers import rope_cos_sin
 from specco.model.policy import Policy
 from specco.model.ttt import shift_left, ttt_forward
+from specco.parallel.layout import PADDED
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step
 from specco.train.drafters import EAGLE3
 from specco.train.losses import DraftStats, draft_loss_parts, normalize_draft_loss, pass_weights
@@ -97,6 +99,55 @@ def test_ttt_loss_and_grads_match_naive(K, heads, dtype, rtol):
         err = (g - r).norm() / r.norm().clamp_min(1e-30)
         assert err <= rtol * 10, f"{name}: rel err {err:.2e}"
     assert 1.0 <= metrics["draft/sim_accept_len"] <= K + 1
+
+
+@pytest.mark.parametrize("K", [1, 3, 4])
+def test_anchors_before_the_first_trained_column_are_skipped_exactly(K):
+    """Long prompts, short completions (the long-context case): with the batch's first trained column known
+    (TrainBatch.trained_from) the TTT passes run only from first_anchor on, and the loss, every draft gradient
+    and the statistics equal the naive all-anchor reference (fp64); first_anchor is tight: one anchor later
+    drops pass K's first target."""
+    from specco.train.drafters import first_anchor
+    policy, draft = _models(torch.float64)
+    B, S = 4, 30
+    tokens = torch.randint(0, 61, (B, S))
+    mask = torch.zeros(B, S, dtype=torch.float64)
+    for b, (lo, hi) in enumerate([(14, 30), (17, 26), (12, 22), (20, 30)]):
+        mask[b, lo:hi] = 1
+    batch = TrainBatch(tokens=tokens, target_mask=mask, trained_from=12)
+    cfg = StepConfig(ttt_passes=K, pass_decay=0.8, draft_row_stride=1)
+    assert first_anchor(batch, K, PADDED) == 12 - K - 1
+    with torch.no_grad():
+        out = policy(tokens, tap_layers=draft.cfg.aux_layer_ids)
+    loss, stats = _draft_loss(draft, out, batch, cfg)
+    grads = torch.autograd.grad(loss, list(draft.parameters()))
+    ref = naive_ttt_loss(draft, out.taps.aux, out.taps.embed, out.logits, mask, K, pass_weights(K, 0.8))
+    ref_grads = torch.autograd.grad(ref, list(draft.parameters()))
+    assert abs(loss.item() - ref.item()) <= 1e-10 * abs(ref.item())
+    for (name, _), g, r in zip(draft.named_parameters(), grads, ref_grads):
+        assert (g - r).norm() <= 1e-9 * r.norm(), name
+    whole, whole_stats = _draft_loss(draft, out, dataclasses.replace(batch, trained_from=0), cfg)
+    for a, b in zip(stats._tensors(), whole_stats._tensors()):
+        assert torch.allclose(a, b, rtol=1e-10, atol=0)
+    late, late_stats = _draft_loss(draft, out, dataclasses.replace(batch, trained_from=13), cfg)
+    assert late_stats.count[-1] == whole_stats.count[-1] - 1 and abs(late.item() - whole.item()) > 1e-6
+
+
+def test_micro_batches_know_their_first_trained_column():
+    """Each micro-batch carries the first column any of its rows trains (one host read with the lengths)."""
+    from specco.train.cotrain import micro_batches
+    batch = _batch(B=6, S=12)
+    starts = [3, 8, 5, 9, 2, 7]
+    for b, lo in enumerate(starts):
+        batch.target_mask[b] = 0
+        batch.target_mask[b, lo:] = 1
+    batch.tokens[:, 0] = torch.arange(6)  # row markers
+    seen = 0
+    for _, mb in micro_batches(batch, 2):
+        ids = mb.tokens[:, 0].tolist()
+        assert mb.trained_from == min(starts[r] for r in ids)
+        seen += len(ids)
+    assert seen == 6
 
 
 def test_chunked_equals_unchunked():

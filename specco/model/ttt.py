@@ -43,34 +43,45 @@ def shift_left(x: torch.Tensor, d: int) -> torch.Tensor:
 def ttt_forward(draft: Eagle3Draft, aux: torch.Tensor, embed: torch.Tensor,
                 positions: torch.Tensor, num_passes: int,
                 shift: Callable[[torch.Tensor, int], torch.Tensor] = shift_left,
-                attn: Callable = ttt_attention) -> list[torch.Tensor]:
-    """Run K TTT passes; return each pass's decoder output before the final norm, (B, S, h).
+                attn: Callable = ttt_attention, q_start: int = 0) -> list[torch.Tensor]:
+    """Run K TTT passes; return each pass's decoder output before the final norm, (B, S - q_start, h).
 
     aux: (B, S, k*h) detached aux taps; embed: (B, S, h) detached policy embeddings of x_j;
     positions: (B, S) global RoPE positions of the anchors (zigzag positions under CP).
     `attn(q, k_trunk, v_trunk, k_branch, v_branch)` is the trunk+branch attention.
+
+    `q_start`: the passes run at anchors q_start..S-1 only. The anchors before it still give the trunk its
+    pass-1 K/V (a per-position projection of their taps and tokens), but their queries, passes 2..K and
+    outputs are skipped: exact for a loss that trains no anchor before q_start (train/drafters.py derives it
+    from the batch's first trained column). A 32K-token prompt with a 1K-token completion then costs the
+    draft ~(S - q_start)·S attention, not S²/2 per pass. Needs `attn` to take `q_start=` (ops/attention.py's
+    ttt_attention; padded rows only: it is passed only when > 0).
     """
     layer = draft.midlayer
     sa = layer.self_attn
-    hidden = draft.project_taps(aux)  # (B, S, h)
+    trunk_in = draft.project_taps(aux)  # (B, S, h): pass 1's hidden at every anchor (the trunk's keys)
+    hidden = trunk_in[:, q_start:]  # (B, S - q_start, h): the anchors whose passes run
+    kw = {"q_start": q_start} if q_start else {}
     trunk_k = trunk_v = None
     branch_k: list[torch.Tensor] = []
     branch_v: list[torch.Tensor] = []
     outs = []
     for d in range(1, num_passes + 1):
         emb = shift(embed, d).to(hidden.dtype)  # emb(x_{i+d})
-        cos, sin = rope_cos_sin(positions + (d - 1), sa.head_dim, draft.cfg.rope_theta, hidden.dtype,
-                                scaling=draft.cfg.rope_scaling)
-        q, k, v = sa.qkv(layer.attn_input(hidden, emb), cos, sin)  # q (B,H,S,D), k/v (B,Hkv,S,D)
-        if d == 1:
-            trunk_k, trunk_v = k, v
-            o = attn(q, trunk_k, trunk_v, None, None)
+        if d == 1:  # every anchor: its K/V are the trunk; only the queries from q_start on are used
+            cos, sin = rope_cos_sin(positions, sa.head_dim, draft.cfg.rope_theta, hidden.dtype,
+                                    scaling=draft.cfg.rope_scaling)
+            q, trunk_k, trunk_v = sa.qkv(layer.attn_input(trunk_in, emb), cos, sin)  # q (B,H,S,D), k/v (B,Hkv,S,D)
+            o = attn(q[:, :, q_start:], trunk_k, trunk_v, None, None, **kw)
         else:
+            cos, sin = rope_cos_sin(positions[:, q_start:] + (d - 1), sa.head_dim, draft.cfg.rope_theta,
+                                    hidden.dtype, scaling=draft.cfg.rope_scaling)
+            q, k, v = sa.qkv(layer.attn_input(hidden, emb[:, q_start:]), cos, sin)  # (B,H|Hkv,S-q_start,D)
             branch_k.append(k)
             branch_v.append(v)
-            kb = torch.stack(branch_k, dim=3)  # (B, Hkv, S, d-1, D): passes 2..d at each anchor
+            kb = torch.stack(branch_k, dim=3)  # (B, Hkv, S - q_start, d-1, D): passes 2..d at each anchor
             vb = torch.stack(branch_v, dim=3)
-            o = attn(q, trunk_k, trunk_v, kb, vb)
+            o = attn(q, trunk_k, trunk_v, kb, vb, **kw)
         hidden = layer.finish(hidden, sa.out(o))
         outs.append(hidden)
     return outs

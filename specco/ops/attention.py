@@ -367,47 +367,75 @@ class TTTAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_d, k_trunk, v_trunk, k_branch, v_branch, scale, impl):
-        out_t, lse_t = block_attn_fwd(q_d, k_trunk, v_trunk, True, scale, impl=impl)
+    def forward(ctx, q_d, k_trunk, v_trunk, k_branch, v_branch, scale, impl, q_start=0):
+        out_t, lse_t = _trunk_fwd(q_d, k_trunk, v_trunk, q_start, scale, impl)
         has_branch = k_branch is not None and k_branch.shape[3] > 0
         if has_branch:
             # Branch and merge in fp32, one rounding to q's dtype at the end (fused on CUDA).
             out, lse = branch_merge_fwd(q_d, k_branch, v_branch, out_t, lse_t, scale, q_d.dtype)
         else:
-            out, lse = out_t, lse_t
+            out, lse = out_t.to(q_d.dtype), lse_t
         # out in q's dtype is what every kernel backward reads for D = rowsum(dout ⊙ out).
         ctx.save_for_backward(q_d, k_trunk, v_trunk, k_branch if has_branch else None,
                               v_branch if has_branch else None, out, lse)
-        ctx.scale, ctx.impl, ctx.has_branch = scale, impl, has_branch
+        ctx.scale, ctx.impl, ctx.has_branch, ctx.q_start = scale, impl, has_branch, q_start
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q_d, k_trunk, v_trunk, k_branch, v_branch, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_attn_bwd(dout, q_d, k_trunk, v_trunk, out, lse, True, ctx.scale, impl=ctx.impl)
+        dq, dk, dv = _trunk_bwd(dout, q_d, k_trunk, v_trunk, out, lse, ctx.q_start, ctx.scale, ctx.impl)
         dkb = dvb = None
         if ctx.has_branch:
             # dq += branch share, summed in fp32 before the one rounding to q's dtype
             dkb, dvb = branch_bwd_into(dout, q_d, k_branch, v_branch, out, lse, dq, ctx.scale)
-        return dq, dk, dv, dkb, dvb, None, None
+        return dq.to(q_d.dtype), dk, dv, dkb, dvb, None, None, None
+
+
+def _trunk_fwd(q, k, v, q_start: int, scale: float, impl):
+    """The trunk part of queries at anchors q_start..q_start+Sq-1 over the pass-1 keys 0..q_start+Sq-1:
+    one causal block when q_start = 0; else the keys before the queries as a full block ⊕ the queries' own
+    causal square (merge_lse, out kept in fp32 for the one rounding after the branch). Two blocks, not one
+    rectangular causal block: the kernels align a rectangular causal mask differently (sdpa_adapter)."""
+    if q_start == 0:
+        return block_attn_fwd(q, k, v, True, scale, impl=impl)
+    out_p, lse_p = block_attn_fwd(q, k[:, :, :q_start], v[:, :, :q_start], False, scale, impl=impl)
+    out_d, lse_d = block_attn_fwd(q, k[:, :, q_start:], v[:, :, q_start:], True, scale, impl=impl)
+    return merge_lse(out_p.to(lse_p.dtype), lse_p, out_d, lse_d)
+
+
+def _trunk_bwd(dout, q, k, v, out, lse, q_start: int, scale: float, impl):
+    """`_trunk_fwd`'s share of the joint gradient: each block's backward with the joint (out, lse); dq of two
+    blocks summed in fp32 (rounded to q's dtype by the caller, after the branch's share)."""
+    if q_start == 0:
+        return block_attn_bwd(dout, q, k, v, out, lse, True, scale, impl=impl)
+    dq_p, dk_p, dv_p = block_attn_bwd(dout, q, k[:, :, :q_start], v[:, :, :q_start], out, lse, False, scale, impl=impl)
+    dq_d, dk_d, dv_d = block_attn_bwd(dout, q, k[:, :, q_start:], v[:, :, q_start:], out, lse, True, scale, impl=impl)
+    return dq_p.to(lse.dtype) + dq_d, torch.cat([dk_p, dk_d], dim=2), torch.cat([dv_p, dv_d], dim=2)
 
 
 def ttt_attention(q_d: torch.Tensor, k_trunk: torch.Tensor, v_trunk: torch.Tensor,
                   k_branch: torch.Tensor | None = None, v_branch: torch.Tensor | None = None,
-                  scale: float | None = None, *, return_lse: bool = False, impl: str | None = None):
+                  scale: float | None = None, *, return_lse: bool = False, impl: str | None = None,
+                  q_start: int = 0):
     """Pass-d TTT attention: trunk (pass-1 K/V, causal) ⊕ branch (own anchor's pass-2..d K/V).
 
-    q_d (B, H, S, D); k_trunk, v_trunk (B, Hkv, S, D); k_branch, v_branch (B, Hkv, S, P, D) with
-    P = d-1, or None for pass 1. scale defaults to 1/sqrt(D). Returns out (B, H, S, D) in q's dtype,
-    plus lse (B, H, S) (fp32; fp64 for fp64 inputs) when return_lse. `impl` forces an adapter kernel (tests).
+    q_d (B, H, S, D); k_trunk, v_trunk (B, Hkv, q_start + S, D); k_branch, v_branch (B, Hkv, S, P, D) with
+    P = d-1, or None for pass 1. The queries are the anchors q_start..q_start+S-1 (model/ttt.py: anchors before
+    q_start train nothing, but their pass-1 keys are the trunk). scale defaults to 1/sqrt(D). Returns out
+    (B, H, S, D) in q's dtype, plus lse (B, H, S) (fp32; fp64 for fp64 inputs) when return_lse. `impl` forces
+    an adapter kernel (tests).
     """
+    if q_start < 0 or k_trunk.shape[2] != q_start + q_d.shape[2]:
+        raise ValueError(f"ttt_attention: {q_d.shape[2]} queries from anchor {q_start} need the "
+                         f"{q_start + q_d.shape[2]} trunk keys before and at them, got {k_trunk.shape[2]}")
     scale = 1.0 / math.sqrt(q_d.shape[-1]) if scale is None else float(scale)
     (q_d, k_trunk, v_trunk, k_branch, v_branch), no_autocast = autocast_inputs(q_d, k_trunk, v_trunk, k_branch,
                                                                                 v_branch)
     impl = ttt_trunk_impl(q_d) if impl is None else impl
     with no_autocast:
-        out, lse = TTTAttention.apply(q_d, k_trunk, v_trunk, k_branch, v_branch, scale, impl)
+        out, lse = TTTAttention.apply(q_d, k_trunk, v_trunk, k_branch, v_branch, scale, impl, int(q_start))
     return (out, lse) if return_lse else out
 
 

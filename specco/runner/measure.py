@@ -54,10 +54,18 @@ def output_windows(mb: TrainBatch, window: int) -> list[tuple[int, TrainBatch]]:
     completion tokens (padded rows; config refuses shadow_window under cp > 1)."""
     mask = draft_mask(mb)
     pos = mask.cumsum(-1) - 1  # (B, S): output position of each completion token (-1 before the first)
+    on = mask != 0
+    # each window's first column over the rows (TrainBatch.trained_from: EAGLE-3 skips the anchors before it),
+    # with the windows' count, in one host read
+    S = mask.shape[1]
+    cols = torch.arange(S, device=mask.device).expand_as(mask)[on]
+    first = torch.full((S + 1,), S, device=mask.device).scatter_reduce(0, (pos[on] // window).long(), cols, "amin")
+    first = first.tolist()
     out = []
-    for start in range(0, int(mask.sum(-1).max()), window):
-        m = mask * ((pos >= start) & (pos < start + window))
-        out.append((start, dataclasses.replace(mb, target_mask=m, draft_mask=None)))
+    for w in range(sum(f < S for f in first)):
+        m = mask * ((pos >= w * window) & (pos < (w + 1) * window))
+        out.append((w * window, dataclasses.replace(mb, target_mask=m, draft_mask=None,
+                                                    trained_from=max(mb.trained_from, first[w]))))
     return out
 
 

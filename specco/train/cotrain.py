@@ -26,6 +26,7 @@ not decay with the policy's.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -221,25 +222,32 @@ def micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1, width_mul
     `width_multiple`: each cut width is rounded up to a multiple of it (at most the batch's width), so a run
     sees few distinct shapes: a kernel that plans per shape (cuDNN attention builds and caches an execution
     plan per (B, S)) then plans a few times instead of once per micro-batch (bench/cotrain_ragged.py)."""
-    cuts = micro_batch_cuts(batch, rows, width_multiple)
+    cuts = _cuts(batch, rows, width_multiple)
     if cuts is None:
         yield slice(0, None, draft_stride), batch
         return
-    sels = [[i for i, r in enumerate(idx) if r % draft_stride == 0] for idx, _ in cuts]
-    on_dev = device_indices([idx for idx, _ in cuts] + sels, batch.tokens.device)  # no host sync (batch.py)
-    for (_, width), rows, sel in zip(cuts, on_dev[:len(cuts)], on_dev[len(cuts):]):
-        yield sel, batch.take(rows).trimmed(width)
+    sels = [[i for i, r in enumerate(idx) if r % draft_stride == 0] for idx, _, _ in cuts]
+    on_dev = device_indices([idx for idx, _, _ in cuts] + sels, batch.tokens.device)  # no host sync (batch.py)
+    for (_, width, start), rows, sel in zip(cuts, on_dev[:len(cuts)], on_dev[len(cuts):]):
+        yield sel, dataclasses.replace(batch.take(rows).trimmed(width), trained_from=start)
 
 
 def micro_batch_cuts(batch: TrainBatch, rows: int, width_multiple: int = 1) -> list[tuple[list[int], int]] | None:
     """The micro-batches of `micro_batches` as (row indices, width), or None when `rows` keeps the batch whole
     (0, or at least its row count): the one home of that partition, so a log-prob recompute
     (runner.rollouts.Minibatch.logprobs) runs the train step's very shapes and gets its very numbers."""
+    cuts = _cuts(batch, rows, width_multiple)
+    return None if cuts is None else [(idx, width) for idx, width, _ in cuts]
+
+
+def _cuts(batch: TrainBatch, rows: int, width_multiple: int) -> list[tuple[list[int], int, int]] | None:
+    """`micro_batch_cuts` with each micro-batch's first trained column (TrainBatch.trained_from), from the same
+    host read of the masks."""
     B, S = batch.tokens.shape
     if rows <= 0 or rows >= B:
         return None
-    length = batch.trained_lengths()
-    return [(idx, min(S, round_up(int(length[idx[0]]), width_multiple)))
+    first, length = batch.trained_spans()
+    return [(idx, min(S, round_up(int(length[idx[0]]), width_multiple)), int(first[idx].min()))
             for idx in longest_first(length, rows)]
 
 

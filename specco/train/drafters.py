@@ -38,7 +38,7 @@ from .block_losses import block_draft_loss, block_slot_counts, local_plan
 from .losses import DraftStats, draft_loss_parts, normalize_draft_loss, pass_target_masks, pass_weights
 from .step_config import StepConfig
 
-__all__ = ["drafter", "EAGLE3", "BLOCK", "draft_rows", "draft_mask"]
+__all__ = ["drafter", "EAGLE3", "BLOCK", "draft_rows", "draft_mask", "first_anchor"]
 
 
 def draft_rows(batch: TrainBatch, cfg: StepConfig) -> slice:
@@ -62,6 +62,16 @@ def _positions(batch: TrainBatch) -> torch.Tensor:
         torch.arange(S, device=batch.tokens.device).expand(B, S)
 
 
+def first_anchor(batch: TrainBatch, passes: int, layout) -> int:
+    """The first anchor EAGLE-3's TTT passes must run at (ttt_forward's q_start): pass d at anchor i predicts
+    token i+d+1 and passes 2..K build on pass 1 at the same anchor, so no anchor before the first trained
+    column minus K+1 trains anything. Right-padded rows with a known bound only (TrainBatch.trained_from);
+    packed and CP layouts: 0 (their shift and ring attention take the whole row)."""
+    if layout.packed or batch.cu_seqlens is not None:
+        return 0
+    return max(0, min(batch.trained_from - passes - 1, batch.tokens.shape[1] - 1))
+
+
 class _Eagle3:
     """EAGLE-3: K TTT passes of the draft layer, soft CE against the detached policy logits per pass."""
     name = "eagle3"
@@ -82,9 +92,12 @@ class _Eagle3:
         slice or index tensor; None: `draft_rows`): the policy forward that made `out` ran on all rows anyway."""
         rows = draft_rows(batch, cfg) if rows is None else rows
         aux, embed, logits = out.taps.aux[rows], out.taps.embed[rows], vocab_rows(out.logits, rows)
+        q0 = first_anchor(batch, cfg.ttt_passes, layout)
         outs = ttt_forward(draft, aux, embed, _positions(batch)[rows], cfg.ttt_passes, shift=layout.shift,
-                           attn=layout.attn)
-        parts = draft_loss_parts(draft, outs, logits, draft_mask(batch)[rows], cfg.loss_chunk, layout.shift)
+                           attn=layout.attn, q_start=q0)
+        # the loss over anchors q0.. only: shift_left within the cut equals the whole row's shift, cut
+        parts = draft_loss_parts(draft, outs, logits[:, q0:], draft_mask(batch)[rows][:, q0:], cfg.loss_chunk,
+                                 layout.shift)
         loss = normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), denominator)
         return loss, DraftStats.of(parts)
 

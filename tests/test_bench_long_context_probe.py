@@ -1,0 +1,32 @@
+"""bench/long_context_probe.py --train-steps on CPU at a tiny size: every variant timed on the same batches, and the
+EAGLE-3 draft trains the same loss from the first trained column on as at every anchor (train/drafters.first_anchor:
+the long-context saving is exact). No timing is asserted (CPU timings of a tiny model mean nothing).
+
+Tolerance: the two EAGLE-3 variants run the same fp32 math on the same weights (lr 0) with the trunk attention split
+into a prefix block and a causal square merged in fp32 instead of one causal block: 1e-5 relative."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+
+def test_long_context_probe_train_step(tmp_path):
+    out = tmp_path / "probe.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "long_context_probe.py"), "--device", "cpu",
+                        "--decode", "0", "--train-steps", "1", "--train-rows", "4", "--completion", "10,30", "--set",
+                        "policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2", "policy.num_kv_heads=2",
+                        "policy.intermediate_size=64", "data.context_tokens=[200,300]", "train.amp=none",
+                        "--out", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())["train"]
+    assert set(r["step_s"]) == {"policy", "eagle3", "eagle3_whole", "dflash"}
+    assert all(len(v) == 1 and v[0] > 0 for v in r["steps_s"].values())
+    assert set(r["draft_overhead_s"]) == {"eagle3", "eagle3_whole", "dflash"}
+    assert r["rows"] == 4 and r["width"] % 128 == 0
+    (a,), (b,) = r["draft_loss"]["eagle3"], r["draft_loss"]["eagle3_whole"]
+    assert a == pytest.approx(b, rel=1e-5) and a > 0
