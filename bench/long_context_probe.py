@@ -11,7 +11,8 @@ decode step, t(new1) mostly the prefill.
 prompts with random completions of `--completion` tokens, the config's step (bf16 autocast, activation
 checkpointing, micro-batches, draft row stride), each variant on the same batch, the order rotating per step:
 `policy` (no draft), `eagle3` (EAGLE-3 TTT from the first trained column on: train/drafters.first_anchor),
-`eagle3_whole` (the TTT passes at every anchor, as before 2026-12-05: first_anchor forced to 0) and `dflash`.
+`eagle3_whole` (every anchor and every position's logits, as before 2026-12-05: first_anchor forced to 0 in the
+step and the drafter) and `dflash`.
 The draft's overhead is each variant's step minus `policy`'s. `--decode 0` skips the decode part.
 
     python bench/long_context_probe.py --decode 0 --train-steps 4"""
@@ -32,7 +33,7 @@ from specco.rollout.engine import RolloutEngine
 from specco.runner.derive import generate_config
 from specco.runner.derive import step_config
 from specco.runner.warmstart import new_block_draft, new_draft
-from specco.train import drafters
+from specco.train import cotrain, drafters
 from specco.train.activation_checkpointing import apply_activation_checkpointing
 from specco.train.cotrain import TrainBatch, build_optimizer, cotrain_step
 from specco.train.sft import sft_batch, sft_loss, tiny_policy_config
@@ -123,13 +124,14 @@ def train_step_times(cfg, policy, train, a, dev) -> dict:
     times: dict[str, list[float]] = {n: [] for n in variants}
     losses: dict[str, list[float]] = {n: [] for n in variants if variants[n][0] is not None}
     names = list(variants)
-    real = drafters.first_anchor
+    real, homes = drafters.first_anchor, (drafters, cotrain)  # the step's logits_from and the drafter's anchors
     try:
         for step in range(a.train_steps + 1):  # step 0 warms every variant (allocator, kernels), untimed
             batch = train_batch(cfg, train, rows, (lo, hi), policy.cfg.vocab_size, dev, seed=step)
             for name in names[step % len(names):] + names[:step % len(names)]:
                 draft, anchor = variants[name]
-                drafters.first_anchor = anchor
+                for home in homes:
+                    home.first_anchor = anchor
                 m = {}
                 t = _timed(lambda: m.update(cotrain_step(policy, draft, batch, opts[name], None, scfg)))
                 if step:
@@ -138,7 +140,8 @@ def train_step_times(cfg, policy, train, a, dev) -> dict:
                         losses[name].append(m["draft/loss"])
                 print(f"step {step} {name}: {t:.3f} s", flush=True)
     finally:
-        drafters.first_anchor = real
+        for home in homes:
+            home.first_anchor = real
     out = {"rows": rows, "width": int(batch.tokens.shape[1]), "completion": [lo, hi],
            "step_s": {n: sum(v) / len(v) for n, v in times.items()}, "steps_s": times, "draft_loss": losses}
     out["draft_overhead_s"] = {n: out["step_s"][n] - out["step_s"]["policy"] for n in names[1:]}

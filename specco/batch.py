@@ -99,6 +99,18 @@ class TrainBatch:
         cut = lambda t: t[:, :s] if torch.is_tensor(t) and t.dim() == 2 else t  # noqa: E731
         return TrainBatch(**{f.name: cut(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
+    def columns_from(self, c: int) -> "TrainBatch":
+        """Right-padded rows from column c on (every (B, S) field cut [:, c:]): what a loss over logits of positions
+        c.. reads (model/policy.py `logits_from`). Exact for the next-token losses when no token before c+1 is
+        trained: shift_left within the cut equals the whole row's shift, cut."""
+        if c == 0:
+            return self
+        if self.cu_seqlens is not None:
+            raise ValueError("TrainBatch.columns_from: a packed row's sequences start anywhere; cut padded rows only")
+        cut = lambda t: t[:, c:] if torch.is_tensor(t) and t.dim() == 2 else t  # noqa: E731
+        fields = {f.name: cut(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return TrainBatch(**{**fields, "trained_from": max(0, self.trained_from - c)})
+
     def to(self, device) -> "TrainBatch":
         move = lambda t: t.to(device) if torch.is_tensor(t) else t  # noqa: E731
         return TrainBatch(**{f.name: move(getattr(self, f.name)) for f in dataclasses.fields(self)})

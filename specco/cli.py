@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="a published shape instead of policy.source: qwen3-8b, qwen3-32b, "
                    "dense-120b, qwen3-30b-a3b (mixture of experts)")
     p.add_argument("--prompt-tokens", type=int, default=0, help="longest prompt (default data.max_prompt_tokens, "
-                   "else 512)")
+                   "else a lookup workload's data.context_tokens, else 512)")
     p.add_argument("--reserve", type=float, default=4.0, metavar="GiB", help="kept free per GPU (CUDA context, NCCL, "
                    "fragmentation)")
     p.add_argument("--ac", default="both", choices=["both", "on", "off", "config"],

@@ -111,6 +111,7 @@ class Shapes:
     compact_below: float
     kl_reference: bool = False  # train.kl_coef > 0: the frozen starting policy is kept as the KL reference
     moe_aux: bool = False  # a MoE policy's router aux loss weight > 0: its softmax kept per sparse layer
+    shortest_prompt: int = 0  # known shortest prompt (a lookup workload's ledger), 0: unknown (no cut counted)
 
 
 def _bytes(dtype: str) -> int:
@@ -159,7 +160,8 @@ def shapes(cfg: RunConfig, pc: PolicyConfig, prompt_tokens: int, device: str = "
                   ttt_passes=d.ttt_passes, gamma=gamma, num_anchors=d.num_anchors or 16, loss_chunk=t.loss_chunk,
                   compute_bytes=2 if t.amp == "bf16" else _bytes(cfg.policy.dtype),
                   engine_bytes=_bytes(cfg.rollout.dtype or cfg.policy.dtype), compact_below=r.compact_below,
-                  kl_reference=t.kl_coef > 0, moe_aux=pc.moe and aux > 0)
+                  kl_reference=t.kl_coef > 0, moe_aux=pc.moe and aux > 0,
+                  shortest_prompt=cfg.data.context_tokens[0] if cfg.data.context_tokens else 0)
 
 
 def _default_taps(num_layers: int):
@@ -254,11 +256,28 @@ def activation_bytes(s: Shapes, lay: Layout, layers: range, last: bool, in_fligh
     if s.moe_aux and n_sparse:  # + the aux loss's once per micro-batch
         total += in_flight * router_aux_step_bytes(pc, tokens)
     if last:  # the draft is whole on every tp rank (replicated), its taps gathered whole
-        total += tokens * logits_bytes(pc, c, lay.tp)
+        cut = loss_columns(s, lay)
+        total += b * cut * logits_bytes(pc, c, lay.tp)
         if s.draft_kind is not None:
-            d_tokens = math.ceil(b / s.draft_row_stride) * math.ceil(s.seq / lay.cp)
-            total += tokens * s.num_taps * pc.hidden_size * r + d_tokens * draft_activation_bytes(s, c, r)
+            d_rows = math.ceil(b / s.draft_row_stride)
+            total += tokens * s.num_taps * pc.hidden_size * r
+            if s.draft_kind in BLOCK_KINDS:
+                total += d_rows * math.ceil(s.seq / lay.cp) * draft_activation_bytes(s, c, r)
+            else:  # EAGLE-3's passes from the cut on; pass 1's input and K/V (the trunk) at every position
+                kv = pc.num_kv_heads * pc.head_dim
+                trunk = (4 * pc.hidden_size + 2 * kv) * r
+                total += d_rows * (math.ceil(s.seq / lay.cp) * trunk + cut * draft_activation_bytes(s, c, r))
     return total
+
+
+def loss_columns(s: Shapes, lay: Layout) -> int:
+    """The columns of a micro-batch the losses read: the step makes logits, and runs EAGLE-3's passes, only from its
+    first trained column minus K+1 (train/drafters.first_anchor), so a known shortest prompt is cut off; under CP or
+    TP every position of the rank's share (their layouts take the whole row)."""
+    whole = math.ceil(s.seq / lay.cp)
+    if lay.cp > 1 or lay.tp > 1 or not s.shortest_prompt:
+        return whole
+    return max(1, min(whole, s.seq - max(0, s.shortest_prompt - s.ttt_passes - 1)))
 
 
 # -- the rollout engine ----------------------------------------------------------------------------------------
@@ -393,19 +412,29 @@ class Plan:
                              "headroom_gib": self.headroom(m), "fits": self.headroom(m) >= 0} for lay, m in self.rows]}
 
 
+def longest_prompt(cfg: RunConfig) -> int:
+    """The longest prompt the planner assumes without --prompt-tokens: data.max_prompt_tokens; else a lookup
+    workload's longest ledger (data.context_tokens' upper end, +1 for <bos>: the char tokenizer's token per
+    character); else 512."""
+    d = cfg.data
+    if d.max_prompt_tokens:
+        return d.max_prompt_tokens
+    return d.context_tokens[-1] + 1 if d.context_tokens else 512
+
+
 def plan_memory(cfg: RunConfig, gpus: int, gpu_gib: float, *, model: str | None = None, prompt_tokens: int = 0,
                 reserve_gib: float = 4.0, ac: tuple[bool, ...] = (False, True), offload: bool = False,
                 engine_tp: int | None = None) -> Plan:
     """Every feasible layout of `cfg` on `gpus` GPUs of `gpu_gib` GiB, fitting ones first, most headroom first, then
     the least memory over both phases (a fitting layout that needs less sharding comes later: fewer collectives are a
     choice left to the user).
-    prompt_tokens: the longest prompt (0: data.max_prompt_tokens, else 512). engine_tp: the engine's tensor
-    parallelism (None: the config's rollout.tp)."""
+    prompt_tokens: the longest prompt (0: `longest_prompt(cfg)`). engine_tp: the engine's tensor parallelism (None:
+    the config's rollout.tp)."""
     engine_tp = cfg.rollout.tp if engine_tp is None else engine_tp
     if gpus < 1 or gpu_gib <= 0:
         raise ConfigError(f"--gpus {gpus} --gpu-mem {gpu_gib}: need >= 1 GPU of > 0 GiB")
     pc = policy_config(cfg, model)
-    s = shapes(cfg, pc, prompt_tokens or cfg.data.max_prompt_tokens or 512)
+    s = shapes(cfg, pc, prompt_tokens or longest_prompt(cfg))
     if engine_tp < 1 or not tp_divides(pc, engine_tp, engine=True):
         moe = (f", {pc.moe_intermediate_size} expert width" if pc.moe else "") + (
             f", {pc.shared_expert_intermediate_size} shared-expert width" if pc.shared_expert_intermediate_size else "")

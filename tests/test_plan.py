@@ -289,3 +289,24 @@ def test_cli_refuses_unknown_model(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--gpus", "8", "--gpu-mem", "141", "--model", "gpt-9"])
     assert e.value.code == 2 and "qwen3-8b" in capsys.readouterr().err
+
+
+def test_plan_assumes_a_lookup_workloads_prompt_length():
+    """Without --prompt-tokens the planner takes data.max_prompt_tokens, else a lookup workload's longest ledger
+    (+ <bos>), else 512: configs/long_context.toml plans 32K-token rows, not 512-token ones (which under-counted its
+    activations and KV cache ~16-fold)."""
+    from specco.config_load import load_config
+    from specco.plan import longest_prompt
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "configs" / "long_context.toml")
+    assert longest_prompt(cfg) == cfg.data.context_tokens[-1] + 1
+    assert plan_memory(cfg, 1, 141).shapes.seq == cfg.data.context_tokens[-1] + 1 + cfg.rollout.max_new_tokens
+    capped = load_config(root / "configs" / "long_context.toml", ["data.max_prompt_tokens=40000"])
+    assert longest_prompt(capped) == 40000
+    assert longest_prompt(RunConfig()) == 512
+    # the losses read the columns from the shortest ledger minus K+1 on (train/drafters.first_anchor), not all 33.9K
+    from specco.plan import loss_columns
+    s = plan_memory(cfg, 1, 141).shapes
+    lo, K = cfg.data.context_tokens[0], cfg.draft.ttt_passes
+    assert loss_columns(s, Layout(1, 1, 1, 1, fsdp=False, ac=True)) == s.seq - (lo - K - 1)
+    assert loss_columns(s, Layout(1, 1, 1, 2, fsdp=False, ac=True)) == math.ceil(s.seq / 2)  # CP: every position

@@ -80,9 +80,12 @@ def test_sft_micro_batches_equal_the_whole_batch():
     pol.zero_grad()
     n = mask[:, :-1].sum()
     total = 0.0
-    for mb_ids, mb_mask in sft_micro_batches(ids, mask, 3):
+    firsts = []
+    for mb_ids, mb_mask, first in sft_micro_batches(ids, mask, 3):
         assert mb_ids.shape[1] == max(int(m.nonzero().max()) + 2 for m in mb_mask)  # cut to its longest row
-        part = sft_loss(pol, mb_ids, mb_mask, n)
+        assert first == int(mb_mask.nonzero()[:, 1].min())  # the logits start at the first marked column
+        firsts.append(first)
+        part = sft_loss(pol, mb_ids, mb_mask, n, logits_from=first)
         part.backward()
         total += part.item()
     # sft_loss takes fp32 logits even from an fp64 model, so sums over other partitions differ at fp32
@@ -91,3 +94,4 @@ def test_sft_micro_batches_equal_the_whole_batch():
     for a, p in zip(ref, pol.parameters()):
         torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-7)
     assert next(sft_micro_batches(ids, mask, 0))[0] is ids
+    assert max(firsts) > 0  # the prompts' logits were really skipped

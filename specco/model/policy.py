@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .config import PolicyConfig
 from .layers import Attention, KVCache, RMSNorm, SwiGLU, rope_cos_sin
@@ -104,6 +105,7 @@ class PolicyOutput:
     stage_taps: StageTaps | None = None  # what this stage holds of them (whenever tap_layers is given)
     # MoE: the router logits (B, S, E) of each sparse layer this model holds, ascending layer id (train/moe_loss.py)
     router_logits: tuple[torch.Tensor, ...] = ()
+    logits_from: int = 0  # the logits are of positions logits_from..S-1: (B, S - logits_from, V)
 
 
 class Policy(nn.Module):
@@ -140,7 +142,7 @@ class Policy(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 tap_layers: tuple[int, ...] | None = None, hidden_in: torch.Tensor | None = None,
-                compute_logits: bool = True, attn_core=None) -> PolicyOutput:
+                compute_logits: bool = True, attn_core=None, logits_from: int = 0) -> PolicyOutput:
         """The training forward. input_ids: (B, S) token ids (or `hidden_in` (B, S, h) on a stage
         without embedding). positions: (B, S) absolute RoPE positions (default 0..S-1).
         tap_layers: aux layer ids whose outputs are recorded (detached) for the draft. A pipeline stage
@@ -149,6 +151,10 @@ class Policy(nn.Module):
         attn_core: the attention over the S tokens, `core(q, k, v)` (None: causal SDPA per row);
         context parallelism and packed rows pass a ring / per-sequence attention here.
         Cached generation is rollout/forward.py (`policy_forward`), over the same parameters.
+        logits_from: the logits only of positions logits_from.. (`PolicyOutput.logits_from` says which were
+        computed): a long prompt's positions predict nothing a loss reads, and their vocabulary-sized logits would
+        dominate the step's memory (a 151K vocabulary at 32K tokens: ~10 GB per row in bf16, 3x that in the loss's
+        fp32 buffers). Not under sequence parallelism (the final hidden is cut along the sequence): all positions.
         """
         x = self.embed_tokens(input_ids) if self.embed_tokens is not None else hidden_in
         # (B, S) from the ids, not x: under sequence parallelism (parallel/tp.py) the embedding returns this rank's
@@ -176,5 +182,8 @@ class Policy(nn.Module):
                 taps = join_taps([stage_taps], tuple(sorted(set(tap_layers))), self.cfg.hidden_size)
         if self.norm is not None:
             x = self.norm(x)
-        logits = self.lm_head(x) if (self.lm_head is not None and compute_logits) else None
-        return PolicyOutput(logits, x, taps, stage_taps, tuple(router_logits))
+        logits, cut = None, 0
+        if self.lm_head is not None and compute_logits:
+            cut = 0 if isinstance(x, DTensor) else logits_from
+            logits = self.lm_head(x[:, cut:] if cut else x)  # (B, S - cut, V)
+        return PolicyOutput(logits, x, taps, stage_taps, tuple(router_logits), cut)

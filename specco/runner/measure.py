@@ -28,7 +28,7 @@ from ..model.policy import Policy
 from ..parallel.layout import PADDED
 from ..parallel.mesh import Mesh
 from ..train.cotrain import StepConfig, amp_context, micro_batches, step_counts
-from ..train.drafters import draft_mask, draft_rows, drafter
+from ..train.drafters import draft_mask, draft_rows, drafter, first_anchor
 from ..train.losses import all_reduce_sums, metrics_to_floats
 from .rollouts import Minibatch, Rollouts, completions, from_generator, generates, minibatches, phases_text
 from .trainer import ArmState, StepHooks, grad_group, run_updates, settled, state_copy
@@ -95,7 +95,8 @@ def draft_evals(policy: Policy, drafts: dict, b: TrainBatch, cfg: StepConfig, co
         starts = range(0, int(longest), window)
     for rows, mb in parts:
         with amp_context(cfg, mb.tokens):
-            out = policy(mb.tokens, mb.positions, tap_layers=first.cfg.aux_layer_ids, attn_core=layout.attn_core)
+            out = policy(mb.tokens, mb.positions, tap_layers=first.cfg.aux_layer_ids, attn_core=layout.attn_core,
+                         logits_from=first_anchor(mb, cfg.ttt_passes, layout))  # as the train step's
             scored = [(None, mb)] + (output_windows(mb, window) if window else [])
             for name, draft in drafts.items():
                 # EAGLE-3: TTT loss per pass, top-1, simulated tau; a block drafter: per-slot acceptance,

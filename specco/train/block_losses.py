@@ -111,7 +111,9 @@ def local_plan(tokens: torch.Tensor, target_mask: torch.Tensor, num_anchors: int
     valid = slot_validity(target_mask, anchors, av, gamma)  # (B, N, γ)
     at, lab = block_targets(tokens, anchors, gamma)
     labels, prev = tokens.gather(1, lab.flatten(1)).view_as(lab), tokens.gather(1, at.flatten(1)).view_as(at)
-    return BlockPlan(anchors, valid, labels, prev, lambda logits: _gather_rows(logits, at))
+    # teacher(logits of positions `start`..): an invalid block's (anchor 0) positions clamp into them, read as 0 weight
+    return BlockPlan(anchors, valid, labels, prev,
+                     lambda logits, start=0: _gather_rows(logits, (at - start).clamp_min(0)))
 
 
 def block_slot_counts(draft: BlockDraft, tokens: torch.Tensor, target_mask: torch.Tensor,
@@ -188,7 +190,8 @@ class BlockStats(_Sums):
 
 
 def block_draft_loss(draft: BlockDraft, aux, embed, policy_logits, tokens, target_mask, positions,
-                     head_weight, mask_emb, denominator=None, chunk: int = 256, plan: Callable = local_plan):
+                     head_weight, mask_emb, denominator=None, chunk: int = 256, plan: Callable = local_plan,
+                     logits_from: int = 0):
     """L_draft of a block drafter on these rows, and its BlockStats.
 
     aux (B, S, k·h), embed (B, S, h): the policy's taps (detached here); policy_logits (B, S, V) the teacher
@@ -196,6 +199,8 @@ def block_draft_loss(draft: BlockDraft, aux, embed, policy_logits, tokens, targe
     read detached; positions (B, S) absolute. `denominator`: the step's Σ_j w_j N_j (None: these rows').
     `chunk`: anchors per checkpointed chunk of vocabulary-sized work. `plan(tokens, target_mask, N, γ)` ->
     BlockPlan: `local_plan` on one process, `BlockCP.plan` under context parallelism or for packed rows.
+    `logits_from`: policy_logits are of positions logits_from.. (Policy.forward's; padded rows, local_plan): every
+    valid block's teacher positions p+j >= p, whose next token is trained, lie in them.
     """
     c = draft.cfg
     aux, embed, teacher_all = aux.detach(), embed.detach(), policy_logits.detach()
@@ -205,7 +210,7 @@ def block_draft_loss(draft: BlockDraft, aux, embed, policy_logits, tokens, targe
     hidden = draft(aux, anchor_emb, mask_emb.detach(), positions, draft.block_positions(positions, anchors),
                    attn=pl.attn)
     hid = draft.predicting(hidden)  # (B, N, γ, h)
-    teacher = pl.teacher(teacher_all)  # (B, N, γ, V)
+    teacher = pl.teacher(teacher_all, logits_from) if logits_from else pl.teacher(teacher_all)  # (B, N, γ, V)
     N = anchors.shape[1]
     sums, per = [], []
     for a in range(0, N, chunk):

@@ -41,7 +41,7 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy, Taps
 from ..parallel.layout import PADDED
 from ..parallel.pipeline import NoPipe, PipeComm, one_f_one_b
-from .drafters import EAGLE3, draft_rows, drafter  # noqa: F401 (draft_rows: its callers import it here too)
+from .drafters import EAGLE3, draft_rows, drafter, first_anchor  # noqa: F401 (draft_rows: callers import it here)
 from ..parallel.ep import check_same_micro_batches, is_ep
 from .grad_sync import AllReduceSync, clip_grad_norm, grad_syncs, reduce_grads  # noqa: F401 (re-exported)
 from .step_config import AMP_DTYPES, LR_SCHEDULES, StepConfig  # noqa: F401 (re-exported)
@@ -221,9 +221,14 @@ def micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1, width_mul
 
     `width_multiple`: each cut width is rounded up to a multiple of it (at most the batch's width), so a run
     sees few distinct shapes: a kernel that plans per shape (cuDNN attention builds and caches an execution
-    plan per (B, S)) then plans a few times instead of once per micro-batch (bench/cotrain_ragged.py)."""
+    plan per (B, S)) then plans a few times instead of once per micro-batch (bench/cotrain_ragged.py).
+
+    Every padded micro-batch, the whole batch too, carries its first trained column (TrainBatch.trained_from, from
+    the one host read of the masks): the step's logits and EAGLE-3's anchors start just before it."""
     cuts = _cuts(batch, rows, width_multiple)
     if cuts is None:
+        if batch.cu_seqlens is None and not batch.trained_from:
+            batch = dataclasses.replace(batch, trained_from=int(batch.trained_spans()[0].min()))
         yield slice(0, None, draft_stride), batch
         return
     sels = [[i for i, r in enumerate(idx) if r % draft_stride == 0] for idx, _, _ in cuts]
@@ -285,6 +290,7 @@ class _TeacherOut:
     joined from every stage (the TapChannel's and its own) and the detached teacher logits."""
     taps: Taps
     logits: torch.Tensor
+    logits_from: int = 0  # PolicyOutput.logits_from
 
 
 def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: TrainBatch,
@@ -372,10 +378,10 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
         policy's (taps, embeddings and teacher logits are detached), so it may run before or after the policy's."""
         d_rows, mb = mbs[m]
         if out is None:  # a real pipe: the taps of m from the earlier stages, joined with this stage's
-            own, logits = held.pop(m)
+            own, logits, cut = held.pop(m)
             # every micro-batch's taps are consumed, in order, even if the row stride gives the draft none here
             parts = taps.wait(m, *mb.tokens.shape[:2]) if taps is not None else []
-            out = _TeacherOut(draft.join_taps(parts + [own]), logits)
+            out = _TeacherOut(draft.join_taps(parts + [own]), logits, cut)
         if not picks_rows(d_rows, mb):  # the draft's rows are the batch's rows 0 mod draft_row_stride
             return
         draft_time.start()
@@ -392,8 +398,10 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
             sync.micro_batch(last=m == len(mbs) - 1)
         # The forward and losses under the step's precision; the backwards outside autocast (as torch advises).
         with amp_context(cfg, mb.tokens), torch.set_grad_enabled(train_policy):
+            # logits only from the first column a loss reads (a long prompt's predict nothing trained)
             out = policy(mb.tokens if first else None, mb.positions, tap_layers=tap_layers if use_draft else None,
-                         hidden_in=x, compute_logits=last, attn_core=layout.attn_core)
+                         hidden_in=x, compute_logits=last, attn_core=layout.attn_core,
+                         logits_from=first_anchor(mb, cfg.ttt_passes, layout))
             if balance is not None:
                 balance.record(m, out.router_logits, mb.target_mask)
         if not last:
@@ -411,11 +419,12 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
                 draft_work(m, out)
             else:
                 # after m's backward (one_f_one_b's after_backward): it overlaps the earlier stages' backwards
-                held[m] = (out.stage_taps, out.logits.detach())
+                held[m] = (out.stage_taps, out.logits.detach(), out.logits_from)
         if not train_policy:
             return None
         with amp_context(cfg, mb.tokens):
-            l_pol, st = policy_loss(out.logits, mb, cfg, counts.policy_tokens, layout.shift)
+            l_pol, st = policy_loss(out.logits, mb.columns_from(out.logits_from), cfg, counts.policy_tokens,
+                                    layout.shift)
         add("policy", st, l_pol)
         return l_pol
 

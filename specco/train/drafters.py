@@ -93,10 +93,14 @@ class _Eagle3:
         rows = draft_rows(batch, cfg) if rows is None else rows
         aux, embed, logits = out.taps.aux[rows], out.taps.embed[rows], vocab_rows(out.logits, rows)
         q0 = first_anchor(batch, cfg.ttt_passes, layout)
+        cut = getattr(out, "logits_from", 0)  # the policy's logits start at that column (PolicyOutput.logits_from)
+        if cut > q0:
+            raise ValueError(f"the policy's logits start at column {cut}, after the draft's first anchor {q0}: the "
+                             "teacher at the earlier anchors is missing (Policy.forward(logits_from) <= first_anchor)")
         outs = ttt_forward(draft, aux, embed, _positions(batch)[rows], cfg.ttt_passes, shift=layout.shift,
                            attn=layout.attn, q_start=q0)
         # the loss over anchors q0.. only: shift_left within the cut equals the whole row's shift, cut
-        parts = draft_loss_parts(draft, outs, logits[:, q0:], draft_mask(batch)[rows][:, q0:], cfg.loss_chunk,
+        parts = draft_loss_parts(draft, outs, logits[:, q0 - cut:], draft_mask(batch)[rows][:, q0:], cfg.loss_chunk,
                                  layout.shift)
         loss = normalize_draft_loss(parts, pass_weights(cfg.ttt_passes, cfg.pass_decay), denominator)
         return loss, DraftStats.of(parts)
@@ -136,7 +140,8 @@ class _Block:
         return block_draft_loss(draft, out.taps.aux[rows], out.taps.embed[rows], vocab_rows(out.logits, rows),
                                 batch.tokens[rows], draft_mask(batch)[rows], _positions(batch)[rows],
                                 _whole(policy.lm_head.weight), mask_emb, denominator,
-                                chunk=max(1, cfg.loss_chunk // draft.cfg.gamma), plan=self._plan(layout.block))
+                                chunk=max(1, cfg.loss_chunk // draft.cfg.gamma), plan=self._plan(layout.block),
+                                logits_from=getattr(out, "logits_from", 0))
 
 
 def _whole(weight: torch.Tensor) -> torch.Tensor:

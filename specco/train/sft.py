@@ -81,16 +81,19 @@ def sft_batch(examples, tokenizer, device="cpu"):
     return ids.to(device), mask.to(device)
 
 
-def sft_loss(policy, input_ids, loss_mask, num_tokens=None):
+def sft_loss(policy, input_ids, loss_mask, num_tokens=None, logits_from: int = 0):
     """Next-token cross-entropy summed over completion tokens (logits in fp32 at least), divided by `num_tokens`
     (default: this batch's own completion-token count, i.e. the mean); a mixture-of-experts policy adds its
     router_aux_loss_coef times its load-balancing loss over those tokens, this batch's share of it
-    (train/moe_loss.aux_share), as transformers trains with output_router_logits and as the GRPO step does."""
-    out = policy(input_ids)
-    logits = out.logits[:, :-1]  # (B, S-1, V) predicts tokens 1..S-1
+    (train/moe_loss.aux_share), as transformers trains with output_router_logits and as the GRPO step does.
+    `logits_from`: no loss_mask entry before it is set (`sft_micro_batches` knows it): the logits only from there
+    (Policy.forward's logits_from: a long prompt's vocabulary-sized logits are never made)."""
+    out = policy(input_ids, logits_from=logits_from)
+    c = out.logits_from
+    logits = out.logits[:, :-1]  # (B, S-1-c, V) predicts tokens c+1..S-1
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least (fp64 in tests)
-    targets = input_ids[:, 1:]
-    mask = loss_mask[:, :-1]
+    targets = input_ids[:, c + 1:]
+    mask = loss_mask[:, c:-1]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                          reduction="none").view_as(mask)
     n = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
@@ -102,19 +105,23 @@ def sft_loss(policy, input_ids, loss_mask, num_tokens=None):
 
 
 def sft_micro_batches(input_ids, loss_mask, rows: int):
-    """(input_ids, loss_mask) micro-batches of `rows` rows, longest first, each cut after its longest row
-    (0 or >= B: the whole batch). Right padding, causal attention: the columns cut are only padding."""
+    """(input_ids, loss_mask, first) micro-batches of `rows` rows, longest first, each cut after its longest row
+    (0 or >= B: the whole batch, first 0). Right padding, causal attention: the columns cut are only padding.
+    `first`: the micro-batch's first marked column (sft_loss's logits_from), from the same host read."""
     B = input_ids.shape[0]
     if rows <= 0 or rows >= B:
-        yield input_ids, loss_mask
+        yield input_ids, loss_mask, 0
         return
-    cols = torch.arange(2, loss_mask.shape[1] + 2, device=loss_mask.device)
+    S = loss_mask.shape[1]
+    cols = torch.arange(2, S + 2, device=loss_mask.device)
+    on = loss_mask != 0
     # the mask marks the inputs that predict a completion token: a row needs its last marked input + 1
-    length = ((loss_mask != 0) * cols).amax(1).clamp(max=loss_mask.shape[1]).cpu()
+    span = torch.stack([torch.where(on, cols - 2, S).amin(1), (on * cols).amax(1).clamp(max=S)]).cpu()  # (2, B)
+    first, length = span[0], span[1]
     chunks = longest_first(length, rows)
     for chunk, idx in zip(chunks, device_indices(chunks, input_ids.device)):  # one copy, no host sync (batch.py)
         cut = max(2, int(length[chunk[0]]))
-        yield input_ids[idx, :cut], loss_mask[idx, :cut]
+        yield input_ids[idx, :cut], loss_mask[idx, :cut], min(int(first[chunk].min()), cut - 2)
 
 
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) -> float:
@@ -168,9 +175,9 @@ def sft(policy, tokenizer, source, steps: int, batch_size: int = 128, lr: float 
         n_tok = n_tok.clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss = 0.0
-        for mb_ids, mb_mask in sft_micro_batches(ids, mask, micro_batch_rows):
+        for mb_ids, mb_mask, first in sft_micro_batches(ids, mask, micro_batch_rows):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                part = sft_loss(policy, mb_ids, mb_mask, n_tok)
+                part = sft_loss(policy, mb_ids, mb_mask, n_tok, logits_from=first)
             part.backward()
             loss = loss + part.detach()
         reduce_grads(policy.parameters(), group)  # SUM: the losses are divided by the global count already
