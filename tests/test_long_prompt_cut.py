@@ -7,6 +7,8 @@ micro-batching: 1e-9 relative, the sums' association order only).
 
 The cut must really happen: each forward is seen asking for logits from a column > 0, and getting (B, S - cut, V)
 logits."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -94,3 +96,38 @@ def test_policy_logits_from_a_column():
     torch.testing.assert_close(cut.logits, whole.logits[:, 5:], rtol=1e-12, atol=1e-14)  # matmul blocking only
     a, b = _batch(), _batch().columns_from(10)
     assert b.tokens.shape == (8, 30) and torch.equal(b.logp_old, a.logp_old[:, 10:]) and b.advantages.shape == (8,)
+
+
+@pytest.mark.parametrize("micro", [0, 3])
+def test_long_prompt_logprob_recompute_cuts_as_the_step(micro):
+    """The PPO/KL log-prob recompute (runner/rollouts.Minibatch.logprobs) cuts its logits where the train step
+    does, so an unchanged policy's ratio is exactly 1 (to the bit: the same shapes), and its log-probs at every
+    trained position equal an uncut forward's (fp32: 1e-5, the head's matmul over fewer rows and the attention's
+    micro-batch shapes only); the positions before the cut hold 0, and no loss reads them."""
+    from specco.parallel.layout import PADDED
+    from specco.runner.rollouts import Minibatch, recompute_logprobs
+    policy = _models("none")[0].float()  # fp32, as a run's trainer (the micro-batched recompute stores fp32)
+    batch = _batch()
+    cfg = StepConfig(ttt_passes=3, micro_batch_rows=micro, policy_grad_clip=1e9)
+    got = Minibatch(batch, PADDED, list(range(8))).logprobs(policy, cfg)
+    whole = recompute_logprobs(policy, batch.tokens, cfg)
+    at = batch.target_mask[:, 1:] != 0  # log-prob of token j sits at position j - 1
+    torch.testing.assert_close(got[:, :-1][at].double(), whole[:, :-1][at].double(), rtol=1e-5, atol=1e-5)
+    assert (got[:, :14] == 0).all()  # the shortest prompt is 18 tokens: K+1 = 4 before it the cut falls
+    batch.logp_old = got
+    m = cotrain_step(policy, None, batch, torch.optim.SGD(policy.parameters(), lr=0.0), None, cfg)
+    assert m["policy/ratio_dev"] == 0.0 and m["policy/ratio_mean"] == 1.0, m
+
+
+def test_only_a_layout_whose_attention_takes_q_start_skips_prompts():
+    """PaddedRows with ttt_attention (or a partial of it) skips; with another TTT attention (a CP ring on one rank,
+    tests/test_amp.py) and on packed / CP layouts every column runs (first_anchor 0)."""
+    import functools
+
+    from specco.ops.attention import ttt_attention
+    from specco.parallel.layout import PaddedRows
+    from specco.train.drafters import first_anchor
+    batch = dataclasses.replace(_batch(), trained_from=18)
+    assert first_anchor(batch, 3, PaddedRows()) == 14
+    assert first_anchor(batch, 3, PaddedRows(functools.partial(ttt_attention, impl="torch"))) == 14
+    assert first_anchor(batch, 3, PaddedRows(lambda *a, **k: ttt_attention(*a, **k))) == 0

@@ -12,6 +12,8 @@ frozen-draft evaluation and the log-prob recompute never branch on which one the
     .attn_core        the policy's attention core (`Policy.forward(attn_core=...)`; None: causal SDPA per row)
     .block            a block drafter's per-sequence plan (parallel.block_cp.BlockCP; None: one sequence per row)
     .packed           whether a row holds several sequences (then `.attn_core` must keep to each one)
+    .skips_prompt     whether the step may skip the columns before a micro-batch's first trained column (the
+                      policy's logits, EAGLE-3's anchors: train/drafters.first_anchor); needs `.attn` to take q_start=
 
 `ZigzagPack` with cp = 1 (group None) is how one device trains a *packed* row: attention, shifts and block
 anchors then stay inside each sequence of the pack, which the padded-row versions would not.
@@ -35,12 +37,15 @@ class PaddedRows:
     attention, causal SDPA in the policy, the block drafters' own single-process plan.
 
     `attn`: another TTT attention with the same meaning (a kernel choice, e.g. `functools.partial(ttt_attention,
-    impl="flash")` in bench/cotrain_ragged.py, or a mutation in a test)."""
+    impl="flash")` in bench/cotrain_ragged.py, or a mutation in a test). Only ttt_attention (or a partial of it)
+    takes the queries from an anchor on (`q_start`), so with another the step skips no prompt column."""
     packed = False
 
     def __init__(self, attn: Callable = ttt_attention):
         self.shift: Callable = shift_left
         self.attn: Callable = attn
+        self.skips_prompt = (attn is ttt_attention
+                             or isinstance(attn, functools.partial) and attn.func is ttt_attention)
         self.attn_core: Callable | None = None
         self.block = None
 
@@ -53,6 +58,7 @@ class ZigzagPack:
     None when zig.cp == 1): the CP shift (cp_shift), ring TTT attention, ring causal attention for the policy and
     the block drafters' ring plan (BlockCP). Built per packed batch: the borders are the batch's."""
     packed = True
+    skips_prompt = False  # a row's sequences start anywhere, and the ring attention takes every query
 
     def __init__(self, group, zig: ZigzagLayout):
         self.group, self.zig = group, zig

@@ -8,6 +8,7 @@ batch layout each co-training step sees (right-padded rows on one device, zigzag
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +22,8 @@ from ..parallel.layout import PADDED, PaddedRows, ZigzagPack
 from ..parallel.mesh import Mesh
 from ..parallel.zigzag import ZigzagLayout
 from ..rollout.control import expected_tokens
-from ..train.cotrain import StepConfig, amp_context, micro_batch_cuts
+from ..train.cotrain import StepConfig, amp_context, micro_batch_plan, with_trained_from
+from ..train.drafters import first_anchor
 from ..train.losses import grpo_advantages, overlong_penalty, token_logprobs
 
 __all__ = ["Rollouts", "collect_rollouts", "generates", "from_generator", "Minibatch", "minibatches",
@@ -257,20 +259,23 @@ def collect_rollouts(engine, gen, cfg, source, rewards, tokenizer, data_offset: 
 
 @torch.no_grad()
 def recompute_logprobs(policy: Policy, tokens: torch.Tensor, cfg: StepConfig, positions=None,
-                       layout=PADDED, pipe: StagePipe | None = None) -> torch.Tensor | None:
+                       layout=PADDED, pipe: StagePipe | None = None, logits_from: int = 0) -> torch.Tensor | None:
     """log p(token i+1) at position i by the training policy (indexed like the logits, batch.py). Under
     the train step's own precision (cfg.amp_dtype) and layout (parallel/layout.py: its shift and attention
     core, the CP ones on a zigzag shard), so the PPO ratio of an unchanged policy is exactly 1.
     `pipe`: `policy` is a pipeline stage; the forward goes through the stages (StagePipe) and only the last
-    stage returns the log-probs (None elsewhere)."""
+    stage returns the log-probs (None elsewhere). `logits_from`: the train step's cut (Policy.forward's; the
+    same cut gives the same logits to the bit): positions before it hold 0, which no loss reads."""
     with amp_context(cfg, tokens):
         if pipe is None:
-            out = policy(tokens, positions, attn_core=layout.attn_core)
+            out = policy(tokens, positions, attn_core=layout.attn_core, logits_from=logits_from)
         else:
-            out = pipe.forward(policy, tokens, positions, layout)
+            out = pipe.forward(policy, tokens, positions, layout, logits_from)
             if out is None:
                 return None
-        return token_logprobs(out.logits, layout.shift(tokens, 1), cfg.temperature)
+        c = out.logits_from
+        lp = token_logprobs(out.logits, layout.shift(tokens, 1)[:, c:], cfg.temperature)  # (B, S - c)
+        return torch.cat([lp.new_zeros(lp.shape[0], c), lp], dim=1) if c else lp
 
 
 class StagePipe:
@@ -284,12 +289,12 @@ class StagePipe:
         self.comm, self.h, self.wire, self.m = PipeComm(group), hidden_size, wire, 0
         self.first, self.last = self.comm.stage == 0, self.comm.stage == self.comm.pp - 1
 
-    def forward(self, stage: Policy, tokens: torch.Tensor, positions, layout):
+    def forward(self, stage: Policy, tokens: torch.Tensor, positions, layout, logits_from: int = 0):
         x = None
         if not self.first:
             x = self.comm.recv_fwd((*tokens.shape[:2], self.h), self.wire, tokens.device, self.m)
         out = stage(tokens if self.first else None, positions, hidden_in=x, compute_logits=self.last,
-                    attn_core=layout.attn_core)
+                    attn_core=layout.attn_core, logits_from=logits_from)
         if not self.last:
             self.comm.send_fwd(out.hidden.to(self.wire), self.m)
         self.m += 1
@@ -321,18 +326,20 @@ class Minibatch:
         past a row's cut stay 0: nothing trained reads them. `pipe` (StagePipe): `policy` is this rank's pipeline
         stage; the stages forward each micro-batch in turn and the last stage's log-probs reach every stage."""
         b = self.batch
-        cuts = None if self.layout.packed else micro_batch_cuts(b, cfg.micro_batch_rows, cfg.width_multiple)
+        cuts = None if self.layout.packed else micro_batch_plan(b, cfg.micro_batch_rows, cfg.width_multiple)
         if cuts is None:  # a CP shard (its own layout) or one micro-batch: one forward
-            lp = recompute_logprobs(policy, b.tokens, cfg, b.positions, self.layout, pipe)
+            cut = first_anchor(with_trained_from(b), cfg.ttt_passes, self.layout)  # the train step's cut
+            lp = recompute_logprobs(policy, b.tokens, cfg, b.positions, self.layout, pipe, cut)
             if pipe is None:
                 return lp
             # (token_logprobs keeps fp64 logits in fp64, else fp32: the stages' parameters say which)
             wide = torch.float64 if next(policy.parameters()).dtype == torch.float64 else torch.float32
             return pipe.share(lp, b.tokens, wide)
         out = torch.zeros(b.tokens.shape, dtype=torch.float32, device=b.tokens.device)
-        for (_, width), rows in zip(cuts, device_indices([idx for idx, _ in cuts], b.tokens.device)):
-            part = b.take(rows).trimmed(width)
-            lp = recompute_logprobs(policy, part.tokens, cfg, part.positions, pipe=pipe)
+        for (_, width, start), rows in zip(cuts, device_indices([idx for idx, _, _ in cuts], b.tokens.device)):
+            part = dataclasses.replace(b.take(rows).trimmed(width), trained_from=start)
+            lp = recompute_logprobs(policy, part.tokens, cfg, part.positions, pipe=pipe,
+                                    logits_from=first_anchor(part, cfg.ttt_passes, self.layout))
             if lp is not None:
                 out[rows, :width] = lp.float()
         return out if pipe is None else pipe.share(out, out, torch.float32)

@@ -225,11 +225,9 @@ def micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1, width_mul
 
     Every padded micro-batch, the whole batch too, carries its first trained column (TrainBatch.trained_from, from
     the one host read of the masks): the step's logits and EAGLE-3's anchors start just before it."""
-    cuts = _cuts(batch, rows, width_multiple)
+    cuts = micro_batch_plan(batch, rows, width_multiple)
     if cuts is None:
-        if batch.cu_seqlens is None and not batch.trained_from:
-            batch = dataclasses.replace(batch, trained_from=int(batch.trained_spans()[0].min()))
-        yield slice(0, None, draft_stride), batch
+        yield slice(0, None, draft_stride), with_trained_from(batch)
         return
     sels = [[i for i, r in enumerate(idx) if r % draft_stride == 0] for idx, _, _ in cuts]
     on_dev = device_indices([idx for idx, _, _ in cuts] + sels, batch.tokens.device)  # no host sync (batch.py)
@@ -241,11 +239,18 @@ def micro_batch_cuts(batch: TrainBatch, rows: int, width_multiple: int = 1) -> l
     """The micro-batches of `micro_batches` as (row indices, width), or None when `rows` keeps the batch whole
     (0, or at least its row count): the one home of that partition, so a log-prob recompute
     (runner.rollouts.Minibatch.logprobs) runs the train step's very shapes and gets its very numbers."""
-    cuts = _cuts(batch, rows, width_multiple)
+    cuts = micro_batch_plan(batch, rows, width_multiple)
     return None if cuts is None else [(idx, width) for idx, width, _ in cuts]
 
 
-def _cuts(batch: TrainBatch, rows: int, width_multiple: int) -> list[tuple[list[int], int, int]] | None:
+def with_trained_from(batch: TrainBatch) -> TrainBatch:
+    """The whole batch as one micro-batch, knowing its first trained column (one host read; padded rows)."""
+    if batch.cu_seqlens is not None or batch.trained_from:
+        return batch
+    return dataclasses.replace(batch, trained_from=int(batch.trained_spans()[0].min()))
+
+
+def micro_batch_plan(batch: TrainBatch, rows: int, width_multiple: int) -> list[tuple[list[int], int, int]] | None:
     """`micro_batch_cuts` with each micro-batch's first trained column (TrainBatch.trained_from), from the same
     host read of the masks."""
     B, S = batch.tokens.shape

@@ -65,9 +65,11 @@ def _positions(batch: TrainBatch) -> torch.Tensor:
 def first_anchor(batch: TrainBatch, passes: int, layout) -> int:
     """The first anchor EAGLE-3's TTT passes must run at (ttt_forward's q_start): pass d at anchor i predicts
     token i+d+1 and passes 2..K build on pass 1 at the same anchor, so no anchor before the first trained
-    column minus K+1 trains anything. Right-padded rows with a known bound only (TrainBatch.trained_from);
-    packed and CP layouts: 0 (their shift and ring attention take the whole row)."""
-    if layout.packed or batch.cu_seqlens is not None:
+    column minus K+1 trains anything. Right-padded rows with a known bound only (TrainBatch.trained_from), on a
+    layout that skips prompts (parallel/layout.py); packed and CP layouts: 0 (their shift and ring attention take
+    the whole row). Also where the step's logits start (Policy.forward's logits_from): the GRPO loss and the block
+    drafters' teachers read nothing before it."""
+    if not getattr(layout, "skips_prompt", False) or batch.cu_seqlens is not None:
         return 0
     return max(0, min(batch.trained_from - passes - 1, batch.tokens.shape[1] - 1))
 
