@@ -69,7 +69,7 @@ def first_anchor(batch: TrainBatch, passes: int, layout) -> int:
     layout that skips prompts (parallel/layout.py); packed and CP layouts: 0 (their shift and ring attention take
     the whole row). Also where the step's logits start (Policy.forward's logits_from): the GRPO loss and the block
     drafters' teachers read nothing before it."""
-    if not getattr(layout, "skips_prompt", False) or batch.cu_seqlens is not None:
+    if not layout.skips_prompt or batch.cu_seqlens is not None:
         return 0
     return max(0, min(batch.trained_from - passes - 1, batch.tokens.shape[1] - 1))
 
@@ -95,7 +95,7 @@ class _Eagle3:
         rows = draft_rows(batch, cfg) if rows is None else rows
         aux, embed, logits = out.taps.aux[rows], out.taps.embed[rows], vocab_rows(out.logits, rows)
         q0 = first_anchor(batch, cfg.ttt_passes, layout)
-        cut = getattr(out, "logits_from", 0)  # the policy's logits start at that column (PolicyOutput.logits_from)
+        cut = out.logits_from  # the policy's logits start at that column (PolicyOutput.logits_from)
         if cut > q0:
             raise ValueError(f"the policy's logits start at column {cut}, after the draft's first anchor {q0}: the "
                              "teacher at the earlier anchors is missing (Policy.forward(logits_from) <= first_anchor)")
@@ -143,7 +143,7 @@ class _Block:
                                 batch.tokens[rows], draft_mask(batch)[rows], _positions(batch)[rows],
                                 _whole(policy.lm_head.weight), mask_emb, denominator,
                                 chunk=max(1, cfg.loss_chunk // draft.cfg.gamma), plan=self._plan(layout.block),
-                                logits_from=getattr(out, "logits_from", 0))
+                                logits_from=out.logits_from)
 
 
 def _whole(weight: torch.Tensor) -> torch.Tensor:
