@@ -250,9 +250,47 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     if isinstance(logits, DTensor):
         from ..parallel.tp import vocab_parallel_logprobs
         return vocab_parallel_logprobs(logits, tokens, temperature)
-    dt = torch.promote_types(logits.dtype, torch.float32)
-    lp = F.log_softmax(logits.to(dt) / max(temperature, 1e-6), dim=-1)
-    return lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    V = logits.shape[-1]
+    return _TokenLogprobs.apply(logits, tokens, max(temperature, 1e-6), max(1, LOGPROB_CHUNK_ELEMENTS // V))
+
+
+LOGPROB_CHUNK_ELEMENTS = 1 << 26  # fp32 elements of one chunk's (rows, V) work: 256 MB, ~440 rows of a 151K vocabulary
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log p(token) = z[token] − logsumexp(z) with z = logits / T in fp32 (fp64 for fp64 logits), `rows` positions at
+    a time in both directions. Kept for the backward: `logits` itself (the step holds it anyway, as the draft's
+    teacher) and the (N,) logsumexp, never an (N, V) fp32 log-softmax: autograd's log_softmax kept one, plus its
+    gradient and the scaled logits' (12 bytes per position per vocabulary entry; a 151K vocabulary at 32K positions:
+    58 GB). The gradient (onehot − softmax(z)) · g / T is formed per chunk in fp32 and stored in logits' dtype."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, rows):
+        dt = torch.promote_types(logits.dtype, torch.float32)
+        flat, tok = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)  # (N, V), (N, 1)
+        lp = torch.empty(flat.shape[0], dtype=dt, device=logits.device)
+        lse = torch.empty_like(lp)
+        for s in range(0, flat.shape[0], rows):
+            z = flat[s:s + rows].to(dt) / temperature
+            lse[s:s + rows] = torch.logsumexp(z, dim=-1)
+            lp[s:s + rows] = z.gather(1, tok[s:s + rows]).squeeze(1) - lse[s:s + rows]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        return lp.view(tokens.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, tokens, lse = ctx.saved_tensors
+        T, rows = ctx.temperature, ctx.rows
+        flat, tok = logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1, 1)
+        gf = g.reshape(-1, 1).to(lse.dtype)  # (N, 1)
+        grad = torch.empty_like(flat)
+        for s in range(0, flat.shape[0], rows):
+            e = s + rows
+            d = torch.exp(flat[s:e].to(lse.dtype) / T - lse[s:e, None]).mul_(-gf[s:e])  # -softmax(z) · g
+            d.scatter_add_(1, tok[s:e], gf[s:e])
+            grad[s:e] = d.div_(T)
+        return grad.view_as(logits), None, None, None
 
 
 @dataclass
