@@ -199,12 +199,11 @@ def layer_activation_bytes(pc: PolicyConfig, c: int, r: int, tp: int = 1, mlp: i
 
 
 def logits_bytes(pc: PolicyConfig, c: int, tp: int = 1) -> int:
-    """Per token, the policy loss's vocabulary-sized tensors in its backward: one home, train/losses.token_logprobs,
-    which keeps only the logits (c) and forms their gradient (c) a chunk of positions at a time (its fp32 chunk work
-    is bounded, LOGPROB_CHUNK_ELEMENTS, not per token). Under tensor parallelism a rank's V/tp columns through the
-    loss-parallel log-probs (parallel/tp.vocab_parallel_logprobs, not chunked): the logits, their fp32 log-softmax
-    (saved), its gradient and the gradient of the scaled logits (4 each)."""
-    return pc.vocab_size // tp * (c + 12) if tp > 1 else pc.vocab_size * 2 * c
+    """Per token, the policy loss's vocabulary-sized tensors in its backward: train/losses.token_logprobs (and its
+    loss-parallel form under tensor parallelism, parallel/tp.vocab_parallel_logprobs, on a rank's V/tp columns) keeps
+    only the logits (c) and forms their gradient (c) a chunk of positions at a time (its fp32 chunk work is bounded,
+    LOGPROB_CHUNK_ELEMENTS, not per token)."""
+    return pc.vocab_size // tp * 2 * c
 
 
 def draft_activation_bytes(s: Shapes, c: int, r: int) -> int:

@@ -252,9 +252,7 @@ def test_tp_divides_the_split_parts_only():
     one, two = rank_params(pc, range(36), True, True, 1), rank_params(pc, range(36), True, True, 2)
     embed = pc.vocab_size * pc.hidden_size
     assert one == policy_params(pc) and embed < one - two < one / 2  # not quite half: embedding and norms whole
-    # the loss's vocabulary tensors: tp 2 keeps half the columns of the loss-parallel form (fp32 log-softmax kept);
-    # tp 1 takes train/losses.token_logprobs' chunked form (the logits and their gradient only)
-    assert logits_bytes(pc, 2, 2) * 2 == pc.vocab_size * (2 + 12) and logits_bytes(pc, 2) == pc.vocab_size * 4
+    assert logits_bytes(pc, 2, 2) * 2 == logits_bytes(pc, 2) == pc.vocab_size * 4  # the logits and their gradient
     h = pc.hidden_size
     whole = 2 * h * 4 + 2 * (h * (4 + 2) + 4)
     assert layer_activation_bytes(pc, 2, 4, 2) - whole == (layer_activation_bytes(pc, 2, 4) - whole) // 2

@@ -133,7 +133,7 @@ def _mutate(policy, mesh, mutation):
     elif mutation == "logprobs_no_reduce":  # the loss-parallel log-probs without their all-reduces (each rank's
         # softmax over its own columns only)
         import specco.parallel.tp as tp_module
-        tp_module._SumOverRanks.apply = staticmethod(lambda x, group: x)
+        tp_module._all_reduce = lambda x, op, group: x
     elif mutation == "sp_norms_plain":  # sequence parallel, its norms' weights left plain: partial gradients
         plan = layer_plan(qk_norm=True, sequence_parallel=True)
         plan["input_layernorm"] = plan["post_attention_layernorm"] = PrepareModuleOutput(

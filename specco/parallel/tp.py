@@ -197,22 +197,6 @@ def is_tensor_parallel(model: nn.Module) -> bool:
     return any(getattr(layer.self_attn, "qkv_proj", 0) is None for layer in model.layers.values())
 
 
-class _SumOverRanks(torch.autograd.Function):
-    """All-reduce SUM over `group` whose backward is the identity: for a quantity every rank then uses alike (a
-    replicated loss), each rank's input's gradient is the upstream one, not tp times it (Megatron's
-    reduce-from-model-parallel region)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def vocab_shard(logits: DTensor) -> tuple[torch.Tensor, int]:
     """(this rank's logits (..., V/tp), the vocabulary id of its first column): the head's cut along the vocabulary
     (ColwiseParallel's Shard(-1): torch.chunk's, ceil(V / tp) columns per rank, the last ranks' fewer)."""
@@ -237,18 +221,59 @@ def vocab_parallel_logprobs(logits: DTensor, tokens: torch.Tensor, temperature: 
         log p  = z_t − lse
 
     with z = logits / T. Three all-reduces of (B, S) floats replace the all-gather of (B, S, V); the result is
-    replicated over tp, so each SUM's backward is the identity (`_SumOverRanks`) and each rank's gradient lands on
-    its own columns: softmax − onehot, scaled by the upstream gradient."""
+    replicated over tp, so each rank's gradient lands on its own columns: ([t among them] · onehot − softmax) · g / T.
+    As token_logprobs, a chunk of positions at a time (`_VocabParallelLogprobs`): only the rank's logits and the
+    (N,) logsumexp are kept for the backward, never its (N, V/tp) fp32 log-softmax."""
+    from ..train.losses import LOGPROB_CHUNK_ELEMENTS
     local, start = vocab_shard(logits)
-    group = logits.device_mesh.get_group()
-    z = local.to(torch.promote_types(local.dtype, torch.float32)) / max(temperature, 1e-6)  # (B, S, V_local)
-    m = z.detach().amax(-1)  # (B, S)
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    sumexp = _SumOverRanks.apply((z - m[..., None]).exp().sum(-1), group)  # (B, S)
-    mine = (tokens >= start) & (tokens < start + z.shape[-1])  # the target id is among this rank's columns
-    idx = (tokens - start).clamp(0, z.shape[-1] - 1)
-    z_t = _SumOverRanks.apply(torch.where(mine, z.gather(-1, idx[..., None]).squeeze(-1), 0.0), group)
-    return z_t - (m + sumexp.log())
+    rows = max(1, LOGPROB_CHUNK_ELEMENTS // local.shape[-1])
+    return _VocabParallelLogprobs.apply(local, tokens, start, max(temperature, 1e-6), rows,
+                                        logits.device_mesh.get_group())
+
+
+def _all_reduce(x: torch.Tensor, op, group) -> torch.Tensor:
+    """The loss-parallel log-probs' reductions over tp (one home: tests/test_tp.py's mutation drops them)."""
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    """`vocab_parallel_logprobs` on this rank's columns `local` (..., V_local) starting at vocabulary id `start`."""
+
+    @staticmethod
+    def forward(ctx, local, tokens, start, temperature, rows, group):
+        dt = torch.promote_types(local.dtype, torch.float32)
+        flat, tok = local.reshape(-1, local.shape[-1]), tokens.reshape(-1, 1)  # (N, V_local), (N, 1)
+        N, Vl = flat.shape
+        mine = (tok >= start) & (tok < start + Vl)  # (N, 1): the target id is among this rank's columns
+        idx = (tok - start).clamp(0, Vl - 1)
+        m = torch.empty(N, dtype=dt, device=local.device)
+        for s in range(0, N, rows):
+            m[s:s + rows] = flat[s:s + rows].to(dt).amax(-1) / temperature
+        m = _all_reduce(m, dist.ReduceOp.MAX, group)
+        sumexp = torch.empty_like(m)
+        for s in range(0, N, rows):
+            sumexp[s:s + rows] = (flat[s:s + rows].to(dt) / temperature - m[s:s + rows, None]).exp().sum(-1)
+        lse = m + _all_reduce(sumexp, dist.ReduceOp.SUM, group).log()
+        z_t = torch.where(mine, flat.gather(1, idx).to(dt) / temperature, 0.0).squeeze(1)
+        z_t = _all_reduce(z_t, dist.ReduceOp.SUM, group)
+        ctx.save_for_backward(local, mine, idx, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        return (z_t - lse).view(tokens.shape)
+
+    @staticmethod
+    def backward(ctx, g):
+        local, mine, idx, lse = ctx.saved_tensors
+        T, rows = ctx.temperature, ctx.rows
+        flat = local.reshape(-1, local.shape[-1])
+        gf = g.reshape(-1, 1).to(lse.dtype)  # (N, 1): the loss is replicated over tp, its gradient too
+        grad = torch.empty_like(flat)
+        for s in range(0, flat.shape[0], rows):
+            e = s + rows
+            d = torch.exp(flat[s:e].to(lse.dtype) / T - lse[s:e, None]).mul_(-gf[s:e])  # -softmax(z) · g
+            d.scatter_add_(1, idx[s:e], gf[s:e] * mine[s:e])
+            grad[s:e] = d.div_(T)
+        return grad.view_as(local), None, None, None, None, None
 
 
 def vocab_rows(logits: torch.Tensor, rows) -> torch.Tensor:
