@@ -210,7 +210,8 @@ def vocab_shard(logits: DTensor) -> tuple[torch.Tensor, int]:
     return local, start
 
 
-def vocab_parallel_logprobs(logits: DTensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+def vocab_parallel_logprobs(logits: DTensor, tokens: torch.Tensor, temperature: float, chunk_elements: int
+                            ) -> torch.Tensor:
     """log p(tokens) under softmax(logits / T), fp32 at least, from logits (B, S, V) cut along the vocabulary over
     the tp ranks (the head's Shard(-1) output), without gathering them — the loss-parallel form of
     train/losses.token_logprobs (Megatron's vocab-parallel cross-entropy):
@@ -222,11 +223,11 @@ def vocab_parallel_logprobs(logits: DTensor, tokens: torch.Tensor, temperature: 
 
     with z = logits / T. Three all-reduces of (B, S) floats replace the all-gather of (B, S, V); the result is
     replicated over tp, so each rank's gradient lands on its own columns: ([t among them] · onehot − softmax) · g / T.
-    As token_logprobs, a chunk of positions at a time (`_VocabParallelLogprobs`): only the rank's logits and the
-    (N,) logsumexp are kept for the backward, never its (N, V/tp) fp32 log-softmax."""
-    from ..train.losses import LOGPROB_CHUNK_ELEMENTS
+    As token_logprobs, a chunk of positions at a time (`_VocabParallelLogprobs`; `chunk_elements` fp32 elements of
+    work, token_logprobs' own bound): only the rank's logits and the (N,) logsumexp are kept for the backward, never
+    its (N, V/tp) fp32 log-softmax."""
     local, start = vocab_shard(logits)
-    rows = max(1, LOGPROB_CHUNK_ELEMENTS // local.shape[-1])
+    rows = max(1, chunk_elements // local.shape[-1])
     return _VocabParallelLogprobs.apply(local, tokens, start, max(temperature, 1e-6), rows,
                                         logits.device_mesh.get_group())
 

@@ -249,7 +249,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     tensor-parallel ranks (a DTensor: parallel/tp.py's head) take the loss-parallel form there, in the same dtype."""
     if isinstance(logits, DTensor):
         from ..parallel.tp import vocab_parallel_logprobs
-        return vocab_parallel_logprobs(logits, tokens, temperature)
+        return vocab_parallel_logprobs(logits, tokens, temperature, LOGPROB_CHUNK_ELEMENTS)
     V = logits.shape[-1]
     return _TokenLogprobs.apply(logits, tokens, max(temperature, 1e-6), max(1, LOGPROB_CHUNK_ELEMENTS // V))
 
