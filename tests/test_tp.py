@@ -385,6 +385,35 @@ def test_tp2_tied_head_stays_replicated():
     spawn_local(_tied_worker, 2)
 
 
+def _logprobs_worker(rank, world):
+    """The loss-parallel log-probs over an uneven vocabulary cut (13 ids: 7 + 6), a chunk of positions at a time or all
+    at once: values and gradients equal train/losses.token_logprobs on the whole logits (fp64, 1e-12: the same math,
+    reduced over ranks)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from specco.parallel.tp import vocab_parallel_logprobs
+    from specco.train.losses import token_logprobs
+    mesh = Mesh.build(tp=2, backend="gloo")
+    g = torch.Generator().manual_seed(0)
+    B, S, Vt = 3, 5, 13
+    full = torch.randn(B, S, Vt, generator=g, dtype=torch.float64) * 3
+    tokens = torch.randint(0, Vt, (B, S), generator=g)
+    w = torch.randn(B, S, generator=g, dtype=torch.float64)
+    ref_in = full.clone().requires_grad_()
+    ref = token_logprobs(ref_in, tokens, 0.7)
+    (ref * w).sum().backward()
+    for chunk in (7, 2 * 7, 10 ** 6):  # one position per chunk, two, all
+        cut = distribute_tensor(full, mesh.tp_mesh, [Shard(2)]).requires_grad_()
+        lp = vocab_parallel_logprobs(cut, tokens, 0.7, chunk)
+        torch.testing.assert_close(lp, ref, rtol=1e-12, atol=1e-12)
+        (lp * w).sum().backward()
+        torch.testing.assert_close(cut.grad.full_tensor(), ref_in.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_tp2_vocab_parallel_logprobs_in_chunks():
+    spawn_local(_logprobs_worker, 2)
+
+
 def test_unfuse_linears_is_the_same_function_and_state_dict():
     """layers.unfuse_linears (what apply_tp starts with) on one process: the same forward in fp64, the same
     state-dict keys and tensors (HF's parts), loadable both ways."""
