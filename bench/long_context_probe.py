@@ -13,7 +13,8 @@ checkpointing, micro-batches, draft row stride), each variant on the same batch,
 `policy` (no draft), `eagle3` (EAGLE-3 TTT from the first trained column on: train/drafters.first_anchor),
 `eagle3_whole` (every anchor and every position's logits, as before 2026-12-05: first_anchor forced to 0 in the
 step and the drafter) and `dflash`.
-The draft's overhead is each variant's step minus `policy`'s. `--decode 0` skips the decode part.
+The draft's overhead is each variant's step minus `policy`'s; on CUDA each variant's peak memory too (`peak_gib`).
+`--decode 0` skips the decode part.
 
     python bench/long_context_probe.py --decode 0 --train-steps 4"""
 from __future__ import annotations
@@ -123,6 +124,7 @@ def train_step_times(cfg, policy, train, a, dev) -> dict:
     opts = {n: build_optimizer(policy, d, 0.0, 0.0) for n, (d, _) in variants.items()}  # lr 0: weights stay put
     times: dict[str, list[float]] = {n: [] for n in variants}
     losses: dict[str, list[float]] = {n: [] for n in variants if variants[n][0] is not None}
+    peaks: dict[str, float] = {}  # GiB, CUDA only
     names = list(variants)
     real, homes = drafters.first_anchor, (drafters, cotrain)  # the step's logits_from and the drafter's anchors
     try:
@@ -133,9 +135,13 @@ def train_step_times(cfg, policy, train, a, dev) -> dict:
                 for home in homes:
                     home.first_anchor = anchor
                 m = {}
+                if dev.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(dev)
                 t = _timed(lambda: m.update(cotrain_step(policy, draft, batch, opts[name], None, scfg)))
                 if step:
                     times[name].append(t)
+                    if dev.type == "cuda":  # the step's peak, the models and their optimizer state included
+                        peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated(dev) / 2 ** 30)
                     if draft is not None:  # eagle3 and eagle3_whole train the very same loss (a check, not a timing)
                         losses[name].append(m["draft/loss"])
                 print(f"step {step} {name}: {t:.3f} s", flush=True)
@@ -143,7 +149,8 @@ def train_step_times(cfg, policy, train, a, dev) -> dict:
         for home in homes:
             home.first_anchor = real
     out = {"rows": rows, "width": int(batch.tokens.shape[1]), "completion": [lo, hi],
-           "step_s": {n: sum(v) / len(v) for n, v in times.items()}, "steps_s": times, "draft_loss": losses}
+           "step_s": {n: sum(v) / len(v) for n, v in times.items()}, "steps_s": times, "draft_loss": losses,
+           "peak_gib": peaks}
     out["draft_overhead_s"] = {n: out["step_s"][n] - out["step_s"]["policy"] for n in names[1:]}
     print(out["step_s"], out["draft_overhead_s"], flush=True)
     return out

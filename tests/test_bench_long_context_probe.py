@@ -27,6 +27,6 @@ def test_long_context_probe_train_step(tmp_path):
     assert set(r["step_s"]) == {"policy", "eagle3", "eagle3_whole", "dflash"}
     assert all(len(v) == 1 and v[0] > 0 for v in r["steps_s"].values())
     assert set(r["draft_overhead_s"]) == {"eagle3", "eagle3_whole", "dflash"}
-    assert r["rows"] == 4 and r["width"] % 128 == 0
+    assert r["rows"] == 4 and r["width"] % 128 == 0 and r["peak_gib"] == {}  # CUDA only
     (a,), (b,) = r["draft_loss"]["eagle3"], r["draft_loss"]["eagle3_whole"]
     assert a == pytest.approx(b, rel=1e-5) and a > 0
