@@ -23,6 +23,16 @@ from dataclasses import dataclass
 import torch
 
 
+def mask_spans(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """((B,) first, (B,) one past the last) nonzero column of each row of a (B, S) mask, on the host in one sync;
+    a row with none: (S, 0)."""
+    S = mask.shape[1]
+    cols = torch.arange(1, S + 1, device=mask.device)
+    on = mask != 0
+    span = torch.stack([torch.where(on, cols - 1, S).amin(1), (on * cols).amax(1)]).cpu()  # (2, B)
+    return span[0], span[1]
+
+
 @dataclass
 class TrainBatch:
     """One batch of sequences (prompt + completion).
@@ -77,12 +87,7 @@ class TrainBatch:
     def trained_spans(self) -> tuple[torch.Tensor, torch.Tensor]:
         """((B,) first, (B,) one past the last) column of each row's trained tokens (target or draft mask), on
         the host in one sync; a row with none: (S, 0)."""
-        mask = self.target_mask if self.draft_mask is None else self.target_mask + self.draft_mask
-        S = mask.shape[1]
-        cols = torch.arange(1, S + 1, device=mask.device)
-        on = mask != 0
-        span = torch.stack([torch.where(on, cols - 1, S).amin(1), (on * cols).amax(1)]).cpu()  # (2, B)
-        return span[0], span[1]
+        return mask_spans(self.target_mask if self.draft_mask is None else self.target_mask + self.draft_mask)
 
     def trimmed(self, width: int | None = None) -> "TrainBatch":
         """Right-padded rows without their trailing columns past the last trained token of any row

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specco.batch import device_indices, longest_first
+from specco.batch import device_indices, longest_first, mask_spans
 from specco.data.source import reference_ids
 from specco.model.config import ConfigError, PolicyConfig
 from specco.model.moe_config import MOE_FAMILIES
@@ -112,12 +112,9 @@ def sft_micro_batches(input_ids, loss_mask, rows: int):
     if rows <= 0 or rows >= B:
         yield input_ids, loss_mask, 0
         return
-    S = loss_mask.shape[1]
-    cols = torch.arange(2, S + 2, device=loss_mask.device)
-    on = loss_mask != 0
+    first, end = mask_spans(loss_mask)
     # the mask marks the inputs that predict a completion token: a row needs its last marked input + 1
-    span = torch.stack([torch.where(on, cols - 2, S).amin(1), (on * cols).amax(1).clamp(max=S)]).cpu()  # (2, B)
-    first, length = span[0], span[1]
+    length = torch.where(end > 0, end + 1, 0).clamp(max=loss_mask.shape[1])
     chunks = longest_first(length, rows)
     for chunk, idx in zip(chunks, device_indices(chunks, input_ids.device)):  # one copy, no host sync (batch.py)
         cut = max(2, int(length[chunk[0]]))
