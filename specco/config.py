@@ -300,6 +300,13 @@ class TrainSpec:
     # long H200 runs, e.g. 615 -> 299 tokens in the fourteenth — a fixed stride starves the draft of tokens just
     # when the text it must follow changes fastest. 0 = the fixed stride.
     draft_min_tokens: int = 0
+    # The co-trained draft trains in every n-th PPO update of an RL step (updates 0, n, 2n, ... counted over
+    # ppo_epochs x minibatches; 1 = every update). Why: at small shapes a draft update is bound by the host's
+    # dispatch of its ~1,300-1,700 ops, not by its rows (drift workload, H200: +0.06-0.09 s per step for four updates
+    # of 16 rows), so one update of 64 rows costs about one of 16. With minibatches = 4, draft_update_stride = 4 and
+    # draft_row_stride = 1 the draft sees the same 64 rows per step in a quarter of the dispatches, in one AdamW
+    # step instead of four.
+    draft_update_stride: int = 1
     # Rows per forward/backward of the train step (0 = all at once); gradients accumulate, the
     # update equals the whole-batch one. Lower it when the train step runs out of memory.
     micro_batch_rows: int = _STEP.micro_batch_rows
@@ -402,6 +409,8 @@ class TrainSpec:
         _check(not self.warm_widths or self.width_multiple >= 64,
                f"train.warm_widths with train.width_multiple={self.width_multiple}: every width up to the longest row "
                "would be a shape to warm; set width_multiple >= 64 (the long configs use 128)")
+        _check(self.draft_update_stride >= 1, f"train.draft_update_stride={self.draft_update_stride}: must be >= 1 "
+               "(1 = the draft trains in every PPO update)")
         _check(self.draft_min_tokens >= 0, f"train.draft_min_tokens={self.draft_min_tokens}: must be >= 0 "
                "(0 = the fixed train.draft_row_stride)")
 

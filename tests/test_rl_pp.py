@@ -7,7 +7,8 @@ the TapChannel), the engines are refit from the gathered stages — so the run e
 run_arm step by step: the same rollouts (tokens compared exactly, also in step 2, which samples from the
 refit engine), losses, grad norms, and every parameter of each stage and of the draft after both steps.
 Second: pp = 2 with PPO (2 epochs x 2 minibatches: log-prob recompute on the engine's whole policy) and a
-KL penalty, stopped after one step and resumed from its checkpoint (whole policy gathered, per-stage
+KL penalty, the draft trained in updates 0 and 3 of the 4 (train.draft_update_stride=3: the stages agree on
+which updates carry taps), stopped after one step and resumed from its checkpoint (whole policy gathered, per-stage
 optimizer states): equal to the uninterrupted single-process run.
 
 Tolerance as in test_rl_cp.py: fp64, rtol 1e-9 (policy/loss and the KL / ratio statistics 1e-6, test_rl_cp.py says
@@ -75,4 +76,4 @@ def test_rl_loop_pp2_equals_single_process(tmp_path):
 @pytest.mark.slow
 def test_rl_loop_pp2_ppo_kl_resume_equals_single_process(tmp_path):
     spawn_local(_pp_worker, 2, str(tmp_path), ("train.ppo_epochs=2", "train.minibatches=2", "train.kl_coef=0.1",
-                                               "train.checkpoint_every=1"), True)
+                                               "train.checkpoint_every=1", "train.draft_update_stride=3"), True)

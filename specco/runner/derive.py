@@ -25,7 +25,7 @@ from ..rollout.sampling import SamplingParams
 from ..train.cotrain import AMP_DTYPES, StepConfig
 from ..train.sft import tiny_policy_config
 
-__all__ = ["arm_config", "warm_configs", "step_config", "generate_config", "engine_dtype", "at_temperature", "check_parallel"]
+__all__ = ["arm_config", "warm_configs", "step_config", "draft_updates", "generate_config", "engine_dtype", "at_temperature", "check_parallel"]
 
 
 def arm_config(cfg: RunConfig, arm: str) -> tuple[RunConfig, str]:
@@ -71,6 +71,12 @@ def step_config(cfg: RunConfig, mode: str = "cotrained", draft_row_stride: int |
                       loss_chunk=t.loss_chunk, draft_row_stride=draft_row_stride or t.draft_row_stride,
                       micro_batch_rows=t.micro_batch_rows,
                       width_multiple=width_multiple(cfg), amp_dtype=AMP_DTYPES.get(t.amp))
+
+
+def draft_updates(u: int, every: int) -> bool:
+    """Whether the co-trained draft trains in PPO update `u` (0-based, over ppo_epochs x minibatches) of an RL step
+    under train.draft_update_stride = `every`: updates 0, every, 2*every, ..."""
+    return u % every == 0
 
 
 def width_multiple(cfg: RunConfig) -> int:

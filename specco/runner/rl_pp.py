@@ -29,6 +29,7 @@ from ..parallel.taps import TapChannel, TapSpec
 from ..train.cotrain import micro_batches
 from ..train.cotrain import cotrain_step
 from ..train.grad_sync import grad_syncs
+from .derive import draft_updates
 
 __all__ = ["PipelineArm", "pp_train_updates", "gather_for_refit"]
 
@@ -71,21 +72,21 @@ class PipelineArm:
         return self.taps
 
 
-def pp_train_updates(st, train_draft, mbs, scfg, epochs: int, grad_group) -> list[dict]:
-    """The PPO updates of one RL step on this stage: epochs × minibatches co-training steps (1F1B over the stage)."""
+def pp_train_updates(st, train_draft, mbs, scfg, epochs: int, grad_group, every: int = 1) -> list[dict]:
+    """The PPO updates of one RL step on this stage: epochs × minibatches co-training steps (1F1B over the stage);
+    the draft co-trains in every `every`-th update (train.draft_update_stride), the same updates on every stage."""
     pa: PipelineArm = st.pipeline
     # FSDP's reduce-scatter for a sharded stage (apply_fsdp without reshard after forward), else the all-reduce
     sync = grad_syncs(pa.stage, grad_group, reshard_after_forward=False)
     hist = []
-    for _ in range(epochs):
-        for mb in mbs:
-            use = pa.tap_layers if scfg.draft_weight > 0 else None  # None: no draft trains (arms none, frozen)
-            taps = pa.channel(mbs, scfg.micro_batch_rows, scfg.width_multiple) if use is not None else None
-            hist.append(cotrain_step(pa.stage, train_draft, mb.batch, st.opt, None, scfg, pipe=pa.pipe,
-                                        taps=taps, tap_layers=use, step=pa.updates,
-                                        grad_group=grad_group, grad_sync=sync, act_dtype=pa.act_dtype,
-                                        layout=mb.layout))
-            pa.updates += 1
+    for u, mb in enumerate(mb for _ in range(epochs) for mb in mbs):
+        # None: no draft trains (arms none, frozen; a co-trained arm's updates between its draft's)
+        use = pa.tap_layers if scfg.draft_weight > 0 and draft_updates(u, every) else None
+        taps = pa.channel(mbs, scfg.micro_batch_rows, scfg.width_multiple) if use is not None else None
+        hist.append(cotrain_step(pa.stage, train_draft if use is not None else None, mb.batch, st.opt, None, scfg,
+                                 pipe=pa.pipe, taps=taps, tap_layers=use, step=pa.updates, grad_group=grad_group,
+                                 grad_sync=sync, act_dtype=pa.act_dtype, layout=mb.layout))
+        pa.updates += 1
     return hist
 
 

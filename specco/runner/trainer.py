@@ -87,7 +87,7 @@ from ..train.compile import apply_compile, apply_draft_compile, warm_shapes, war
 from ..train.cotrain import StepConfig, build_optimizer, build_scheduler, cotrain_step, draft_stride
 from ..train.grad_sync import grad_syncs
 from ..train.nonfinite import NonFiniteError, check_finite
-from .derive import arm_config, engine_dtype, step_config, train_shapes
+from .derive import arm_config, draft_updates, engine_dtype, step_config, train_shapes
 from .rl_pp import PipelineArm, gather_for_refit, pp_train_updates
 from ..parallel.pipeline import split_stage
 from .report import TIME_PARTS
@@ -347,13 +347,16 @@ def rl_step_config(st: ArmState, cfg: RunConfig, ro: Rollouts, mesh: Mesh | None
     return step_config(cfg, st.mode, draft_row_stride=n)
 
 
-def run_updates(st: ArmState, train_draft, mbs: list[Minibatch], scfg: StepConfig, epochs: int, group) -> list[dict]:
+def run_updates(st: ArmState, train_draft, mbs: list[Minibatch], scfg: StepConfig, epochs: int, group,
+                every: int = 1) -> list[dict]:
     """`epochs` passes of co-training steps over the minibatches (one optimizer step each) on a whole policy;
-    `train_draft` None trains the policy alone. Their metrics, update by update."""
+    `train_draft` None trains the policy alone, else the draft co-trains in every `every`-th update
+    (derive.draft_updates). Their metrics, update by update."""
     # per optimizer group: FSDP's reduce-scatter for a sharded policy, the all-reduce over `group` otherwise
     sync = grad_syncs(st.policy, group)
-    return [cotrain_step(st.policy, train_draft, mb.batch, st.opt, None, scfg, grad_group=group, grad_sync=sync,
-                         layout=mb.layout) for _ in range(epochs) for mb in mbs]
+    return [cotrain_step(st.policy, train_draft if draft_updates(u, every) else None, mb.batch, st.opt, None, scfg,
+                         grad_group=group, grad_sync=sync, layout=mb.layout)
+            for u, mb in enumerate(mb for _ in range(epochs) for mb in mbs)]
 
 
 def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, device, mesh: Mesh | None = None,
@@ -395,9 +398,9 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
     hooks("before_update", st, mbs, scfg)
     t0 = settled(device)  # the copies above are not the train step's
     if st.pipeline is not None:  # this rank's stage; the metrics (hence the checks below) agree on every stage
-        hist = pp_train_updates(st, train_draft, mbs, scfg, t.ppo_epochs, group)
+        hist = pp_train_updates(st, train_draft, mbs, scfg, t.ppo_epochs, group, t.draft_update_stride)
     else:
-        hist = run_updates(st, train_draft, mbs, scfg, t.ppo_epochs, group)
+        hist = run_updates(st, train_draft, mbs, scfg, t.ppo_epochs, group, t.draft_update_stride)
     try:
         for i, h in enumerate(hist):
             check_finite(f"RL step {st.step + 1} of arm {st.arm} (update {i + 1} of {len(hist)})", h, _CHECKED)
@@ -415,8 +418,13 @@ def train_on_rollouts(st: ArmState, cfg: RunConfig, ro: Rollouts, pad_id: int, d
         m["nonfinite_skipped"] = 1
     m["time/train"] = time.perf_counter() - t0
     point("rl_step/updated")  # mid-step: trained, not yet refit nor checkpointed (the elastic restart test's kill)
-    for k in hist[0]:  # means over the updates (one update: its own values); seconds add up instead
-        m[k] = sum(h[k] for h in hist) / (1 if k.startswith("time/") else len(hist))
+    # the draft's figures from the updates it trained in (train.draft_update_stride; the others report its group's
+    # zero grad norm), its LR from every update
+    hist = [h if draft_updates(i, t.draft_update_stride) else
+            {k: v for k, v in h.items() if not k.startswith("draft/") or k == "draft/lr"} for i, h in enumerate(hist)]
+    for k in dict.fromkeys(k for h in hist for k in h):  # means over the updates that have it; seconds add up
+        vals = [h[k] for h in hist if k in h]
+        m[k] = sum(vals) / (1 if k.startswith("time/") else len(vals))
     m["ppo/updates"] = updates
     # before the schedule's step: a hook that reruns the updates gets the learning rates they ran at
     m.update(hooks("after_update", st, ro, mbs, scfg))
