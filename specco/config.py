@@ -304,8 +304,8 @@ class TrainSpec:
     # ppo_epochs x minibatches; 1 = every update). Why: at small shapes a draft update is bound by the host's
     # dispatch of its ~1,300-1,700 ops, not by its rows (drift workload, H200: +0.06-0.09 s per step for four updates
     # of 16 rows), so one update of 64 rows costs about one of 16. With minibatches = 4, draft_update_stride = 4 and
-    # draft_row_stride = 1 the draft sees the same 64 rows per step in a quarter of the dispatches, in one AdamW
-    # step instead of four.
+    # draft_row_stride = 1 the draft sees as many rows per step (minibatch 0's) in a quarter of the dispatches, in
+    # one AdamW step instead of four (docs/experiments/drift.md).
     draft_update_stride: int = 1
     # Rows per forward/backward of the train step (0 = all at once); gradients accumulate, the
     # update equals the whole-batch one. Lower it when the train step runs out of memory.
