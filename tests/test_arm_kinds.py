@@ -61,9 +61,14 @@ def test_warm_configs_one_per_kind_the_run_kind_first():
     w = warm_configs(cfg)
     assert [(k, c.draft.kind, c.rollout.k) for k, c in w.items()] == [
         ("eagle3", "eagle3", 3), ("dflash", "dflash", 5), ("dspark", "dspark", 5)]
-    # draft.kind always has its warm draft (warm_draft/), even when no arm uses it
-    assert list(warm_configs(load_config(DEMO, ["draft.kind=dflash", "arms=none,cotrained-eagle3"]))) == [
+    # draft.kind first when an arm uses it warm; a kind no arm needs warm has no warm start
+    assert list(warm_configs(load_config(DEMO, ["draft.kind=dflash", "arms=none,cotrained-eagle3,frozen"]))) == [
         "dflash", "eagle3"]
+    assert list(warm_configs(load_config(DEMO, ["draft.kind=dflash", "arms=none,cotrained-eagle3"]))) == ["eagle3"]
+    # a cold arm needs its kind's warm draft only for its frozen shadow (the offline stage it skipped)
+    assert list(warm_configs(load_config(DEMO, ["arms=none,cold-dflash", "frozen_shadow=[]"]))) == []
+    assert list(warm_configs(load_config(DEMO, ["arms=none,cold-dflash", "frozen_shadow=[cold-dflash]"]))) == [
+        "dflash"]
 
 
 def test_block_arms_under_pp_are_refused_by_name():

@@ -52,11 +52,15 @@ def arm_config(cfg: RunConfig, arm: str) -> tuple[RunConfig, str]:
 
 
 def warm_configs(cfg: RunConfig) -> dict[str, RunConfig]:
-    """{kind: the config the warm start of that kind's draft runs with (its co-trained arm's)}: the run's
-    draft.kind first and always (out_dir/warm_draft, whatever the arms), then every other kind an arm
-    names, in the order of the arms."""
-    kinds = [cfg.draft.kind] + [k for _, k in (split_arm(a, cfg.draft.kind) for a in cfg.arms) if k]
-    return {k: arm_config(cfg, f"cotrained-{k}")[0] for k in dict.fromkeys(kinds)}
+    """{kind: the config the warm start of that kind's draft runs with (its co-trained arm's)} for every kind a
+    warm draft serves: a frozen or co-trained arm's, and a cold arm's whose frozen shadow scores its kind's warm
+    draft (frozen_shadow). The run's draft.kind first (out_dir/warm_draft), then the arms' order. A kind no arm
+    needs warm is not warm-started (a DFlash-only run spent ~1 minute on an unused EAGLE-3 warm start; at 32K
+    tokens one takes ~4 minutes)."""
+    kinds = [k for m, k in (split_arm(a, cfg.draft.kind) for a in cfg.arms)
+             if k and (m != "cold" or cfg.measures_shadow(f"{m}-{k}"))]
+    order = [cfg.draft.kind] if cfg.draft.kind in kinds else []
+    return {k: arm_config(cfg, f"cotrained-{k}")[0] for k in dict.fromkeys(order + kinds)}
 
 
 def step_config(cfg: RunConfig, mode: str = "cotrained", draft_row_stride: int | None = None) -> StepConfig:
