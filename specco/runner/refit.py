@@ -21,6 +21,7 @@ fingerprints the trainer's whole (replicated) draft directly.
 """
 from __future__ import annotations
 
+import time
 from typing import Iterable, Iterator, Mapping
 
 import torch
@@ -28,7 +29,9 @@ from torch.distributed.tensor import DTensor
 
 from ..rollout.engine import RolloutEngine
 from ..rollout.tp import local_part
+from ..parallel.ep import expert_stream, is_ep
 from ..rollout.weights import fingerprint_rows, tensor_fingerprint
+from .rl_pp import gather_for_refit
 
 __all__ = ["state_buckets", "refit_engine"]
 
@@ -100,3 +103,24 @@ def refit_engine(engine: RolloutEngine, policy: Mapping[str, torch.Tensor] | Ite
     if draft is None and guard_draft is not None:
         rows["draft"] = fingerprint_rows(guard_draft, engine.dtypes("draft") if engine.draft is not None else None)
     return rows
+
+
+def refit_arm(st, cfg, mesh, fingerprint: bool = False) -> tuple[dict, float]:
+    """The engine refilled from the trainer's weights, the one home of that (every RL step; arm_checkpoint after a
+    resume): under PP the stages streamed over the pipeline group bucket by bucket (and the last stage's draft),
+    otherwise the policy's state dict (under FSDP DTensor shards, gathered bucket by bucket as they stream: a
+    collective, every rank), in rollout.refit_bucket_mb buckets. A released engine (rollout.offload) is restored
+    first. Returns (the guard's fingerprints, refit_engine's; under PP the seconds of the whole streamed gather and
+    write, 0 without PP). A draft that is not refit (frozen) is still fingerprinted for the guard's comparison with
+    the engine's."""
+    t0 = time.perf_counter()
+    frozen_draft = st.draft.state_dict() if st.draft is not None and st.mode != "cotrained" else None
+    if st.pipeline is not None:
+        policy_sd, draft_sd = gather_for_refit(st, mesh, bucket_bytes=cfg.rollout.refit_bucket_mb * MB)
+    else:  # expert parallelism: the engine holds every expert, gathered over the ep group (a collective) a layer
+        # at a time as the buckets stream (parallel/ep.expert_stream)
+        policy_sd = expert_stream(st.policy) if is_ep(st.policy) else st.policy.state_dict()
+        draft_sd = st.draft.state_dict() if st.mode == "cotrained" else None
+    st.engine.restore()  # rollout.offload: the released storages allocated again, for the refit to fill
+    guard = refit_engine(st.engine, policy_sd, draft_sd, cfg.rollout.refit_bucket_mb * MB, fingerprint, frozen_draft)
+    return guard, time.perf_counter() - t0 if st.pipeline is not None else 0.0

@@ -76,11 +76,11 @@ from ..model.policy import Policy
 from ..parallel.fsdp import apply_fsdp, mixed_precision
 from ..parallel.load import sharded_copy, whole_items
 from ..parallel.mesh import Mesh
-from ..parallel.ep import apply_ep, expert_stream, is_ep
+from ..parallel.ep import apply_ep
 from ..parallel.tp import apply_tp, tp_copy
 from ..rollout.engine import RolloutEngine
 from ..rollout.tp import tp_shard
-from .refit import MB, refit_engine
+from .refit import refit_arm  # noqa: F401 (its home: refit.py; re-exported)
 from .refit_guard import MIN_TRIES, check_acceptance
 from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.compile import apply_compile, apply_draft_compile, warm_shapes, warm_up, warm_up_draft
@@ -88,7 +88,7 @@ from ..train.cotrain import StepConfig, build_optimizer, build_scheduler, cotrai
 from ..train.grad_sync import grad_syncs
 from ..train.nonfinite import NonFiniteError, check_finite
 from .derive import arm_config, draft_updates, engine_dtype, step_config, train_shapes
-from .rl_pp import PipelineArm, gather_for_refit, pp_train_updates
+from .rl_pp import PipelineArm, pp_train_updates
 from ..parallel.pipeline import split_stage
 from .report import TIME_PARTS
 from .rollouts import Minibatch, Rollouts, StagePipe, collect_rollouts, engine_logprob_gap, minibatches
@@ -438,27 +438,6 @@ def stage_pipe(st: ArmState) -> StagePipe | None:
     if pa is None:
         return None
     return StagePipe(pa.mesh.pp_group, st.policy.cfg.hidden_size, pa.act_dtype or next(st.policy.parameters()).dtype)
-
-
-def refit_arm(st: ArmState, cfg: RunConfig, mesh: Mesh | None, fingerprint: bool = False) -> tuple[dict, float]:
-    """The engine refilled from the trainer's weights, the one home of that (every RL step; arm_checkpoint after a
-    resume): under PP the stages streamed over the pipeline group bucket by bucket (and the last stage's draft),
-    otherwise the policy's state dict (under FSDP DTensor shards, gathered bucket by bucket as they stream: a
-    collective, every rank), in rollout.refit_bucket_mb buckets. A released engine (rollout.offload) is restored
-    first. Returns (the guard's fingerprints, refit_engine's; under PP the seconds of the whole streamed gather and
-    write, 0 without PP). A draft that is not refit (frozen) is still fingerprinted for the guard's comparison with
-    the engine's."""
-    t0 = time.perf_counter()
-    frozen_draft = st.draft.state_dict() if st.draft is not None and st.mode != "cotrained" else None
-    if st.pipeline is not None:
-        policy_sd, draft_sd = gather_for_refit(st, mesh, bucket_bytes=cfg.rollout.refit_bucket_mb * MB)
-    else:  # expert parallelism: the engine holds every expert, gathered over the ep group (a collective) a layer
-        # at a time as the buckets stream (parallel/ep.expert_stream)
-        policy_sd = expert_stream(st.policy) if is_ep(st.policy) else st.policy.state_dict()
-        draft_sd = st.draft.state_dict() if st.mode == "cotrained" else None
-    st.engine.restore()  # rollout.offload: the released storages allocated again, for the refit to fill
-    guard = refit_engine(st.engine, policy_sd, draft_sd, cfg.rollout.refit_bucket_mb * MB, fingerprint, frozen_draft)
-    return guard, time.perf_counter() - t0 if st.pipeline is not None else 0.0
 
 
 def release_engine(st: ArmState, cfg: RunConfig, device) -> dict:
