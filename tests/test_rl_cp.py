@@ -47,6 +47,14 @@ def _models():
     return tok, policy, draft
 
 
+def union_rollouts(parts):
+    """One Rollouts of the data-parallel ranks' rollouts `parts` (in rank order): what the single process trains on
+    in the DP equivalence tests."""
+    from specco.runner.rollouts import Rollouts
+    return Rollouts([p for x in parts for p in x.pairs], parts[0].group_size,
+                    torch.cat([x.advantages for x in parts]), [lp for x in parts for lp in x.engine_logprobs])
+
+
 def _cfg(tmp, *extra):
     return load_config(DEMO, ["train.steps=2", "rollout.group_size=4", "rollout.max_new_tokens=6",
                                              "rollout.k=2", "train.lr=3e-3", "train.draft_warmup_steps=0",
@@ -94,7 +102,6 @@ def _dp2cp2_worker(rank, world, tmp):
     from specco.runner.derive import generate_config
     from specco.runner.rl import run_arm
     from specco.runner.trainer import make_arm, train_on_rollouts
-    from specco.runner.rollouts import Rollouts
     tmp = Path(tmp)
     tok, policy, draft = _models()
     extra = ("rollout.prompts_per_step=8", "train.ppo_epochs=2", "train.minibatches=2", "train.kl_coef=0.1")
@@ -111,9 +118,7 @@ def _dp2cp2_worker(rank, world, tmp):
     cfg1 = _cfg(tmp, *extra)
     ref = make_arm(cfg1, "cotrained", policy, draft, generate_config(cfg1, tok.eos_id, tok.pad_id))
     for step, r in enumerate(rows):
-        parts = [g[step] for g in groups]
-        ro = Rollouts([p for x in parts for p in x.pairs], parts[0].group_size,
-                      torch.cat([x.advantages for x in parts]), [lp for x in parts for lp in x.engine_logprobs])
+        ro = union_rollouts([g[step] for g in groups])
         q = train_on_rollouts(ref, cfg1, ro, tok.pad_id, "cpu")
         for k in ("policy/loss", "policy/ratio_mean", "policy/ratio_dev", "policy/kl"):  # fp32 log-probs
             _close(r[k], q[k], k, 1e-6)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from specco.parallel.mesh import Mesh, spawn_local
-from test_rl_cp import _cfg, _close, _models
+from test_rl_cp import _cfg, _close, _models, union_rollouts
 
 pytestmark = pytest.mark.dist  # ~9 s on 2 CPU cores: in the default lane
 
@@ -64,7 +64,6 @@ def _bytes(model) -> int:
 def _replay(rank, mesh, cfg_extra, arm, policy, draft, tok, tmp, rows, rec, flat):
     """Rank 0 replays the union of the ranks' rollouts on one process and compares (module docstring)."""
     from specco.runner.derive import generate_config
-    from specco.runner.rollouts import Rollouts
     from specco.runner.trainer import make_arm, train_on_rollouts
     groups = [None] * mesh.dp
     dist.all_gather_object(groups, rec, group=mesh.dp_group)  # every DP rank's rollouts, in DP order
@@ -74,9 +73,7 @@ def _replay(rank, mesh, cfg_extra, arm, policy, draft, tok, tmp, rows, rec, flat
     ref = make_arm(cfg1, arm, policy, draft, generate_config(cfg1, tok.eos_id, tok.pad_id))
     dev = {}
     for step, r in enumerate(rows):
-        parts = [g[step] for g in groups]
-        ro = Rollouts([p for x in parts for p in x.pairs], parts[0].group_size,
-                      torch.cat([x.advantages for x in parts]), [lp for x in parts for lp in x.engine_logprobs])
+        ro = union_rollouts([g[step] for g in groups])
         q = train_on_rollouts(ref, cfg1, ro, tok.pad_id, "cpu")
         for k in ("policy/loss", "policy/ratio_mean", "policy/ratio_dev", "policy/kl"):  # fp32 log-probs
             _close(r[k], q[k], k, 1e-6)

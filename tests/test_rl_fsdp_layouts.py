@@ -45,7 +45,7 @@ import pytest
 import torch
 
 from specco.parallel.mesh import Mesh, spawn_local
-from test_rl_cp import _cfg, _models
+from test_rl_cp import _cfg, _models, union_rollouts
 from test_rl_fsdp import EXTRA, _flat, _replay, _resumes_exactly
 
 pytestmark = pytest.mark.dist
@@ -135,7 +135,6 @@ def _pp_bf16_worker(rank, world, tmp, shard):
     from test_grpo import DigitTask
     from specco.runner.derive import generate_config
     from specco.runner.rl import run_arm
-    from specco.runner.rollouts import Rollouts
     from specco.runner.trainer import make_arm, train_on_rollouts
     tmp = Path(tmp)
     tok, policy, draft = _models()
@@ -158,9 +157,7 @@ def _pp_bf16_worker(rank, world, tmp, shard):
     ref = make_arm(cfg1, "cotrained", policy, draft, generate_config(cfg1, tok.eos_id, tok.pad_id))
     dev = {}
     for step, r in enumerate(rows):
-        parts = [g[step] for g in groups]
-        ro = Rollouts([p for x in parts for p in x.pairs], parts[0].group_size,
-                      torch.cat([x.advantages for x in parts]), [lp for x in parts for lp in x.engine_logprobs])
+        ro = union_rollouts([g[step] for g in groups])
         q = train_on_rollouts(ref, cfg1, ro, tok.pad_id, "cpu")
         for k in ("policy/loss", "draft/loss", "policy/grad_norm", "draft/grad_norm", "policy/ratio_mean",
                   "policy/kl"):  # relative; absolute below 0.01 (a policy loss can be near zero)
