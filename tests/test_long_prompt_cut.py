@@ -98,18 +98,20 @@ def test_policy_logits_from_a_column():
     assert b.tokens.shape == (8, 30) and torch.equal(b.logp_old, a.logp_old[:, 10:]) and b.advantages.shape == (8,)
 
 
-@pytest.mark.parametrize("micro", [0, 3])
-def test_long_prompt_logprob_recompute_cuts_as_the_step(micro):
+@pytest.mark.parametrize("micro,dtype", [(0, torch.float32), (3, torch.float32), (3, torch.float64)])
+def test_long_prompt_logprob_recompute_cuts_as_the_step(micro, dtype):
     """The PPO/KL log-prob recompute (runner/rollouts.Minibatch.logprobs) cuts its logits where the train step
     does, so an unchanged policy's ratio is exactly 1 (to the bit: the same shapes), and its log-probs at every
     trained position equal an uncut forward's (fp32: 1e-5, the head's matmul over fewer rows and the attention's
-    micro-batch shapes only); the positions before the cut hold 0, and no loss reads them."""
+    micro-batch shapes only); the positions before the cut hold 0, and no loss reads them. In the policy's own
+    precision: an fp64 policy's micro-batched recompute is fp64 (stored as fp32 its ratio was 1 only to ~1e-8)."""
     from specco.parallel.layout import PADDED
     from specco.runner.rollouts import Minibatch, recompute_logprobs
-    policy = _models("none")[0].float()  # fp32, as a run's trainer (the micro-batched recompute stores fp32)
+    policy = _models("none")[0].to(dtype)
     batch = _batch()
     cfg = StepConfig(ttt_passes=3, micro_batch_rows=micro, policy_grad_clip=1e9)
     got = Minibatch(batch, PADDED, list(range(8))).logprobs(policy, cfg)
+    assert got.dtype == dtype
     whole = recompute_logprobs(policy, batch.tokens, cfg)
     at = batch.target_mask[:, 1:] != 0  # log-prob of token j sits at position j - 1
     torch.testing.assert_close(got[:, :-1][at].double(), whole[:, :-1][at].double(), rtol=1e-5, atol=1e-5)

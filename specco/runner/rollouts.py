@@ -326,23 +326,21 @@ class Minibatch:
         past a row's cut stay 0: nothing trained reads them. `pipe` (StagePipe): `policy` is this rank's pipeline
         stage; the stages forward each micro-batch in turn and the last stage's log-probs reach every stage."""
         b = self.batch
+        # token_logprobs keeps fp64 logits in fp64, else fp32: the (stage's) parameters say which
+        wide = torch.float64 if next(policy.parameters()).dtype == torch.float64 else torch.float32
         cuts = None if self.layout.packed else micro_batch_plan(b, cfg.micro_batch_rows, cfg.width_multiple)
         if cuts is None:  # a CP shard (its own layout) or one micro-batch: one forward
             cut = first_anchor(with_trained_from(b), cfg.ttt_passes, self.layout)  # the train step's cut
             lp = recompute_logprobs(policy, b.tokens, cfg, b.positions, self.layout, pipe, cut)
-            if pipe is None:
-                return lp
-            # (token_logprobs keeps fp64 logits in fp64, else fp32: the stages' parameters say which)
-            wide = torch.float64 if next(policy.parameters()).dtype == torch.float64 else torch.float32
-            return pipe.share(lp, b.tokens, wide)
-        out = torch.zeros(b.tokens.shape, dtype=torch.float32, device=b.tokens.device)
+            return lp if pipe is None else pipe.share(lp, b.tokens, wide)
+        out = torch.zeros(b.tokens.shape, dtype=wide, device=b.tokens.device)
         for (_, width, start), rows in zip(cuts, device_indices([idx for idx, _, _ in cuts], b.tokens.device)):
             part = dataclasses.replace(b.take(rows).trimmed(width), trained_from=start)
             lp = recompute_logprobs(policy, part.tokens, cfg, part.positions, pipe=pipe,
                                     logits_from=first_anchor(part, cfg.ttt_passes, self.layout))
             if lp is not None:
-                out[rows, :width] = lp.float()
-        return out if pipe is None else pipe.share(out, out, torch.float32)
+                out[rows, :width] = lp.to(wide)
+        return out if pipe is None else pipe.share(out, out, wide)
 
 
 def _layout(batch: TrainBatch, lengths: list[int], rows_of: list[int], cfg: StepConfig, mesh: Mesh | None
