@@ -12,7 +12,9 @@ prompts with random completions of `--completion` tokens, the config's step (bf1
 checkpointing, micro-batches, draft row stride), each variant on the same batch, the order rotating per step:
 `policy` (no draft), `eagle3` (EAGLE-3 TTT from the first trained column on: train/drafters.first_anchor),
 `eagle3_whole` (every anchor and every position's logits, as before 2026-12-05: first_anchor forced to 0 in the
-step and the drafter) and `dflash`.
+step and the drafter) and `dflash`; `policy_shared`, `eagle3_shared` and `dflash_shared` are those with each
+prompt group's shared prompt run once (train.share_prompts: parallel/shared_prompts.py), whose policy loss must
+equal the unshared step's (`policy_loss`: a check, not a timing).
 The draft's overhead is each variant's step minus `policy`'s; on CUDA each variant's peak memory too (`peak_gib`).
 `--decode 0` skips the decode part.
 
@@ -30,6 +32,7 @@ from specco.config_load import load_config
 from specco.data.source import load_data
 from specco.data.tokenizer import build_char_tokenizer
 from specco.model.policy import Policy
+from specco.parallel.layout import PADDED, SHARED_PROMPTS
 from specco.rollout.engine import RolloutEngine
 from specco.runner.derive import generate_config
 from specco.runner.derive import step_config
@@ -118,40 +121,48 @@ def train_step_times(cfg, policy, train, a, dev) -> dict:
     dflash = new_block_draft(policy, warm, "dflash", cfg.rollout.block_k, cfg.draft.aux_layer_ids, None,
                              cfg.draft.block_layers, cfg.draft.num_anchors)
     whole_anchor = lambda batch, passes, layout: 0  # noqa: E731  (TTT at every anchor)
-    variants = {"policy": (None, drafters.first_anchor), "eagle3": (eagle, drafters.first_anchor),
-                "eagle3_whole": (eagle, whole_anchor), "dflash": (dflash, drafters.first_anchor)}
+    real = drafters.first_anchor
+    variants = {"policy": (None, real, PADDED), "eagle3": (eagle, real, PADDED),
+                "eagle3_whole": (eagle, whole_anchor, PADDED), "dflash": (dflash, real, PADDED),
+                "policy_shared": (None, real, SHARED_PROMPTS), "eagle3_shared": (eagle, real, SHARED_PROMPTS),
+                "dflash_shared": (dflash, real, SHARED_PROMPTS)}
     scfg = step_config(cfg, "cotrained")
-    opts = {n: build_optimizer(policy, d, 0.0, 0.0) for n, (d, _) in variants.items()}  # lr 0: weights stay put
+    opts = {n: build_optimizer(policy, d, 0.0, 0.0) for n, (d, _, _) in variants.items()}  # lr 0: weights stay put
     times: dict[str, list[float]] = {n: [] for n in variants}
     losses: dict[str, list[float]] = {n: [] for n in variants if variants[n][0] is not None}
+    policy_losses: dict[str, list[float]] = {n: [] for n in variants}
     peaks: dict[str, float] = {}  # GiB, CUDA only
     names = list(variants)
-    real, homes = drafters.first_anchor, (drafters, cotrain)  # the step's logits_from and the drafter's anchors
+    homes = (drafters, cotrain)  # the step's logits_from and the drafter's anchors
     try:
         for step in range(a.train_steps + 1):  # step 0 warms every variant (allocator, kernels), untimed
             batch = train_batch(cfg, train, rows, (lo, hi), policy.cfg.vocab_size, dev, seed=step)
             for name in names[step % len(names):] + names[:step % len(names)]:
-                draft, anchor = variants[name]
+                draft, anchor, layout = variants[name]
                 for home in homes:
                     home.first_anchor = anchor
                 m = {}
                 if dev.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(dev)
-                t = _timed(lambda: m.update(cotrain_step(policy, draft, batch, opts[name], None, scfg)))
+                t = _timed(lambda: m.update(cotrain_step(policy, draft, batch, opts[name], None, scfg,
+                                                         layout=layout)))
                 if step:
                     times[name].append(t)
                     if dev.type == "cuda":  # the step's peak, the models and their optimizer state included
                         peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated(dev) / 2 ** 30)
                     if draft is not None:  # eagle3 and eagle3_whole train the very same loss (a check, not a timing)
                         losses[name].append(m["draft/loss"])
+                    policy_losses[name].append(m["policy/loss"])
                 print(f"step {step} {name}: {t:.3f} s", flush=True)
     finally:
         for home in homes:
             home.first_anchor = real
     out = {"rows": rows, "width": int(batch.tokens.shape[1]), "completion": [lo, hi],
            "step_s": {n: sum(v) / len(v) for n, v in times.items()}, "steps_s": times, "draft_loss": losses,
+           "policy_loss": policy_losses,
            "peak_gib": peaks}
-    out["draft_overhead_s"] = {n: out["step_s"][n] - out["step_s"]["policy"] for n in names[1:]}
+    out["draft_overhead_s"] = {n: out["step_s"][n] - out["step_s"]["policy_shared" if "shared" in n else "policy"]
+                               for n in names if not n.startswith("policy")}
     print(out["step_s"], out["draft_overhead_s"], flush=True)
     return out
 

@@ -315,6 +315,12 @@ class TrainSpec:
     # sees few distinct shapes: for kernels that plan per shape (cuDNN attention). The TTT trunk runs on
     # FlashAttention-2 on CUDA (ops/attention.ttt_trunk_impl), which does not, so exact widths are the default.
     width_multiple: int = _STEP.width_multiple
+    # The policy's train-step forward (and log-prob recompute) runs each prompt group's shared prompt once: a
+    # group's rows packed into one, [prompt[:-1] | prompt[-1], completion_1 | ... | prompt[-1], completion_n], each
+    # segment attending to the whole prefix and causally to itself (parallel/shared_prompts.py). Exact (every
+    # gradient is the rows' own); the policy's work on the prompt falls n-fold (group_size n): for long prompts
+    # and short completions. The draft trains on the rows as before. One device (not with CP or PP).
+    share_prompts: bool = _STEP.share_prompts
     # Recompute each policy layer's activations in the backward instead of keeping them
     # (train/activation_checkpointing.py): long contexts, at one extra layer forward per layer.
     activation_checkpointing: bool = False
@@ -511,6 +517,13 @@ class RunConfig:
         _check(not self.train.warm_widths or (self.parallel.cp == 1 and self.parallel.pp == 1),
                f"train.warm_widths with parallel.cp={self.parallel.cp}, parallel.pp={self.parallel.pp}: not implemented "
                "(context parallelism packs rows into other shapes, a pipeline stage holds part of the policy); drop it")
+        _check(not self.train.share_prompts or (self.parallel.cp == 1 and self.parallel.pp == 1),
+               f"train.share_prompts with parallel.cp={self.parallel.cp}, parallel.pp={self.parallel.pp}: not "
+               "implemented (context parallelism packs rows its own way; a pipeline's stages would pass the packed "
+               "rows' activations and taps); drop it")
+        _check(not (self.train.share_prompts and self.train.warm_widths),
+               "train.share_prompts with train.warm_widths: the packed groups' shapes are not the warmed padded ones; "
+               "drop warm_widths")
         _check(self.train.overlong_buffer <= self.rollout.max_new_tokens,
                f"train.overlong_buffer={self.train.overlong_buffer} exceeds rollout.max_new_tokens="
                f"{self.rollout.max_new_tokens}: the penalty ramps over the last overlong_buffer tokens of the budget")

@@ -1,6 +1,6 @@
 """bench/long_context_probe.py --train-steps on CPU at a tiny size: every variant timed on the same batches, and the
 EAGLE-3 draft trains the same loss from the first trained column on as at every anchor (train/drafters.first_anchor:
-the long-context saving is exact). No timing is asserted (CPU timings of a tiny model mean nothing).
+the long-context saving is exact), and the shared-prompt variants train the unshared ones' losses. No timing is asserted (CPU timings of a tiny model mean nothing).
 
 Tolerance: the two EAGLE-3 variants run the same fp32 math on the same weights (lr 0) with the trunk attention split
 into a prefix block and a causal square merged in fp32 instead of one causal block: 1e-5 relative."""
@@ -24,9 +24,16 @@ def test_long_context_probe_train_step(tmp_path):
                         "--out", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())["train"]
-    assert set(r["step_s"]) == {"policy", "eagle3", "eagle3_whole", "dflash"}
+    assert set(r["step_s"]) == {"policy", "eagle3", "eagle3_whole", "dflash", "policy_shared", "eagle3_shared",
+                                "dflash_shared"}
     assert all(len(v) == 1 and v[0] > 0 for v in r["steps_s"].values())
-    assert set(r["draft_overhead_s"]) == {"eagle3", "eagle3_whole", "dflash"}
+    assert set(r["draft_overhead_s"]) == {"eagle3", "eagle3_whole", "dflash", "eagle3_shared", "dflash_shared"}
+    # the shared prompts' step trains the same policy loss (fp32, other shapes: 1e-5) and the same draft loss
+    (p,), (q,) = r["policy_loss"]["policy"], r["policy_loss"]["policy_shared"]
+    assert q == pytest.approx(p, rel=1e-5)
+    for kind in ("eagle3", "dflash"):
+        (a,), (b,) = r["draft_loss"][kind], r["draft_loss"][f"{kind}_shared"]
+        assert b == pytest.approx(a, rel=1e-5)
     assert r["rows"] == 4 and r["width"] % 128 == 0 and r["peak_gib"] == {}  # CUDA only
     (a,), (b,) = r["draft_loss"]["eagle3"], r["draft_loss"]["eagle3_whole"]
     assert a == pytest.approx(b, rel=1e-5) and a > 0

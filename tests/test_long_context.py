@@ -108,7 +108,8 @@ def _lc_worker(rank, world, tmp, cp, arm):
             "train.steps=2", "rollout.prompts_per_step=2", "rollout.max_new_tokens=6", "rollout.k=2",
             "rollout.block_k=2", "rollout.dtype=float32", "train.amp=none", "train.lr=3e-3",
             "train.draft_warmup_steps=0", "train.width_multiple=1", "draft.num_anchors=4", f"out_dir={tmp}",
-            "plain_baseline=[]", "frozen_shadow=[]", "shadow_window=0"]  # measurement hooks: not what CP changes
+            "plain_baseline=[]", "frozen_shadow=[]", "shadow_window=0",  # measurement hooks: not what CP changes
+            "train.share_prompts=false"]  # one device only (tests/test_shared_prompts.py: equal to padded rows)
     cfg = load_config(CONFIG, over)
     train, _, _ = load_data(cfg.data, tok)
     data = JobData(train=train, eval=None, sft=None, rewards=DigitTask().rewards, stats={})

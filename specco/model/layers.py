@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 # The formulas live beside their fused decode kernels (ops/decode_kernels.py), one home each.
 from ..ops.decode_kernels import rms_norm_reference as rms_norm
@@ -234,10 +235,12 @@ class KVCache:
         return self.k.shape[3]
 
 
-def causal_sdpa(q, k, v, scale=None, *, expand_gqa: bool | None = None):
+def causal_sdpa(q, k, v, scale=None, *, expand_gqa: bool | None = None, lower_right: bool = False):
     """Default attention core for full-sequence (training) forwards: causal SDPA, GQA aware.
 
     q: (B, H, S, D); k, v: (B, Hkv, S, D). Context parallelism passes a ring attention instead.
+    lower_right: q (B, H, L, D) are the last L of the S keys' positions (L <= S), so query j sees keys
+    0 .. S - L + j (the causal mask aligned to the lower right; parallel/shared_prompts.py's segments).
     expand_gqa (None: only for fp32 on CUDA): repeat K/V to H heads instead of `enable_gqa`. In fp32
     on CUDA the one fused kernel, memory-efficient SDPA, has no GQA, so `enable_gqa` falls back to the
     math path, which materialises the (S, S) scores of every head (4 GiB per layer at 8K tokens and
@@ -249,6 +252,9 @@ def causal_sdpa(q, k, v, scale=None, *, expand_gqa: bool | None = None):
     if G > 1 and expand_gqa:
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, S, D): head h -> h // G
         G = 1
+    if lower_right and q.shape[2] != k.shape[2]:
+        mask = causal_lower_right(q.shape[2], k.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=G > 1)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=G > 1)
 
 

@@ -14,6 +14,8 @@ frozen-draft evaluation and the log-prob recompute never branch on which one the
     .packed           whether a row holds several sequences (then `.attn_core` must keep to each one)
     .skips_prompt     whether the step may skip the columns before a micro-batch's first trained column (the
                       policy's logits, EAGLE-3's anchors: train/drafters.first_anchor); needs `.attn` to take q_start=
+    .shares_prompts   whether the policy's forward runs each prompt group's shared prompt once (SharedPrompts:
+                      parallel/shared_prompts.py packs each micro-batch; the draft keeps the padded rows)
 
 `ZigzagPack` with cp = 1 (group None) is how one device trains a *packed* row: attention, shifts and block
 anchors then stay inside each sequence of the pack, which the padded-row versions would not.
@@ -29,7 +31,7 @@ from .block_cp import BlockCP
 from .cp import cp_attn, cp_core, cp_shift
 from .zigzag import ZigzagLayout
 
-__all__ = ["PaddedRows", "ZigzagPack", "PADDED"]
+__all__ = ["PaddedRows", "SharedPrompts", "ZigzagPack", "PADDED", "SHARED_PROMPTS"]
 
 
 class PaddedRows:
@@ -40,6 +42,7 @@ class PaddedRows:
     impl="flash")` in bench/cotrain_ragged.py, or a mutation in a test). Only ttt_attention (or a partial of it)
     takes the queries from an anchor on (`q_start`), so with another the step skips no prompt column."""
     packed = False
+    shares_prompts = False
 
     def __init__(self, attn: Callable = ttt_attention):
         self.shift: Callable = shift_left
@@ -58,6 +61,7 @@ class ZigzagPack:
     None when zig.cp == 1): the CP shift (cp_shift), ring TTT attention, ring causal attention for the policy and
     the block drafters' ring plan (BlockCP). Built per packed batch: the borders are the batch's."""
     packed = True
+    shares_prompts = False
     skips_prompt = False  # a row's sequences start anywhere, and the ring attention takes every query
 
     def __init__(self, group, zig: ZigzagLayout):
@@ -71,4 +75,17 @@ class ZigzagPack:
         return f"ZigzagPack(cp={self.zig.cp}, rank={self.zig.rank}, sequences={len(self.zig.cu_seqlens) - 1})"
 
 
+class SharedPrompts(PaddedRows):
+    """Padded rows whose prompt groups the policy's forward runs packed, each shared prompt once
+    (`train.share_prompts`; parallel/shared_prompts.py): the train step and the log-prob recompute cut each
+    minibatch into micro-batches of whole groups (shared_micro_batches) and run the policy on their packed rows
+    with their own attention core; the draft trains on the padded rows, with these (PaddedRows') shift and TTT
+    attention, from taps and logits unpacked to them."""
+    shares_prompts = True
+
+    def __repr__(self) -> str:
+        return "SharedPrompts()"
+
+
 PADDED = PaddedRows()  # the default layout: shared, it holds no state
+SHARED_PROMPTS = SharedPrompts()

@@ -74,7 +74,8 @@ def step_config(cfg: RunConfig, mode: str = "cotrained", draft_row_stride: int |
                       policy_grad_clip=t.policy_grad_clip, draft_grad_clip=t.draft_grad_clip,
                       loss_chunk=t.loss_chunk, draft_row_stride=draft_row_stride or t.draft_row_stride,
                       micro_batch_rows=t.micro_batch_rows,
-                      width_multiple=width_multiple(cfg), amp_dtype=AMP_DTYPES.get(t.amp))
+                      width_multiple=width_multiple(cfg), amp_dtype=AMP_DTYPES.get(t.amp),
+                      share_prompts=t.share_prompts)
 
 
 def draft_updates(u: int, every: int) -> bool:

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from ..batch import TrainBatch, device_indices, pack, round_up
 from ..model.policy import Policy
 from ..parallel.cp import shard_batch
-from ..parallel.layout import PADDED, PaddedRows, ZigzagPack
+from ..parallel.layout import PADDED, SHARED_PROMPTS, PaddedRows, ZigzagPack
 from ..parallel.mesh import Mesh
 from ..parallel.zigzag import ZigzagLayout
+from ..parallel.shared_prompts import shared_micro_batches
 from ..rollout.control import expected_tokens
 from ..train.cotrain import StepConfig, amp_context, micro_batch_plan, with_trained_from
 from ..train.drafters import first_anchor
@@ -328,6 +329,15 @@ class Minibatch:
         b = self.batch
         # token_logprobs keeps fp64 logits in fp64, else fp32: the (stage's) parameters say which
         wide = torch.float64 if next(policy.parameters()).dtype == torch.float64 else torch.float32
+        if self.layout.shares_prompts:  # the train step's packed prompt groups (parallel/shared_prompts.py)
+            if pipe is not None:
+                raise ValueError("train.share_prompts under parallel.pp > 1: not implemented (one stage only)")
+            out = torch.zeros(b.tokens.shape, dtype=wide, device=b.tokens.device)
+            for _, sh in shared_micro_batches(b, cfg.micro_batch_rows, 1, cfg.width_multiple):
+                lp = recompute_logprobs(policy, sh.batch.tokens, cfg, sh.batch.positions, sh,
+                                        logits_from=first_anchor(sh.batch, cfg.ttt_passes, sh))
+                out[sh.index, :sh.rows.tokens.shape[1]] = sh.unpack(lp).to(wide)
+            return out
         cuts = None if self.layout.packed else micro_batch_plan(b, cfg.micro_batch_rows, cfg.width_multiple)
         if cuts is None:  # a CP shard (its own layout) or one micro-batch: one forward
             cut = first_anchor(with_trained_from(b), cfg.ttt_passes, self.layout)  # the train step's cut
@@ -350,7 +360,7 @@ def _layout(batch: TrainBatch, lengths: list[int], rows_of: list[int], cfg: Step
     In the pack the draft's rows (every draft_row_stride-th sequence) are marked in draft_mask, so the
     draft's loss, counts and metrics are those of the padded layout's row stride."""
     if mesh is None or mesh.cp == 1:
-        return Minibatch(batch, PADDED, rows_of)
+        return Minibatch(batch, SHARED_PROMPTS if cfg.share_prompts else PADDED, rows_of)
     rows = torch.zeros(batch.tokens.shape[0], 1, device=batch.target_mask.device, dtype=batch.target_mask.dtype)
     rows[::cfg.draft_row_stride] = 1
     packed = pack(TrainBatch(**{**vars(batch), "draft_mask": batch.target_mask * rows}), lengths)

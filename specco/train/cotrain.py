@@ -41,6 +41,7 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy, Taps
 from ..parallel.layout import PADDED
 from ..parallel.pipeline import NoPipe, PipeComm, one_f_one_b
+from ..parallel.shared_prompts import shared_micro_batches
 from .drafters import EAGLE3, draft_rows, drafter, first_anchor  # noqa: F401 (draft_rows: callers import it here)
 from ..parallel.ep import check_same_micro_batches, is_ep
 from .grad_sync import AllReduceSync, clip_grad_norm, grad_syncs, reduce_grads  # noqa: F401 (re-exported)
@@ -235,6 +236,22 @@ def micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1, width_mul
         yield sel, dataclasses.replace(batch.take(rows).trimmed(width), trained_from=start)
 
 
+def step_micro_batches(batch: TrainBatch, cfg: StepConfig, layout) -> list[tuple]:
+    """The step's micro-batches as (draft rows, the draft's padded rows, SharedRows or None): under a layout that
+    shares prompts (parallel/layout.SharedPrompts) whole prompt groups, the policy's forward on their packed rows
+    (parallel/shared_prompts.py); else `micro_batches`, the policy's forward on the draft's rows."""
+    if layout.shares_prompts:
+        return [(d, sh.rows, sh) for d, sh in shared_micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride,
+                                                                    cfg.width_multiple)]
+    return [(d, mb, None) for d, mb in micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride,
+                                                     cfg.width_multiple)]
+
+
+def policy_rows(micro: tuple) -> TrainBatch:
+    """What the policy's forward of a `step_micro_batches` entry runs on."""
+    return micro[1] if micro[2] is None else micro[2].batch
+
+
 def micro_batch_cuts(batch: TrainBatch, rows: int, width_multiple: int = 1) -> list[tuple[list[int], int]] | None:
     """The micro-batches of `micro_batches` as (row indices, width), or None when `rows` keeps the batch whole
     (0, or at least its row count): the one home of that partition, so a log-prob recompute
@@ -354,10 +371,13 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
     aux_coef = policy.cfg.router_aux_loss_coef if (policy.cfg.moe and train_policy) else None
     if pp > 1:
         _check_pipe(draft, tap_layers, use_draft, last, taps, pp, train_policy, syncs)
+        if layout.shares_prompts:  # the stages' activations and taps would be the packed rows'
+            raise ValueError("train.share_prompts under parallel.pp > 1: not implemented (one stage only)")
     kind = drafter(draft) if use_draft and last else None  # train/drafters.py: the draft's counts and loss
     if kind is not None:
         kind.check_layout(batch, layout)
-    mbs = list(micro_batches(batch, cfg.micro_batch_rows, cfg.draft_row_stride, cfg.width_multiple))
+    # (draft rows, the draft's micro-batch, the policy's: the same one, or its prompt groups packed)
+    mbs = step_micro_batches(batch, cfg, layout)
     if is_ep(policy):  # the all-to-alls of every micro-batch are the ep group's collectives
         check_same_micro_batches(policy, len(mbs))
     # the draft's counts on every stage: the all-reduce over grad_group has one shape on every rank
@@ -381,12 +401,15 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
     def draft_work(m, out=None):
         """lambda * L_draft of micro-batch m and its own backward: the draft's graph is disjoint from the
         policy's (taps, embeddings and teacher logits are detached), so it may run before or after the policy's."""
-        d_rows, mb = mbs[m]
+        d_rows, mb, shared = mbs[m]
         if out is None:  # a real pipe: the taps of m from the earlier stages, joined with this stage's
             own, logits, cut = held.pop(m)
             # every micro-batch's taps are consumed, in order, even if the row stride gives the draft none here
             parts = taps.wait(m, *mb.tokens.shape[:2]) if taps is not None else []
             out = _TeacherOut(draft.join_taps(parts + [own]), logits, cut)
+        if shared is not None:  # the packed rows' taps and logits, back on the padded rows the draft trains on
+            out = _TeacherOut(Taps(shared.unpack(out.taps.embed), shared.unpack(out.taps.aux), out.taps.layer_ids),
+                              shared.unpack(out.logits, out.logits_from), out.logits_from)
         if not picks_rows(d_rows, mb):  # the draft's rows are the batch's rows 0 mod draft_row_stride
             return
         draft_time.start()
@@ -398,14 +421,15 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
         draft_time.stop()
 
     def forward(m, x):
-        _, mb = mbs[m]
+        _, _, shared = mbs[m]
+        mb, core = (mbs[m][1], layout.attn_core) if shared is None else (shared.batch, shared.attn_core)
         for sync in syncs.values():  # FSDP may hold its reductions (and gathered weights) until the last
             sync.micro_batch(last=m == len(mbs) - 1)
         # The forward and losses under the step's precision; the backwards outside autocast (as torch advises).
         with amp_context(cfg, mb.tokens), torch.set_grad_enabled(train_policy):
             # logits only from the first column a loss reads (a long prompt's predict nothing trained)
             out = policy(mb.tokens if first else None, mb.positions, tap_layers=tap_layers if use_draft else None,
-                         hidden_in=x, compute_logits=last, attn_core=layout.attn_core,
+                         hidden_in=x, compute_logits=last, attn_core=core,
                          logits_from=first_anchor(mb, cfg.ttt_passes, layout))
             if balance is not None:
                 balance.record(m, out.router_logits, mb.target_mask)
@@ -433,7 +457,7 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
         add("policy", st, l_pol)
         return l_pol
 
-    one_f_one_b(pipe, len(mbs), forward, lambda m: (*mbs[m][1].tokens.shape[:2], policy.cfg.hidden_size),
+    one_f_one_b(pipe, len(mbs), forward, lambda m: (*policy_rows(mbs[m]).tokens.shape[:2], policy.cfg.hidden_size),
                 wire, batch.tokens.device, after_backward=draft_work if (pp > 1 and kind is not None) else None,
                 sums=balance)
     if balance is not None:

@@ -38,6 +38,9 @@ class StepConfig:
     # gradients and optimizer state stay in their own dtype (fp32 master weights). bf16 only: fp16
     # would need loss scaling.
     amp_dtype: torch.dtype | None = None
+    # The RL minibatches' layout (runner/rollouts.minibatches, one device): parallel.layout.SHARED_PROMPTS, each
+    # prompt group's shared prompt run once by the policy (config train.share_prompts), else padded rows.
+    share_prompts: bool = False
 
     def __post_init__(self):
         if self.amp_dtype not in (None, torch.bfloat16):
