@@ -262,7 +262,8 @@ class TrainSpec:
     steps: int = 30  # RL steps (a finished run extends when this grows: run it again with the larger value)
     warm_start_steps: int = 150  # offline draft training against the frozen SFT policy
     warm_start_prompts: int = 256  # prompts whose policy samples (x4) form the warm-start pool
-    warm_start_batch: int = 64  # pool rows per warm-start step; memory ~ batch x seq x draft vocab
+    # pool rows drawn per warm-start step; the draft trains on (and the policy runs on) every draft_row_stride-th
+    warm_start_batch: int = 64
     # The policy's LR: ~1e-6 suits a pretrained policy (GRPO recipes use 1e-6 to 3e-6; the from-scratch demo
     # model, configs/demo.toml, uses 5e-5)
     lr: float = 1e-6

@@ -169,6 +169,11 @@ def warm_start(policy: Policy, draft: Eagle3Draft, tokens: torch.Tensor, mask: t
     `group`: data-parallel over its ranks (module docstring)."""
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     share = dp_rows(batch_size, scfg.draft_row_stride, rank, world)
+    # The policy (not trained here) only serves the draft's rows, the batch's rows 0 mod draft_row_stride (the
+    # share starts on one): its forward runs on those alone, at stride 1 -- the same rows, loss and counts, at a
+    # stride-th of the policy's work (it ran on every row: the long-context warm start's 8 x 33K-token rows for 2).
+    keep = slice(None, None, scfg.draft_row_stride)
+    scfg = dataclasses.replace(scfg, draft_row_stride=1)
     opt = build_optimizer(None, draft, lr, lr)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)) * max(0.1, 1 - s / max(1, steps)))
@@ -178,7 +183,7 @@ def warm_start(policy: Policy, draft: Eagle3Draft, tokens: torch.Tensor, mask: t
     draft.train()
     for step in tqdm(range(steps), desc="draft warm start", disable=not progress, leave=False):
         # the same draw on every rank (one generator seed), then this rank's share of it
-        idx = torch.randint(0, tokens.shape[0], (batch_size,), generator=g)[share]
+        idx = torch.randint(0, tokens.shape[0], (batch_size,), generator=g)[share][keep]
         dev = next(policy.parameters()).device
         b = TrainBatch(tokens=tokens[idx].to(dev), target_mask=mask[idx].to(dev))
         m = cotrain_step(policy, draft, b, opt, sched, scfg, train_policy=False, grad_group=group)
