@@ -112,6 +112,8 @@ class Shapes:
     kl_reference: bool = False  # train.kl_coef > 0: the frozen starting policy is kept as the KL reference
     moe_aux: bool = False  # a MoE policy's router aux loss weight > 0: its softmax kept per sparse layer
     shortest_prompt: int = 0  # known shortest prompt (a lookup workload's ledger), 0: unknown (no cut counted)
+    shared_group: int = 0  # train.share_prompts: rollout.group_size (rows per packed group), else 0
+    prompt: int = 0  # the longest prompt (a packed group's shared prefix, under shared_group)
 
 
 def _bytes(dtype: str) -> int:
@@ -161,7 +163,8 @@ def shapes(cfg: RunConfig, pc: PolicyConfig, prompt_tokens: int, device: str = "
                   compute_bytes=2 if t.amp == "bf16" else _bytes(cfg.policy.dtype),
                   engine_bytes=_bytes(cfg.rollout.dtype or cfg.policy.dtype), compact_below=r.compact_below,
                   kl_reference=t.kl_coef > 0, moe_aux=pc.moe and aux > 0,
-                  shortest_prompt=cfg.data.context_tokens[0] if cfg.data.context_tokens else 0)
+                  shortest_prompt=cfg.data.context_tokens[0] if cfg.data.context_tokens else 0,
+                  shared_group=r.group_size if t.share_prompts else 0, prompt=prompt_tokens)
 
 
 def _default_taps(num_layers: int):
@@ -242,7 +245,7 @@ def activation_bytes(s: Shapes, lay: Layout, layers: range, last: bool, in_fligh
     pc, c = s.policy, s.compute_bytes
     r = 2 if (lay.fsdp and c == 2) else 4
     b, _ = micro_rows(s, lay)
-    tokens = b * math.ceil(s.seq / lay.cp)
+    tokens = policy_tokens(s, lay, b)
     n_sparse = sparse_layers(pc, layers)
     dense = layer_activation_bytes(pc, c, r, lay.tp)
     sparse = layer_activation_bytes(pc, c, r, lay.tp, moe_activation_bytes(pc, c, r, lay.ep)) if n_sparse else 0
@@ -257,10 +260,16 @@ def activation_bytes(s: Shapes, lay: Layout, layers: range, last: bool, in_fligh
         total += in_flight * router_aux_step_bytes(pc, tokens)
     if last:  # the draft is whole on every tp rank (replicated), its taps gathered whole
         cut = loss_columns(s, lay)
-        total += b * cut * logits_bytes(pc, c, lay.tp)
+        # packed groups: each group's columns but its prefix's before the cut (shared_prompts's logits_from)
+        skipped = math.ceil(s.seq / lay.cp) - cut
+        packed = tokens - math.ceil(b / s.shared_group) * skipped if s.shared_group else 0
+        total += (packed if s.shared_group else b * cut) * logits_bytes(pc, c, lay.tp)
         if s.draft_kind is not None:
             d_rows = math.ceil(b / s.draft_row_stride)
             total += tokens * s.num_taps * pc.hidden_size * r
+            if s.shared_group:  # the taps and teacher logits unpacked to the rows, beside the packed ones
+                total += b * (math.ceil(s.seq / lay.cp) * s.num_taps * pc.hidden_size * r
+                              + cut * logits_bytes(pc, c, lay.tp))
             if s.draft_kind in BLOCK_KINDS:
                 total += d_rows * math.ceil(s.seq / lay.cp) * draft_activation_bytes(s, c, r)
             else:  # EAGLE-3's passes from the cut on; pass 1's input and K/V (the trunk) at every position
@@ -268,6 +277,15 @@ def activation_bytes(s: Shapes, lay: Layout, layers: range, last: bool, in_fligh
                 trunk = (4 * pc.hidden_size + 2 * kv) * r
                 total += d_rows * (math.ceil(s.seq / lay.cp) * trunk + cut * draft_activation_bytes(s, c, r))
     return total
+
+
+def policy_tokens(s: Shapes, lay: Layout, b: int) -> int:
+    """Tokens of one micro-batch of `b` rows in the policy's forward: b x seq/cp; under train.share_prompts
+    (parallel/shared_prompts.py) its ceil(b / G) prompt groups packed, each the prompt's first P - 1 tokens once and G
+    segments of the prompt's last token and a completion (P: the longest prompt, G: the group size)."""
+    if not s.shared_group:
+        return b * math.ceil(s.seq / lay.cp)
+    return math.ceil(b / s.shared_group) * (s.prompt - 1 + s.shared_group * (s.seq - s.prompt + 1))
 
 
 def loss_columns(s: Shapes, lay: Layout) -> int:

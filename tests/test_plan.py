@@ -116,30 +116,53 @@ def test_trainer_estimate_matches_measured_peak():
     assert 0.85 <= ratio <= 1.15, ratio
 
 
-def measured_trainer_step(pc: PolicyConfig, moe_aux: bool = False, B: int = 8, S: int = 128) -> dict:
+def measured_trainer_step(pc: PolicyConfig, moe_aux: bool = False, B: int = 8, S: int = 128, prompt: int = 16,
+                          group: int = 0) -> dict:
     """One fp32 co-training step of `pc` with an EAGLE-3 draft on CPU, after a first step (so AdamW's moments
     exist), beside the planner's estimate of the same step (also used by test_plan_moe): the step's metrics, the
     models' parameter and AdamW bytes, the measured peak (those + the peak of live tensors during the step), the
-    planner's per-component estimate and its trainer total."""
+    planner's per-component estimate and its trainer total. `group` > 0: groups of that many rows share their
+    `prompt` tokens and the step shares them (train.share_prompts), the planner told so."""
+    from specco.parallel.layout import PADDED, SHARED_PROMPTS
     policy = Policy(pc)
     draft = Eagle3Draft(DraftConfig.for_policy(pc, aux_layer_ids=(1, 2, 4)))
     g = torch.Generator().manual_seed(1)
     mask = torch.zeros(B, S)
-    mask[:, 16:] = 1
-    batch = TrainBatch(tokens=torch.randint(0, V, (B, S), generator=g), target_mask=mask,
+    mask[:, prompt:] = 1
+    tokens = torch.randint(0, V, (B, S), generator=g)
+    if group:
+        tokens[:, :prompt] = tokens[::group, :prompt].repeat_interleave(group, 0)
+    batch = TrainBatch(tokens=tokens, target_mask=mask,
                        advantages=torch.randn(B, generator=g), logp_old=-torch.rand(B, S, generator=g) * 4 - 2)
     cfg = StepConfig(ttt_passes=3, draft_row_stride=2, loss_chunk=64)
+    layout = SHARED_PROMPTS if group else PADDED
     opt = build_optimizer(policy, draft, 1e-4, 1e-4)
-    cotrain_step(policy, draft, batch, opt, None, cfg)  # the first step creates AdamW's moments
+    cotrain_step(policy, draft, batch, opt, None, cfg, layout=layout)  # the first step creates AdamW's moments
     mem = LiveTensorBytes()
     with mem:
-        metrics = cotrain_step(policy, draft, batch, opt, None, cfg)
+        metrics = cotrain_step(policy, draft, batch, opt, None, cfg, layout=layout)
     params = sum(p.numel() * 4 for m in (policy, draft) for p in m.parameters())
     moments = sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if t.dim())
     s = dataclasses.replace(_shapes(pc, B, S, stride=2), moe_aux=moe_aux)
+    if group:
+        s = dataclasses.replace(s, shared_group=group, prompt=prompt, shortest_prompt=prompt)
     est = rank_memory(s, Layout(1, 1, 1, 1, fsdp=False, ac=False))
     return dict(metrics=metrics, params=params, moments=moments, measured=params + moments + mem.peak, est=est,
                 trainer=sum(est[k] for k in ("params", "compute", "grads", "adamw", "acts", "draft")))
+
+
+def test_shared_prompts_estimate_matches_measured_peak():
+    """train.share_prompts (groups of 4 rows sharing a 96-token prompt of 128): the planner's trainer memory with
+    the packed groups' activations against the measured peak, the tolerance of the test above, and less than the
+    same step on padded rows needs, as measured."""
+    torch.manual_seed(0)
+    shared = measured_trainer_step(_pc(num_layers=6), prompt=96, group=4)
+    padded = measured_trainer_step(_pc(num_layers=6), prompt=96)
+    ratio = shared["trainer"] / shared["measured"]
+    print(f"shared: planner {shared['trainer'] / 1e6:.2f} MB vs measured {shared['measured'] / 1e6:.2f} MB ({ratio:.3f});"
+          f" padded measured {padded['measured'] / 1e6:.2f} MB")
+    assert 0.85 <= ratio <= 1.15, ratio
+    assert shared["measured"] < padded["measured"] and shared["est"]["acts"] < padded["est"]["acts"]
 
 
 def test_parameter_counts_are_the_models():

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 # The formulas live beside their fused decode kernels (ops/decode_kernels.py), one home each.
 from ..ops.decode_kernels import rms_norm_reference as rms_norm
 from ..ops.decode_kernels import rope_reference
+from ..ops.attention import ttt_attention
 
 if TYPE_CHECKING:
     from .config import RopeScaling
@@ -240,7 +240,10 @@ def causal_sdpa(q, k, v, scale=None, *, expand_gqa: bool | None = None, lower_ri
 
     q: (B, H, S, D); k, v: (B, Hkv, S, D). Context parallelism passes a ring attention instead.
     lower_right: q (B, H, L, D) are the last L of the S keys' positions (L <= S), so query j sees keys
-    0 .. S - L + j (the causal mask aligned to the lower right; parallel/shared_prompts.py's segments).
+    0 .. S - L + j (the causal mask aligned to the lower right; parallel/shared_prompts.py's segments): the keys
+    before the queries as a full block merged with the queries' own causal square (ops/attention.ttt_attention's
+    trunk, exact), since the SDPA kernels align a rectangular causal mask differently and torch's CausalBias (a
+    tensor subclass) cannot be made under a dispatch mode (memory and op counters).
     expand_gqa (None: only for fp32 on CUDA): repeat K/V to H heads instead of `enable_gqa`. In fp32
     on CUDA the one fused kernel, memory-efficient SDPA, has no GQA, so `enable_gqa` falls back to the
     math path, which materialises the (S, S) scores of every head (4 GiB per layer at 8K tokens and
@@ -253,8 +256,7 @@ def causal_sdpa(q, k, v, scale=None, *, expand_gqa: bool | None = None, lower_ri
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # (B, H, S, D): head h -> h // G
         G = 1
     if lower_right and q.shape[2] != k.shape[2]:
-        mask = causal_lower_right(q.shape[2], k.shape[2])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=G > 1)
+        return ttt_attention(q, k, v, scale=scale, q_start=k.shape[2] - q.shape[2])
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=G > 1)
 
 

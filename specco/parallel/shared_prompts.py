@@ -80,8 +80,8 @@ class SharedRows:
         """The policy's attention over packed rows (`Policy.forward(attn_core=...)`): q (G, H, T, D), k/v
         (G, Hkv, T, D) -> (G, H, T, D). Per packed row: causal SDPA over the prefix, then every segment's queries
         (zero-padded to the longest, a batch of n) against [prefix keys, the segment's keys] with the causal mask
-        aligned to the lower right (query j sees keys 0 .. prefix + j); padding queries are dropped and the
-        row's tail columns are 0 (nothing reads them)."""
+        aligned to the lower right (query j sees keys 0 .. prefix + j: causal_sdpa(lower_right=True)); padding
+        queries are dropped and the row's tail columns are 0 (nothing reads them)."""
         T = q.shape[2]
         out = []
         for g, (p, segs) in enumerate(zip(self.prefix, self.segments)):
