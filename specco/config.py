@@ -320,8 +320,8 @@ class TrainSpec:
     # group's rows packed into one, [prompt[:-1] | prompt[-1], completion_1 | ... | prompt[-1], completion_n], each
     # segment attending to the whole prefix and causally to itself (parallel/shared_prompts.py). Exact (every
     # gradient is the rows' own); the policy's work on the prompt falls n-fold (group_size n): for long prompts
-    # and short completions. Micro-batches then hold whole groups (micro_batch_rows rounds up to a multiple of group_size);
-    # the draft trains on the rows as before. One device (not with CP or PP).
+    # and short completions. Micro-batches then hold whole groups (micro_batch_rows rounds up to a multiple of
+    # group_size); the draft trains on the rows as before. One device (not with CP or PP).
     share_prompts: bool = _STEP.share_prompts
     # Recompute each policy layer's activations in the backward instead of keeping them
     # (train/activation_checkpointing.py): long contexts, at one extra layer forward per layer.
