@@ -167,3 +167,32 @@ def test_config_refuses_what_it_does_not_implement():
             load_config("configs/demo.toml", ["train.share_prompts=true", *extra])
         assert words in str(e.value)
     assert load_config("configs/demo.toml", ["train.share_prompts=true"]).train.share_prompts
+
+
+def test_compiled_layers_reuse_their_graphs_across_micro_batches():
+    """train.compile with shared prompts: the attention core stays eager (torch.compiler.disable), so the compiled
+    layers' graphs are reused by micro-batches of other prefix and segment lengths (traced into, every micro-batch
+    compiled a new graph: 1, 2, 3, ... measured)."""
+    from torch._dynamo.utils import counters
+
+    from specco.train.compile import apply_compile
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    policy = Policy(dataclasses.replace(PC, num_layers=2))
+    apply_compile(policy, "aot_eager")
+    g = torch.Generator().manual_seed(0)
+    seen = []
+    for _ in range(5):
+        B, S = 8, 60
+        tokens = torch.randint(1, 60, (B, S), generator=g)
+        mask = torch.zeros(B, S)
+        P = [int(torch.randint(10, 30, (1,), generator=g)) for _ in range(2)]
+        for r in range(B):
+            p = P[r // 4]
+            tokens[r, :p] = tokens[r // 4 * 4, :p]
+            mask[r, p:p + int(torch.randint(1, 25, (1,), generator=g))] = 1
+        (_, sh), = list(shared_micro_batches(TrainBatch(tokens=tokens, target_mask=mask), 0))
+        policy(sh.batch.tokens, sh.batch.positions, attn_core=sh.attn_core).logits.sum().backward()
+        seen.append(counters["stats"]["unique_graphs"])
+    assert seen[-1] == seen[1], seen  # the first two micro-batches' shapes (static, then dynamic) compile; no more

@@ -76,6 +76,10 @@ class SharedRows:
     skips_prompt = True
     packed = False
 
+    # Eager under train.compile: traced into, its per-group loop over this micro-batch's own prefix and segment
+    # lengths made a new graph for every micro-batch (a graph per RL step until the recompile limit); disabled, the
+    # compiled layer breaks around it and its graphs are reused (tests/test_shared_prompts.py counts them).
+    @torch.compiler.disable
     def attn_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The policy's attention over packed rows (`Policy.forward(attn_core=...)`): q (G, H, T, D), k/v
         (G, Hkv, T, D) -> (G, H, T, D). Per packed row: causal SDPA over the prefix, then every segment's queries
