@@ -261,9 +261,9 @@ def activation_bytes(s: Shapes, lay: Layout, layers: range, last: bool, in_fligh
     if last:  # the draft is whole on every tp rank (replicated), its taps gathered whole
         cut = loss_columns(s, lay)
         # packed groups: each group's columns but its prefix's before the cut (shared_prompts's logits_from)
-        skipped = math.ceil(s.seq / lay.cp) - cut
-        packed = tokens - math.ceil(b / s.shared_group) * skipped if s.shared_group else 0
-        total += (packed if s.shared_group else b * cut) * logits_bytes(pc, c, lay.tp)
+        columns = (tokens - math.ceil(b / s.shared_group) * (math.ceil(s.seq / lay.cp) - cut) if s.shared_group
+                   else b * cut)
+        total += columns * logits_bytes(pc, c, lay.tp)
         if s.draft_kind is not None:
             d_rows = math.ceil(b / s.draft_row_stride)
             total += tokens * s.num_taps * pc.hidden_size * r

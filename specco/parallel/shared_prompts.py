@@ -119,6 +119,25 @@ class SharedRows:
         return x.flatten(0, 1)[idx]
 
 
+def _group_layout(grp: list[int], first: torch.Tensor, end: torch.Tensor) -> tuple[int, list[tuple[int, int]]]:
+    """A group's packed row: its shared prefix length p = P - 1 and each trained row's segment (start column,
+    length), the row's columns p .. E - 1 in turn (a group with nothing trained -- prompt_groups keeps such a row
+    alone -- p = 0 and one column of padding no row maps to)."""
+    if not int(end[grp[0]]):
+        return 0, [(0, 1)]
+    p = max(0, int(first[grp[0]]) - 1)
+    segs, at = [], p
+    for r in grp:
+        segs.append((at, int(end[r]) - p))
+        at += int(end[r]) - p
+    return p, segs
+
+
+def _width(segs: list[tuple[int, int]]) -> int:
+    """A packed row's used columns: its last segment's end (the segments follow the prefix back to back)."""
+    return segs[-1][0] + segs[-1][1]
+
+
 def share_prompts(batch: TrainBatch, groups: list[list[int]], first: torch.Tensor, end: torch.Tensor,
                   width_multiple: int = 1) -> SharedRows:
     """The rows `groups` (whole prompt groups of `batch`, prompt_groups's) as one SharedRows. `first`, `end`:
@@ -129,25 +148,15 @@ def share_prompts(batch: TrainBatch, groups: list[list[int]], first: torch.Tenso
     rows = dataclasses.replace(batch.take(index).trimmed(W),
                                trained_from=min(int(first[r]) for r in order))
     R = len(order)
-    # packed row g: prefix columns 0..p-1 from the group's first row, then each row's columns p..E-1 in turn
-    widths, prefix, segments = [], [], []
-    for grp in groups:
-        p = max(0, int(first[grp[0]]) - 1) if int(end[grp[0]]) else 0
-        trained = [r for r in grp if int(end[r])]
-        prefix.append(p)
-        segs, at = [], p
-        for r in trained:
-            segs.append((at, int(end[r]) - p))
-            at += int(end[r]) - p
-        segments.append(segs or [(0, 1)])  # nothing trained: a one-column segment of padding, no rows map to it
-        widths.append(max(at, 1))
-    T = round_up(max(widths) + 1, width_multiple)  # + 1: a padding column at the end of every packed row
+    # packed row g: prefix columns 0..p-1 from the group's rows, then each row's columns p..E-1 in turn
+    prefix, segments = zip(*(_group_layout(grp, first, end) for grp in groups))
+    T = round_up(max(map(_width, segments)) + 1, width_multiple)  # + 1: a padding column ending every row
     g_of = torch.empty(R, W, dtype=torch.long)
     c_of = torch.empty(R, W, dtype=torch.long)
     k = 0
     for g, grp in enumerate(groups):
         p = prefix[g]
-        starts = {r: s for r, (s, _) in zip([r for r in grp if int(end[r])], segments[g])}
+        starts = {r: s for r, (s, _) in zip(grp, segments[g])} if int(end[grp[0]]) else {}
         for r in grp:
             t = torch.arange(W)
             if r in starts:  # prefix columns as they are, the rest shifted to the row's segment
@@ -157,11 +166,12 @@ def share_prompts(batch: TrainBatch, groups: list[list[int]], first: torch.Tenso
             else:
                 g_of[k], c_of[k] = 0, T - 1
             k += 1
-    src = (g_of * T + c_of).to(batch.tokens.device)  # (R, W) packed flat index of each row column
+    flat = g_of * T + c_of  # (R, W) packed flat index of each row column
+    src = flat.to(batch.tokens.device)
     # the packed batch: every (R, W) field gathered at the packed columns (the inverse of `src` on its image)
     G = len(groups)
     back = torch.full((G * T,), -1, dtype=torch.long)
-    back[(g_of * T + c_of).flatten()] = torch.arange(R * W)  # a prefix column: any of its group's rows (equal)
+    back[flat.flatten()] = torch.arange(R * W)  # a prefix column: any of its group's rows (equal)
     back[T - 1] = -1  # packed row 0's last column is padding, whatever mapped there
     back = back.to(batch.tokens.device)
     valid = back >= 0
@@ -179,7 +189,7 @@ def share_prompts(batch: TrainBatch, groups: list[list[int]], first: torch.Tenso
     packed = TrainBatch(tokens=gather(rows.tokens), target_mask=gather(rows.target_mask), advantages=gather(adv),
                         logp_old=gather(rows.logp_old), logp_ref=gather(rows.logp_ref), positions=gather(positions),
                         trained_from=rows.trained_from)
-    return SharedRows(packed, rows, index, src, prefix, segments)
+    return SharedRows(packed, rows, index, src, list(prefix), list(segments))
 
 
 def shared_micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1, width_multiple: int = 1):
@@ -187,9 +197,7 @@ def shared_micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1, wi
     batch, one micro-batch), the widest groups first (cotrain.micro_batches' order). The draft rows are the
     micro-batch's rows (in SharedRows.rows' order) whose index in `batch` is 0 mod `draft_stride`."""
     groups, first, end = prompt_groups(batch)
-    width = {id(grp): max(int(first[grp[0]]) - 1, 0) + sum(max(int(end[r]) - int(first[grp[0]]) + 1, 0) for r in grp)
-             for grp in groups}
-    groups.sort(key=lambda grp: -width[id(grp)])
+    groups.sort(key=lambda grp: -_width(_group_layout(grp, first, end)[1]))
     cuts, cur = [], []
     for grp in groups:
         cur.append(grp)

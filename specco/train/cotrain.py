@@ -407,11 +407,11 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
             # every micro-batch's taps are consumed, in order, even if the row stride gives the draft none here
             parts = taps.wait(m, *mb.tokens.shape[:2]) if taps is not None else []
             out = _TeacherOut(draft.join_taps(parts + [own]), logits, cut)
+        if not picks_rows(d_rows, mb):  # the draft's rows are the batch's rows 0 mod draft_row_stride
+            return
         if shared is not None:  # the packed rows' taps and logits, back on the padded rows the draft trains on
             out = _TeacherOut(Taps(shared.unpack(out.taps.embed), shared.unpack(out.taps.aux), out.taps.layer_ids),
                               shared.unpack(out.logits, out.logits_from), out.logits_from)
-        if not picks_rows(d_rows, mb):  # the draft's rows are the batch's rows 0 mod draft_row_stride
-            return
         draft_time.start()
         with amp_context(cfg, mb.tokens):
             l_d, st = kind.loss(draft, policy, out, mb, cfg, counts.draft, d_rows, layout=layout)
@@ -421,8 +421,8 @@ def cotrain_step(policy: Policy, draft: Eagle3Draft | BlockDraft | None, batch: 
         draft_time.stop()
 
     def forward(m, x):
-        _, _, shared = mbs[m]
-        mb, core = (mbs[m][1], layout.attn_core) if shared is None else (shared.batch, shared.attn_core)
+        mb, shared = policy_rows(mbs[m]), mbs[m][2]
+        core = layout.attn_core if shared is None else shared.attn_core
         for sync in syncs.values():  # FSDP may hold its reductions (and gathered weights) until the last
             sync.micro_batch(last=m == len(mbs) - 1)
         # The forward and losses under the step's precision; the backwards outside autocast (as torch advises).
