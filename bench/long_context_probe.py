@@ -85,7 +85,7 @@ def main():
     res = {"rows": a.rows, "context": a.context, "shape": vars(pc)}
     if a.train_steps:  # the config's own prompt lengths (data.context_tokens), not --context
         tcfg = load_config(a.config, a.set)
-        res["train"] = train_step_times(tcfg, policy, load_data(tcfg.data, tok)[0], a, dev)
+        res["train"] = train_step_times(tcfg, policy, load_data(tcfg.data, tok)[0], a, dev, tok.pad_id)
     if a.decode:
         decode_and_sft(a, cfg, tok, train, policy, prompts, res, dev, new1, new2)
     write_results(res, "long_context_probe", dev, a.out)
@@ -111,14 +111,15 @@ def train_batch(cfg, train, rows: int, completion: tuple[int, int], vocab: int, 
                       logp_old=(-torch.rand(rows, S, generator=g) * 3).to(dev))
 
 
-def train_step_times(cfg, policy, train, a, dev) -> dict:
-    """Seconds per RL train step of each variant (module docstring), on the same batches."""
+def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
+    """Seconds per RL train step of each variant (module docstring), on the same batches. The random completions
+    use every token id, so DFlash's mask token is the pad id, as the runner's fallback (runner/prepare.py)."""
     rows = a.train_rows or cfg.rollout.prompts_per_step * cfg.rollout.group_size
     lo, hi = (int(x) for x in a.completion.split(","))
     apply_activation_checkpointing(policy)
     warm = train_batch(cfg, train, 4, (lo, hi), policy.cfg.vocab_size, dev, seed=99).tokens
     eagle = new_draft(policy, warm, cfg.draft.draft_vocab_size, cfg.draft.aux_layer_ids)
-    dflash = new_block_draft(policy, warm, "dflash", cfg.rollout.block_k, cfg.draft.aux_layer_ids, None,
+    dflash = new_block_draft(policy, warm, "dflash", cfg.rollout.block_k, cfg.draft.aux_layer_ids, pad_id,
                              cfg.draft.block_layers, cfg.draft.num_anchors)
     whole_anchor = lambda batch, passes, layout: 0  # noqa: E731  (TTT at every anchor)
     real = drafters.first_anchor

@@ -315,6 +315,7 @@ class TrainSpec:
     # Micro-batch widths (each cut to its longest row) rounded up to a multiple of this (1 = exact), so a run
     # sees few distinct shapes: for kernels that plan per shape (cuDNN attention). The TTT trunk runs on
     # FlashAttention-2 on CUDA (ops/attention.ttt_trunk_impl), which does not, so exact widths are the default.
+    # Under share_prompts also each packed group's shared prefix length (rounded down; parallel/shared_prompts.py).
     width_multiple: int = _STEP.width_multiple
     # The policy's train-step forward (and log-prob recompute) runs each prompt group's shared prompt once: a
     # group's rows packed into one, [prompt[:-1] | prompt[-1], completion_1 | ... | prompt[-1], completion_n], each

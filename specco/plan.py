@@ -114,6 +114,7 @@ class Shapes:
     shortest_prompt: int = 0  # known shortest prompt (a lookup workload's ledger), 0: unknown (no cut counted)
     shared_group: int = 0  # train.share_prompts: rollout.group_size (rows per packed group), else 0
     prompt: int = 0  # the longest prompt (a packed group's shared prefix, under shared_group)
+    width_multiple: int = 1  # train.width_multiple: a packed group's prefix is rounded down to a multiple of it
 
 
 def _bytes(dtype: str) -> int:
@@ -164,7 +165,8 @@ def shapes(cfg: RunConfig, pc: PolicyConfig, prompt_tokens: int, device: str = "
                   engine_bytes=_bytes(cfg.rollout.dtype or cfg.policy.dtype), compact_below=r.compact_below,
                   kl_reference=t.kl_coef > 0, moe_aux=pc.moe and aux > 0,
                   shortest_prompt=cfg.data.context_tokens[0] if cfg.data.context_tokens else 0,
-                  shared_group=r.group_size if t.share_prompts else 0, prompt=prompt_tokens)
+                  shared_group=r.group_size if t.share_prompts else 0, prompt=prompt_tokens,
+                  width_multiple=t.width_multiple)
 
 
 def _default_taps(num_layers: int):
@@ -281,11 +283,13 @@ def activation_bytes(s: Shapes, lay: Layout, layers: range, last: bool, in_fligh
 
 def policy_tokens(s: Shapes, lay: Layout, b: int) -> int:
     """Tokens of one micro-batch of `b` rows in the policy's forward: b x seq/cp; under train.share_prompts
-    (parallel/shared_prompts.py) its ceil(b / G) prompt groups packed, each the prompt's first P - 1 tokens once and G
-    segments of the prompt's last token and a completion (P: the longest prompt, G: the group size)."""
+    (parallel/shared_prompts.py) its ceil(b / G) prompt groups packed, each the prompt's first p tokens once and G
+    segments of the prompt's rest and a completion (P: the longest prompt, G: the group size, p: P - 1 rounded down
+    to a multiple of train.width_multiple)."""
     if not s.shared_group:
         return b * math.ceil(s.seq / lay.cp)
-    return math.ceil(b / s.shared_group) * (s.prompt - 1 + s.shared_group * (s.seq - s.prompt + 1))
+    p = (s.prompt - 1) // s.width_multiple * s.width_multiple
+    return math.ceil(b / s.shared_group) * (p + s.shared_group * (s.seq - p))
 
 
 def loss_columns(s: Shapes, lay: Layout) -> int:

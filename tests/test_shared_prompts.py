@@ -64,12 +64,28 @@ def _forward(policy, tokens, positions=None, core=None):
     return policy(tokens, positions, tap_layers=(0, 2, 3), attn_core=core)
 
 
-@pytest.mark.parametrize("core", ["shared", "causal"])
-def test_packed_forward_equals_rows(core):
+def test_prefix_rounded_down_to_the_width_multiple():
+    """Under train.width_multiple the shared prefixes' lengths are multiples of it (few distinct lengths for a
+    kernel that plans per shape), the rest of each prompt run in every segment; the maps stay exact."""
+    batch = _batch()
+    groups, first, end = prompt_groups(batch)
+    (_, sh), = list(shared_micro_batches(batch, 0, width_multiple=8))
+    assert sh.prefix == [16, 8, 8] and sh.segments[0] == [(16, 13), (29, 8), (37, 17), (54, 11)]
+    assert sh.batch.tokens.shape == (3, 72)  # 16 + 13 + 8 + 17 + 11 + 1 padding column, rounded up to 8
+    order = [r for grp in groups for r in grp]
+    on = torch.arange(sh.rows.tokens.shape[1])[None] < end[order][:, None]
+    for f in ("tokens", "target_mask", "positions"):
+        a = sh.rows.tokens if f == "tokens" else (sh.rows.target_mask if f == "target_mask" else
+                                                   torch.arange(sh.rows.tokens.shape[1]).expand_as(sh.rows.tokens))
+        assert torch.equal(a[on], sh.unpack(getattr(sh.batch, f))[on].to(a.dtype)), f
+
+
+@pytest.mark.parametrize("core,multiple", [("shared", 1), ("shared", 8), ("causal", 1)])
+def test_packed_forward_equals_rows(core, multiple):
     torch.manual_seed(0)
     policy = Policy(PC).double()
     batch = _batch()
-    (_, sh), = list(shared_micro_batches(batch, 0))
+    (_, sh), = list(shared_micro_batches(batch, 0, width_multiple=multiple))
     rows = _forward(policy, sh.rows.tokens)
     packed = _forward(policy, sh.batch.tokens, sh.batch.positions, sh.attn_core if core == "shared" else None)
     _, _, end = prompt_groups(batch)
@@ -87,8 +103,8 @@ def test_packed_forward_equals_rows(core):
 
 
 @pytest.mark.parametrize("kind", ["none", "eagle3", "dflash"])
-@pytest.mark.parametrize("micro", [0, 4])
-def test_step_equals_padded(kind, micro):
+@pytest.mark.parametrize("micro,multiple", [(0, 1), (4, 1), (4, 8)])
+def test_step_equals_padded(kind, micro, multiple):
     """One co-training step on shared prompts equals the padded rows' step: every gradient and metric."""
     res = []
     for layout in (PADDED, SHARED_PROMPTS):
@@ -97,13 +113,14 @@ def test_step_equals_padded(kind, micro):
         policy.register_forward_hook(lambda mod, args, out: seen.append(args[0].numel()))
         opt = build_optimizer(policy, draft, 1e-3, 1e-2)
         cfg = StepConfig(ttt_passes=3, draft_row_stride=2, micro_batch_rows=micro, policy_grad_clip=1e9,
-                         draft_grad_clip=1e9, kl_coef=0.1)
+                         draft_grad_clip=1e9, kl_coef=0.1, width_multiple=multiple)
         m = cotrain_step(policy, draft, _batch(), opt, None, cfg, layout=layout)
         res.append((m, [p.grad.clone() for p in policy.parameters()],
                     [] if draft is None else [p.grad.clone() for p in draft.parameters() if p.grad is not None],
                     sum(seen)))
     (m0, gp0, gd0, n0), (m1, gp1, gd1, n1) = res
-    assert n1 < n0 * 0.6, (n0, n1)  # the policy saw the shared prompts once
+    # the policy saw the shared prompts once (less shared at multiple 8: these prompts are 9-21 tokens)
+    assert n1 < n0 * (0.6 if multiple == 1 else 0.7), (n0, n1)
     assert kind == "none" or (gd0 and len(gd0) == len(gd1))
     for a, b in zip(gp0 + gd0, gp1 + gd1):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6 * float(a.abs().max()))

@@ -4,21 +4,23 @@ A group's n samples of one prompt are n rows that repeat the prompt: at the long
 prompts and ~1K-token completions ~96% of a train step's tokens are prompt tokens, each prompt n times. Here the
 group becomes one packed row (G groups -> G rows):
 
-    [ prompt[0 : P-1] | prompt[P-1], c_1 | prompt[P-1], c_2 | ... | prompt[P-1], c_n | pad ]
-      shared prefix     segment 1          segment 2               segment n
+    [ prompt[0 : p] | prompt[p : P], c_1 | prompt[p : P], c_2 | ... | prompt[p : P], c_n | pad ]
+      shared prefix    segment 1            segment 2                 segment n
 
-where segment i is row i's columns P-1 .. E_i - 1 (E_i: one past its last trained token; P: the group's first
-trained column), each at its row's own RoPE positions. The attention core (`SharedRows.attn_core`) lets the
-prefix attend causally to itself and segment i's query at column t attend to every prefix key and causally to its
-own segment: exactly the keys and values of row i's columns 0..t, since row i's columns below P-1 hold the
-prefix's tokens at the prefix's positions. So every hidden state, log-prob and gradient equals the unshared
-step's (the prefix's parameter gradient is the sum over its segments, as it was the sum over the n rows), and the
-prefix's layers run once instead of n times: exact up to the order of float sums (tests/test_shared_prompts.py,
-fp64 to 1e-12).
+where segment i is row i's columns p .. E_i - 1 (E_i: one past its last trained token; P: the group's first
+trained column; p = P - 1, rounded down to a multiple of train.width_multiple), each at its row's own RoPE
+positions. The attention core (`SharedRows.attn_core`) lets the prefix attend causally to itself and segment i's
+query at column t attend to every prefix key and causally to its own segment: exactly the keys and values of row
+i's columns 0..t, since row i's columns below p hold the prefix's tokens at the prefix's positions. So every
+hidden state, log-prob and gradient equals the unshared step's (the prefix's parameter gradient is the sum over
+its segments, as it was the sum over the n rows), and the prefix's layers run once instead of n times: exact up
+to the order of float sums (tests/test_shared_prompts.py, fp64 to 1e-12).
 
-Why each segment starts with a copy of prompt[P-1] (not at c_1): the logit that predicts c_1 sits at column P-1,
-so the last prompt token must be a query of each segment with its segment's completion after it; as a key it is
-the same in every segment (same token, same position, same prefix before it).
+Why each segment starts with at least prompt[P-1] (not at c_1): the logit that predicts c_1 sits at column P-1,
+so the last prompt token must be a query of each segment with its segment's completion after it; as keys the
+segment's prompt tokens are the same in every segment (same tokens, same positions, same prefix before them).
+Why p is rounded down: the prefix's causal attention is cuDNN's on CUDA, which plans per new length
+(`_group_layout`); at most width_multiple - 1 prompt tokens per segment are run again instead.
 
 The draft (EAGLE-3 or a block drafter) trains on the padded rows as before: its inputs, the detached taps and
 teacher logits, are unpacked from the packed row (`SharedRows.unpack`), so the draft's loss is unchanged too.
@@ -119,13 +121,19 @@ class SharedRows:
         return x.flatten(0, 1)[idx]
 
 
-def _group_layout(grp: list[int], first: torch.Tensor, end: torch.Tensor) -> tuple[int, list[tuple[int, int]]]:
-    """A group's packed row: its shared prefix length p = P - 1 and each trained row's segment (start column,
-    length), the row's columns p .. E - 1 in turn (a group with nothing trained -- prompt_groups keeps such a row
-    alone -- p = 0 and one column of padding no row maps to)."""
+def _group_layout(grp: list[int], first: torch.Tensor, end: torch.Tensor,
+                  multiple: int = 1) -> tuple[int, list[tuple[int, int]]]:
+    """A group's packed row: its shared prefix length p and each trained row's segment (start column, length),
+    the row's columns p .. E - 1 in turn (a group with nothing trained -- prompt_groups keeps such a row alone --
+    p = 0 and one column of padding no row maps to). p is P - 1 rounded down to a multiple of `multiple`
+    (train.width_multiple): the prefix's causal SDPA is cuDNN's on CUDA, which builds an execution plan per new
+    length, and prompts of every length would bring new ones each step (the 2026-12-07 H100 probe: the first
+    shared variant after a new batch ~1 s slower than the next ones); the < `multiple` prompt tokens after p
+    are run once per segment instead (exact as well: the same keys, the same positions)."""
     if not int(end[grp[0]]):
         return 0, [(0, 1)]
     p = max(0, int(first[grp[0]]) - 1)
+    p -= p % multiple
     segs, at = [], p
     for r in grp:
         segs.append((at, int(end[r]) - p))
@@ -149,7 +157,7 @@ def share_prompts(batch: TrainBatch, groups: list[list[int]], first: torch.Tenso
                                trained_from=min(int(first[r]) for r in order))
     R = len(order)
     # packed row g: prefix columns 0..p-1 from the group's rows, then each row's columns p..E-1 in turn
-    prefix, segments = zip(*(_group_layout(grp, first, end) for grp in groups))
+    prefix, segments = zip(*(_group_layout(grp, first, end, width_multiple) for grp in groups))
     T = round_up(max(map(_width, segments)) + 1, width_multiple)  # + 1: a padding column ending every row
     g_of = torch.empty(R, W, dtype=torch.long)
     c_of = torch.empty(R, W, dtype=torch.long)
@@ -197,7 +205,7 @@ def shared_micro_batches(batch: TrainBatch, rows: int, draft_stride: int = 1, wi
     batch, one micro-batch), the widest groups first (cotrain.micro_batches' order). The draft rows are the
     micro-batch's rows (in SharedRows.rows' order) whose index in `batch` is 0 mod `draft_stride`."""
     groups, first, end = prompt_groups(batch)
-    groups.sort(key=lambda grp: -_width(_group_layout(grp, first, end)[1]))
+    groups.sort(key=lambda grp: -_width(_group_layout(grp, first, end, width_multiple)[1]))
     cuts, cur = [], []
     for grp in groups:
         cur.append(grp)
