@@ -12,6 +12,7 @@ defaults (`specco/config.py`), so the RL loop, the warm start, the context-paral
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -25,7 +26,8 @@ from ..rollout.sampling import SamplingParams
 from ..train.cotrain import AMP_DTYPES, StepConfig
 from ..train.sft import tiny_policy_config
 
-__all__ = ["arm_config", "warm_configs", "step_config", "draft_updates", "generate_config", "engine_dtype", "at_temperature", "check_parallel"]
+__all__ = ["arm_config", "warm_configs", "step_config", "draft_updates", "generate_config", "engine_dtype", "engine_copy",
+           "at_temperature", "check_parallel"]
 
 
 def arm_config(cfg: RunConfig, arm: str) -> tuple[RunConfig, str]:
@@ -140,6 +142,17 @@ def engine_dtype(cfg: RunConfig) -> torch.dtype | None:
     """The dtype of the rollout engine's model copies (rollout.dtype), None to keep the policy's ("auto" left
     unresolved, as in a test that builds an arm directly: the policy's)."""
     return getattr(torch, cfg.rollout.dtype) if cfg.rollout.dtype not in ("", "auto") else None
+
+
+def engine_copy(module: torch.nn.Module | None, cfg: RunConfig) -> torch.nn.Module | None:
+    """`module` (a policy or draft) in the rollout engine's dtype (engine_dtype): itself where it already is (or no
+    dtype is set), else a cast copy. For the engines the RL loop does not own (the warm start's pool sampling and
+    tau checks): they decode on what the RL rollouts decode on, at the KV cache's size there (a 64-row pool of
+    34K-token rows of the long-context workload is 71 GB in fp32, 36 GB in bf16) and speed."""
+    dt = engine_dtype(cfg)
+    if module is None or dt is None or next(module.parameters()).dtype == dt:
+        return module
+    return copy.deepcopy(module).to(dt)
 
 
 def at_temperature(gen_cfg: GenerateConfig, temperature: float) -> GenerateConfig:

@@ -27,7 +27,7 @@ from ..rollout.engine import RolloutEngine
 from ..train.cotrain import AMP_DTYPES, StepConfig
 from ..train.nonfinite import check_finite
 from ..train.sft import sft
-from .derive import at_temperature, generate_config, step_config, tiny_policy, warm_configs
+from .derive import at_temperature, engine_copy, generate_config, step_config, tiny_policy, warm_configs
 from .setup import from_rank0, share_model, share_policy, share_tensors
 from .validate import check_aux_coef
 from .stages import cold_draft_stage, commit_dir, load_stage, seed_stage, warm_draft_stage
@@ -199,12 +199,14 @@ def warm_pool(cfg: RunConfig, policy, source, tok, mesh=None):
     sampling, not each rank's, so no rank depends on another's kernels drawing the same bits."""
     gcfg = generate_config(cfg, tok.stop_ids, tok.pad_id)
     dev = next(policy.parameters()).device
+    # at most an RL step's rollout rows per engine call (the run sized those to fit) and 32 prompts (x4 samples)
+    per_call = min(32, max(1, cfg.rollout.prompts_per_step * cfg.rollout.group_size // 4))
 
     def sample():
         pool = None
         if mesh is None or mesh.rank == 0:
-            pool = sample_pool(policy, source, tok, n_prompts=cfg.train.warm_start_prompts, group=4, gen_cfg=gcfg,
-                               seed=cfg.train.seed + 1000)
+            pool = sample_pool(engine_copy(policy, cfg), source, tok, n_prompts=cfg.train.warm_start_prompts, group=4,
+                               gen_cfg=gcfg, seed=cfg.train.seed + 1000, batch_prompts=per_call)
         return share_tensors(pool, mesh, dev)
     return functools.cache(sample)
 
@@ -269,9 +271,11 @@ def prepare_draft(cfg: RunConfig, policy, tok, data, out: Path, progress=True, k
         return draft, {}
     last = hist[-min(10, len(hist)):] if hist else []
     sim = sum(h["draft/sim_accept_len"] for h in last) / max(1, len(last))
-    real = {f"T={T}": measure_tau(policy, draft, data.train, min(64, cfg.train.warm_start_prompts),
+    eng_policy, eng_draft = engine_copy(policy, cfg), engine_copy(draft, cfg)  # as the RL engine holds them
+    real = {f"T={T}": measure_tau(eng_policy, eng_draft, data.train, min(64, cfg.train.warm_start_prompts),
                                   at_temperature(gcfg, T), seed=cfg.train.seed + 2000)
             for T in (0.0, cfg.rollout.temperature)}
+    del eng_policy, eng_draft
     metrics = {"warm_time_s": time.perf_counter() - t,
                "sim_tau_start": hist[0]["draft/sim_accept_len"] if hist else None,
                "sim_tau_end": sim if hist else None, "real": real, "draft_vocab_size": draft.cfg.draft_vocab_size,
