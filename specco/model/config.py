@@ -10,6 +10,7 @@ scaling (Llama-3.x's `llama3`, `linear`, `yarn`) as a config.json states it; its
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from .moe_config import MOE_FAMILIES, moe_fields_from_hf, refuse_moe_unsupported
@@ -17,6 +18,15 @@ from .moe_config import MOE_FAMILIES, moe_fields_from_hf, refuse_moe_unsupported
 
 class ConfigError(ValueError):
     """A configuration value is missing, misspelt or impossible. The message says what to change."""
+
+
+def check_finite_fields(spec, prefix: str):
+    """No float field of a config section may be NaN or infinite (train.lr=inf trained every weight to NaN,
+    issue 16): raises ConfigError naming `prefix.field`."""
+    for f in dataclasses.fields(spec):
+        v = getattr(spec, f.name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{prefix}.{f.name}={v}: must be a finite number")
 
 
 def aux_layer_ids_default(num_layers: int) -> tuple[int, ...]:

@@ -29,7 +29,7 @@ import time
 import torch
 from torch import nn
 
-from ..config import COMPILE_BACKENDS
+from .train_config import COMPILE_BACKENDS
 from ..model.draft import Eagle3Draft
 from ..model.ttt import ttt_forward
 from .activation_checkpointing import _layers, unwrap_layers
