@@ -95,3 +95,17 @@ def test_sft_micro_batches_equal_the_whole_batch():
         torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-7)
     assert next(sft_micro_batches(ids, mask, 0))[0] is ids
     assert max(firsts) > 0  # the prompts' logits were really skipped
+
+    # widths rounded up to a multiple of 8 (sft.width_multiple): padding columns change no gradient
+    for rows in (3, 0):
+        pol.zero_grad()
+        total8 = 0.0
+        for mb_ids, mb_mask, first in sft_micro_batches(ids, mask, rows, 8):
+            assert mb_ids.shape[1] % 8 == 0 and mb_mask.shape == mb_ids.shape
+            assert mb_ids.shape[1] - 8 < (max(int(m.nonzero().max()) + 2 for m in mb_mask) if rows else ids.shape[1])
+            part = sft_loss(pol, mb_ids, mb_mask, n, logits_from=first)
+            part.backward()
+            total8 += part.item()
+        assert abs(total8 - whole.item()) < 1e-6 * whole.item()
+        for a, p in zip(ref, pol.parameters()):
+            torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-7)

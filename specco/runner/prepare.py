@@ -118,7 +118,7 @@ def prepare_policy(cfg: RunConfig, data, out: Path, device, progress=True, mesh=
         say(f"      SFT on {data.sft.name}: {s.steps} steps x {s.batch} rows, lr {s.lr:g}", progress)
         m = sft(policy, tok, data.sft, s.steps, batch_size=s.batch, lr=s.lr, seed=cfg.train.seed + SFT_STREAM,
                 progress=progress, amp_dtype=AMP_DTYPES.get(cfg.train.amp), micro_batch_rows=s.micro_batch_rows,
-                group=None if mesh is None else dist.group.WORLD)
+                group=None if mesh is None else dist.group.WORLD, width_multiple=s.width_multiple)
         metrics = {"sft_time_s": m["time_s"], "sft_steps": s.steps, "sft_loss_first": m["loss_first"],
                    "sft_final_loss": m["loss_last"]}
         check_finite(f"SFT ({s.steps} steps)", {"sft/final_loss": m["loss_last"]}, modules=(policy,))

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from specco.batch import device_indices, longest_first, mask_spans
+from specco.batch import device_indices, longest_first, mask_spans, round_up
 from specco.data.source import reference_ids
 from specco.model.config import ConfigError, PolicyConfig
 from specco.model.moe_config import MOE_FAMILIES
@@ -104,13 +104,20 @@ def sft_loss(policy, input_ids, loss_mask, num_tokens=None, logits_from: int = 0
     return loss
 
 
-def sft_micro_batches(input_ids, loss_mask, rows: int):
+def sft_micro_batches(input_ids, loss_mask, rows: int, width_multiple: int = 1):
     """(input_ids, loss_mask, first) micro-batches of `rows` rows, longest first, each cut after its longest row
-    (0 or >= B: the whole batch, first 0). Right padding, causal attention: the columns cut are only padding.
-    `first`: the micro-batch's first marked column (sft_loss's logits_from), from the same host read."""
+    (0 or >= B: the whole batch, first 0), the width rounded up to a multiple of `width_multiple` (sft.width_multiple)
+    with columns of id 0 and mask 0. Right padding, causal attention: the columns cut or added are only padding, which
+    no marked column attends to and no loss reads. `first`: the micro-batch's first marked column (sft_loss's
+    logits_from), from the same host read."""
     B = input_ids.shape[0]
+
+    def widen(ids, mask, width):  # (b, w) -> (b, width) with padding columns
+        extra = width - ids.shape[1]
+        return (F.pad(ids, (0, extra)), F.pad(mask, (0, extra))) if extra > 0 else (ids, mask)
+
     if rows <= 0 or rows >= B:
-        yield input_ids, loss_mask, 0
+        yield *widen(input_ids, loss_mask, round_up(input_ids.shape[1], width_multiple)), 0
         return
     first, end = mask_spans(loss_mask)
     # the mask marks the inputs that predict a completion token: a row needs its last marked input + 1
@@ -118,7 +125,8 @@ def sft_micro_batches(input_ids, loss_mask, rows: int):
     chunks = longest_first(length, rows)
     for chunk, idx in zip(chunks, device_indices(chunks, input_ids.device)):  # one copy, no host sync (batch.py)
         cut = max(2, int(length[chunk[0]]))
-        yield input_ids[idx, :cut], loss_mask[idx, :cut], min(int(first[chunk].min()), cut - 2)
+        yield *widen(input_ids[idx, :cut], loss_mask[idx, :cut], round_up(cut, width_multiple)), \
+            min(int(first[chunk].min()), cut - 2)
 
 
 def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) -> float:
@@ -132,14 +140,15 @@ def warmup_cosine(step: int, total: int, warmup: int, min_ratio: float = 0.1) ->
 def sft(policy, tokenizer, source, steps: int, batch_size: int = 128, lr: float = 3e-3,
         seed: int = 0, offset: int = 0, warmup: int | None = None, weight_decay: float = 0.01,
         grad_clip: float = 1.0, progress: bool = True, amp_dtype: torch.dtype | None = None,
-        micro_batch_rows: int = 0, group=None) -> dict:
+        micro_batch_rows: int = 0, group=None, width_multiple: int = 1) -> dict:
     """Train `policy` in place for `steps` AdamW steps; returns metrics.
 
     `amp_dtype` (train.amp): the forward and loss under autocast in that dtype, fp32 weights and AdamW
     state (the long-reasoning workload's 2.5K-token references would double the activations in fp32).
     `micro_batch_rows` (train.sft_micro_batch_rows): each batch in micro-batches of that many rows, longest
     first and cut to their own length, gradients accumulated to the whole batch's mean (long-tailed
-    references: a direct answer of 5 tokens beside a worked one of 2,000 no longer pads to it).
+    references: a direct answer of 5 tokens beside a worked one of 2,000 no longer pads to it). `width_multiple`
+    (sft.width_multiple): those widths rounded up to its multiples (sft_micro_batches), so few shapes recur.
 
     Data: examples `offset + k*batch_size ...` of `source`'s stream `seed`; the returned `offset` is where
     the next stage (or a resumed SFT) continues.
@@ -172,7 +181,7 @@ def sft(policy, tokenizer, source, steps: int, batch_size: int = 128, lr: float 
         n_tok = n_tok.clamp(min=1)
         opt.zero_grad(set_to_none=True)
         loss = 0.0
-        for mb_ids, mb_mask, first in sft_micro_batches(ids, mask, micro_batch_rows):
+        for mb_ids, mb_mask, first in sft_micro_batches(ids, mask, micro_batch_rows, width_multiple):
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 part = sft_loss(policy, mb_ids, mb_mask, n_tok, logits_from=first)
             part.backward()

@@ -26,9 +26,15 @@ class SFTSpec:
     # Rows per forward/backward (0 = the whole batch): micro-batches take the rows longest first, each cut to its
     # own length, and accumulate the whole batch's mean loss (train.sft.sft_micro_batches)
     micro_batch_rows: int = 0
+    # Micro-batch (or batch) widths rounded up to a multiple of this with padding no loss reads (1 = exact): few
+    # distinct shapes for cuDNN attention, which builds an execution plan per new length (~0.1-0.16 s each on the
+    # H200), where exact widths bring new ones every step (as train.width_multiple for the RL step)
+    width_multiple: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "context_tokens", tuple(self.context_tokens))
+        if self.width_multiple < 1:
+            raise ConfigError(f"sft.width_multiple={self.width_multiple}: must be >= 1 (1 = exact widths)")
         for name in ("steps", "batch", "micro_batch_rows"):
             v = getattr(self, name)
             if v < 0 or (name == "batch" and v < 1):
