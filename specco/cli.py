@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -295,5 +296,20 @@ def main(argv=None):
         sys.exit(2)
 
 
-if __name__ == "__main__":
+
+def run_main():
+    """The `specco` command and `python -m specco`: main(); then a torchrun worker (WORLD_SIZE > 1) whose command
+    succeeded ends without the interpreter's teardown. There the process groups' C++ background threads are
+    destroyed still joinable now and then ("terminate called without an active exception", SIGABRT): a run whose
+    every output was written, logs closed and collectives done, failed at exit (seen in a 2026-12-07 CI run of
+    tests/test_ep_job.py; parallel/mesh.spawn_local's workers end the same way for the same reason). An error exits as
+    before (main's messages, or a traceback)."""
     main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    run_main()

@@ -90,3 +90,25 @@ def test_block_drafter_under_pp_is_refused_by_name():
     cfg = load_config(DEMO, ["parallel.pp=2", "draft.kind=dflash"])
     with pytest.raises(ConfigError, match="draft.kind='dflash' with parallel.pp=2"):
         check_parallel(cfg, 2)
+
+
+@pytest.mark.parametrize("world,fails", [("2", False), ("1", False), ("2", True)])
+def test_run_main_ends_a_succeeded_torchrun_worker_without_teardown(monkeypatch, world, fails):
+    """`specco` / `python -m specco` (cli.run_main): under torchrun (WORLD_SIZE > 1) a command that succeeded ends by
+    os._exit(0), skipping the interpreter's teardown where process-group threads crashed now and then; one process,
+    or a command that failed, is as before."""
+    from specco import cli
+    exits = []
+
+    def fake_main():
+        if fails:
+            raise RuntimeError("the command failed")
+    monkeypatch.setattr(cli, "main", fake_main)
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    if fails:
+        with pytest.raises(RuntimeError, match="the command failed"):
+            cli.run_main()
+    else:
+        cli.run_main()
+    assert exits == ([0] if world == "2" and not fails else [])
