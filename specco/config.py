@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .model.config import ConfigError, check_finite_fields
+from .model.config import ConfigError, check as _check, check_finite_fields  # noqa: F401 (ConfigError re-exported)
 from .data.config import DataSpec
 from .rewards.core import RewardSpec
 from .train.sft_config import SFTSpec
@@ -19,11 +19,6 @@ from .parallel.config import ParallelSpec  # noqa: F401 (its home: parallel/conf
 
 # The components own their defaults (train/step_config.py, rollout/config.py); the run config reads them
 _STEP, _GEN = StepConfig(), GenerateConfig()
-
-
-def _check(cond: bool, msg: str):
-    if not cond:
-        raise ConfigError(msg)
 
 
 

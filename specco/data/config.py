@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from specco.model.config import ConfigError
+from specco.model.config import check as _check
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 TRUNCATIONS = ("error", "left", "drop")
@@ -125,8 +125,3 @@ class DataSpec:
     def procedural(self) -> str | None:
         """NAME of a "reasoning_gym:NAME" source, else None (a file)."""
         return self.source.split(":", 1)[1] if self.source.startswith("reasoning_gym:") else None
-
-
-def _check(cond: bool, msg: str):
-    if not cond:
-        raise ConfigError(msg)

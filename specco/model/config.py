@@ -20,13 +20,19 @@ class ConfigError(ValueError):
     """A configuration value is missing, misspelt or impossible. The message says what to change."""
 
 
+def check(cond: bool, msg: str):
+    """Raise ConfigError(msg) unless `cond`: every config section's validation (specco/config.py and the sections
+    owned elsewhere) says what to change in `msg`."""
+    if not cond:
+        raise ConfigError(msg)
+
+
 def check_finite_fields(spec, prefix: str):
     """No float field of a config section may be NaN or infinite (train.lr=inf trained every weight to NaN,
     issue 16): raises ConfigError naming `prefix.field`."""
     for f in dataclasses.fields(spec):
         v = getattr(spec, f.name)
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ConfigError(f"{prefix}.{f.name}={v}: must be a finite number")
+        check(not isinstance(v, float) or math.isfinite(v), f"{prefix}.{f.name}={v}: must be a finite number")
 
 
 def aux_layer_ids_default(num_layers: int) -> tuple[int, ...]:

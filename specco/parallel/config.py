@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model.config import ConfigError
-
-
-def _check(cond: bool, msg: str):
-    if not cond:
-        raise ConfigError(msg)
+from ..model.config import check as _check
 
 
 @dataclass(frozen=True)

@@ -5,18 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model.config import ConfigError, check_finite_fields
+from ..model.config import check as _check, check_finite_fields
 from .step_config import LR_SCHEDULES, StepConfig
 
 _STEP = StepConfig()  # the step owns its defaults; the config reads them
 
 # train.compile: torch.compile backend of the trainer's decoder layers (train/compile.py); "none" = eager
 COMPILE_BACKENDS = ("none", "inductor", "aot_eager")
-
-
-def _check(cond: bool, msg: str):
-    if not cond:
-        raise ConfigError(msg)
 
 
 @dataclass(frozen=True)
