@@ -305,7 +305,8 @@ def run_main():
     tests/test_ep_job.py; parallel/mesh.spawn_local's workers end the same way for the same reason). An error exits as
     before (main's messages, or a traceback)."""
     main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    from .parallel.mesh import launched_world
+    if launched_world() > 1:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -66,6 +66,11 @@ __all__ = ["Mesh", "init_distributed", "spawn_local", "DEFAULT_TIMEOUT_S"]
 DEFAULT_TIMEOUT_S = 1800.0
 
 
+def launched_world() -> int:
+    """How many processes torchrun launched (WORLD_SIZE; 1 without torchrun): the one place the launch is read."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
     """Initialise the default process group from torchrun's environment (idempotent).
 

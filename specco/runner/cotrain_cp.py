@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 
 import torch
@@ -26,7 +25,7 @@ from ..model.draft import Eagle3Draft
 from ..model.policy import Policy
 from ..parallel.cp import shard_batch
 from ..parallel.layout import ZigzagPack
-from ..parallel.mesh import Mesh
+from ..parallel.mesh import Mesh, launched_world
 from ..parallel.zigzag import ZigzagLayout
 from ..train.activation_checkpointing import apply_activation_checkpointing
 from ..train.nonfinite import check_finite
@@ -88,7 +87,7 @@ def run_cotrain_step_cp(cfg: RunConfig, steps: int = 1, seq_lens=(512, 77, 5), m
         raise ConfigError(f"train.kl_coef={cfg.train.kl_coef}: the synthetic packs of cotrain-cp have no reference "
                           "policy; the KL penalty applies to the RL loop (`specco train`)")
     if mesh is None:
-        _, dp, cp = check_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), "cotrain-cp")
+        _, dp, cp = check_parallel(cfg, launched_world(), "cotrain-cp")
         mesh = Mesh.build(dp, cp, cfg.parallel.backend)
     device = mesh.device
     policy, draft = _build_models(cfg, device)

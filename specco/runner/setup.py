@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..model.hf_io import load_policy
 from ..model.policy import Policy
-from ..parallel.mesh import Mesh
+from ..parallel.mesh import Mesh, launched_world
 from .derive import check_parallel
 
 __all__ = ["pick_device", "parallel_setup", "from_rank0", "share_tensors", "share_model", "share_policy"]
@@ -54,7 +54,7 @@ def parallel_setup(cfg: RunConfig) -> Mesh | None:
     parallel.pp x parallel.dp x parallel.cp x parallel.tp = WORLD_SIZE, its dp axis split into dp_replicate x dp_shard
     (parallel.shard: 1 without FSDP). Anything else is refused with what to change
     (derive.check_parallel), instead of silently running one independent copy per rank."""
-    pp, dp, cp = check_parallel(cfg, int(os.environ.get("WORLD_SIZE", "1")), "train")
+    pp, dp, cp = check_parallel(cfg, launched_world(), "train")
     p = cfg.parallel
     if pp * dp * cp * p.tp == 1:
         return None
