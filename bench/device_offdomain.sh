@@ -5,6 +5,7 @@
 # the next call at once (bench/device_rl.sh says why).
 #
 #   bash bench/device_offdomain.sh SECONDS
+#   RL_OVERRIDES="train.steps=60" bash bench/device_offdomain.sh SECONDS   # the RL stage's overrides (same on each call)
 #
 # SECONDS counts from $CALL_START (epoch seconds, exported by the call's command line before anything else it runs)
 # or from now. A stage followed in this call comes back as one archive, $OUT/<stage>.tar (bench/device_rl.sh's
@@ -25,4 +26,4 @@ stage() {  # stage NAME SUMMARY CONFIG: follow (or start) one stage; true once S
 OVERRIDES="train.steps=0 arms=[none] plain_baseline=[] frozen_shadow=[]" \
   stage sft runs/drift/summary.json configs/drift.toml || exit 0
 stage draft runs/offdomain/summary.json configs/drift_offdomain_draft.toml || exit 0
-stage rl runs/drift_offdomain/summary.json configs/drift_offdomain.toml
+OVERRIDES="${RL_OVERRIDES:-}" stage rl runs/drift_offdomain/summary.json configs/drift_offdomain.toml
