@@ -77,35 +77,40 @@ def test_sft_micro_batches_equal_the_whole_batch():
     whole = sft_loss(pol, ids, mask)
     whole.backward()
     ref = [p.grad.clone() for p in pol.parameters()]
-    pol.zero_grad()
     n = mask[:, :-1].sum()
-    total = 0.0
+
+    def accumulated(batches, check) -> float:
+        """Each micro-batch's loss (normalised by the whole batch's count) backpropagated: their sum; check(mb) on
+        each; the gradients must then equal the whole batch's."""
+        pol.zero_grad()
+        total = 0.0
+        for mb_ids, mb_mask, first in batches:
+            check(mb_ids, mb_mask, first)
+            part = sft_loss(pol, mb_ids, mb_mask, n, logits_from=first)
+            part.backward()
+            total += part.item()
+        # sft_loss takes fp32 logits even from an fp64 model, so sums over other partitions differ at fp32
+        # rounding (seen: 8e-8 relative); a wrong cut or a wrong normaliser is off by far more
+        assert abs(total - whole.item()) < 1e-6 * whole.item()
+        for a, p in zip(ref, pol.parameters()):
+            torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-7)
+        return total
+
+    longest = lambda mb_mask: max(int(m.nonzero().max()) + 2 for m in mb_mask)  # noqa: E731
     firsts = []
-    for mb_ids, mb_mask, first in sft_micro_batches(ids, mask, 3):
-        assert mb_ids.shape[1] == max(int(m.nonzero().max()) + 2 for m in mb_mask)  # cut to its longest row
+
+    def cut(mb_ids, mb_mask, first):
+        assert mb_ids.shape[1] == longest(mb_mask)  # cut to its longest row
         assert first == int(mb_mask.nonzero()[:, 1].min())  # the logits start at the first marked column
         firsts.append(first)
-        part = sft_loss(pol, mb_ids, mb_mask, n, logits_from=first)
-        part.backward()
-        total += part.item()
-    # sft_loss takes fp32 logits even from an fp64 model, so sums over other partitions differ at fp32
-    # rounding (seen: 8e-8 relative); a wrong cut or a wrong normaliser is off by far more
-    assert abs(total - whole.item()) < 1e-6 * whole.item()
-    for a, p in zip(ref, pol.parameters()):
-        torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-7)
+
+    accumulated(sft_micro_batches(ids, mask, 3), cut)
     assert next(sft_micro_batches(ids, mask, 0))[0] is ids
     assert max(firsts) > 0  # the prompts' logits were really skipped
 
     # widths rounded up to a multiple of 8 (sft.width_multiple): padding columns change no gradient
     for rows in (3, 0):
-        pol.zero_grad()
-        total8 = 0.0
-        for mb_ids, mb_mask, first in sft_micro_batches(ids, mask, rows, 8):
+        def rounded(mb_ids, mb_mask, first):
             assert mb_ids.shape[1] % 8 == 0 and mb_mask.shape == mb_ids.shape
-            assert mb_ids.shape[1] - 8 < (max(int(m.nonzero().max()) + 2 for m in mb_mask) if rows else ids.shape[1])
-            part = sft_loss(pol, mb_ids, mb_mask, n, logits_from=first)
-            part.backward()
-            total8 += part.item()
-        assert abs(total8 - whole.item()) < 1e-6 * whole.item()
-        for a, p in zip(ref, pol.parameters()):
-            torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-7)
+            assert mb_ids.shape[1] - 8 < (longest(mb_mask) if rows else ids.shape[1])
+        accumulated(sft_micro_batches(ids, mask, rows, 8), rounded)
