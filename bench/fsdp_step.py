@@ -299,4 +299,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    from specco.parallel.mesh import run_worker  # noqa: E402
+    run_worker(main)  # under torchrun: no interpreter teardown after success (its docstring)

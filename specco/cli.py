@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -298,18 +297,10 @@ def main(argv=None):
 
 
 def run_main():
-    """The `specco` command and `python -m specco`: main(); then a torchrun worker (WORLD_SIZE > 1) whose command
-    succeeded ends without the interpreter's teardown. There the process groups' C++ background threads are
-    destroyed still joinable now and then ("terminate called without an active exception", SIGABRT): a run whose
-    every output was written, logs closed and collectives done, failed at exit (seen in a 2026-12-07 CI run of
-    tests/test_ep_job.py; parallel/mesh.spawn_local's workers end the same way for the same reason). An error exits as
-    before (main's messages, or a traceback)."""
-    main()
-    from .parallel.mesh import launched_world
-    if launched_world() > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    """The `specco` command and `python -m specco`: main() under parallel.mesh.run_worker (a torchrun worker whose
+    command succeeded ends without the interpreter's teardown, which aborted now and then)."""
+    from .parallel.mesh import run_worker
+    run_worker(main)
 
 
 if __name__ == "__main__":

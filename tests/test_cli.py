@@ -1,6 +1,7 @@
 """The CLI end to end at toy sizes: demo writes its report, generate reads what demo wrote,
 config mistakes exit with a clear message and status 2, and a rerun reuses finished stages."""
 import json
+import sys
 
 import pytest
 
@@ -92,23 +93,32 @@ def test_block_drafter_under_pp_is_refused_by_name():
         check_parallel(cfg, 2)
 
 
-@pytest.mark.parametrize("world,fails", [("2", False), ("1", False), ("2", True)])
-def test_run_main_ends_a_succeeded_torchrun_worker_without_teardown(monkeypatch, world, fails):
-    """`specco` / `python -m specco` (cli.run_main): under torchrun (WORLD_SIZE > 1) a command that succeeded ends by
+@pytest.mark.parametrize("world,ends", [("2", "returns"), ("1", "returns"), ("2", "raises"), ("2", "exit 0"),
+                                        ("1", "exit 0"), ("2", "exit 1")])
+def test_run_main_ends_a_succeeded_torchrun_worker_without_teardown(monkeypatch, world, ends):
+    """`specco` / `python -m specco` (cli.run_main, through parallel.mesh.run_worker, which the bench scripts torchrun
+    launches also end with): under torchrun (WORLD_SIZE > 1) a command that succeeded (returned or exited 0) ends by
     os._exit(0), skipping the interpreter's teardown where process-group threads crashed now and then; one process,
-    or a command that failed, is as before."""
+    or a command that failed (an exception, a non-zero exit), is as before."""
+    import os
     from specco import cli
     exits = []
 
     def fake_main():
-        if fails:
+        if ends == "raises":
             raise RuntimeError("the command failed")
+        if ends.startswith("exit"):
+            sys.exit(int(ends[-1]))
     monkeypatch.setattr(cli, "main", fake_main)
-    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    monkeypatch.setattr(os, "_exit", exits.append)
     monkeypatch.setenv("WORLD_SIZE", world)
-    if fails:
+    if ends == "raises":
         with pytest.raises(RuntimeError, match="the command failed"):
             cli.run_main()
+    elif ends == "exit 1":
+        with pytest.raises(SystemExit) as e:
+            cli.run_main()
+        assert e.value.code == 1
     else:
         cli.run_main()
-    assert exits == ([0] if world == "2" and not fails else [])
+    assert exits == ([0] if world == "2" and ends in ("returns", "exit 0") else [])

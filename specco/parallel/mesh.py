@@ -71,6 +71,24 @@ def launched_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def run_worker(main) -> None:
+    """Run `main()` as a program's entry point; then a torchrun worker (launched_world() > 1) whose main returned or
+    exited 0 ends by os._exit(0) after flushing, skipping the interpreter's teardown. There the process groups'
+    C++ background threads are destroyed still joinable now and then ("terminate called without an active
+    exception", SIGABRT): a run whose every output was written and collectives done failed at exit (a 2026-12-07 CI
+    run of tests/test_ep_job.py). Errors and non-zero exits propagate as before. Used by the `specco` command and the
+    bench scripts that torchrun launches; spawn_local's workers end the same way for the same reason."""
+    try:
+        main()
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
+    if launched_world() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
 def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
     """Initialise the default process group from torchrun's environment (idempotent).
 
