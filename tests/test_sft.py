@@ -79,9 +79,9 @@ def test_sft_micro_batches_equal_the_whole_batch():
     ref = [p.grad.clone() for p in pol.parameters()]
     n = mask[:, :-1].sum()
 
-    def accumulated(batches, check) -> float:
-        """Each micro-batch's loss (normalised by the whole batch's count) backpropagated: their sum; check(mb) on
-        each; the gradients must then equal the whole batch's."""
+    def accumulated(batches, check) -> None:
+        """Each micro-batch's loss (normalised by the whole batch's count) backpropagated, check(mb) on each: their
+        sum and the accumulated gradients must equal the whole batch's."""
         pol.zero_grad()
         total = 0.0
         for mb_ids, mb_mask, first in batches:
@@ -94,7 +94,6 @@ def test_sft_micro_batches_equal_the_whole_batch():
         assert abs(total - whole.item()) < 1e-6 * whole.item()
         for a, p in zip(ref, pol.parameters()):
             torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-7)
-        return total
 
     longest = lambda mb_mask: max(int(m.nonzero().max()) + 2 for m in mb_mask)  # noqa: E731
     firsts = []

@@ -60,7 +60,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-__all__ = ["Mesh", "init_distributed", "spawn_local", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Mesh", "init_distributed", "spawn_local", "launched_world", "run_worker", "DEFAULT_TIMEOUT_S"]
 
 # torch's own default for a process group (30 min); the run's value is config.ParallelSpec.timeout_s
 DEFAULT_TIMEOUT_S = 1800.0
@@ -71,22 +71,27 @@ def launched_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def _exit_without_teardown() -> None:
+    """End a process whose work succeeded, outputs flushed, without the interpreter's teardown. There the process
+    groups' C++ background threads are destroyed still joinable now and then ("terminate called without an active
+    exception", SIGABRT): a run whose every output was written and collectives done failed at exit (CI runs of
+    tests/test_ep_job.py and of spawned gloo tests, 2026-12-05 and -07). A failure never comes here: it raises."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def run_worker(main) -> None:
-    """Run `main()` as a program's entry point; then a torchrun worker (launched_world() > 1) whose main returned or
-    exited 0 ends by os._exit(0) after flushing, skipping the interpreter's teardown. There the process groups'
-    C++ background threads are destroyed still joinable now and then ("terminate called without an active
-    exception", SIGABRT): a run whose every output was written and collectives done failed at exit (a 2026-12-07 CI
-    run of tests/test_ep_job.py). Errors and non-zero exits propagate as before. Used by the `specco` command and the
-    bench scripts that torchrun launches; spawn_local's workers end the same way for the same reason."""
+    """Run `main()` as a program's entry point; a torchrun worker (launched_world() > 1) whose main returned or
+    exited 0 then ends by _exit_without_teardown. Errors and non-zero exits propagate as before. Used by the
+    `specco` command and the bench scripts that torchrun launches (spawn_local's workers end the same way)."""
     try:
         main()
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
     if launched_world() > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _exit_without_teardown()
 
 
 def init_distributed(backend: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
@@ -288,13 +293,8 @@ def _spawn_entry(rank, world, store_path, fn, args):
         dist.barrier()  # every rank is done with the groups before any tears them down
     finally:
         dist.destroy_process_group()
-    # A worker that succeeded leaves without the interpreter's teardown: in CI a worker now and then died
-    # there with SIGABRT ("terminate called without an active exception": a background C++ thread still
-    # joinable at exit), failing a test whose work had passed. A failing worker raises above instead, and
-    # torch.multiprocessing.spawn reports its traceback.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # a failing worker raised above instead, and torch.multiprocessing.spawn reports its traceback
+    _exit_without_teardown()
 
 
 # What a local worker imports before it is forked (below): torch and specco's training and rollout stack
