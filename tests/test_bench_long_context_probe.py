@@ -29,6 +29,8 @@ def test_long_context_probe_train_step(tmp_path):
     assert set(r["step_s"]) == {"policy", "eagle3", "eagle3_whole", "dflash", "policy_shared", "eagle3_shared",
                                 "dflash_shared"}
     assert all(len(v) == 1 and v[0] > 0 for v in r["steps_s"].values())
+    assert set(r["first_pass_s"]) == set(r["steps_s"]) and all(len(v) == 1 and v[0] > 0
+                                                                for v in r["first_pass_s"].values())
     assert set(r["draft_overhead_s"]) == {"eagle3", "eagle3_whole", "dflash", "eagle3_shared", "dflash_shared"}
     # the shared prompts' step trains the same policy loss (fp32, other shapes: 1e-5) and the same draft loss
     (p,), (q,) = r["policy_loss"]["policy"], r["policy_loss"]["policy_shared"]

@@ -262,3 +262,25 @@ def test_cli_refuses_a_changed_config_with_status_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["demo", "--quiet", "--out", str(out), *TINY, "rollout.k=2"])
     assert e.value.code == 2 and "rollout.k: 3 -> 2" in capsys.readouterr().err
+
+
+def test_evaluation_decodes_on_the_engines_copy_after_its_runners_are_dropped(tmp_path, monkeypatch):
+    """Evaluations run on the policy as sampled (the engine's bf16 copy under rollout.dtype, refit after every
+    step) and only once the arm's engine has given back its KV caches and graphs: at 32K tokens an evaluation
+    engine on the fp32 masters beside the arm's live one ran an 80 GB GPU out of memory (2026-12-07). The step
+    after a mid-run evaluation builds its runner again."""
+    from specco.runner import pipeline
+    real, seen = pipeline.Outputs.evaluate, []
+
+    def evaluate(self, st, policy, draft):
+        seen.append((st.step, policy is st.engine.policy, draft is st.engine.draft,
+                     next(policy.parameters()).dtype, len(st.engine._runners)))
+        real(self, st, policy, draft)
+    monkeypatch.setattr(pipeline.Outputs, "evaluate", evaluate)
+    out = tmp_path / "run"
+    pipeline.run(_cfg(out, "arms=cotrained", "rollout.dtype=bfloat16", "train.eval_every=1"), progress=False)
+    assert seen == [(s, True, True, torch.bfloat16, 0) for s in (0, 1, 2)]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["tau"] >= 1 for r in rows)
+    evals = [json.loads(x) for x in (out / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 1, 2]

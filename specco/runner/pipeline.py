@@ -162,10 +162,13 @@ class Outputs:
     def __call__(self, st, m: dict | None) -> None:
         """`m`: the step's metrics, None before the first step (the starting policy's evaluation). Called on every
         rank: rank 0 decides and writes; where the whole models are gathered from the trainer's parts
-        (rl.needs_gather) the other ranks take part in that gather and hold nothing. Where the trainer holds part
-        of the policy, rank 0 evaluates on its engine's copy when that is whole (the policy as sampled: a bf16 cast
-        under rollout.dtype; no gather), else on a gathered copy; it saves the trainer's masters gathered to the
-        host, one tensor at a time on the device (never a second whole policy on a GPU)."""
+        (rl.needs_gather) the other ranks take part in that gather and hold nothing. Rank 0 evaluates on its
+        engine's copy when that is whole (the policy as sampled: a bf16 cast under rollout.dtype, refit after
+        every step; no gather), else on the trainer's whole models or a copy gathered from its parts; it saves
+        the trainer's masters, gathered to the host one tensor at a time on the device (never a second whole
+        policy on a GPU). The evaluation's engines are built after the arm's engine has given its runners back
+        (RolloutEngine.close; the next rollout captures them afresh): at 32K tokens the two engines' caches and
+        graph pools together outgrew an 80 GB GPU (2026-12-07, docs/experiments/long_context.md)."""
         todo = self.todo(st, m) if self.rank == 0 else (False, False)
         gathered = needs_gather(st)
         if gathered:
@@ -175,11 +178,13 @@ class Outputs:
         keep = self.rank == 0
         if todo[0]:
             whole_engine = tp_group_of(st.engine.policy) is None
-            if gathered and whole_engine:
+            if whole_engine:  # refit after every step (trainer.rl_step): the engine holds the step's models
                 models = (st.engine.policy, st.engine.draft) if keep else None
             else:
                 models = full_models(st, keep=keep)
             if keep:
+                if whole_engine:  # its runners decode with no collective: this rank alone may drop them
+                    st.engine.close()
                 self.evaluate(st, *models)
         if todo[1]:
             models = full_models(st, keep=keep, device="cpu" if gathered else None)
