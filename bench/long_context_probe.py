@@ -18,7 +18,8 @@ step and the drafter) and `dflash`; `policy_shared`, `eagle3_shared` and `dflash
 prompt group's shared prompt run once (train.share_prompts: parallel/shared_prompts.py), whose policy loss must
 equal the unshared step's (`policy_loss`: a check, not a timing).
 The draft's overhead is each variant's step minus `policy`'s; on CUDA each variant's peak memory too (`peak_gib`).
-`--decode 0` skips the decode part.
+`--decode 0` skips the decode part. Activation checkpointing as the config says (on in long_context.toml;
+`--set train.activation_checkpointing=false`: the step without its recompute).
 
     python bench/long_context_probe.py --decode 0 --train-steps 4"""
 from __future__ import annotations
@@ -118,7 +119,8 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
     use every token id, so DFlash's mask token is the pad id, as the runner's fallback (runner/prepare.py)."""
     rows = a.train_rows or cfg.rollout.prompts_per_step * cfg.rollout.group_size
     lo, hi = (int(x) for x in a.completion.split(","))
-    apply_activation_checkpointing(policy)
+    if cfg.train.activation_checkpointing:  # the config's (on in long_context.toml; --set ...=false: without)
+        apply_activation_checkpointing(policy)
     warm = train_batch(cfg, train, 4, (lo, hi), policy.cfg.vocab_size, dev, seed=99).tokens
     eagle = new_draft(policy, warm, cfg.draft.draft_vocab_size, cfg.draft.aux_layer_ids)
     dflash = new_block_draft(policy, warm, "dflash", cfg.rollout.block_k, cfg.draft.aux_layer_ids, pad_id,
