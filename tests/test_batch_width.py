@@ -47,3 +47,15 @@ def test_the_step_on_padded_minibatches_equals_the_exact_one(tmp_path):
     for k in ("policy/loss", "draft/loss", "draft/tokens", "policy/grad_norm", "draft/grad_norm", "policy/ratio_mean"):
         assert abs(m1[k] - m8[k]) <= 1e-10 * max(1.0, abs(m1[k])), (k, m1[k], m8[k])
     torch.testing.assert_close(p1, p8, rtol=1e-10, atol=1e-12)
+
+
+def test_pad_pairs_of_rows_sharing_a_prompt_list():
+    """A group's rows share one prompt list (rollout_pairs), which pad_pairs converts once: the tokens and the
+    completion mask equal each row written out, an empty completion and a row longer than its group's included."""
+    from specco.runner.rollouts import pad_pairs
+    a, b = [5, 6, 7], [8, 9]
+    pairs = [(a, [1, 2]), (a, []), (a, [3]), (b, [4, 4, 4, 4, 4])]
+    tokens, mask = pad_pairs(pairs, pad_id=0, width_multiple=4)
+    assert tokens.tolist() == [[5, 6, 7, 1, 2, 0, 0, 0], [5, 6, 7, 0, 0, 0, 0, 0], [5, 6, 7, 3, 0, 0, 0, 0],
+                               [8, 9, 4, 4, 4, 4, 4, 0]]
+    assert mask.tolist() == [[0, 0, 0, 1, 1, 0, 0, 0], [0] * 8, [0, 0, 0, 1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1, 0]]

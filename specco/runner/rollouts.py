@@ -38,8 +38,12 @@ def pad_pairs(pairs: list[tuple[list[int], list[int]]], pad_id: int, width_multi
     S = round_up(max(len(p) + len(c) for p, c in pairs), width_multiple)
     tokens = torch.full((len(pairs), S), pad_id, dtype=torch.long)
     mask = torch.zeros(len(pairs), S)
+    prompt_ids = {}  # a group's rows share one prompt list (rollout_pairs): each converted once (32K-token prompts)
     for b, (p, c) in enumerate(pairs):
-        tokens[b, :len(p) + len(c)] = torch.tensor(p + c)
+        if id(p) not in prompt_ids:
+            prompt_ids[id(p)] = torch.tensor(p, dtype=torch.long)
+        tokens[b, :len(p)] = prompt_ids[id(p)]
+        tokens[b, len(p):len(p) + len(c)] = torch.tensor(c, dtype=torch.long)
         mask[b, len(p):len(p) + len(c)] = 1.0
     return tokens, mask
 
