@@ -115,7 +115,8 @@ class TrainSpec:
     save_every: int = 10
     # Evaluation on the eval set ([data] eval / eval_fraction / a procedural source's held-out stream) before the
     # first RL step, every eval_every steps and at the end: mean reward and accuracy, greedy and sampled at the
-    # rollout temperature (eval.jsonl, eval.png). 0 = before and after only
+    # rollout temperature (eval.jsonl, eval.png), decoded on the policy as the rollouts sample it (the engine's
+    # copy in rollout.dtype; a tensor-parallel engine's: the trainer's). 0 = before and after only
     eval_every: int = 10
     keep_checkpoints: int = 2  # newest checkpoints kept per arm (each holds the AdamW state too)
     # A NaN/inf loss, gradient norm or weight: "stop" the run with an error naming the step and the
