@@ -167,8 +167,9 @@ class Outputs:
         every step; no gather), else on the trainer's whole models or a copy gathered from its parts; it saves
         the trainer's masters, gathered to the host one tensor at a time on the device (never a second whole
         policy on a GPU). The evaluation's engines are built after the arm's engine has given its runners back
-        (RolloutEngine.close; the next rollout captures them afresh): at 32K tokens the two engines' caches and
-        graph pools together outgrew an 80 GB GPU (2026-12-07, docs/experiments/long_context.md)."""
+        (RolloutEngine.close): at 32K tokens the two engines' caches and graph pools together outgrew an 80 GB GPU
+        (2026-12-07, docs/experiments/long_context.md). The price: the rollout after a mid-run evaluation captures
+        its graphs again, as a step 1 does (0.6-1.6 s at the drift workload's shapes on an H100)."""
         todo = self.todo(st, m) if self.rank == 0 else (False, False)
         gathered = needs_gather(st)
         if gathered:

@@ -116,7 +116,8 @@ class TrainSpec:
     # Evaluation on the eval set ([data] eval / eval_fraction / a procedural source's held-out stream) before the
     # first RL step, every eval_every steps and at the end: mean reward and accuracy, greedy and sampled at the
     # rollout temperature (eval.jsonl, eval.png), decoded on the policy as the rollouts sample it (the engine's
-    # copy in rollout.dtype; a tensor-parallel engine's: the trainer's). 0 = before and after only
+    # copy in rollout.dtype; a tensor-parallel engine's: the trainer's), after the engine has given back its KV
+    # caches and graphs (the next rollout captures them again). 0 = before and after only
     eval_every: int = 10
     keep_checkpoints: int = 2  # newest checkpoints kept per arm (each holds the AdamW state too)
     # A NaN/inf loss, gradient norm or weight: "stop" the run with an error naming the step and the
