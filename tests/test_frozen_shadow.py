@@ -175,3 +175,16 @@ def test_shadow_window_refusals():
         load_config(DEMO, ["shadow_window=64"])
     with pytest.raises(ConfigError, match="with parallel.cp=2: not implemented"):
         load_config(DEMO, ["shadow_window=64", "frozen_shadow=[cotrained]", "parallel.cp=2"])
+
+
+def test_an_arm_without_a_shadow_sees_no_window():
+    """shadow_window windows the frozen shadow: an arm that has none (no draft, frozen) sees 0, so a run with a
+    no-draft arm beside shadowed ones starts every arm (it was refused at the no-draft arm's start, after SFT and
+    the warm starts: the 32K DFlash run's command, checked on CPU 2026-12-07)."""
+    from specco.runner.derive import arm_config
+    cfg = load_config(DEMO, ["arms=[none,frozen,cotrained]", "frozen_shadow=[cotrained]", "shadow_window=64"])
+    assert arm_config(cfg, "none")[0].shadow_window == 0
+    assert arm_config(cfg, "frozen")[0].shadow_window == 0
+    co = arm_config(cfg, "cotrained")[0]
+    assert co.shadow_window == 64 and co.frozen_shadow == ("cotrained",)
+    assert arm_config(co, "cotrained")[0] == co  # an arm config is a fixed point

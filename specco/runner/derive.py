@@ -47,9 +47,12 @@ def arm_config(cfg: RunConfig, arm: str) -> tuple[RunConfig, str]:
                                     draft_vocab_size=0 if kind in BLOCK_KINDS else draft.draft_vocab_size)
     if kind in BLOCK_KINDS and rollout.block_k:
         rollout = dataclasses.replace(rollout, k=rollout.block_k)
+    shadow = cfg.measures_shadow(arm)  # shadow_window windows the shadow: an arm without one has none (a no-draft
+    # arm beside shadowed ones was refused at its start, after the run's SFT and warm starts)
     return dataclasses.replace(cfg, draft=draft, rollout=rollout, arms=(arm,),
                                plain_baseline=(arm,) if cfg.measures_plain(arm) else (),
-                               frozen_shadow=(arm,) if cfg.measures_shadow(arm) else ()), \
+                               frozen_shadow=(arm,) if shadow else (),
+                               shadow_window=cfg.shadow_window if shadow else 0), \
         "cotrained" if mode == "cold" else mode
 
 
