@@ -188,3 +188,15 @@ def test_an_arm_without_a_shadow_sees_no_window():
     co = arm_config(cfg, "cotrained")[0]
     assert co.shadow_window == 64 and co.frozen_shadow == ("cotrained",)
     assert arm_config(co, "cotrained")[0] == co  # an arm config is a fixed point
+
+
+def test_an_arms_config_error_stops_the_run_before_any_stage(tmp_path, monkeypatch):
+    """check_job derives every arm's config before anything runs: an error there names itself before the SFT."""
+    from specco.runner import derive, validate
+
+    def refuse(cfg, arm):
+        raise ConfigError(f"arm {arm}: refused")
+    monkeypatch.setattr(derive, "arm_config", refuse)
+    with pytest.raises(ConfigError, match="arm none: refused"):
+        validate.check_job(load_config(DEMO, ["arms=[none,cotrained]", f"out_dir={tmp_path / 'run'}"]))
+    assert not (tmp_path / "run").exists()

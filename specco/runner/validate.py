@@ -118,6 +118,9 @@ def check_job(cfg: RunConfig, device: torch.device | None = None) -> JobData:
     if cfg.draft.init and not Path(cfg.draft.init).is_dir():
         raise FileNotFoundError(f"draft.init={cfg.draft.init!r}: no such directory (a specco draft, an EAGLE-3 or a "
                                 "DFlash layout); leave it empty to warm-start a new draft on the policy's samples")
+    from .derive import arm_config
+    for arm in cfg.arms:  # each arm's own view of the config is valid too, now rather than at the arm's start
+        arm_config(cfg, arm)
     if device is not None:
         check_device_plan(cfg, device)
     train, eval_, stats = load_data(cfg.data, tok)
