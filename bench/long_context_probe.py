@@ -169,8 +169,8 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
         for home in homes:
             home.first_anchor = real
     out = {"rows": rows, "width": int(batch.tokens.shape[1]), "completion": [lo, hi],
-           "step_s": {n: sum(v) / len(v) for n, v in times.items()}, "steps_s": times, "first_pass_s": first, "draft_loss": losses,
-           "policy_loss": policy_losses,
+           "step_s": {n: sum(v) / len(v) for n, v in times.items()}, "steps_s": times, "first_pass_s": first,
+           "draft_loss": losses, "policy_loss": policy_losses,
            "peak_gib": peaks}
     out["draft_overhead_s"] = {n: out["step_s"][n] - out["step_s"]["policy_shared" if "shared" in n else "policy"]
                                for n in names if not n.startswith("policy")}
