@@ -1,4 +1,5 @@
-"""The timing helpers of the benches: median seconds per call (`timeit`), and a CUDA graph of a call (`capture`).
+"""The timing helpers of the benches: median seconds per call (`timeit`), a CUDA graph of a call (`capture`), and
+per-op device time of a call under the profiler (`device_times`).
 
 CUDA: events around each call (device time, after a synchronize); elsewhere the host clock.
 """
@@ -45,3 +46,35 @@ def capture(fn):
     with torch.cuda.graph(g):
         out = fn()
     return g, out
+
+
+def device_times(fn, dev, reps=3):
+    """({op name: device (or CPU) microseconds per call} of fn, and host microseconds per call, the profile):
+    two untimed calls first, then `reps` profiled ones."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    for _ in range(2):
+        fn()
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(reps):
+            fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    host_us = (time.perf_counter() - t0) / reps * 1e6
+    attr = "device_time_total" if dev.type == "cuda" else "cpu_time_total"
+    ops = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, attr, 0.0) or 0.0
+        if t:
+            ops[ev.key] = t / reps
+    return ops, host_us, prof
+
+
+def leaf_kernels(ops: dict, dev) -> dict:
+    """`ops` (device_times') without the entries that nest others: on CUDA, the kernels alone (an aten op's device
+    time is also its kernels', an autograd node's its ops'), so their times add up to the device's busy time."""
+    if dev.type != "cuda":
+        return ops
+    return {k: v for k, v in ops.items() if not k.startswith(("aten::", "autograd::", "Optimizer", "cudaLaunch",
+                                                                "cudaMemcpy", "cudaStream", "ProfilerStep"))}

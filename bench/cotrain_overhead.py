@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,47 +25,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
-from _timing import timeit  # noqa: E402
+from _timing import device_times, leaf_kernels, timeit  # noqa: E402
 from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.train.cotrain import AMP_DTYPES, StepConfig, TrainBatch, build_optimizer, cotrain_step  # noqa: E402
 
 
-def _device_times(fn, dev, reps=3):
-    """{op name: device (or CPU) microseconds per call} of fn, and host microseconds per call."""
-    from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    for _ in range(2):
-        fn()
-    t0 = time.perf_counter()
-    with profile(activities=acts) as prof:
-        for _ in range(reps):
-            fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-    host_us = (time.perf_counter() - t0) / reps * 1e6
-    attr = "device_time_total" if dev.type == "cuda" else "cpu_time_total"
-    ops = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, attr, 0.0) or 0.0
-        if t:
-            ops[ev.key] = t / reps
-    return ops, host_us, prof
-
-
 def profile_step(policy, draft, batch, opt0, opt1, cfg, dev):
     """Where the draft's share of a co-training step goes: per op, device time of the co-trained step
     minus that of the policy-only step (top 25 by difference), plus both steps' kernel and host totals
     (a launch-bound draft shows host time well above its kernels' time)."""
-    base, host0, _ = _device_times(lambda: cotrain_step(policy, None, batch, opt0, None, StepConfig(draft_weight=0.0)),
+    base, host0, _ = device_times(lambda: cotrain_step(policy, None, batch, opt0, None, StepConfig(draft_weight=0.0)),
                                    dev)
-    co, host1, prof = _device_times(lambda: cotrain_step(policy, draft, batch, opt1, None, cfg), dev)
-    # aten ops nest (a matmul's time is also in its autograd node): compare leaf kernels on CUDA
-    kern = (lambda d: {k: v for k, v in d.items() if not k.startswith(("aten::", "autograd::", "Optimizer", "cudaLaunch",
-                                                                     "cudaMemcpy", "cudaStream", "ProfilerStep"))}
-            ) if dev.type == "cuda" else (lambda d: d)
-    kb, kc = kern(base), kern(co)
+    co, host1, prof = device_times(lambda: cotrain_step(policy, draft, batch, opt1, None, cfg), dev)
+    kb, kc = leaf_kernels(base, dev), leaf_kernels(co, dev)
     print(f"kernel time per step: policy-only {sum(kb.values()) / 1e3:.2f} ms, co-trained {sum(kc.values()) / 1e3:.2f} "
           f"ms; host time per step (profiled) {host0 / 1e3:.2f} vs {host1 / 1e3:.2f} ms", flush=True)
     diff = sorted(((kc.get(k, 0.0) - kb.get(k, 0.0), k) for k in set(kb) | set(kc)), reverse=True)

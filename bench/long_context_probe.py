@@ -18,6 +18,8 @@ step and the drafter) and `dflash`; `policy_shared`, `eagle3_shared` and `dflash
 prompt group's shared prompt run once (train.share_prompts: parallel/shared_prompts.py), whose policy loss must
 equal the unshared step's (`policy_loss`: a check, not a timing).
 The draft's overhead is each variant's step minus `policy`'s; on CUDA each variant's peak memory too (`peak_gib`).
+`--profile VARIANT ...` then profiles two more steps of each named variant on the last batch (`profile`: wall time,
+the kernels' summed device time, the top kernels), to split a step's time into kernels and host waits.
 `--decode 0` skips the decode part. Activation checkpointing as the config says (on in long_context.toml;
 `--set train.activation_checkpointing=false`: the step without its recompute).
 
@@ -31,6 +33,7 @@ import time
 import torch
 
 from _results import write_results
+from _timing import device_times, leaf_kernels
 from specco.config_load import load_config
 from specco.data.source import load_data
 from specco.data.tokenizer import build_char_tokenizer
@@ -71,6 +74,8 @@ def main():
     ap.add_argument("--train-rows", type=int, default=0, help="rows per train step (0: the config's step)")
     ap.add_argument("--completion", default="470,1540", help="completion lengths lo,hi (the workload's range)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", nargs="*", default=[],
+                    help="variants to profile after the timings (e.g. policy_shared)")
     ap.add_argument("--set", nargs="*", default=[], help="config overrides (key=value), e.g. a small policy on CPU")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -138,6 +143,7 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
     losses: dict[str, list[float]] = {n: [] for n in variants if variants[n][0] is not None}
     policy_losses: dict[str, list[float]] = {n: [] for n in variants}
     peaks: dict[str, float] = {}  # GiB, CUDA only
+    prof: dict[str, dict] = {}
     names = list(variants)
     homes = (drafters, cotrain)  # the step's logits_from and the drafter's anchors
     try:
@@ -165,16 +171,38 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
                         losses[name].append(m["draft/loss"])
                     policy_losses[name].append(m["policy/loss"])
                 print(f"step {step} {name}: {t:.3f} s (first pass on the batch {t_first:.3f} s)", flush=True)
+        for name in a.profile:  # on the last batch, whose shapes every variant has planned
+            draft, anchor, layout = variants[name]
+            for home in homes:
+                home.first_anchor = anchor
+            prof[name] = profile_step(lambda: cotrain_step(policy, draft, batch, opts[name], None, scfg, layout=layout),
+                                      dev)
     finally:
         for home in homes:
             home.first_anchor = real
     out = {"rows": rows, "width": int(batch.tokens.shape[1]), "completion": [lo, hi],
            "step_s": {n: sum(v) / len(v) for n, v in times.items()}, "steps_s": times, "first_pass_s": first,
            "draft_loss": losses, "policy_loss": policy_losses,
-           "peak_gib": peaks}
+           "peak_gib": peaks, "profile": prof}
     out["draft_overhead_s"] = {n: out["step_s"][n] - out["step_s"]["policy_shared" if "shared" in n else "policy"]
                                for n in names if not n.startswith("policy")}
     print(out["step_s"], out["draft_overhead_s"], flush=True)
+    return out
+
+
+def profile_step(run, dev, top: int = 30) -> dict:
+    """Where one step's time goes: its wall time under the profiler, the sum of its kernels' device time (their
+    gap to the wall is host time the device waited through: launches, planning, synchronisations), and the `top`
+    kernels by device time, each with its share of the kernel time."""
+    ops, host_us, _ = device_times(run, dev, reps=2)
+    kern = leaf_kernels(ops, dev)
+    total = sum(kern.values())
+    rows = sorted(kern.items(), key=lambda kv: -kv[1])[:top]
+    out = {"wall_s": host_us / 1e6, "kernel_s": total / 1e6,
+           "top": [{"kernel": k[:160], "ms": v / 1e3, "share": v / total} for k, v in rows]}
+    print(f"profile: wall {out['wall_s']:.3f} s, kernels {out['kernel_s']:.3f} s", flush=True)
+    for r in out["top"]:
+        print(f"  {r['ms']:9.2f} ms {r['share']:6.1%}  {r['kernel'][:100]}", flush=True)
     return out
 
 

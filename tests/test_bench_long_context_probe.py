@@ -23,7 +23,7 @@ def test_long_context_probe_train_step(tmp_path):
                         "--decode", "0", "--train-steps", "1", "--train-rows", "4", "--completion", "300,400", "--set",
                         "policy.hidden_size=32", "policy.num_layers=2", "policy.num_heads=2", "policy.num_kv_heads=2",
                         "policy.intermediate_size=64", "data.context_tokens=[200,300]", "train.amp=none",
-                        "--out", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT)
+                        "--profile", "policy_shared", "--out", str(out)], capture_output=True, text=True, timeout=180, cwd=ROOT)
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())["train"]
     assert set(r["step_s"]) == {"policy", "eagle3", "eagle3_whole", "dflash", "policy_shared", "eagle3_shared",
@@ -33,6 +33,10 @@ def test_long_context_probe_train_step(tmp_path):
                                                                 for v in r["first_pass_s"].values())
     assert set(r["draft_overhead_s"]) == {"eagle3", "eagle3_whole", "dflash", "eagle3_shared", "dflash_shared"}
     # the shared prompts' step trains the same policy loss (fp32, other shapes: 1e-5) and the same draft loss
+    # the profile's kernels (on CPU: its ops, nested) are what the step ran, each a positive share
+    prof = r["profile"]["policy_shared"]
+    assert prof["wall_s"] > 0 and prof["kernel_s"] > 0 and prof["top"]
+    assert all(t["ms"] > 0 and 0 < t["share"] <= 1 for t in prof["top"])
     (p,), (q,) = r["policy_loss"]["policy"], r["policy_loss"]["policy_shared"]
     assert q == pytest.approx(p, rel=1e-5)
     for kind in ("eagle3", "dflash"):
