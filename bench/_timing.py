@@ -71,10 +71,20 @@ def device_times(fn, dev, reps=3):
     return ops, host_us, prof
 
 
-def leaf_kernels(ops: dict, dev) -> dict:
-    """`ops` (device_times') without the entries that nest others: on CUDA, the kernels alone (an aten op's device
-    time is also its kernels', an autograd node's its ops'), so their times add up to the device's busy time."""
-    if dev.type != "cuda":
-        return ops
-    return {k: v for k, v in ops.items() if not k.startswith(("aten::", "autograd::", "Optimizer", "cudaLaunch",
-                                                                "cudaMemcpy", "cudaStream", "ProfilerStep"))}
+def leaf_kernels(prof, dev, reps: int) -> dict:
+    """{kernel name: device microseconds per call} of a device_times profile: on CUDA the events that ran on the
+    device (kernels, copies), which nest nothing, so they add up to the device's busy time; an op's or an autograd
+    node's device time is its kernels' again (a custom autograd Function shows under its own name too). Elsewhere
+    every op's CPU time (they nest)."""
+    from torch.autograd import DeviceType
+    out = {}
+    for ev in prof.key_averages():
+        if dev.type != "cuda":
+            t = ev.cpu_time_total
+        elif ev.device_type == DeviceType.CUDA:
+            t = ev.device_time_total
+        else:
+            continue
+        if t:
+            out[ev.key] = t / reps
+    return out

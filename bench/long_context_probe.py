@@ -194,8 +194,8 @@ def profile_step(run, dev, top: int = 30) -> dict:
     """Where one step's time goes: its wall time under the profiler, the sum of its kernels' device time (their
     gap to the wall is host time the device waited through: launches, planning, synchronisations), and the `top`
     kernels by device time, each with its share of the kernel time."""
-    ops, host_us, _ = device_times(run, dev, reps=2)
-    kern = leaf_kernels(ops, dev)
+    _, host_us, prof = device_times(run, dev, reps=2)
+    kern = leaf_kernels(prof, dev, 2)
     total = sum(kern.values())
     rows = sorted(kern.items(), key=lambda kv: -kv[1])[:top]
     out = {"wall_s": host_us / 1e6, "kernel_s": total / 1e6,
