@@ -21,7 +21,8 @@ The draft's overhead is each variant's step minus `policy`'s; on CUDA each varia
 `--profile VARIANT ...` then profiles two more steps of each named variant on the last batch (`profile`: wall time,
 the kernels' summed device time, the top kernels), to split a step's time into kernels and host waits.
 `--decode 0` skips the decode part. Activation checkpointing as the config says (on in long_context.toml;
-`--set train.activation_checkpointing=false`: the step without its recompute).
+`--set train.activation_checkpointing=false`: the step without its recompute), and the trainer's layers compiled as
+`train.compile` says (`--set train.activation_checkpointing=false train.compile=inductor`).
 
     python bench/long_context_probe.py --decode 0 --train-steps 4"""
 from __future__ import annotations
@@ -45,7 +46,8 @@ from specco.runner.derive import step_config
 from specco.runner.warmstart import new_block_draft, new_draft
 from specco.train import cotrain, drafters
 from specco.train.activation_checkpointing import apply_activation_checkpointing
-from specco.train.cotrain import TrainBatch, build_optimizer, cotrain_step
+from specco.train.compile import apply_compile, warm_up
+from specco.train.cotrain import AMP_DTYPES, TrainBatch, build_optimizer, cotrain_step
 from specco.train.sft import sft_batch, sft_loss, tiny_policy_config
 
 
@@ -126,6 +128,9 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
     lo, hi = (int(x) for x in a.completion.split(","))
     if cfg.train.activation_checkpointing:  # the config's (on in long_context.toml; --set ...=false: without)
         apply_activation_checkpointing(policy)
+    if cfg.train.compile != "none":  # as the trainer does (runner/trainer.py), before the first step
+        secs = warm_up(apply_compile(policy, cfg.train.compile), AMP_DTYPES[cfg.train.amp])
+        print(f"compiled the layers in {secs:.1f} s", flush=True)
     warm = train_batch(cfg, train, 4, (lo, hi), policy.cfg.vocab_size, dev, seed=99).tokens
     eagle = new_draft(policy, warm, cfg.draft.draft_vocab_size, cfg.draft.aux_layer_ids)
     dflash = new_block_draft(policy, warm, "dflash", cfg.rollout.block_k, cfg.draft.aux_layer_ids, pad_id,
