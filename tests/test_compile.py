@@ -7,7 +7,10 @@
 * One compiled function serves every layer, width and model copy (no recompiles past the dynamic one);
   warm_up compiles both graphs before the first step and leaves no state behind.
 * An RL run with train.compile = aot_eager matches the eager run's first-step numbers.
-* Refused by name: an unknown backend, with activation checkpointing, with CP/PP, outside `specco train`.
+* With activation checkpointing (either order of applying the two): outputs and gradients as eager, the compiled
+  forward run twice per layer in a training step (the recompute: the checkpoint really drops the activations) and
+  once under no_grad; removing either wrapper leaves the other working.
+* Refused by name: an unknown backend, with CP/PP, outside `specco train`.
 """
 import copy
 
@@ -18,7 +21,8 @@ from specco.config_load import load_config
 from specco.model.config import ConfigError
 from specco.runner.derive import check_parallel
 from specco.runner.rl import run_arm
-from specco.train.activation_checkpointing import apply_activation_checkpointing
+from specco.train.activation_checkpointing import (_layers, apply_activation_checkpointing, checkpointed,
+                                                   remove_activation_checkpointing)
 from specco.train.compile import _COMPILED, apply_compile, remove_compile, warm_up
 from test_grpo import DigitTask, _cfg, _setup
 from test_rollout_helpers import tiny_policy
@@ -116,15 +120,56 @@ def test_rl_step_with_compiled_layers_matches_eager(tmp_path):
 def test_compile_refusals():
     with pytest.raises(ConfigError, match="train.compile='fast'"):
         load_config(DEMO, ["train.compile=fast"])
-    with pytest.raises(ConfigError, match="activation_checkpointing"):
-        load_config(DEMO, ["train.compile=inductor", "train.activation_checkpointing=true"])
+    assert load_config(DEMO, ["train.compile=inductor", "train.activation_checkpointing=true"]).train.compile
     cfg = load_config(DEMO, ["train.compile=inductor", "parallel.cp=2"])
     with pytest.raises(ConfigError, match="context parallelism is not implemented"):
         check_parallel(cfg, 2, "train")
     with pytest.raises(ConfigError, match="specco cotrain-cp"):
         check_parallel(load_config(DEMO, ["train.compile=inductor"]), 1, "cotrain-cp")
-    policy = apply_activation_checkpointing(tiny_policy(V=32, h=32, layers=2))
+    policy = tiny_policy(V=32, h=32, layers=2)
+    next(iter(_layers(policy))).forward = lambda *a: None  # a wrapper apply_compile does not know
     with pytest.raises(ValueError, match="already wrapped"):
         apply_compile(policy, "aot_eager")
     with pytest.raises(ValueError, match="compile backend 'x'"):
         apply_compile(tiny_policy(V=32, h=32, layers=2), "x")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("order", ["checkpoint_first", "compile_first"])
+def test_compile_with_activation_checkpointing(order, monkeypatch):
+    """Checkpointed and compiled layers: eager's outputs and gradients (aot_eager: the same ops, 1e-5 as above),
+    and the compiled forward runs 2x per layer in a step (forward, then the backward's recompute) and 1x under
+    no_grad; 1x per layer in a step without the checkpoint (so the recompute is the checkpoint's)."""
+    import specco.train.compile as comp
+    eager = tiny_policy(V=32, h=32, layers=3)
+    model = copy.deepcopy(eager)
+    if order == "checkpoint_first":
+        apply_compile(apply_activation_checkpointing(model), "aot_eager")
+    else:
+        apply_activation_checkpointing(apply_compile(model, "aot_eager"))
+    assert all(checkpointed(layer) is not None for layer in _layers(model))
+    calls = []
+    real = comp._compiled
+    monkeypatch.setattr(comp, "_compiled", lambda *a: (calls.append(a), real(*a))[1])
+    tokens = torch.randint(0, 32, (3, 13), generator=torch.Generator().manual_seed(1))
+    want_out, want_grads = _loss_and_grads(eager, tokens)
+    got_out, got_grads = _loss_and_grads(model, tokens)
+    assert torch.allclose(got_out, want_out, atol=1e-5, rtol=0)
+    for n, w in want_grads.items():
+        assert torch.allclose(got_grads[n], w, atol=1e-5, rtol=0), n
+    assert len(calls) == 2 * 3
+    calls.clear()
+    with torch.no_grad():
+        model(tokens)
+    assert len(calls) == 3
+    remove_activation_checkpointing(model)  # compiled, unchecked: one call per layer, the same numbers
+    calls.clear()
+    got_out, got_grads = _loss_and_grads(model, tokens)
+    assert len(calls) == 3 and torch.allclose(got_out, want_out, atol=1e-5, rtol=0)
+    apply_activation_checkpointing(model)
+    remove_compile(model)  # checkpointed, eager again: no compiled call
+    calls.clear()
+    got_out, got_grads = _loss_and_grads(model, tokens)
+    assert not calls and all(checkpointed(layer) is not None for layer in _layers(model))
+    for n, w in want_grads.items():
+        assert torch.allclose(got_grads[n], w, atol=1e-5, rtol=0), n

@@ -15,6 +15,8 @@ The draft's taps are layer outputs, which checkpointing keeps anyway.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -24,16 +26,19 @@ __all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing"]
 
 class _CheckpointedForward:
     """A layer's forward that recomputes its activations in the backward. A callable object holding the
-    layer (not a closure), so `copy.deepcopy` of the model rebinds it to the copied layer."""
+    layer (not a closure), so `copy.deepcopy` of the model rebinds it to the copied layer. `inner` is the
+    forward it checkpoints: None for the layer class's own, or the instance forward the layer had when it was
+    wrapped or was given after (train/compile.py's compiled forward), so checkpointing and compiling compose in
+    either order: the recompute runs the same compiled graph again."""
 
-    def __init__(self, layer: nn.Module):
-        self.layer = layer
+    def __init__(self, layer: nn.Module, inner=None):
+        self.layer, self.inner = layer, inner
 
     def __call__(self, x, cos, sin, attn_core=None):  # DecoderLayer.forward's signature
-        plain = type(self.layer).forward
+        fn = self.inner or functools.partial(type(self.layer).forward, self.layer)
         if not torch.is_grad_enabled():
-            return plain(self.layer, x, cos, sin, attn_core)
-        return checkpoint(plain, self.layer, x, cos, sin, attn_core, use_reentrant=False)
+            return fn(x, cos, sin, attn_core)
+        return checkpoint(fn, x, cos, sin, attn_core, use_reentrant=False)
 
 
 def _layers(model: nn.Module):
@@ -45,16 +50,30 @@ def _layers(model: nn.Module):
 
 
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Checkpoint every decoder layer of `model` (idempotent); returns the model."""
+    """Checkpoint every decoder layer of `model` (idempotent) around the forward it has (its class's, or an
+    instance forward such as a compiled one); returns the model."""
     for layer in _layers(model):
-        if not isinstance(layer.__dict__.get("forward"), _CheckpointedForward):
-            layer.forward = _CheckpointedForward(layer)
+        fwd = layer.__dict__.get("forward")
+        if not isinstance(fwd, _CheckpointedForward):
+            layer.forward = _CheckpointedForward(layer, fwd)
     return model
 
 
 def remove_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Undo `apply_activation_checkpointing`."""
-    return unwrap_layers(model, _CheckpointedForward)
+    """Undo `apply_activation_checkpointing`: each layer keeps the forward it checkpointed."""
+    for layer in _layers(model):
+        fwd = layer.__dict__.get("forward")
+        if isinstance(fwd, _CheckpointedForward):
+            del layer.forward
+            if fwd.inner is not None:
+                layer.forward = fwd.inner
+    return model
+
+
+def checkpointed(layer: nn.Module) -> _CheckpointedForward | None:
+    """The layer's checkpointing wrapper, or None where it runs unchecked."""
+    fwd = layer.__dict__.get("forward")
+    return fwd if isinstance(fwd, _CheckpointedForward) else None
 
 
 def unwrap_layers(model: nn.Module, wrapper: type) -> nn.Module:

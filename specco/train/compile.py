@@ -10,7 +10,9 @@ them into the matmuls' neighbours.
 activation checkpointing does; the model's code stays plain) by one compiled function of the layer class's
 own forward, shared by every layer: with torch's inlining of nn.Modules the layer's parameters are graph
 inputs, so 28 layers compile one graph per mode (train, no-grad), and `dynamic=True` keeps the varying
-micro-batch widths from recompiling. Only the trainer's copy is compiled: the rollout engine decodes
+micro-batch widths from recompiling. A checkpointed layer (train/activation_checkpointing.py) keeps its
+checkpoint around the compiled forward: the forward saves only the layer's input, and the backward's recompute
+runs the same compiled graph again (grad mode, the same shapes: no new graph). Only the trainer's copy is compiled: the rollout engine decodes
 through its own fused kernels and never calls these forwards.
 
 `apply_draft_compile(draft, backend)` (config train.compile_draft) does the same for the co-trained EAGLE-3
@@ -32,7 +34,7 @@ from torch import nn
 from .train_config import COMPILE_BACKENDS
 from ..model.draft import Eagle3Draft
 from ..model.ttt import ttt_forward
-from .activation_checkpointing import _layers, unwrap_layers
+from .activation_checkpointing import _layers, checkpointed, unwrap_layers
 
 __all__ = ["COMPILE_BACKENDS", "apply_compile", "remove_compile", "warm_up", "apply_draft_compile",
            "remove_draft_compile", "warm_up_draft"]
@@ -130,10 +132,14 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
     if backend == "none":
         return model
     for layer in _layers(model):
-        if "forward" in layer.__dict__ and not isinstance(layer.__dict__["forward"], _CompiledMethod):
-            raise ValueError("apply_compile: the layers' forward is already wrapped (activation checkpointing?); "
-                             "compiling a checkpointed layer is not implemented")
-        layer.forward = _CompiledMethod(layer, "forward", backend)
+        ckpt = checkpointed(layer)
+        if ckpt is not None:  # checkpointed: the checkpoint runs (and recomputes) the compiled forward
+            ckpt.inner = _CompiledMethod(layer, "forward", backend)
+        elif "forward" in layer.__dict__ and not isinstance(layer.__dict__["forward"], _CompiledMethod):
+            raise ValueError(f"apply_compile: the layers' forward is already wrapped "
+                             f"({type(layer.__dict__['forward']).__name__}); compiling it is not implemented")
+        else:
+            layer.forward = _CompiledMethod(layer, "forward", backend)
     return model
 
 
@@ -169,5 +175,9 @@ def warm_shapes(model: nn.Module, amp_dtype: torch.dtype | None, shapes: list[tu
 
 
 def remove_compile(model: nn.Module) -> nn.Module:
-    """Undo `apply_compile`."""
+    """Undo `apply_compile` (a checkpointed layer stays checkpointed, around its own forward again)."""
+    for layer in _layers(model):
+        ckpt = checkpointed(layer)
+        if ckpt is not None and isinstance(ckpt.inner, _CompiledMethod):
+            ckpt.inner = None
     return unwrap_layers(model, _CompiledMethod)

@@ -87,7 +87,8 @@ class TrainSpec:
     activation_checkpointing: bool = False
     # torch.compile the RL trainer's decoder layers (train/compile.py): "inductor" fuses the eager forward's
     # elementwise kernels (norms, RoPE, SwiGLU, casts); "aot_eager" only checks that they compile; "none" =
-    # eager. The rollout engine is never compiled (its decode path has its own fused kernels).
+    # eager. With activation_checkpointing the checkpoint runs the compiled forward and its recompute runs the
+    # same graph again. The rollout engine is never compiled (its decode path has its own fused kernels).
     compile: str = "none"
     # ... and the co-trained EAGLE-3 draft's per-pass layer work with the same backend (train/compile.py
     # apply_draft_compile: norms, q/k/v with RoPE, output projection, MLP; its attention and loss stay eager).
@@ -140,9 +141,6 @@ class TrainSpec:
                "or 'skip'")
         _check(self.compile in COMPILE_BACKENDS, f"train.compile={self.compile!r}: use one of "
                f"{', '.join(repr(x) for x in COMPILE_BACKENDS)}")
-        _check(self.compile == "none" or not self.activation_checkpointing,
-               f"train.compile={self.compile!r} with train.activation_checkpointing: compiling checkpointed "
-               "layers is not implemented; use one of the two")
         _check(not self.compile_draft or self.compile != "none", "train.compile_draft=true with train.compile="
                "'none': it compiles with train.compile's backend; set train.compile=inductor (or aot_eager)")
         _check(self.lr_schedule in LR_SCHEDULES, f"train.lr_schedule={self.lr_schedule!r}: use one of "
