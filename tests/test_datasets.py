@@ -281,3 +281,24 @@ def test_smollm2_chat_templating(tmp_path):
     from reasoning_gym.utils import SYSTEM_PROMPTS
     assert stats["format"] == "chat" and ex.prompt_ids == ref(
         [{"role": "system", "content": SYSTEM_PROMPTS["default"]}, {"role": "user", "content": ex.prompt}])
+
+
+def test_a_batch_encodes_as_one_at_a_time(tmp_path, chat_tok):
+    """examples() encodes its prompts as one tokenizer batch (PromptFormatter.encode_batch): the same ids as each
+    row's own encoding, in order, for a file (chat template and raw text), a procedural chat source and the
+    long-context lookup format (prompts of thousands of characters)."""
+    rows = [{"prompt": r["prompt"] * (1 + i % 3), "answer": r["answer"]} for i, r in enumerate(ROWS)]
+    path = _write(tmp_path, rows, "b.jsonl")
+    for template in ("", "none"):
+        train, _, _ = load_data(DataSpec(source=path, chat_template=template), chat_tok)
+        batch = train.examples(12, seed=1, offset=5)
+        assert [e.prompt_ids for e in batch] == [train.row_example(e.index, e.row).prompt_ids for e in batch]
+        assert len({len(e.prompt_ids) for e in batch}) > 1  # rows of different lengths in one batch
+    train, _, _ = load_data(DataSpec(source="reasoning_gym:leg_counting"), chat_tok)
+    batch = train.examples(4, seed=0, offset=3)
+    assert [e.prompt_ids for e in batch] == [train.item_example(e.index, 0).prompt_ids for e in batch]
+    tok = build_char_tokenizer()
+    opts = {"min_terms": 3, "max_terms": 4, "min_digits": 1, "max_digits": 1, "allow_negation": False}
+    train, _, _ = load_data(DataSpec(options=opts, format="lookup", context_tokens=(1500, 2000)), tok)
+    batch = train.examples(3, seed=0)
+    assert all(e.prompt_ids == tok.encode(e.prompt, add_bos=True) and len(e.prompt_ids) >= 1500 for e in batch)

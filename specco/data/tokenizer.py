@@ -113,6 +113,10 @@ class Tokenizer:
         ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return ([self.bos_id] if add_bos and self.bos_id is not None else []) + ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = False) -> list[list[int]]:
+        """`encode` of each text (no add_bos), the batch encoded on every core by the HF backend."""
+        return [e.ids for e in self.backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
     def prompt_ids(self, text: str, chat: bool = False, system: str | None = None) -> list[int]:
         """A user prompt as the model should see it: chat-templated (chat=True; the template writes
         its own special tokens) or encoded with the tokenizer's default special tokens."""
