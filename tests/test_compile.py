@@ -135,18 +135,19 @@ def test_compile_refusals():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("order", ["checkpoint_first", "compile_first"])
-def test_compile_with_activation_checkpointing(order, monkeypatch):
-    """Checkpointed and compiled layers: eager's outputs and gradients (aot_eager: the same ops, 1e-5 as above),
+@pytest.mark.parametrize("order,backend", [("checkpoint_first", "aot_eager"), ("compile_first", "aot_eager"),
+                                           pytest.param("checkpoint_first", "inductor", marks=pytest.mark.slow)])
+def test_compile_with_activation_checkpointing(order, backend, monkeypatch):
+    """Checkpointed and compiled layers: eager's outputs and gradients (1e-5 as above),
     and the compiled forward runs 2x per layer in a step (forward, then the backward's recompute) and 1x under
     no_grad; 1x per layer in a step without the checkpoint (so the recompute is the checkpoint's)."""
     import specco.train.compile as comp
     eager = tiny_policy(V=32, h=32, layers=3)
     model = copy.deepcopy(eager)
     if order == "checkpoint_first":
-        apply_compile(apply_activation_checkpointing(model), "aot_eager")
+        apply_compile(apply_activation_checkpointing(model), backend)
     else:
-        apply_activation_checkpointing(apply_compile(model, "aot_eager"))
+        apply_activation_checkpointing(apply_compile(model, backend))
     assert all(checkpointed(layer) is not None for layer in _layers(model))
     calls = []
     real = comp._compiled
