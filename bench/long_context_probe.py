@@ -16,7 +16,8 @@ each run twice on a batch, the second timed (`step_s`; the first, which plans th
 `eagle3_whole` (every anchor and every position's logits, as before 2026-12-05: first_anchor forced to 0 in the
 step and the drafter) and `dflash`; `policy_shared`, `eagle3_shared` and `dflash_shared` are those with each
 prompt group's shared prompt run once (train.share_prompts: parallel/shared_prompts.py), whose policy loss must
-equal the unshared step's (`policy_loss`: a check, not a timing).
+equal the unshared step's (`policy_loss`: a check, not a timing); `policy_shared_copied` is `policy_shared` with the
+segments' attention as before 2026-12-07 (the prefix's keys and values copied once per segment).
 The draft's overhead is each variant's step minus `policy`'s; on CUDA each variant's peak memory too (`peak_gib`).
 `--profile VARIANT ...` then profiles two more steps of each named variant on the last batch (`profile`: wall time,
 the kernels' summed device time, the top kernels), to split a step's time into kernels and host waits.
@@ -38,7 +39,9 @@ from _timing import device_times, leaf_kernels
 from specco.config_load import load_config
 from specco.data.source import load_data
 from specco.data.tokenizer import build_char_tokenizer
+from specco.model.layers import causal_sdpa
 from specco.model.policy import Policy
+from specco.parallel import shared_prompts
 from specco.parallel.layout import PADDED, SHARED_PROMPTS
 from specco.rollout.engine import RolloutEngine
 from specco.runner.derive import generate_config
@@ -121,6 +124,14 @@ def train_batch(cfg, train, rows: int, completion: tuple[int, int], vocab: int, 
                       logp_old=(-torch.rand(rows, S, generator=g) * 3).to(dev))
 
 
+def _copied_prefix(q, k_pre, v_pre, k_own, v_own):
+    """The segments' attention as before 2026-12-07 (`policy_shared_copied`): each segment's keys and values
+    [prefix, own] copied out, the prefix once per segment, then causal_sdpa aligned to the lower right."""
+    n = q.shape[0]
+    return causal_sdpa(q, torch.cat([k_pre.expand(n, -1, -1, -1), k_own], 2),
+                       torch.cat([v_pre.expand(n, -1, -1, -1), v_own], 2), lower_right=True)
+
+
 def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
     """Seconds per RL train step of each variant (module docstring), on the same batches. The random completions
     use every token id, so DFlash's mask token is the pad id, as the runner's fallback (runner/prepare.py)."""
@@ -140,7 +151,7 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
     variants = {"policy": (None, real, PADDED), "eagle3": (eagle, real, PADDED),
                 "eagle3_whole": (eagle, whole_anchor, PADDED), "dflash": (dflash, real, PADDED),
                 "policy_shared": (None, real, SHARED_PROMPTS), "eagle3_shared": (eagle, real, SHARED_PROMPTS),
-                "dflash_shared": (dflash, real, SHARED_PROMPTS)}
+                "dflash_shared": (dflash, real, SHARED_PROMPTS), "policy_shared_copied": (None, real, SHARED_PROMPTS)}
     scfg = step_config(cfg, "cotrained")
     opts = {n: build_optimizer(policy, d, 0.0, 0.0) for n, (d, _, _) in variants.items()}  # lr 0: weights stay put
     times: dict[str, list[float]] = {n: [] for n in variants}
@@ -151,6 +162,7 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
     prof: dict[str, dict] = {}
     names = list(variants)
     homes = (drafters, cotrain)  # the step's logits_from and the drafter's anchors
+    segments = shared_prompts.prefix_segments_attention
     try:
         for step in range(a.train_steps + 1):  # step 0 warms every variant (allocator, kernels), untimed
             batch = train_batch(cfg, train, rows, (lo, hi), policy.cfg.vocab_size, dev, seed=step)
@@ -158,6 +170,7 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
                 draft, anchor, layout = variants[name]
                 for home in homes:
                     home.first_anchor = anchor
+                shared_prompts.prefix_segments_attention = _copied_prefix if name.endswith("_copied") else segments
                 m = {}
                 run = lambda: m.update(cotrain_step(policy, draft, batch, opts[name], None, scfg,  # noqa: E731
                                                     layout=layout))
@@ -185,6 +198,7 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
     finally:
         for home in homes:
             home.first_anchor = real
+        shared_prompts.prefix_segments_attention = segments
     out = {"rows": rows, "width": int(batch.tokens.shape[1]), "completion": [lo, hi],
            "step_s": {n: sum(v) / len(v) for n, v in times.items()}, "steps_s": times, "first_pass_s": first,
            "draft_loss": losses, "policy_loss": policy_losses,
@@ -225,7 +239,8 @@ def decode_and_sft(a, cfg, tok, train, policy, prompts, res, dev, new1, new2):
             print(f"{name} generate {a.rows} rows x {n} new at {a.context}: {t:.3f} s", flush=True)
             eng = None
             torch.cuda.empty_cache()
-        res[f"{name}_step_ms"] = 1e3 * (res[f"{name}_generate_{new2}_s"] - res[f"{name}_generate_{new1}_s"]) / (new2 - new1)
+        t1, t2 = res[f"{name}_generate_{new1}_s"], res[f"{name}_generate_{new2}_s"]
+        res[f"{name}_step_ms"] = 1e3 * (t2 - t1) / (new2 - new1)
         print(f"{name} decode step {res[f'{name}_step_ms']:.2f} ms", flush=True)
     ex = train.examples(a.sft_rows, seed=1)
     ids, mask = sft_batch(ex, tok, device=dev)

@@ -27,11 +27,14 @@ def test_long_context_probe_train_step(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     r = json.loads(out.read_text())["train"]
     assert set(r["step_s"]) == {"policy", "eagle3", "eagle3_whole", "dflash", "policy_shared", "eagle3_shared",
-                                "dflash_shared"}
+                                "dflash_shared", "policy_shared_copied"}
     assert all(len(v) == 1 and v[0] > 0 for v in r["steps_s"].values())
     assert set(r["first_pass_s"]) == set(r["steps_s"]) and all(len(v) == 1 and v[0] > 0
                                                                 for v in r["first_pass_s"].values())
     assert set(r["draft_overhead_s"]) == {"eagle3", "eagle3_whole", "dflash", "eagle3_shared", "dflash_shared"}
+    # the segments' attention with the prefix copied per segment (as before) trains the same loss (fp32: 1e-5)
+    (c,), = r["policy_loss"]["policy_shared_copied"],
+    assert c == pytest.approx(r["policy_loss"]["policy_shared"][0], rel=1e-5)
     # the shared prompts' step trains the same policy loss (fp32, other shapes: 1e-5) and the same draft loss
     # the profile's kernels (on CPU: its ops, nested) are what the step ran, each a positive share
     prof = r["profile"]["policy_shared"]

@@ -213,3 +213,29 @@ def test_compiled_layers_reuse_their_graphs_across_micro_batches():
         policy(sh.batch.tokens, sh.batch.positions, attn_core=sh.attn_core).logits.sum().backward()
         seen.append(counters["stats"]["unique_graphs"])
     assert seen[-1] == seen[1], seen  # the first two micro-batches' shapes (static, then dynamic) compile; no more
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_prefix_segments_attention_equals_the_copied_prefix(heads, kv_heads):
+    """prefix_segments_attention (the segments' queries as one block against one prefix, merged with their own
+    causal squares) equals causal_sdpa(lower_right=True) over each segment's [prefix, own] keys -- the n copies of
+    the prefix it replaces -- in outputs and in the gradients of q, the prefix's k/v (summed over the segments)
+    and the own k/v; fp64, 1e-10 (only the association order of the sums differs)."""
+    from specco.model.layers import causal_sdpa
+    from specco.parallel.shared_prompts import prefix_segments_attention
+    g = torch.Generator().manual_seed(3)
+    n, L, p, D = 3, 7, 11, 8
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+    q, k_pre, v_pre, k_own, v_own = r(n, heads, L, D), r(1, kv_heads, p, D), r(1, kv_heads, p, D), \
+        r(n, kv_heads, L, D), r(n, kv_heads, L, D)
+    w = torch.randn(n, heads, L, D, generator=g, dtype=torch.float64)
+    got = prefix_segments_attention(q, k_pre, v_pre, k_own, v_own)
+    grads = torch.autograd.grad((got * w).sum(), (q, k_pre, v_pre, k_own, v_own))
+    want = causal_sdpa(q, torch.cat([k_pre.expand(n, -1, -1, -1), k_own], 2),
+                       torch.cat([v_pre.expand(n, -1, -1, -1), v_own], 2), lower_right=True)
+    wgrads = torch.autograd.grad((want * w).sum(), (q, k_pre, v_pre, k_own, v_own))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads, wgrads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert grads[1].shape == (1, kv_heads, p, D)

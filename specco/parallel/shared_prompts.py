@@ -37,8 +37,57 @@ import torch.nn.functional as F
 from ..batch import TrainBatch, device_indices, round_up
 from ..model.layers import causal_sdpa
 from ..model.ttt import shift_left
+from ..ops.attention import autocast_inputs, merge_lse, ttt_trunk_impl
+from ..ops.sdpa_adapter import block_attn_bwd, block_attn_fwd
 
-__all__ = ["SharedRows", "prompt_groups", "share_prompts", "shared_micro_batches"]
+__all__ = ["SharedRows", "prompt_groups", "share_prompts", "shared_micro_batches", "prefix_segments_attention"]
+
+
+def prefix_segments_attention(q: torch.Tensor, k_pre: torch.Tensor, v_pre: torch.Tensor, k_own: torch.Tensor,
+                              v_own: torch.Tensor) -> torch.Tensor:
+    """A packed row's segments against its shared prefix: q (n, H, L, D), the prefix's k_pre / v_pre (1, Hkv, p,
+    D), each segment's own k_own / v_own (n, Hkv, L, D) -> (n, H, L, D), segment query j seeing every prefix key
+    and its own keys 0..j. The same as causal_sdpa(lower_right=True) over [prefix, own] per segment, without
+    making n copies of the prefix's keys and values (n x p x Hkv x D each, forward and recompute, their
+    gradients summed back over the copies): every segment's queries as one block of n*L against the prefix
+    (no mask), the own causal squares apart, merged by merge_lse; the backward runs each block's kernel with the
+    joint (out, lse), the prefix's gradient from one block. Scale 1/sqrt(D)."""
+    (q, k_pre, v_pre, k_own, v_own), no_autocast = autocast_inputs(q, k_pre, v_pre, k_own, v_own)
+    with no_autocast:
+        return _PrefixSegments.apply(q, k_pre, v_pre, k_own, v_own, ttt_trunk_impl(q))
+
+
+def _as_one_row(x: torch.Tensor) -> torch.Tensor:
+    """(n, H, L, ...) -> (1, H, n*L, ...): the segments' rows one after another."""
+    return x.transpose(0, 1).reshape(1, x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+
+
+def _as_segments(x: torch.Tensor, n: int) -> torch.Tensor:
+    """_as_one_row's inverse: (1, H, n*L, ...) -> (n, H, L, ...) (a view)."""
+    return x.reshape(x.shape[1], n, x.shape[2] // n, *x.shape[3:]).transpose(0, 1)
+
+
+class _PrefixSegments(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k_pre, v_pre, k_own, v_own, impl):
+        n = q.shape[0]
+        out_p, lse_p = block_attn_fwd(_as_one_row(q), k_pre, v_pre, False, impl=impl)  # (1, H, nL, D), (1, H, nL)
+        out_d, lse_d = block_attn_fwd(q, k_own, v_own, True, impl=impl)  # (n, H, L, D), (n, H, L)
+        out, lse = merge_lse(_as_segments(out_p, n).to(lse_p.dtype), _as_segments(lse_p, n), out_d, lse_d)
+        out = out.to(q.dtype)  # what the kernels' backward reads for D = rowsum(dout * out)
+        ctx.save_for_backward(q, k_pre, v_pre, k_own, v_own, out, lse)
+        ctx.impl = impl
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k_pre, v_pre, k_own, v_own, out, lse = ctx.saved_tensors
+        n = q.shape[0]
+        dq_p, dk_pre, dv_pre = block_attn_bwd(_as_one_row(dout), _as_one_row(q), k_pre, v_pre, _as_one_row(out),
+                                              _as_one_row(lse), False, impl=ctx.impl)
+        dq_d, dk_own, dv_own = block_attn_bwd(dout, q, k_own, v_own, out, lse, True, impl=ctx.impl)
+        dq = _as_segments(dq_p, n).to(lse.dtype) + dq_d  # summed in fp32 (at least), one rounding
+        return dq.to(q.dtype), dk_pre, dv_pre, dk_own, dv_own, None
 
 
 def prompt_groups(batch: TrainBatch) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
@@ -98,11 +147,11 @@ class SharedRows:
                 return F.pad(x[g, :, s:s + n], (0, 0, 0, L - n))
 
             q_seg = torch.stack([seg(q, s, n) for s, n in segs])  # (n_seg, H, L, D)
-            kv = []
-            for x in (k, v):
-                own = torch.stack([seg(x, s, n) for s, n in segs])  # (n_seg, Hkv, L, D)
-                kv.append(torch.cat([x[g:g + 1, :, :p].expand(len(segs), -1, -1, -1), own], dim=2))  # (n, Hkv, p+L, D)
-            o = causal_sdpa(q_seg, kv[0], kv[1], lower_right=True)  # (n_seg, H, L, D)
+            k_own, v_own = (torch.stack([seg(x, s, n) for s, n in segs]) for x in (k, v))  # (n_seg, Hkv, L, D)
+            if p:
+                o = prefix_segments_attention(q_seg, k[g:g + 1, :, :p], v[g:g + 1, :, :p], k_own, v_own)
+            else:
+                o = causal_sdpa(q_seg, k_own, v_own)  # (n_seg, H, L, D)
             parts += [o[i:i + 1, :, :n] for i, (_, n) in enumerate(segs)]
             used = p + sum(n for _, n in segs)
             if used < T:
