@@ -134,7 +134,6 @@ def test_rl_loop_dp_shard2_equals_single_process_and_resumes(tmp_path):
 
 
 @pytest.mark.parametrize("extra, world, command, match", [
-    (("train.compile=aot_eager",), 2, "train", r"train.compile='aot_eager' with parallel.dp_shard=2"),
     ((), 2, "cotrain-cp", r"FSDP runs in `specco train` only"),
 ])
 def test_fsdp_layouts_not_wired_are_refused_by_name(tmp_path, extra, world, command, match):
@@ -190,7 +189,9 @@ def test_rl_loop_dp_shard2_with_a_cast_engine_saves_the_masters(tmp_path):
 
 
 def _dflash_worker(rank, world, tmp):
-    """The co-trained DFlash arm at dp_shard 2 (its drafter reads the sharded policy's head and embeddings)."""
+    """The co-trained DFlash arm at dp_shard 2 (its drafter reads the sharded policy's head and embeddings), with
+    activation checkpointing and the trainer's layers compiled (train.compile=aot_eager: the same ops, so the fp64
+    bounds hold) inside FSDP's hooks, against the eager single process."""
     from test_grpo import DigitTask
     from specco.runner.rl import run_arm
     from specco.runner.warmstart import new_block_draft
@@ -200,8 +201,12 @@ def _dflash_worker(rank, world, tmp):
     draft = new_block_draft(policy, torch.randint(0, tok.vocab_size, (4, 8)), "dflash", gamma=2).double()
     mesh = Mesh.build(2, 1, dp_shard=2)
     st, rec = {}, []
-    rows = run_arm(_cfg(tmp, "parallel.dp_shard=2", *EXTRA), "cotrained-dflash", policy, draft, DigitTask(), tok,
-                   tmp / "d", progress=False, mesh=mesh, state_out=st, record=rec)
+    cfg = _cfg(tmp, "parallel.dp_shard=2", *EXTRA, "train.compile=aot_eager", "train.activation_checkpointing=true")
+    rows = run_arm(cfg, "cotrained-dflash", policy, draft, DigitTask(), tok, tmp / "d", progress=False, mesh=mesh,
+                   state_out=st, record=rec)
+    from specco.train.activation_checkpointing import _layers, checkpointed
+    from specco.train.compile import _CompiledMethod
+    assert all(isinstance(checkpointed(layer).inner, _CompiledMethod) for layer in _layers(st["state"].policy))
     _replay(rank, mesh, EXTRA, "cotrained-dflash", policy, draft, tok, tmp, rows, rec, _flat(st["state"]))
 
 

@@ -175,9 +175,6 @@ def _check_fsdp(cfg: RunConfig, world: int, command: str) -> None:
     if p.pp * p.dp * p.cp == 1:
         raise ConfigError(f"parallel.dp_shard={p.shard} on one process: nothing to shard over (FSDP at world 1 is "
                           f"not wired); set parallel.dp_shard to the number of processes or {off}")
-    if cfg.train.compile != "none":
-        raise ConfigError(f"train.compile={cfg.train.compile!r} with parallel.dp_shard={p.shard}: compiling the "
-                          f"sharded layers is not wired yet; set train.compile=none or {off}")
 
 
 def _check_ep(cfg: RunConfig, command: str) -> None:

@@ -167,8 +167,9 @@ def make_arm(cfg: RunConfig, arm: str, policy: Policy, draft: Eagle3Draft | Bloc
         policy = tp_copy(policy, mesh.tp_mesh, mesh.fsdp_mesh if sharded else None, prepare=ac, mp_policy=mp,
                          sequence_parallel=cfg.parallel.tp_sequence_parallel).train()
     elif sharded and mesh.pp == 1:  # the trainer's shards cut straight from `policy`: no whole copy in between
-        # (parallel/load.sharded_copy). torchtitan's order: AC wraps the meta layers before FSDP; compile under
-        # FSDP is refused (derive.check_parallel). Under PP the stage is cut from a whole copy below
+        # (parallel/load.sharded_copy). torchtitan's order: AC wraps the meta layers before FSDP; compile (below)
+        # wraps each sharded layer's forward, inside FSDP's unshard hooks. Under PP the stage is cut from a whole
+        # copy below
         ac = apply_activation_checkpointing if cfg.train.activation_checkpointing else None
         policy = sharded_copy(policy, mesh.fsdp_mesh, mp_policy=mp, prepare=recipe(place, ac)).train()
     else:

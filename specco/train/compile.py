@@ -144,21 +144,22 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
 
 
 def warm_up(model: nn.Module, amp_dtype: torch.dtype | None, rows: int = 2, width: int = 64) -> float:
-    """Compile `model`'s layers now, not inside the first timed RL step: one forward + backward and one
-    no-grad forward on a dummy batch (token 0), under the step's autocast. Leaves no gradient behind and
+    """Compile `model`'s layers now, not inside the first timed RL step: one no-grad forward and one forward +
+    backward on a dummy batch (token 0), under the step's autocast. Leaves no gradient behind and
     touches no optimizer or RNG state; returns the seconds it took. With dynamic shapes, later widths and
     row counts reuse these graphs (tests/test_compile.py counts them)."""
     tokens = torch.zeros(rows, width, dtype=torch.long, device=next(model.parameters()).device)
 
-    def run():
-        model(tokens).logits.float().sum().backward()
+    def run():  # the no-grad forward first: under FSDP one leaves the root and last layer gathered (not resharded
+        # after forward), and an optimizer built after would hold those gathered tensors; the backward reshards
         with torch.no_grad():
             model(tokens)
+        model(tokens).logits.float().sum().backward()
     return _warm(model, amp_dtype, run)
 
 
 def warm_shapes(model: nn.Module, amp_dtype: torch.dtype | None, shapes: list[tuple[int, int]]) -> float:
-    """One forward + backward and one no-grad forward of `model` on a dummy batch (token 0) at each (rows, width)
+    """One no-grad forward and one forward + backward of `model` on a dummy batch (token 0) at each (rows, width)
     of `shapes`, under the step's autocast (config train.warm_widths): kernels that plan per shape (cuDNN
     attention) plan now, before the timed RL steps. Leaves no gradient behind and touches no optimizer or RNG
     state; returns the seconds it took."""
@@ -167,10 +168,10 @@ def warm_shapes(model: nn.Module, amp_dtype: torch.dtype | None, shapes: list[tu
     def run():
         for rows, width in shapes:
             tokens = torch.zeros(rows, width, dtype=torch.long, device=dev)
+            with torch.no_grad():  # first, as in warm_up (FSDP: the backward after it reshards)
+                model(tokens)
             model(tokens).logits.float().sum().backward()
             model.zero_grad(set_to_none=True)  # one shape's gradients at a time
-            with torch.no_grad():
-                model(tokens)
     return _warm(model, amp_dtype, run)
 
 
