@@ -21,6 +21,8 @@
 #            est. 1.5 min (tiny models; graph capture of the engines)
 #   fsdp3b   bench/fsdp_step.py --sizes 3b: the bf16 co-training step at dp_shard N, 32 rows x 2,048 tokens split
 #            over the ranks; per-rank step and peak, the planner beside it. est. 1 min (3.5 s a step at world 1)
+#   fsdp3bc  fsdp3b with the layers compiled (train.compile = inductor, inside FSDP's hooks; not in the default
+#            list: run it beside fsdp3b when a call has room). est. 2 min (the compile included)
 #   fsdp7b   the same for Qwen2.5-7B's shape (does not fit one GPU with its AdamW state), micro-batches of 2 rows.
 #            est. 1.5-2 min
 #   refit    bench/refit.py --sizes 3b at dp_shard N: the streamed refit from the FSDP shards into every rank's
@@ -62,6 +64,8 @@ for step in $STEPS; do
               --out "$OUT/fsdp_step_w${N}_3b.json" ;;
     # 7b: micro-batches of 2 rows (the planner: 136 GiB a rank at 4 rows and dp_shard 2, too close to the H200's
     # 139 GiB; 102 at 2 rows, 60 at dp_shard 8)
+    fsdp3bc) run fsdp3bc 300 $TR "$N" bench/fsdp_step.py --device cuda --sizes 3b --reps 4 --compile inductor \
+              --out "$OUT/fsdp_step_w${N}_3b_compiled.json" ;;
     fsdp7b) run fsdp7b 300 $TR "$N" bench/fsdp_step.py --device cuda --sizes 7b --micro-rows 2 --reps 4 \
               --out "$OUT/fsdp_step_w${N}_7b.json" ;;
     refit)  run refit 300 $TR "$N" bench/refit.py --device cuda --sizes 3b --buckets whole,64,512 --reps 3 \

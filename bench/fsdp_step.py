@@ -56,6 +56,7 @@ from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
 from specco.parallel.fsdp import apply_fsdp, mixed_precision  # noqa: E402
+from specco.train.compile import COMPILE_BACKENDS, apply_compile, warm_up  # noqa: E402
 from specco.plan import Layout, Shapes, rank_memory  # noqa: E402
 from specco.train.cotrain import StepConfig, TrainBatch, build_optimizer, cotrain_step  # noqa: E402
 from specco.train.grad_sync import grad_syncs  # noqa: E402
@@ -136,6 +137,9 @@ def _variant(name: str, base: Policy, draft: Eagle3Draft, batch: TrainBatch, scf
     if shard is None and name.startswith("fsdp"):  # fsdp1, or fsdpN under torchrun: the mesh's ranks
         apply_fsdp(policy, mesh, mixed_precision(torch.bfloat16))
         sync = grad_syncs(policy, None)
+    backend = getattr(args, "compile", "none")  # --compile: the trainer's layers as train.compile compiles them
+    if backend != "none":
+        warm_up(apply_compile(policy, backend), torch.bfloat16)  # before the optimizer (warm_up says why)
     opt = build_optimizer(policy, d, 1e-5, 1e-5)
     cuda = dev.type == "cuda"
 
@@ -239,7 +243,8 @@ def _sharded(args) -> None:
           f"{row['planned_trainer_bytes'] / GiB:7.2f} GiB" + (f" ({row['planned_over_measured']:.3f})" if peak else ""),
           flush=True)
     write_results({"rows": args.rows, "seq": args.seq, "completion": args.completion, "micro_rows": args.micro_rows,
-                   "world": world, "step": {"amp": "bf16", "ttt_passes": 3, "draft_row_stride": 8},
+                   "world": world, "step": {"amp": "bf16", "ttt_passes": 3, "draft_row_stride": 8,
+                                            "compile": getattr(args, "compile", "none")},
                    "sizes": {args.size: {f"fsdp{world}": row}}}, f"fsdp_step_w{world}", torch.device(args.device),
                   args.out)
 
@@ -260,6 +265,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--sizes", default="1.5b,3b")
+    ap.add_argument("--compile", default="none", choices=COMPILE_BACKENDS,
+                    help="compile the policy's layers in every variant (train.compile; inductor on the GPU)")
     add_step_args(ap)
     ap.add_argument("--variant", default=None, help=argparse.SUPPRESS)  # internal: one variant, one size
     ap.add_argument("--size", default=None, help=argparse.SUPPRESS)
@@ -271,7 +278,7 @@ def main():
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:  # under torchrun (module docstring)
         return _sharded(args)
     common = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-              ("device", "rows", "seq", "completion", "micro_rows", "draft_vocab", "warmup", "reps")]
+              ("device", "rows", "seq", "completion", "micro_rows", "draft_vocab", "warmup", "reps", "compile")]
     results, port = {}, 29533
     with tempfile.TemporaryDirectory() as tmp:
         for size in args.sizes.split(","):
@@ -294,7 +301,8 @@ def main():
             results[size] = row
     dev = torch.device(args.device)
     write_results({"rows": args.rows, "seq": args.seq, "completion": args.completion, "micro_rows": args.micro_rows,
-                   "step": {"amp": "bf16", "ttt_passes": 3, "draft_row_stride": 8}, "sizes": results},
+                   "step": {"amp": "bf16", "ttt_passes": 3, "draft_row_stride": 8, "compile": args.compile},
+                   "sizes": results},
                   "fsdp_step", dev, args.out)
 
 

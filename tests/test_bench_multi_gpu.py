@@ -5,8 +5,8 @@ is asserted (CPU timings of tiny models mean nothing; the figures come from benc
 * multi_gpu_check: dp_shard 2, rollout.tp 2 and ep 2 equal their references within the fp64 bounds (every rank's
   weights, every step's metrics; the tp-2 engine's rollouts equal the whole engine's); a perturbed rank's weights
   fail it (exit 1, `passed` false): under FSDP on every rank (the gathered shard);
-* fsdp_step / ep_step: the world-2 step on each rank, the planner at dp_shard 2 (half the world-1 plan's sharded
-  parts: params, grads, AdamW), and fsdp_step's world-1 path unchanged;
+* fsdp_step / ep_step: the world-2 step on each rank (fsdp_step's layers compiled), the planner at dp_shard 2 (half
+  the world-1 plan's sharded parts: params, grads, AdamW), and fsdp_step's world-1 path unchanged;
 * engine_tp1 at tp 2: the shard decodes the whole engine's greedy tokens, per-engine verify and speedup fields; the
   shard built without a whole policy (--no-whole) still accepts every draft token of the agreeing pair;
 * moe_verify at tp 2: one rank's shard (heads and expert widths halved), experts touched within their bounds;
@@ -73,9 +73,10 @@ def test_multi_gpu_check_passes_and_catches_a_perturbed_rank(tmp_path):
 def test_fsdp_step_at_world_2_and_world_1(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     out2, out1 = tmp_path / "w2.json", tmp_path / "w1.json"
-    _torchrun("fsdp_step.py", "--device", "cpu", "--sizes", "tiny", *STEP, "--out", str(out2))
+    # world 2 with the layers compiled inside FSDP (aot_eager here; the GPU run's fsdp3bc step uses inductor)
+    _torchrun("fsdp_step.py", "--device", "cpu", "--sizes", "tiny", *STEP, "--compile", "aot_eager", "--out", str(out2))
     r = json.loads(out2.read_text())
-    assert r["world"] == 2 and r["rows"] == 4
+    assert r["world"] == 2 and r["rows"] == 4 and r["step"]["compile"] == "aot_eager"
     row = r["sizes"]["tiny"]["fsdp2"]
     assert row["dp_shard"] == 2 and len(row["step_s_ranks"]) == 2 and row["step_s"] == max(row["step_s_ranks"])
     assert row["planned_over_measured"] is None and row["peak_bytes"] == 0  # no CUDA: no peak
@@ -170,7 +171,8 @@ def test_device_driver_parses_and_names_existing_scripts():
     assert "export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1" in text
     # every step is a case writing one JSON under $OUT; the default list (one call) brings back at most 8 files
     steps = re.findall(r"^    (\w+)\)", text, re.M)
-    assert set(steps) == {"check", "fsdp3b", "fsdp7b", "refit", "engine", "e72b", "ep1", "epN", "moe", "a3b"}
+    assert set(steps) == {"check", "fsdp3b", "fsdp3bc", "fsdp7b", "refit", "engine", "e72b", "ep1", "epN", "moe",
+                          "a3b"}
     assert len(re.findall(r'--out "\$OUT/', text)) == len(steps)
     default = re.search(r"STEPS=\$\{\*:-([^}]*)\}", text).group(1).split()
     assert set(default) <= set(steps) and len(default) <= 8
