@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing"]
+__all__ = ["apply_activation_checkpointing", "remove_activation_checkpointing", "checkpointed"]
 
 
 class _CheckpointedForward:

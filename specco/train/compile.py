@@ -12,8 +12,9 @@ own forward, shared by every layer: with torch's inlining of nn.Modules the laye
 inputs, so 28 layers compile one graph per mode (train, no-grad), and `dynamic=True` keeps the varying
 micro-batch widths from recompiling. A checkpointed layer (train/activation_checkpointing.py) keeps its
 checkpoint around the compiled forward: the forward saves only the layer's input, and the backward's recompute
-runs the same compiled graph again (grad mode, the same shapes: no new graph). Only the trainer's copy is compiled: the rollout engine decodes
-through its own fused kernels and never calls these forwards.
+runs the same compiled graph again (grad mode, the same shapes: no new graph). Under FSDP (parallel.dp_shard) the
+compiled forward runs inside the sharded layer's unshard hooks. Only the trainer's copy is compiled: the rollout
+engine decodes through its own fused kernels and never calls these forwards.
 
 `apply_draft_compile(draft, backend)` (config train.compile_draft) does the same for the co-trained EAGLE-3
 draft's per-pass layer work in its TTT forwards (`_DRAFT_METHODS`): on the H200 that draft's forward and backward
