@@ -1,5 +1,5 @@
 """The timing helpers of the benches: median seconds per call (`timeit`), a CUDA graph of a call (`capture`), and
-per-op device time of a call under the profiler (`device_times`).
+per-kernel device time of a call under the profiler (`device_times`).
 
 CUDA: events around each call (device time, after a synchronize); elsewhere the host clock.
 """
@@ -49,8 +49,8 @@ def capture(fn):
 
 
 def device_times(fn, dev, reps=3):
-    """({op name: device (or CPU) microseconds per call} of fn, and host microseconds per call, the profile):
-    two untimed calls first, then `reps` profiled ones."""
+    """({kernel name: device (or CPU) microseconds per call} of fn (`leaf_kernels`), host microseconds per call, the
+    profile): two untimed calls first, then `reps` profiled ones."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     for _ in range(2):
@@ -62,17 +62,11 @@ def device_times(fn, dev, reps=3):
         if dev.type == "cuda":
             torch.cuda.synchronize()
     host_us = (time.perf_counter() - t0) / reps * 1e6
-    attr = "device_time_total" if dev.type == "cuda" else "cpu_time_total"
-    ops = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, attr, 0.0) or 0.0
-        if t:
-            ops[ev.key] = t / reps
-    return ops, host_us, prof
+    return leaf_kernels(prof, dev, reps), host_us, prof
 
 
 def leaf_kernels(prof, dev, reps: int) -> dict:
-    """{kernel name: device microseconds per call} of a device_times profile: on CUDA the events that ran on the
+    """{kernel name: device microseconds per call} of a profile of `reps` calls: on CUDA the events that ran on the
     device (kernels, copies), which nest nothing, so they add up to the device's busy time; an op's or an autograd
     node's device time is its kernels' again (a custom autograd Function shows under its own name too). Elsewhere
     every op's CPU time (they nest)."""

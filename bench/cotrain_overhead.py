@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_results  # noqa: E402
-from _timing import device_times, leaf_kernels, timeit  # noqa: E402
+from _timing import device_times, timeit  # noqa: E402
 from specco.model.config import DraftConfig, PolicyConfig  # noqa: E402
 from specco.model.draft import Eagle3Draft  # noqa: E402
 from specco.model.policy import Policy  # noqa: E402
@@ -36,10 +36,9 @@ def profile_step(policy, draft, batch, opt0, opt1, cfg, dev):
     """Where the draft's share of a co-training step goes: per op, device time of the co-trained step
     minus that of the policy-only step (top 25 by difference), plus both steps' kernel and host totals
     (a launch-bound draft shows host time well above its kernels' time)."""
-    _, host0, prof0 = device_times(lambda: cotrain_step(policy, None, batch, opt0, None, StepConfig(draft_weight=0.0)),
-                                   dev)
-    _, host1, prof = device_times(lambda: cotrain_step(policy, draft, batch, opt1, None, cfg), dev)
-    kb, kc = leaf_kernels(prof0, dev, 3), leaf_kernels(prof, dev, 3)
+    kb, host0, _ = device_times(lambda: cotrain_step(policy, None, batch, opt0, None, StepConfig(draft_weight=0.0)),
+                                dev)
+    kc, host1, prof = device_times(lambda: cotrain_step(policy, draft, batch, opt1, None, cfg), dev)
     print(f"kernel time per step: policy-only {sum(kb.values()) / 1e3:.2f} ms, co-trained {sum(kc.values()) / 1e3:.2f} "
           f"ms; host time per step (profiled) {host0 / 1e3:.2f} vs {host1 / 1e3:.2f} ms", flush=True)
     diff = sorted(((kc.get(k, 0.0) - kb.get(k, 0.0), k) for k in set(kb) | set(kc)), reverse=True)

@@ -244,7 +244,7 @@ def _sharded(args) -> None:
           flush=True)
     write_results({"rows": args.rows, "seq": args.seq, "completion": args.completion, "micro_rows": args.micro_rows,
                    "world": world, "step": {"amp": "bf16", "ttt_passes": 3, "draft_row_stride": 8,
-                                            "compile": getattr(args, "compile", "none")},
+                                            "compile": args.compile},
                    "sizes": {args.size: {f"fsdp{world}": row}}}, f"fsdp_step_w{world}", torch.device(args.device),
                   args.out)
 

@@ -35,7 +35,7 @@ import time
 import torch
 
 from _results import write_results
-from _timing import device_times, leaf_kernels
+from _timing import device_times
 from specco.config_load import load_config
 from specco.data.source import load_data
 from specco.data.tokenizer import build_char_tokenizer
@@ -163,14 +163,19 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
     names = list(variants)
     homes = (drafters, cotrain)  # the step's logits_from and the drafter's anchors
     segments = shared_prompts.prefix_segments_attention
+
+    def select(name):  # the variant's draft and layout; its anchors and segments' attention patched in
+        draft, anchor, layout = variants[name]
+        for home in homes:
+            home.first_anchor = anchor
+        shared_prompts.prefix_segments_attention = _copied_prefix if name.endswith("_copied") else segments
+        return draft, layout
+
     try:
         for step in range(a.train_steps + 1):  # step 0 warms every variant (allocator, kernels), untimed
             batch = train_batch(cfg, train, rows, (lo, hi), policy.cfg.vocab_size, dev, seed=step)
             for name in names[step % len(names):] + names[:step % len(names)]:
-                draft, anchor, layout = variants[name]
-                for home in homes:
-                    home.first_anchor = anchor
-                shared_prompts.prefix_segments_attention = _copied_prefix if name.endswith("_copied") else segments
+                draft, layout = select(name)
                 m = {}
                 run = lambda: m.update(cotrain_step(policy, draft, batch, opts[name], None, scfg,  # noqa: E731
                                                     layout=layout))
@@ -190,9 +195,7 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
                     policy_losses[name].append(m["policy/loss"])
                 print(f"step {step} {name}: {t:.3f} s (first pass on the batch {t_first:.3f} s)", flush=True)
         for name in a.profile:  # on the last batch, whose shapes every variant has planned
-            draft, anchor, layout = variants[name]
-            for home in homes:
-                home.first_anchor = anchor
+            draft, layout = select(name)
             prof[name] = profile_step(lambda: cotrain_step(policy, draft, batch, opts[name], None, scfg, layout=layout),
                                       dev)
     finally:
@@ -213,8 +216,7 @@ def profile_step(run, dev, top: int = 30) -> dict:
     """Where one step's time goes: its wall time under the profiler, the sum of its kernels' device time (their
     gap to the wall is host time the device waited through: launches, planning, synchronisations), and the `top`
     kernels by device time, each with its share of the kernel time."""
-    _, host_us, prof = device_times(run, dev, reps=2)
-    kern = leaf_kernels(prof, dev, 2)
+    kern, host_us, _ = device_times(run, dev, reps=2)
     total = sum(kern.values())
     rows = sorted(kern.items(), key=lambda kv: -kv[1])[:top]
     out = {"wall_s": host_us / 1e6, "kernel_s": total / 1e6,
