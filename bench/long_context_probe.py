@@ -21,7 +21,7 @@ segments' attention as before 2026-12-07 (the prefix's keys and values copied on
 The draft's overhead is each variant's step minus `policy`'s; on CUDA each variant's peak memory too (`peak_gib`).
 `--profile VARIANT ...` then profiles two more steps of each named variant on the last batch (`profile`: wall time,
 the kernels' summed device time, the top kernels), to split a step's time into kernels and host waits.
-`--decode 0` skips the decode part. Activation checkpointing as the config says (on in long_context.toml;
+`--variants NAME ...` times only those. `--decode 0` skips the decode part. Activation checkpointing as the config says (on in long_context.toml;
 `--set train.activation_checkpointing=false`: the step without its recompute), and the trainer's layers compiled as
 `train.compile` says (`--set train.activation_checkpointing=false train.compile=inductor`).
 
@@ -79,6 +79,8 @@ def main():
     ap.add_argument("--train-rows", type=int, default=0, help="rows per train step (0: the config's step)")
     ap.add_argument("--completion", default="470,1540", help="completion lengths lo,hi (the workload's range)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--variants", nargs="*", default=[],
+                    help="time only these variants (default: all; e.g. policy_shared dflash_shared)")
     ap.add_argument("--profile", nargs="*", default=[],
                     help="variants to profile after the timings (e.g. policy_shared)")
     ap.add_argument("--set", nargs="*", default=[], help="config overrides (key=value), e.g. a small policy on CPU")
@@ -152,6 +154,11 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
                 "eagle3_whole": (eagle, whole_anchor, PADDED), "dflash": (dflash, real, PADDED),
                 "policy_shared": (None, real, SHARED_PROMPTS), "eagle3_shared": (eagle, real, SHARED_PROMPTS),
                 "dflash_shared": (dflash, real, SHARED_PROMPTS), "policy_shared_copied": (None, real, SHARED_PROMPTS)}
+    unknown = set(a.variants) - set(variants)
+    if unknown:
+        raise SystemExit(f"--variants: no variant {sorted(unknown)}; the variants are {list(variants)}")
+    if a.variants:
+        variants = {n: v for n, v in variants.items() if n in a.variants}
     scfg = step_config(cfg, "cotrained")
     opts = {n: build_optimizer(policy, d, 0.0, 0.0) for n, (d, _, _) in variants.items()}  # lr 0: weights stay put
     times: dict[str, list[float]] = {n: [] for n in variants}
@@ -206,8 +213,9 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
            "step_s": {n: sum(v) / len(v) for n, v in times.items()}, "steps_s": times, "first_pass_s": first,
            "draft_loss": losses, "policy_loss": policy_losses,
            "peak_gib": peaks, "profile": prof}
-    out["draft_overhead_s"] = {n: out["step_s"][n] - out["step_s"]["policy_shared" if "shared" in n else "policy"]
-                               for n in names if not n.startswith("policy")}
+    base = lambda n: "policy_shared" if "shared" in n else "policy"  # noqa: E731
+    out["draft_overhead_s"] = {n: out["step_s"][n] - out["step_s"][base(n)]
+                               for n in names if not n.startswith("policy") and base(n) in names}
     print(out["step_s"], out["draft_overhead_s"], flush=True)
     return out
 
