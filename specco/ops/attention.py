@@ -22,7 +22,8 @@ import torch
 from specco.ops.sdpa_adapter import block_attn_bwd, block_attn_fwd, flash_applies
 
 __all__ = [
-    "merge_lse", "block_attn_fwd", "block_attn_bwd", "branch_attn_fwd", "branch_attn_bwd",
+    "merge_lse", "block_attn_fwd", "block_attn_bwd", "branch_attn_fwd", "branch_attn_bwd", "prefix_causal_fwd",
+    "prefix_causal_bwd",
     "branch_merge_fwd", "branch_bwd_into", "TTTAttention", "ttt_attention", "ttt_trunk_impl",
 ]
 
@@ -396,23 +397,66 @@ class TTTAttention(torch.autograd.Function):
 def _trunk_fwd(q, k, v, q_start: int, scale: float, impl):
     """The trunk part of queries at anchors q_start..q_start+Sq-1 over the pass-1 keys 0..q_start+Sq-1:
     one causal block when q_start = 0; else the keys before the queries as a full block ⊕ the queries' own
-    causal square (merge_lse, out kept in fp32 for the one rounding after the branch). Two blocks, not one
-    rectangular causal block: the kernels align a rectangular causal mask differently (sdpa_adapter)."""
+    causal square (prefix_causal_fwd, out kept in fp32 for the one rounding after the branch)."""
     if q_start == 0:
         return block_attn_fwd(q, k, v, True, scale, impl=impl)
-    out_p, lse_p = block_attn_fwd(q, k[:, :, :q_start], v[:, :, :q_start], False, scale, impl=impl)
-    out_d, lse_d = block_attn_fwd(q, k[:, :, q_start:], v[:, :, q_start:], True, scale, impl=impl)
-    return merge_lse(out_p.to(lse_p.dtype), lse_p, out_d, lse_d)
+    return prefix_causal_fwd(q, k[:, :, :q_start], v[:, :, :q_start], k[:, :, q_start:], v[:, :, q_start:], scale,
+                             impl)
 
 
 def _trunk_bwd(dout, q, k, v, out, lse, q_start: int, scale: float, impl):
-    """`_trunk_fwd`'s share of the joint gradient: each block's backward with the joint (out, lse); dq of two
-    blocks summed in fp32 (rounded to q's dtype by the caller, after the branch's share)."""
+    """`_trunk_fwd`'s share of the joint gradient: dq in fp32 (rounded to q's dtype by the caller, after the
+    branch's share)."""
     if q_start == 0:
         return block_attn_bwd(dout, q, k, v, out, lse, True, scale, impl=impl)
-    dq_p, dk_p, dv_p = block_attn_bwd(dout, q, k[:, :, :q_start], v[:, :, :q_start], out, lse, False, scale, impl=impl)
-    dq_d, dk_d, dv_d = block_attn_bwd(dout, q, k[:, :, q_start:], v[:, :, q_start:], out, lse, True, scale, impl=impl)
-    return dq_p.to(lse.dtype) + dq_d, torch.cat([dk_p, dk_d], dim=2), torch.cat([dv_p, dv_d], dim=2)
+    dq, dk_p, dv_p, dk_d, dv_d = prefix_causal_bwd(dout, q, k[:, :, :q_start], v[:, :, :q_start], k[:, :, q_start:],
+                                                   v[:, :, q_start:], out, lse, scale, impl)
+    return dq, torch.cat([dk_p, dk_d], dim=2), torch.cat([dv_p, dv_d], dim=2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Queries against a prefix of keys they all see ⊕ their own causal square: the trunk of TTT from an anchor on
+# (above) and the shared-prompt segments (parallel/shared_prompts.py).
+# --------------------------------------------------------------------------------------------------
+
+def _as_one_row(x: torch.Tensor) -> torch.Tensor:
+    """(n, H, L, ...) -> (1, H, n*L, ...): the rows' queries one after another."""
+    return x.transpose(0, 1).reshape(1, x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+
+
+def _as_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """_as_one_row's inverse: (1, H, n*L, ...) -> (n, H, L, ...) (a view)."""
+    return x.reshape(x.shape[1], n, x.shape[2] // n, *x.shape[3:]).transpose(0, 1)
+
+
+def prefix_causal_fwd(q, k_pre, v_pre, k_own, v_own, scale: float | None, impl):
+    """q (n, H, L, D) against the prefix k_pre / v_pre (n or 1, Hkv, p, D), every query seeing every prefix key,
+    ⊕ its own keys k_own / v_own (n, Hkv, L, D) causally: query j sees prefix keys 0..p-1 and own keys 0..j.
+    Two blocks merged by merge_lse, not one rectangular causal block: the kernels align a rectangular causal mask
+    differently (sdpa_adapter). A prefix of batch 1 is every row's (n > 1): all n*L queries go against it as one
+    row, so its keys are neither copied n times nor their gradients summed back over copies.
+    Returns (out (n, H, L, D), lse (n, H, L)), both in lse's dtype (fp32; fp64 for fp64 inputs)."""
+    n = q.shape[0]
+    shared = k_pre.shape[0] != n
+    out_p, lse_p = block_attn_fwd(_as_one_row(q) if shared else q, k_pre, v_pre, False, scale, impl=impl)
+    if shared:
+        out_p, lse_p = _as_rows(out_p, n), _as_rows(lse_p, n)  # (1, H, nL, D) -> (n, H, L, D)
+    out_d, lse_d = block_attn_fwd(q, k_own, v_own, True, scale, impl=impl)
+    return merge_lse(out_p.to(lse_p.dtype), lse_p, out_d, lse_d)
+
+
+def prefix_causal_bwd(dout, q, k_pre, v_pre, k_own, v_own, out, lse, scale: float | None, impl):
+    """prefix_causal_fwd's gradient from the joint (out, lse) (out in q's dtype, as the kernels' backward reads
+    it): each block's backward, dq of the two summed in lse's dtype. Returns (dq, dk_pre, dv_pre, dk_own,
+    dv_own)."""
+    n = q.shape[0]
+    one = _as_one_row if k_pre.shape[0] != n else (lambda x: x)
+    dq_p, dk_pre, dv_pre = block_attn_bwd(one(dout), one(q), k_pre, v_pre, one(out), one(lse), False, scale,
+                                          impl=impl)
+    if k_pre.shape[0] != n:
+        dq_p = _as_rows(dq_p, n)
+    dq_d, dk_own, dv_own = block_attn_bwd(dout, q, k_own, v_own, out, lse, True, scale, impl=impl)
+    return dq_p.to(lse.dtype) + dq_d, dk_pre, dv_pre, dk_own, dv_own
 
 
 def ttt_attention(q_d: torch.Tensor, k_trunk: torch.Tensor, v_trunk: torch.Tensor,

@@ -37,8 +37,7 @@ import torch.nn.functional as F
 from ..batch import TrainBatch, device_indices, round_up
 from ..model.layers import causal_sdpa
 from ..model.ttt import shift_left
-from ..ops.attention import autocast_inputs, merge_lse, ttt_trunk_impl
-from ..ops.sdpa_adapter import block_attn_bwd, block_attn_fwd
+from ..ops.attention import autocast_inputs, prefix_causal_bwd, prefix_causal_fwd, ttt_trunk_impl
 
 __all__ = ["SharedRows", "prompt_groups", "share_prompts", "shared_micro_batches", "prefix_segments_attention"]
 
@@ -50,30 +49,17 @@ def prefix_segments_attention(q: torch.Tensor, k_pre: torch.Tensor, v_pre: torch
     and its own keys 0..j. The same as causal_sdpa(lower_right=True) over [prefix, own] per segment, without
     making n copies of the prefix's keys and values (n x p x Hkv x D each, forward and recompute, their
     gradients summed back over the copies): every segment's queries as one block of n*L against the prefix
-    (no mask), the own causal squares apart, merged by merge_lse; the backward runs each block's kernel with the
-    joint (out, lse), the prefix's gradient from one block. Scale 1/sqrt(D)."""
+    (no mask), the own causal squares apart, merged (ops/attention.prefix_causal_fwd); the backward runs each
+    block's kernel with the joint (out, lse), the prefix's gradient from one block. Scale 1/sqrt(D)."""
     (q, k_pre, v_pre, k_own, v_own), no_autocast = autocast_inputs(q, k_pre, v_pre, k_own, v_own)
     with no_autocast:
         return _PrefixSegments.apply(q, k_pre, v_pre, k_own, v_own, ttt_trunk_impl(q))
 
 
-def _as_one_row(x: torch.Tensor) -> torch.Tensor:
-    """(n, H, L, ...) -> (1, H, n*L, ...): the segments' rows one after another."""
-    return x.transpose(0, 1).reshape(1, x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
-
-
-def _as_segments(x: torch.Tensor, n: int) -> torch.Tensor:
-    """_as_one_row's inverse: (1, H, n*L, ...) -> (n, H, L, ...) (a view)."""
-    return x.reshape(x.shape[1], n, x.shape[2] // n, *x.shape[3:]).transpose(0, 1)
-
-
 class _PrefixSegments(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_pre, v_pre, k_own, v_own, impl):
-        n = q.shape[0]
-        out_p, lse_p = block_attn_fwd(_as_one_row(q), k_pre, v_pre, False, impl=impl)  # (1, H, nL, D), (1, H, nL)
-        out_d, lse_d = block_attn_fwd(q, k_own, v_own, True, impl=impl)  # (n, H, L, D), (n, H, L)
-        out, lse = merge_lse(_as_segments(out_p, n).to(lse_p.dtype), _as_segments(lse_p, n), out_d, lse_d)
+        out, lse = prefix_causal_fwd(q, k_pre, v_pre, k_own, v_own, None, impl)
         out = out.to(q.dtype)  # what the kernels' backward reads for D = rowsum(dout * out)
         ctx.save_for_backward(q, k_pre, v_pre, k_own, v_own, out, lse)
         ctx.impl = impl
@@ -82,11 +68,8 @@ class _PrefixSegments(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k_pre, v_pre, k_own, v_own, out, lse = ctx.saved_tensors
-        n = q.shape[0]
-        dq_p, dk_pre, dv_pre = block_attn_bwd(_as_one_row(dout), _as_one_row(q), k_pre, v_pre, _as_one_row(out),
-                                              _as_one_row(lse), False, impl=ctx.impl)
-        dq_d, dk_own, dv_own = block_attn_bwd(dout, q, k_own, v_own, out, lse, True, impl=ctx.impl)
-        dq = _as_segments(dq_p, n).to(lse.dtype) + dq_d  # summed in fp32 (at least), one rounding
+        dq, dk_pre, dv_pre, dk_own, dv_own = prefix_causal_bwd(dout, q, k_pre, v_pre, k_own, v_own, out, lse, None,
+                                                               ctx.impl)
         return dq.to(q.dtype), dk_pre, dv_pre, dk_own, dv_own, None
 
 
