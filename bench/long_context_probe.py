@@ -21,9 +21,12 @@ segments' attention as before 2026-12-07 (the prefix's keys and values copied on
 The draft's overhead is each variant's step minus `policy`'s; on CUDA each variant's peak memory too (`peak_gib`).
 `--profile VARIANT ...` then profiles two more steps of each named variant on the last batch (`profile`: wall time,
 the kernels' summed device time, the top kernels), to split a step's time into kernels and host waits.
-`--variants NAME ...` times only those. `--decode 0` skips the decode part. Activation checkpointing as the config says (on in long_context.toml;
-`--set train.activation_checkpointing=false`: the step without its recompute), and the trainer's layers compiled as
-`train.compile` says (`--set train.activation_checkpointing=false train.compile=inductor`).
+`--decode 0` skips the decode part. `--variants NAME ...` times only those. Activation checkpointing as the config
+says (on in long_context.toml; `--set train.activation_checkpointing=false`: the step without its recompute), and
+the trainer's layers compiled as `train.compile` says (`--set train.activation_checkpointing=false
+train.compile=inductor`); or `--settings none:on inductor:on inductor:off` times the variants under each
+(train.compile, checkpointing on/off) setting in turn in one process, on the same batches (the data, model and
+drafts built once; `train.settings`).
 
     python bench/long_context_probe.py --decode 0 --train-steps 4"""
 from __future__ import annotations
@@ -48,8 +51,8 @@ from specco.runner.derive import generate_config
 from specco.runner.derive import step_config
 from specco.runner.warmstart import new_block_draft, new_draft
 from specco.train import cotrain, drafters
-from specco.train.activation_checkpointing import apply_activation_checkpointing
-from specco.train.compile import apply_compile, warm_up
+from specco.train.activation_checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
+from specco.train.compile import COMPILE_BACKENDS, apply_compile, remove_compile, warm_up
 from specco.train.cotrain import AMP_DTYPES, TrainBatch, build_optimizer, cotrain_step
 from specco.train.sft import sft_batch, sft_loss, tiny_policy_config
 
@@ -81,11 +84,19 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--variants", nargs="*", default=[],
                     help="time only these variants (default: all; e.g. policy_shared dflash_shared)")
+    ap.add_argument("--settings", nargs="*", default=[], metavar="COMPILE:on|off",
+                    help="time the variants under each (train.compile, activation checkpointing) setting in this one "
+                         "process, e.g. none:on inductor:on inductor:off (default: the config's)")
     ap.add_argument("--profile", nargs="*", default=[],
                     help="variants to profile after the timings (e.g. policy_shared)")
     ap.add_argument("--set", nargs="*", default=[], help="config overrides (key=value), e.g. a small policy on CPU")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    for setting in a.settings:
+        backend, _, ckpt = setting.partition(":")
+        if backend not in COMPILE_BACKENDS or ckpt not in ("on", "off"):
+            raise SystemExit(f"--settings {setting!r}: write COMPILE:on or COMPILE:off, COMPILE one of "
+                             f"{', '.join(COMPILE_BACKENDS)} (on/off: activation checkpointing)")
     torch.set_float32_matmul_precision("high")
     dev = torch.device(a.device)
     new1, new2 = (int(x) for x in a.new.split(","))
@@ -136,14 +147,11 @@ def _copied_prefix(q, k_pre, v_pre, k_own, v_own):
 
 def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
     """Seconds per RL train step of each variant (module docstring), on the same batches. The random completions
-    use every token id, so DFlash's mask token is the pad id, as the runner's fallback (runner/prepare.py)."""
+    use every token id, so DFlash's mask token is the pad id, as the runner's fallback (runner/prepare.py).
+    With `--settings`, the same variants and batches under each (compile, checkpointing) setting in turn, in this
+    one process: `{"settings": {"COMPILE:on|off": ...}}`. Each setting's first step warms it, untimed."""
     rows = a.train_rows or cfg.rollout.prompts_per_step * cfg.rollout.group_size
     lo, hi = (int(x) for x in a.completion.split(","))
-    if cfg.train.activation_checkpointing:  # the config's (on in long_context.toml; --set ...=false: without)
-        apply_activation_checkpointing(policy)
-    if cfg.train.compile != "none":  # as the trainer does (runner/trainer.py), before the first step
-        secs = warm_up(apply_compile(policy, cfg.train.compile), AMP_DTYPES[cfg.train.amp])
-        print(f"compiled the layers in {secs:.1f} s", flush=True)
     warm = train_batch(cfg, train, 4, (lo, hi), policy.cfg.vocab_size, dev, seed=99).tokens
     eagle = new_draft(policy, warm, cfg.draft.draft_vocab_size, cfg.draft.aux_layer_ids)
     dflash = new_block_draft(policy, warm, "dflash", cfg.rollout.block_k, cfg.draft.aux_layer_ids, pad_id,
@@ -159,6 +167,25 @@ def train_step_times(cfg, policy, train, a, dev, pad_id: int) -> dict:
         raise SystemExit(f"--variants: no variant {sorted(unknown)}; the variants are {list(variants)}")
     if a.variants:
         variants = {n: v for n, v in variants.items() if n in a.variants}
+    settings = a.settings or [f"{cfg.train.compile}:{'on' if cfg.train.activation_checkpointing else 'off'}"]
+    out = {}
+    for setting in settings:
+        backend, ckpt = setting.split(":")
+        print(f"setting {setting} (train.compile {backend}, activation checkpointing {ckpt})", flush=True)
+        # the layers as this setting says, whatever the last one left (compile's graphs are shared: built once)
+        remove_activation_checkpointing(remove_compile(policy))
+        if ckpt == "on":
+            apply_activation_checkpointing(policy)
+        if backend != "none":  # as the trainer does (runner/trainer.py), before the first step
+            secs = warm_up(apply_compile(policy, backend), AMP_DTYPES[cfg.train.amp])
+            print(f"{setting}: compiled the layers in {secs:.1f} s", flush=True)
+        out[setting] = _variant_times(cfg, policy, train, a, dev, variants, rows, (lo, hi), real)
+    return out[settings[0]] if not a.settings else {"settings": out}
+
+
+def _variant_times(cfg, policy, train, a, dev, variants, rows, completion, real) -> dict:
+    """train_step_times' loop for the layers as they are: every variant on the same batches (seed = step)."""
+    lo, hi = completion
     scfg = step_config(cfg, "cotrained")
     opts = {n: build_optimizer(policy, d, 0.0, 0.0) for n, (d, _, _) in variants.items()}  # lr 0: weights stay put
     times: dict[str, list[float]] = {n: [] for n in variants}

@@ -48,3 +48,26 @@ def test_long_context_probe_train_step(tmp_path):
     assert r["rows"] == 4 and r["width"] % 128 == 0 and r["peak_gib"] == {}  # CUDA only
     (a,), (b,) = r["draft_loss"]["eagle3"], r["draft_loss"]["eagle3_whole"]
     assert a == pytest.approx(b, rel=1e-5) and a > 0
+
+
+def test_long_context_probe_settings_in_one_process(tmp_path):
+    # the same variants and batches under each (compile, checkpointing) setting in one process; neither changes the
+    # loss: checkpointing recomputes the same forward, aot_eager captures it without generating code (fp32: 1e-5)
+    out = tmp_path / "probe.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "long_context_probe.py"), "--device", "cpu", "--decode", "0",
+           "--train-steps", "1", "--train-rows", "4", "--completion", "30,40", "--set", "policy.hidden_size=32",
+           "policy.num_layers=2", "policy.num_heads=2", "policy.num_kv_heads=2", "policy.intermediate_size=64",
+           "data.context_tokens=[100,150]", "train.amp=none", "--variants", "policy_shared", "dflash_shared"]
+    p = subprocess.run(cmd + ["--settings", "none:on", "aot_eager:off", "aot_eager:on", "--out", str(out)],
+                       capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(out.read_text())["train"]["settings"]
+    assert list(r) == ["none:on", "aot_eager:off", "aot_eager:on"]
+    for s in r.values():
+        assert set(s["step_s"]) == {"policy_shared", "dflash_shared"} and set(s["draft_overhead_s"]) == {"dflash_shared"}
+        for name in ("policy_shared", "dflash_shared"):
+            assert s["policy_loss"][name][0] == pytest.approx(r["none:on"]["policy_loss"][name][0], rel=1e-5)
+        assert s["draft_loss"]["dflash_shared"][0] == pytest.approx(r["none:on"]["draft_loss"]["dflash_shared"][0],
+                                                                    rel=1e-5)
+    bad = subprocess.run(cmd + ["--settings", "inductor:yes"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode != 0 and "write COMPILE:on or COMPILE:off" in bad.stderr
