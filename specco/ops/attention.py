@@ -450,10 +450,11 @@ def prefix_causal_bwd(dout, q, k_pre, v_pre, k_own, v_own, out, lse, scale: floa
     it): each block's backward, dq of the two summed in lse's dtype. Returns (dq, dk_pre, dv_pre, dk_own,
     dv_own)."""
     n = q.shape[0]
-    one = _as_one_row if k_pre.shape[0] != n else (lambda x: x)
+    shared = k_pre.shape[0] != n
+    one = _as_one_row if shared else (lambda x: x)
     dq_p, dk_pre, dv_pre = block_attn_bwd(one(dout), one(q), k_pre, v_pre, one(out), one(lse), False, scale,
                                           impl=impl)
-    if k_pre.shape[0] != n:
+    if shared:
         dq_p = _as_rows(dq_p, n)
     dq_d, dk_own, dv_own = block_attn_bwd(dout, q, k_own, v_own, out, lse, True, scale, impl=impl)
     return dq_p.to(lse.dtype) + dq_d, dk_pre, dv_pre, dk_own, dv_own
