@@ -26,7 +26,7 @@ says (on in long_context.toml; `--set train.activation_checkpointing=false`: the
 the trainer's layers compiled as `train.compile` says (`--set train.activation_checkpointing=false
 train.compile=inductor`); or `--settings none:on inductor:on inductor:off` times the variants under each
 (train.compile, checkpointing on/off) setting in turn in one process, on the same batches (the data, model and
-drafts built once; `train.settings`).
+drafts built once; the JSON's `train.settings`).
 
     python bench/long_context_probe.py --decode 0 --train-steps 4"""
 from __future__ import annotations
