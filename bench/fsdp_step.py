@@ -137,7 +137,8 @@ def _variant(name: str, base: Policy, draft: Eagle3Draft, batch: TrainBatch, scf
     if shard is None and name.startswith("fsdp"):  # fsdp1, or fsdpN under torchrun: the mesh's ranks
         apply_fsdp(policy, mesh, mixed_precision(torch.bfloat16))
         sync = grad_syncs(policy, None)
-    backend = getattr(args, "compile", "none")  # --compile: the trainer's layers as train.compile compiles them
+    # --compile: the trainer's layers as train.compile compiles them (bench/ep_step.py's args have no --compile)
+    backend = getattr(args, "compile", "none")
     if backend != "none":
         warm_up(apply_compile(policy, backend), torch.bfloat16)  # before the optimizer (warm_up says why)
     opt = build_optimizer(policy, d, 1e-5, 1e-5)
